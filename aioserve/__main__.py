@@ -1,0 +1,3 @@
+from aioserve.cli import main
+
+main()

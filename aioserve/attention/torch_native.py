@@ -1,0 +1,164 @@
+"""Attention in plain torch ops: runs on CPU and GPU, and is the reference.
+
+Decodes (one new token each) are attended as one padded batch: every
+request's KV slots are gathered into a [B, max_len] grid, padding points at
+the reserved zero page and is masked out. Extends (prefill chunks) are
+attended one request at a time with a causal mask shifted by the cached
+prefix, so a long prompt never pads the short ones.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+
+from aioserve.attention.backend import AttentionBackend, AttentionMetadata
+from aioserve.batch_plan import BatchPlan
+from aioserve.kvcache.kv_pool import KVPool
+
+
+def kv_slots(page_rows: torch.Tensor, length: int, page_size: int) -> torch.Tensor:
+    """Slots of positions [0, length) for each page-table row: [B, length]."""
+    positions = torch.arange(length, device=page_rows.device)
+    pages = page_rows[:, positions // page_size].long()
+    return pages * page_size + positions % page_size
+
+
+@dataclass
+class _Extend:
+    start: int  # first row in the flat token batch
+    length: int  # new tokens
+    prefix: int  # cached tokens before them
+    slots: torch.Tensor | None  # [prefix + length] KV slots, None when there is no prefix
+    device: torch.device
+    masks: dict[int | None, torch.Tensor | None] = field(default_factory=dict)
+
+    def mask(self, window: int | None) -> torch.Tensor | None:
+        """[length, prefix + length] bool; None means plain causal (no prefix, no window)."""
+        if window not in self.masks:
+            if self.prefix == 0 and window is None:
+                self.masks[window] = None
+            else:
+                q_pos = torch.arange(self.length, device=self.device)[:, None] + self.prefix
+                k_pos = torch.arange(self.prefix + self.length, device=self.device)[None, :]
+                allowed = k_pos <= q_pos
+                if window is not None:
+                    allowed &= k_pos > q_pos - window
+                self.masks[window] = allowed
+        return self.masks[window]
+
+
+class GatherWorkspace:
+    """Grow-only buffers for gathered keys and values, reused by every layer
+    and step: a fresh large tensor per layer costs more in page faults than
+    the gather itself."""
+
+    def __init__(self) -> None:
+        self._buffers: list[torch.Tensor | None] = [None, None]
+
+    def get(self, index: int, rows: int, like: torch.Tensor) -> torch.Tensor:
+        shape = (rows, *like.shape[1:])
+        buffer = self._buffers[index]
+        if buffer is None or buffer.numel() < rows * like[0].numel() or buffer.dtype != like.dtype:
+            buffer = torch.empty(shape, dtype=like.dtype, device=like.device)
+            self._buffers[index] = buffer
+        return buffer.view(-1)[: rows * like[0].numel()].view(shape)
+
+
+class TorchNativeMetadata(AttentionMetadata):
+    def __init__(self, pool: KVPool, plan: BatchPlan, workspace: GatherWorkspace) -> None:
+        self.pool = pool
+        self.workspace = workspace
+        self.out_cache_loc = plan.out_cache_loc
+        seq_lens = plan.seq_lens.tolist()
+        extend_lens = plan.extend_lens.tolist()
+        nd = plan.num_decodes
+        self.num_decodes = nd
+        self._decode_masks: dict[int | None, torch.Tensor] = {}
+        if nd:
+            max_len = max(seq_lens[:nd])
+            lens = plan.seq_lens[:nd]
+            self.decode_slots = kv_slots(plan.page_table[:nd], max_len, pool.page_size)
+            self._decode_k_pos = torch.arange(max_len, device=lens.device)[None, :]
+            self._decode_q_pos = (lens - 1)[:, None]
+            valid = self._decode_k_pos <= self._decode_q_pos
+            self.decode_slots.masked_fill_(~valid, 0)  # padding reads the zero page
+            self.decode_slots = self.decode_slots.flatten()
+            self._decode_masks[None] = valid
+        self.extends: list[_Extend] = []
+        start = nd
+        for i in range(nd, plan.num_requests):
+            length, total = extend_lens[i], seq_lens[i]
+            prefix = total - length
+            slots = kv_slots(plan.page_table[i : i + 1], total, pool.page_size)[0] if prefix else None
+            self.extends.append(_Extend(start, length, prefix, slots, plan.input_ids.device))
+            start += length
+
+    def _decode_mask(self, window: int | None) -> torch.Tensor:
+        """[B, 1, 1, max_len]: valid positions, within the window if any."""
+        if window not in self._decode_masks:
+            self._decode_masks[window] = self._decode_masks[None] & (
+                self._decode_k_pos > self._decode_q_pos - window
+            )
+        return self._decode_masks[window][:, None, None, :]
+
+    def attend(
+        self,
+        layer: int,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        scale: float,
+        sliding_window: int | None,
+    ) -> torch.Tensor:
+        self.pool.store(layer, self.out_cache_loc, k, v)
+        keys, values = self.pool.keys(layer), self.pool.values(layer)
+        out = torch.empty_like(q)
+        nd = self.num_decodes
+        if nd:
+            out[:nd] = self._attend_decodes(q[:nd], keys, values, scale, sliding_window)
+        for ext in self.extends:
+            rows = slice(ext.start, ext.start + ext.length)
+            if ext.slots is None:
+                ek, ev = k[rows], v[rows]
+            else:
+                ek, ev = keys.index_select(0, ext.slots), values.index_select(0, ext.slots)
+            mask = ext.mask(sliding_window)
+            attended = F.scaled_dot_product_attention(
+                q[rows].transpose(0, 1),
+                ek.transpose(0, 1),
+                ev.transpose(0, 1),
+                attn_mask=mask,
+                is_causal=mask is None,
+                scale=scale,
+                enable_gqa=True,
+            )
+            out[rows] = attended.transpose(0, 1)
+        return out
+
+    def _attend_decodes(
+        self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scale: float, window: int | None
+    ) -> torch.Tensor:
+        batch, num_heads, dim = q.shape
+        num_kv_heads = keys.shape[1]
+        # Group query heads under their KV head: [B, Hk, G, D] against [B, Hk, L, D]
+        # attends GQA without repeating keys.
+        grouped = q.view(batch, num_kv_heads, num_heads // num_kv_heads, dim)
+        rows = self.decode_slots.numel()
+        dk = torch.index_select(keys, 0, self.decode_slots, out=self.workspace.get(0, rows, keys))
+        dv = torch.index_select(values, 0, self.decode_slots, out=self.workspace.get(1, rows, values))
+        dk = dk.view(batch, -1, num_kv_heads, dim).transpose(1, 2)
+        dv = dv.view(batch, -1, num_kv_heads, dim).transpose(1, 2)
+        attended = F.scaled_dot_product_attention(grouped, dk, dv, attn_mask=self._decode_mask(window), scale=scale)
+        return attended.reshape(batch, num_heads, dim)
+
+
+class TorchNativeBackend(AttentionBackend):
+    def __init__(self, pool: KVPool) -> None:
+        self.pool = pool
+        self.workspace = GatherWorkspace()
+
+    def prepare(self, plan: BatchPlan) -> TorchNativeMetadata:
+        return TorchNativeMetadata(self.pool, plan, self.workspace)

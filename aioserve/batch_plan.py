@@ -1,0 +1,133 @@
+"""The batch plan: everything one forward step needs, as plain tensors.
+
+The scheduler builds a plan; the engine executes it without touching any
+scheduler object. That split is what lets a tensor-parallel follower run the
+same step from a plan broadcast by rank 0. Imports nothing of the project.
+
+Token ids in a plan may be *placeholders*: a negative id `-(row + 1)` stands
+for the token sampled at `row` of the step executed just before this one. With
+overlap scheduling the scheduler builds step N+1 before step N's tokens are
+known; the engine, which runs steps in order, fills them in.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+
+import torch
+
+
+def _move(obj: object, device: torch.device) -> dict[str, object]:
+    """Fields of a dataclass with every tensor moved to `device`."""
+    moved: dict[str, object] = {}
+    for f in fields(obj):  # type: ignore[arg-type]
+        value = getattr(obj, f.name)
+        if isinstance(value, torch.Tensor):
+            value = value.to(device, non_blocking=True)
+        moved[f.name] = value
+    return moved
+
+
+@dataclass
+class SamplingTensors:
+    """Per sampled row settings; S rows, one per request that samples this step."""
+
+    temperatures: torch.Tensor  # [S] float32; 0 = greedy
+    top_ks: torch.Tensor  # [S] int64; vocab size = off
+    top_ps: torch.Tensor  # [S] float32
+    min_ps: torch.Tensor  # [S] float32
+    uniforms: torch.Tensor  # [S] float64 in [0, 1): the random draw of each row
+    all_greedy: bool
+    needs_sort: bool  # some row uses top_k or top_p
+    num_top_logprobs: int  # top-N logprobs to return per row (0 = none)
+    # Additive logit changes: logit_bias, and -inf for EOS under min_tokens.
+    bias_rows: torch.Tensor  # [K] int64
+    bias_token_ids: torch.Tensor  # [K] int64
+    bias_values: torch.Tensor  # [K] float32
+    # Penalties. Output tokens are listed once per occurrence (frequency
+    # counts); `seen` lists prompt + output tokens for repetition_penalty.
+    presence: torch.Tensor  # [S] float32
+    frequency: torch.Tensor  # [S] float32
+    repetition: torch.Tensor  # [S] float32
+    output_rows: torch.Tensor  # [M] int64
+    output_token_ids: torch.Tensor  # [M] int64, may hold placeholders
+    seen_rows: torch.Tensor  # [R] int64
+    seen_token_ids: torch.Tensor  # [R] int64, may hold placeholders
+
+    @property
+    def has_penalties(self) -> bool:
+        return self.output_rows.numel() > 0 or self.seen_rows.numel() > 0
+
+    def to(self, device: torch.device) -> "SamplingTensors":
+        return SamplingTensors(**_move(self, device))  # type: ignore[arg-type]
+
+
+@dataclass
+class PromptLogprobRequest:
+    """Rows of the step whose *next prompt token* gets a logprob (echo + logprobs)."""
+
+    token_indices: torch.Tensor  # [P] int64 rows of the flat token batch
+    target_ids: torch.Tensor  # [P] int64 the prompt token that follows each row
+    num_top: int
+
+    def to(self, device: torch.device) -> "PromptLogprobRequest":
+        return PromptLogprobRequest(**_move(self, device))  # type: ignore[arg-type]
+
+
+@dataclass
+class BatchPlan:
+    """One forward step over B requests and T new tokens.
+
+    Requests are ordered decodes first (one token each), then extends
+    (prefill chunks, possibly on top of a cached prefix).
+    """
+
+    step: int
+    input_ids: torch.Tensor  # [T] int64, may hold placeholders
+    positions: torch.Tensor  # [T] int64
+    out_cache_loc: torch.Tensor  # [T] int64: KV slot (page * page_size + offset) of each new token
+    seq_lens: torch.Tensor  # [B] int64: KV length of each request after this step
+    extend_lens: torch.Tensor  # [B] int64: new tokens of each request
+    page_table: torch.Tensor  # [B, P] int32: the pages of each request, padded with 0
+    num_decodes: int  # the first num_decodes requests have extend_len 1 and come first
+    logits_indices: torch.Tensor  # [S] int64: rows of T whose next token is sampled
+    sampling: SamplingTensors | None  # None when no row samples (mid-prompt chunks only)
+    prompt_logprobs: PromptLogprobRequest | None = None
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.input_ids.shape[0])
+
+    @property
+    def num_requests(self) -> int:
+        return int(self.seq_lens.shape[0])
+
+    @property
+    def is_decode_only(self) -> bool:
+        return self.num_decodes == self.num_requests
+
+    def to(self, device: torch.device) -> "BatchPlan":
+        moved = _move(self, device)
+        if self.sampling is not None:
+            moved["sampling"] = self.sampling.to(device)
+        if self.prompt_logprobs is not None:
+            moved["prompt_logprobs"] = self.prompt_logprobs.to(device)
+        return BatchPlan(**moved)  # type: ignore[arg-type]
+
+
+@dataclass
+class StepOutput:
+    """What one step returns, on the CPU."""
+
+    next_token_ids: torch.Tensor  # [S] int64
+    logprobs: torch.Tensor  # [S] float32: logprob of each chosen token
+    top_ids: torch.Tensor | None  # [S, N] int64
+    top_logprobs: torch.Tensor | None  # [S, N] float32
+    prompt_logprobs: torch.Tensor | None = None  # [P] float32
+    prompt_top_ids: torch.Tensor | None = None  # [P, N]
+    prompt_top_logprobs: torch.Tensor | None = None  # [P, N]
+
+    def to(self, device: torch.device) -> "StepOutput":
+        """Copies issued without waiting (D2H lands in pinned memory); the
+        caller synchronizes before reading, e.g. on a CUDA event."""
+        return StepOutput(**_move(self, device))  # type: ignore[arg-type]

@@ -1,0 +1,1 @@
+"""The engine: runs batch plans on the device (model, KV pool, sampler)."""

@@ -1,0 +1,178 @@
+"""The engine: model weights, the KV pool and one method, `forward(plan)`.
+
+It holds no request state. Everything a step needs comes in the plan, so any
+engine built from the same checkpoint (another rank, a test's second
+instance) runs the same plan to the same tokens.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import torch
+
+from aioserve.attention import create_backend
+from aioserve.batch_plan import BatchPlan, StepOutput
+from aioserve.config import DEFAULT_CPU_KV_BYTES, EngineConfig
+from aioserve.distributed import get_tp_group
+from aioserve.engine.sampler import sample
+from aioserve.kvcache.kv_pool import RESERVED_PAGES, KVPool
+from aioserve.models.model_config import ModelConfig
+from aioserve.models.weight_loader import build_model
+
+logger = logging.getLogger(__name__)
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+_DTYPE_ALIASES = {"fp32": "float32", "float": "float32", "bf16": "bfloat16", "fp16": "float16", "half": "float16"}
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(name)
+
+
+def resolve_dtype(name: str, checkpoint_dtype: str | None, device: torch.device) -> torch.dtype:
+    """The asked dtype; else the checkpoint's, except that half precision on
+    CPU becomes float32 (slow and inexact there) unless asked for."""
+    name = _DTYPE_ALIASES.get(name, name)
+    if name != "auto":
+        if name not in _DTYPES:
+            raise ValueError(f"unknown dtype {name!r} (auto, {', '.join(_DTYPES)})")
+        return _DTYPES[name]
+    dtype = _DTYPES.get(checkpoint_dtype or "float32", torch.float32)
+    if device.type == "cpu" and dtype != torch.float32:
+        return torch.float32
+    return dtype
+
+
+def resolve_model_path(model: str) -> Path:
+    """A local folder, or a Hugging Face id looked up in huggingface_hub's cache
+    (downloaded when the hub is reachable)."""
+    path = Path(model).expanduser()
+    if path.is_dir():
+        return path
+    from huggingface_hub import snapshot_download
+
+    try:
+        return Path(snapshot_download(model, allow_patterns=["*.json", "*.safetensors", "*.model", "*.txt"]))
+    except Exception as exc:  # offline, unknown id, no access
+        raise FileNotFoundError(f"model {model!r} is neither a local folder nor a reachable Hugging Face id: {exc}")
+
+
+class Engine:
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        self.device = resolve_device(config.device)
+        if self.device.type == "cpu" and config.num_threads:
+            torch.set_num_threads(config.num_threads)
+        self.model_path = resolve_model_path(config.model)
+        self.model_config = ModelConfig.from_path(self.model_path)
+        self.dtype = resolve_dtype(config.dtype, self.model_config.torch_dtype, self.device)
+        self.max_model_len = self._max_model_len()
+        self.model = build_model(
+            self.model_config, self.model_path, self.dtype, self.device, config.load_format, config.seed
+        )
+        self.page_size = config.page_size
+        self.num_pages = self._num_pages()
+        attn = self.model.model.layers[0].self_attn.qkv_proj
+        self.pool = KVPool(
+            self.model_config.num_layers,
+            self.num_pages,
+            self.page_size,
+            attn.num_kv_heads,
+            self.model_config.head_dim,
+            self.dtype,
+            self.device,
+        )
+        self.attention = create_backend(config.attention_backend, self.pool)
+        self._last_tokens = torch.zeros(0, dtype=torch.long, device=self.device)
+        logger.info(
+            "loaded %s (%s, %s) on %s; KV pool: %d pages x %d = %d tokens",
+            self.model_path,
+            self.model_config.architecture,
+            str(self.dtype).removeprefix("torch."),
+            self.device,
+            self.num_pages,
+            self.page_size,
+            self.kv_capacity_tokens,
+        )
+
+    @property
+    def vocab_size(self) -> int:
+        return self.model_config.vocab_size
+
+    @property
+    def kv_capacity_tokens(self) -> int:
+        """Tokens the pool can hold (the reserved page excluded)."""
+        return (self.num_pages - RESERVED_PAGES) * self.page_size
+
+    def _max_model_len(self) -> int:
+        limit = self.model_config.max_position_embeddings
+        asked = self.config.max_model_len
+        if asked is not None and asked > limit:
+            raise ValueError(f"max_model_len {asked} exceeds the model's max_position_embeddings {limit}")
+        return asked or limit
+
+    def _num_pages(self) -> int:
+        cfg = self.config
+        if cfg.num_pages is not None:
+            return cfg.num_pages
+        tp = get_tp_group()
+        kv_heads = max(1, self.model_config.num_kv_heads // tp.size)
+        page_bytes = KVPool.bytes_per_page(
+            self.model_config.num_layers, self.page_size, kv_heads, self.model_config.head_dim, self.dtype
+        )
+        if self.device.type == "cuda":
+            free, _ = torch.cuda.mem_get_info(self.device)
+            budget = int(free * cfg.gpu_memory_utilization)
+        else:
+            budget = cfg.kv_cache_memory or DEFAULT_CPU_KV_BYTES
+        # Never more than every running request at full context could use.
+        pages_per_request = -(-self.max_model_len // self.page_size)
+        useful = cfg.max_running_requests * pages_per_request + RESERVED_PAGES
+        return max(RESERVED_PAGES + 1, min(budget // page_bytes, useful))
+
+    def _resolve(self, ids: torch.Tensor) -> torch.Tensor:
+        """Fill placeholders -(row + 1) with the previous step's sampled tokens."""
+        if self._last_tokens.numel() == 0:
+            return ids
+        rows = (-ids - 1).clamp(0, self._last_tokens.numel() - 1)
+        return torch.where(ids < 0, self._last_tokens[rows], ids)
+
+    def forward(self, plan: BatchPlan) -> StepOutput:
+        """Run one step and wait for it: the output is on the CPU."""
+        output = self.launch(plan)
+        return output if self.device.type == "cpu" else output.to(torch.device("cpu"))
+
+    @torch.inference_mode()
+    def launch(self, plan: BatchPlan) -> StepOutput:
+        """Enqueue one step on the current stream; the output stays on the device."""
+        plan = plan.to(self.device)
+        input_ids = self._resolve(plan.input_ids)
+        meta = self.attention.prepare(plan)
+        hidden = self.model(input_ids, plan.positions, meta)
+        empty = torch.zeros(0, dtype=torch.long, device=self.device)
+        output = StepOutput(next_token_ids=empty, logprobs=empty.float(), top_ids=None, top_logprobs=None)
+        if plan.sampling is not None:
+            st = plan.sampling
+            if st.has_penalties:
+                st.output_token_ids = self._resolve(st.output_token_ids)
+                st.seen_token_ids = self._resolve(st.seen_token_ids)
+            sampled = sample(self.model.compute_logits(hidden[plan.logits_indices]), st)
+            output.next_token_ids, output.logprobs = sampled.token_ids, sampled.logprobs
+            output.top_ids, output.top_logprobs = sampled.top_ids, sampled.top_logprobs
+        self._last_tokens = output.next_token_ids
+        if plan.prompt_logprobs is not None:
+            self._prompt_logprobs(hidden, plan, output)
+        return output
+
+    def _prompt_logprobs(self, hidden: torch.Tensor, plan: BatchPlan, output: StepOutput) -> None:
+        request = plan.prompt_logprobs
+        logits = self.model.compute_logits(hidden[request.token_indices])
+        normalizer = torch.logsumexp(logits, dim=-1, keepdim=True)
+        output.prompt_logprobs = (logits.gather(1, request.target_ids[:, None]) - normalizer).squeeze(1)
+        if request.num_top:
+            values, output.prompt_top_ids = logits.topk(request.num_top, dim=-1)
+            output.prompt_top_logprobs = values - normalizer

@@ -1,0 +1,54 @@
+"""The KV pool: one preallocated tensor holding every layer's keys and values.
+
+Storage is addressed by *slot*: slot = page * page_size + offset. Page 0 is
+reserved and zeroed: padded positions of batched attention read it, so it
+must hold finite numbers, and the allocator never hands it out.
+"""
+
+from __future__ import annotations
+
+import torch
+
+RESERVED_PAGES = 1
+
+
+class KVPool:
+    def __init__(
+        self,
+        num_layers: int,
+        num_pages: int,
+        page_size: int,
+        num_kv_heads: int,
+        head_dim: int,
+        dtype: torch.dtype,
+        device: torch.device,
+    ) -> None:
+        if num_pages <= RESERVED_PAGES:
+            raise ValueError(f"the KV pool needs more than {RESERVED_PAGES} page(s), got {num_pages}")
+        self.num_pages = num_pages
+        self.page_size = page_size
+        self.num_kv_heads = num_kv_heads
+        self.head_dim = head_dim
+        # [layer, k|v, slot, head, dim]; torch.empty so untouched pages cost no RSS.
+        self.buffer = torch.empty(
+            (num_layers, 2, num_pages * page_size, num_kv_heads, head_dim), dtype=dtype, device=device
+        )
+        self.buffer[:, :, : RESERVED_PAGES * page_size].zero_()
+
+    @property
+    def num_slots(self) -> int:
+        return self.num_pages * self.page_size
+
+    def keys(self, layer: int) -> torch.Tensor:
+        return self.buffer[layer, 0]
+
+    def values(self, layer: int) -> torch.Tensor:
+        return self.buffer[layer, 1]
+
+    def store(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        self.buffer[layer, 0].index_copy_(0, slots, k)
+        self.buffer[layer, 1].index_copy_(0, slots, v)
+
+    @staticmethod
+    def bytes_per_page(num_layers: int, page_size: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
+        return num_layers * 2 * page_size * num_kv_heads * head_dim * dtype.itemsize

@@ -1,0 +1,172 @@
+"""Radix prefix cache: a tree from token sequences to the KV pages holding them.
+
+Every edge holds a run of whole pages (its tokens are a multiple of
+page_size), and children are keyed by their first page's tokens, so two
+prompts share exactly the pages whose tokens they share. Nodes split at page
+boundaries when a match or an insert ends inside them.
+
+A lock count on a node means a running request reads its pages; locking a
+node locks its ancestors too, so an unlocked node's whole subtree is
+unlocked and can go, leaves first, least recently used first.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+from dataclasses import dataclass, field
+
+from aioserve.kvcache.prefix_cache import PrefixCache, PrefixMatch
+
+
+@dataclass(eq=False)
+class _Node:
+    tokens: tuple[int, ...]
+    pages: list[int]
+    parent: "_Node | None"
+    children: dict[tuple[int, ...], "_Node"] = field(default_factory=dict)
+    locks: int = 0
+    last_used: int = 0
+
+
+class RadixCache(PrefixCache):
+    def __init__(self, page_size: int) -> None:
+        super().__init__(page_size)
+        self._root = _Node((), [], None)
+        self._clock = itertools.count(1)
+        self._num_pages = 0
+        self._num_locked_pages = 0
+
+    # -- queries ---------------------------------------------------------
+
+    @property
+    def num_pages(self) -> int:
+        return self._num_pages
+
+    @property
+    def num_evictable_pages(self) -> int:
+        return self._num_pages - self._num_locked_pages
+
+    def all_pages(self) -> list[int]:
+        return [page for node in self._nodes() for page in node.pages]
+
+    def _nodes(self) -> list[_Node]:
+        found, stack = [], list(self._root.children.values())
+        while stack:
+            node = stack.pop()
+            found.append(node)
+            stack.extend(node.children.values())
+        return found
+
+    # -- walking ---------------------------------------------------------
+
+    def _shared_pages(self, node: _Node, tokens: list[int], start: int) -> int:
+        """How many of `node`'s pages equal the pages of tokens[start:]."""
+        ps = self.page_size
+        count = 0
+        for page in range(len(node.pages)):
+            lo = start + page * ps
+            if lo + ps > len(tokens) or node.tokens[page * ps : (page + 1) * ps] != tuple(tokens[lo : lo + ps]):
+                break
+            count += 1
+        return count
+
+    def _split(self, node: _Node, num_pages: int) -> _Node:
+        """Cut `node` after `num_pages` pages; return the new upper half."""
+        ps = self.page_size
+        head = _Node(
+            node.tokens[: num_pages * ps], node.pages[:num_pages], node.parent,
+            locks=node.locks, last_used=node.last_used,
+        )
+        node.parent.children[node.tokens[:ps]] = head  # type: ignore[union-attr]
+        node.tokens, node.pages, node.parent = node.tokens[num_pages * ps :], node.pages[num_pages:], head
+        head.children[node.tokens[:ps]] = node
+        return head
+
+    def _walk(self, tokens: list[int], limit: int) -> tuple[_Node, int]:
+        """Descend along tokens[:limit] (whole pages), splitting the last node
+        if the match ends inside it. Returns the deepest node and the tokens matched."""
+        ps = self.page_size
+        node, matched = self._root, 0
+        while matched + ps <= limit:
+            child = node.children.get(tuple(tokens[matched : matched + ps]))
+            if child is None:
+                break
+            shared = self._shared_pages(child, tokens[:limit], matched)
+            if shared < len(child.pages):
+                child = self._split(child, shared)
+            child.last_used = next(self._clock)
+            node, matched = child, matched + shared * ps
+            if shared < len(node.pages):
+                break
+        return node, matched
+
+    # -- the interface ---------------------------------------------------
+
+    def match(self, tokens: list[int]) -> PrefixMatch:
+        ps = self.page_size
+        limit = ((len(tokens) - 1) // ps) * ps if tokens else 0
+        node, matched = self._walk(tokens, limit)
+        pages: list[int] = []
+        walker: _Node | None = node
+        while walker is not None and walker is not self._root:
+            pages[:0] = walker.pages
+            walker = walker.parent
+        return PrefixMatch(pages, matched, node)
+
+    def lock(self, match: PrefixMatch) -> None:
+        node = match.handle
+        while node is not None and node is not self._root:
+            if node.locks == 0:
+                self._num_locked_pages += len(node.pages)
+            node.locks += 1
+            node = node.parent
+
+    def unlock(self, match: PrefixMatch) -> None:
+        node = match.handle
+        while node is not None and node is not self._root:
+            node.locks -= 1
+            if node.locks == 0:
+                self._num_locked_pages -= len(node.pages)
+            node = node.parent
+
+    def insert(self, tokens: list[int], pages: list[int]) -> list[int]:
+        ps = self.page_size
+        if len(tokens) != len(pages) * ps:
+            raise ValueError("insert wants whole pages: len(tokens) == len(pages) * page_size")
+        node, matched = self._walk(tokens, len(tokens))
+        # Pages the tree already holds for the matched part make the caller's
+        # copies redundant (unless they are the very same pages it matched).
+        redundant, walker, end = [], node, matched // ps
+        while walker is not self._root:
+            start = end - len(walker.pages)
+            redundant += [mine for mine, cached in zip(pages[start:end], walker.pages) if mine != cached]
+            walker, end = walker.parent, start  # type: ignore[assignment]
+        if matched < len(tokens):
+            leaf = _Node(tuple(tokens[matched:]), pages[matched // ps :], node, last_used=next(self._clock))
+            node.children[leaf.tokens[:ps]] = leaf
+            self._num_pages += len(leaf.pages)  # a new leaf is unlocked: evictable at once
+        return redundant
+
+    def evict(self, num_pages: int) -> list[int]:
+        order = itertools.count()
+        heap = [(n.last_used, next(order), n) for n in self._nodes() if not n.children and n.locks == 0]
+        heapq.heapify(heap)
+        freed: list[int] = []
+        while heap and len(freed) < num_pages:
+            _, _, node = heapq.heappop(heap)
+            parent = node.parent
+            del parent.children[node.tokens[: self.page_size]]  # type: ignore[union-attr]
+            freed += node.pages
+            self._num_pages -= len(node.pages)
+            if parent is not self._root and not parent.children and parent.locks == 0:  # type: ignore[union-attr]
+                heapq.heappush(heap, (parent.last_used, next(order), parent))  # type: ignore[union-attr]
+        return freed
+
+    def reset(self) -> list[int]:
+        if self._num_locked_pages:
+            raise RuntimeError("cannot flush the prefix cache while requests use it")
+        pages = self.all_pages()
+        self._root.children.clear()
+        self._num_pages = 0
+        return pages

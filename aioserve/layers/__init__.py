@@ -1,0 +1,1 @@
+"""Building blocks of the models: tensor-parallel linears and embeddings, norms, RoPE."""

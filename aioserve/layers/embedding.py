@@ -1,0 +1,50 @@
+"""Token embedding and LM head with the vocabulary split over ranks."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from aioserve.distributed import all_gather_last_dim, all_reduce, get_tp_group
+
+
+class VocabParallelEmbedding(nn.Module):
+    """Each rank holds a contiguous block of vocabulary rows; ids outside the
+    block embed to zero locally, and the all-reduce fills them in."""
+
+    def __init__(self, vocab_size: int, hidden: int) -> None:
+        super().__init__()
+        tp = get_tp_group()
+        per_rank = -(-vocab_size // tp.size)  # ceil: the last shard is padded
+        self.vocab_size = vocab_size
+        self.vocab_start = tp.rank * per_rank
+        self.vocab_end = min(vocab_size, self.vocab_start + per_rank)
+        self.weight = nn.Parameter(torch.zeros(per_rank, hidden), requires_grad=False)
+
+    def load_weight(self, name: str, loaded: torch.Tensor, shard: object = None) -> None:
+        rows = self.vocab_end - self.vocab_start
+        if loaded.shape[0] != self.vocab_size or loaded.shape[1] != self.weight.shape[1]:
+            raise ValueError(f"embedding: checkpoint shape {tuple(loaded.shape)} does not match the config")
+        self.weight.data[:rows].copy_(loaded[self.vocab_start : self.vocab_end])
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        if get_tp_group().size == 1:
+            return F.embedding(ids, self.weight)
+        local = ids - self.vocab_start
+        outside = (local < 0) | (ids >= self.vocab_end)
+        out = F.embedding(local.masked_fill(outside, 0), self.weight)
+        out.masked_fill_(outside.unsqueeze(-1), 0.0)
+        return all_reduce(out)
+
+
+class ParallelLMHead(VocabParallelEmbedding):
+    """hidden -> logits over the vocabulary; may share its weight with the
+    embedding (tied checkpoints have no lm_head tensor)."""
+
+    def tie_to(self, embedding: VocabParallelEmbedding) -> None:
+        self.weight = embedding.weight
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        logits = all_gather_last_dim(F.linear(hidden, self.weight))
+        return logits[..., : self.vocab_size]

@@ -1,0 +1,128 @@
+"""Linear layers whose weights are split over the tensor-parallel ranks.
+
+Each layer knows how to cut its own shard out of a full Hugging Face tensor
+(`load_weight`), so the weight loader stays a plain name-mapping loop.
+Column-parallel layers split the output features and need no comms;
+row-parallel layers split the input features and all-reduce their output.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from aioserve.distributed import all_reduce, get_tp_group, shard_range
+
+
+def _copy_checked(param: torch.Tensor, loaded: torch.Tensor, what: str) -> None:
+    if param.shape != loaded.shape:
+        raise ValueError(f"{what}: checkpoint shape {tuple(loaded.shape)} != {tuple(param.shape)}")
+    param.data.copy_(loaded)
+
+
+class ColumnParallelLinear(nn.Module):
+    """y = x W^T + b with W's rows (output features) split over ranks."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = False) -> None:
+        super().__init__()
+        self.out_full = out_features
+        self.out_start, out_end = shard_range(out_features)
+        self.weight = nn.Parameter(torch.empty(out_end - self.out_start, in_features), requires_grad=False)
+        self.bias = nn.Parameter(torch.empty(out_end - self.out_start), requires_grad=False) if bias else None
+
+    def load_weight(self, name: str, loaded: torch.Tensor, shard: object = None) -> None:
+        target = self.weight if name == "weight" else self.bias
+        rows = target.shape[0]
+        _copy_checked(target, loaded[self.out_start : self.out_start + rows], name)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight, self.bias)
+
+
+class MergedColumnParallelLinear(ColumnParallelLinear):
+    """Several column-parallel projections of the same input fused into one
+    matmul (gate and up of the MLP). Each part is split over ranks on its own,
+    so a rank holds [gate shard | up shard]."""
+
+    def __init__(self, in_features: int, part_sizes: list[int], bias: bool = False) -> None:
+        tp = get_tp_group()
+        self.part_sizes = [size // tp.size for size in part_sizes]
+        self.shard_ids = tuple(range(len(part_sizes)))
+        self.full_part_sizes = part_sizes
+        super().__init__(in_features, sum(part_sizes), bias)
+
+    def load_weight(self, name: str, loaded: torch.Tensor, shard: object = None) -> None:
+        index = int(shard)  # type: ignore[arg-type]
+        target = self.weight if name == "weight" else self.bias
+        size = self.part_sizes[index]
+        offset = sum(self.part_sizes[:index])
+        start, _ = shard_range(self.full_part_sizes[index])
+        _copy_checked(target[offset : offset + size], loaded[start : start + size], f"{name}[{index}]")
+
+
+class QKVParallelLinear(ColumnParallelLinear):
+    """q, k and v projections fused into one matmul, split by attention head.
+
+    When there are fewer KV heads than ranks, each KV head is replicated on
+    the ranks whose query heads use it.
+    """
+
+    shard_ids = ("q", "k", "v")
+
+    def __init__(self, hidden: int, head_dim: int, num_heads: int, num_kv_heads: int, bias: bool) -> None:
+        tp = get_tp_group()
+        if num_heads % tp.size:
+            raise ValueError(f"{num_heads} attention heads do not divide over {tp.size} ranks")
+        self.head_dim = head_dim
+        self.num_heads = num_heads // tp.size
+        self.num_kv_heads = max(1, num_kv_heads // tp.size)
+        # The first KV head this rank holds (replicated when kv heads < ranks).
+        self.kv_head_start = (tp.rank * num_kv_heads) // tp.size
+        nn.Module.__init__(self)
+        out = (self.num_heads + 2 * self.num_kv_heads) * head_dim
+        self.q_head_start = tp.rank * self.num_heads
+        self.weight = nn.Parameter(torch.empty(out, hidden), requires_grad=False)
+        self.bias = nn.Parameter(torch.empty(out), requires_grad=False) if bias else None
+
+    @property
+    def q_size(self) -> int:
+        return self.num_heads * self.head_dim
+
+    @property
+    def kv_size(self) -> int:
+        return self.num_kv_heads * self.head_dim
+
+    def load_weight(self, name: str, loaded: torch.Tensor, shard: object = None) -> None:
+        target = self.weight if name == "weight" else self.bias
+        d = self.head_dim
+        if shard == "q":
+            offset, size, first_head = 0, self.q_size, self.q_head_start
+        elif shard in ("k", "v"):
+            offset = self.q_size + (0 if shard == "k" else self.kv_size)
+            size, first_head = self.kv_size, self.kv_head_start
+        else:
+            raise ValueError(f"unknown qkv shard {shard!r}")
+        _copy_checked(target[offset : offset + size], loaded[first_head * d : first_head * d + size], f"{name}[{shard}]")
+
+
+class RowParallelLinear(nn.Module):
+    """y = x W^T + b with W's columns (input features) split over ranks; the
+    partial products are summed across ranks, then the bias is added once."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = False) -> None:
+        super().__init__()
+        self.in_start, in_end = shard_range(in_features)
+        self.weight = nn.Parameter(torch.empty(out_features, in_end - self.in_start), requires_grad=False)
+        self.bias = nn.Parameter(torch.empty(out_features), requires_grad=False) if bias else None
+
+    def load_weight(self, name: str, loaded: torch.Tensor, shard: object = None) -> None:
+        if name == "bias":
+            _copy_checked(self.bias, loaded, name)  # type: ignore[arg-type]
+            return
+        cols = self.weight.shape[1]
+        _copy_checked(self.weight, loaded[:, self.in_start : self.in_start + cols], name)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = all_reduce(F.linear(x, self.weight))
+        return y + self.bias if self.bias is not None else y

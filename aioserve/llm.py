@@ -1,0 +1,124 @@
+"""The offline API: generate for a list of prompts in this process.
+
+    from aioserve import LLM, SamplingParams
+    llm = LLM("path/to/model")
+    outputs = llm.generate(["Once upon a time"], SamplingParams(max_tokens=32, temperature=0))
+
+It drives the same scheduler the server uses (continuous batching, prefix
+cache, chunked prefill, overlap) on a private event loop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from tqdm import tqdm
+
+from aioserve.config import EngineConfig
+from aioserve.output_stream import OutputStream, TopLogprobs
+from aioserve.sampling_params import SamplingParams
+from aioserve.scheduler.factory import build_scheduler
+from aioserve.scheduler.request import Request, RequestEvent
+from aioserve.tokenizer import Tokenizer
+
+logger = logging.getLogger(__name__)
+
+Prompt = str | list[int]
+
+
+@dataclass
+class GenerationOutput:
+    prompt: str | None
+    prompt_token_ids: list[int]
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)  # of each chosen token
+    top_logprobs: list[TopLogprobs | None] = field(default_factory=list)
+    prompt_logprobs: list | None = None
+    finish_reason: str | None = None  # stop | length | abort | error
+    num_cached_tokens: int = 0
+
+
+class LLM:
+    def __init__(self, model: str, **engine_options: Any) -> None:
+        chat_template = engine_options.pop("chat_template", None)
+        self.config = EngineConfig(model=model, **engine_options)
+        self.engine, self.scheduler = build_scheduler(self.config)
+        self.tokenizer = Tokenizer(self.config.tokenizer or self.engine.model_path, chat_template)
+        self._loop = asyncio.new_event_loop()
+        self._ids = itertools.count()
+
+    def encode(self, prompt: Prompt) -> list[int]:
+        return list(prompt) if isinstance(prompt, list) else self.tokenizer.encode(prompt)
+
+    def generate(
+        self,
+        prompts: Prompt | Sequence[Prompt],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = False,
+    ) -> list[GenerationOutput]:
+        """Generate for every prompt (text, or token ids), all batched together."""
+        if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]  # type: ignore[list-item]
+        if sampling_params is None or isinstance(sampling_params, SamplingParams):
+            sampling_params = [sampling_params or SamplingParams()] * len(prompts)
+        if len(sampling_params) != len(prompts):
+            raise ValueError("give one SamplingParams, or one per prompt")
+        bar = tqdm(total=len(prompts), desc="generating", disable=not use_tqdm)
+        outputs, rids = [], []
+        for prompt, params in zip(prompts, sampling_params):
+            params.validate(self.engine.vocab_size)
+            ids = self.encode(prompt)
+            output = GenerationOutput(prompt if isinstance(prompt, str) else None, ids)
+            rid = f"offline-{next(self._ids)}"
+            stream = OutputStream(self.tokenizer, ids, params)
+            request = Request(rid, ids, params, sink=self._sink(rid, stream, output, bar))
+            self.scheduler.submit(request)  # RequestRejected (a ValueError) for impossible prompts
+            outputs.append(output)
+            rids.append(rid)
+        try:
+            self._loop.run_until_complete(self.scheduler.run(until_idle=True))
+        finally:
+            for rid in rids:  # on an interrupt, leave nothing behind
+                self.scheduler.abort(rid)
+            bar.close()
+        return outputs
+
+    def _sink(self, rid: str, stream: OutputStream, output: GenerationOutput, bar: tqdm):
+        def on_event(event: RequestEvent) -> None:
+            if stream.finished:
+                return
+            stream.add(event)
+            if stream.stop_string_hit:
+                self.scheduler.abort(rid, "stop")
+            if stream.finished:
+                output.text = stream.text
+                output.token_ids = stream.token_ids
+                output.logprobs = stream.logprobs
+                output.top_logprobs = stream.top_logprobs
+                output.prompt_logprobs = stream.prompt_logprobs
+                output.finish_reason = stream.finish_reason
+                output.num_cached_tokens = stream.num_cached_tokens
+                bar.update(1)
+
+        return on_event
+
+    def chat(
+        self, conversations: list[list[dict[str, Any]]], sampling_params: SamplingParams | None = None
+    ) -> list[GenerationOutput]:
+        """Apply the chat template to each conversation, then generate."""
+        return self.generate([self.tokenizer.encode_chat(c) for c in conversations], sampling_params)
+
+    @property
+    def stats(self):
+        return self.scheduler.stats
+
+    def close(self) -> None:
+        self.scheduler.executor.shutdown()
+        self.tokenizer.shutdown()
+        self._loop.close()

@@ -1,0 +1,1 @@
+"""Decoder-only transformer models loaded from Hugging Face checkpoints."""

@@ -1,0 +1,134 @@
+"""Llama 2/3 (and Mistral, the same network): the decoder-only transformer
+that Qwen2 and Qwen3 extend in their own files.
+
+Module names mirror Hugging Face's so checkpoint names map one to one, except
+that q/k/v and gate/up are fused into one matmul each at load time.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from aioserve.attention.backend import AttentionMetadata
+from aioserve.layers.activation import silu_and_mul
+from aioserve.layers.embedding import ParallelLMHead, VocabParallelEmbedding
+from aioserve.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
+from aioserve.layers.norm import RMSNorm
+from aioserve.layers.rotary import RotaryEmbedding
+from aioserve.models.model_config import ModelConfig
+
+
+class LlamaAttention(nn.Module):
+    qkv_bias_default = False  # Qwen2 overrides: its q/k/v always carry a bias
+
+    def __init__(self, config: ModelConfig, layer_id: int, rotary: RotaryEmbedding) -> None:
+        super().__init__()
+        self.layer_id = layer_id
+        self.head_dim = config.head_dim
+        self.scale = config.head_dim**-0.5
+        self.sliding_window = config.sliding_windows[layer_id]
+        bias = config.attention_bias or self.qkv_bias_default
+        self.qkv_proj = QKVParallelLinear(
+            config.hidden_size, config.head_dim, config.num_heads, config.num_kv_heads, bias
+        )
+        self.o_proj = RowParallelLinear(config.num_heads * config.head_dim, config.hidden_size, bias=False)
+        self.rotary = rotary
+
+    def normalize_qk(self, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return q, k
+
+    def forward(self, positions: torch.Tensor, hidden: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        proj = self.qkv_proj
+        q, k, v = self.qkv_proj(hidden).split([proj.q_size, proj.kv_size, proj.kv_size], dim=-1)
+        tokens = hidden.shape[0]
+        q = q.reshape(tokens, proj.num_heads, self.head_dim)
+        k = k.reshape(tokens, proj.num_kv_heads, self.head_dim)
+        v = v.reshape(tokens, proj.num_kv_heads, self.head_dim)
+        q, k = self.normalize_qk(q, k)
+        q, k = self.rotary(positions, q, k)
+        out = meta.attend(self.layer_id, q, k, v, self.scale, self.sliding_window)
+        return self.o_proj(out.reshape(tokens, -1))
+
+
+class LlamaMLP(nn.Module):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        size = config.intermediate_size
+        self.gate_up_proj = MergedColumnParallelLinear(config.hidden_size, [size, size])
+        self.down_proj = RowParallelLinear(size, config.hidden_size)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
+
+
+class LlamaDecoderLayer(nn.Module):
+    def __init__(
+        self, config: ModelConfig, layer_id: int, rotary: RotaryEmbedding, attention_cls: type[LlamaAttention]
+    ) -> None:
+        super().__init__()
+        self.self_attn = attention_cls(config, layer_id, rotary)
+        self.mlp = LlamaMLP(config)
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(
+        self,
+        positions: torch.Tensor,
+        hidden: torch.Tensor,
+        residual: torch.Tensor | None,
+        meta: AttentionMetadata,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        # The residual add is fused into the next norm: norm(x + residual).
+        if residual is None:
+            residual, hidden = hidden, self.input_layernorm(hidden)
+        else:
+            hidden, residual = self.input_layernorm(hidden, residual)
+        hidden = self.self_attn(positions, hidden, meta)
+        hidden, residual = self.post_attention_layernorm(hidden, residual)
+        return self.mlp(hidden), residual
+
+
+class LlamaModel(nn.Module):
+    def __init__(self, config: ModelConfig, attention_cls: type[LlamaAttention]) -> None:
+        super().__init__()
+        rotary = RotaryEmbedding(
+            config.head_dim, config.max_position_embeddings, config.rope_theta, config.rope_scaling
+        )
+        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(
+            LlamaDecoderLayer(config, i, rotary, attention_cls) for i in range(config.num_layers)
+        )
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        hidden = self.embed_tokens(input_ids)
+        residual = None
+        for layer in self.layers:
+            hidden, residual = layer(positions, hidden, residual, meta)
+        hidden, _ = self.norm(hidden, residual)
+        return hidden
+
+
+class LlamaForCausalLM(nn.Module):
+    attention_cls: type[LlamaAttention] = LlamaAttention
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.model = LlamaModel(config, self.attention_cls)
+        self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size)
+        if config.tie_word_embeddings:
+            self.lm_head.tie_to(self.model.embed_tokens)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        """Final hidden states of every token: [T, hidden]."""
+        return self.model(input_ids, positions, meta)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """float32 logits over the whole vocabulary for the given rows."""
+        return self.lm_head(hidden).float()
+
+
+class MistralForCausalLM(LlamaForCausalLM):
+    """Mistral is Llama's network; its sliding window comes from the config."""

@@ -1,0 +1,116 @@
+"""The architecture facts a model needs, read from a Hugging Face config.json."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from aioserve.layers.rotary import RopeScaling
+
+
+@dataclass
+class ModelConfig:
+    architecture: str
+    model_type: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    rope_scaling: RopeScaling
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    attention_bias: bool
+    sliding_windows: list[int | None]  # per layer; None = full attention
+    torch_dtype: str | None
+    eos_token_ids: list[int] = field(default_factory=list)
+    bos_token_id: int | None = None
+
+    @classmethod
+    def from_dict(cls, raw: dict[str, Any], generation: dict[str, Any] | None = None) -> "ModelConfig":
+        archs = raw.get("architectures") or []
+        if not archs:
+            raise ValueError("config.json names no architecture")
+        arch = archs[0]
+        num_heads = raw["num_attention_heads"]
+        num_layers = raw["num_hidden_layers"]
+        model_type = raw.get("model_type", "")
+        rope = raw.get("rope_parameters") or raw.get("rope_scaling") or {}
+        rope_type = rope.get("rope_type") or rope.get("type") or "default"
+        theta = rope.get("rope_theta") or raw.get("rope_theta") or 10000.0
+        scaling_params = {k: v for k, v in rope.items() if k not in ("rope_type", "type", "rope_theta")}
+        return cls(
+            architecture=arch,
+            model_type=model_type,
+            vocab_size=raw["vocab_size"],
+            hidden_size=raw["hidden_size"],
+            intermediate_size=raw["intermediate_size"],
+            num_layers=num_layers,
+            num_heads=num_heads,
+            num_kv_heads=raw.get("num_key_value_heads") or num_heads,
+            head_dim=raw.get("head_dim") or raw["hidden_size"] // num_heads,
+            rms_norm_eps=raw.get("rms_norm_eps", 1e-6),
+            rope_theta=float(theta),
+            rope_scaling=RopeScaling(rope_type, scaling_params),
+            max_position_embeddings=raw.get("max_position_embeddings", 2048),
+            tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
+            attention_bias=bool(raw.get("attention_bias", False)),
+            sliding_windows=_sliding_windows(raw, arch, num_layers),
+            torch_dtype=raw.get("dtype") or raw.get("torch_dtype"),
+            eos_token_ids=_eos_ids(raw, generation or {}),
+            bos_token_id=raw.get("bos_token_id"),
+        )
+
+    @classmethod
+    def from_path(cls, path: str | Path) -> "ModelConfig":
+        path = Path(path)
+        raw = json.loads((path / "config.json").read_text())
+        gen_path = path / "generation_config.json"
+        generation = json.loads(gen_path.read_text()) if gen_path.exists() else None
+        return cls.from_dict(raw, generation)
+
+    def kv_bytes_per_token(self, dtype_size: int, tp_size: int = 1) -> int:
+        kv_heads = max(1, self.num_kv_heads // tp_size)
+        return self.num_layers * 2 * kv_heads * self.head_dim * dtype_size
+
+
+def _as_list(value: Any) -> list[int]:
+    if value is None:
+        return []
+    return list(value) if isinstance(value, (list, tuple)) else [value]
+
+
+def _eos_ids(raw: dict[str, Any], generation: dict[str, Any]) -> list[int]:
+    """EOS ids of config.json and generation_config.json together (Qwen
+    lists <|im_end|> in one and <|endoftext|> in the other)."""
+    ids: list[int] = []
+    for value in (raw.get("eos_token_id"), generation.get("eos_token_id")):
+        ids += [i for i in _as_list(value) if i not in ids]
+    return ids
+
+
+def _sliding_windows(raw: dict[str, Any], arch: str, num_layers: int) -> list[int | None]:
+    """Which layers attend only to the last `sliding_window` tokens.
+
+    Mistral applies its window (when set) to every layer; Qwen2/Qwen3 only
+    when `use_sliding_window` is on, and then from layer `max_window_layers`
+    up, as Hugging Face does. `layer_types`, when present, is authoritative.
+    """
+    window = raw.get("sliding_window")
+    if not window:
+        return [None] * num_layers
+    layer_types = raw.get("layer_types")
+    if layer_types:
+        return [window if t == "sliding_attention" else None for t in layer_types]
+    if arch.startswith("Qwen"):
+        if not raw.get("use_sliding_window", False):
+            return [None] * num_layers
+        first = raw.get("max_window_layers", num_layers)
+        return [window if i >= first else None for i in range(num_layers)]
+    return [window] * num_layers

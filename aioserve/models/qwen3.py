@@ -1,0 +1,25 @@
+"""Qwen3: Llama's network with an RMSNorm on every query and key head
+(over head_dim) before RoPE, and no q/k/v bias."""
+
+from __future__ import annotations
+
+import torch
+
+from aioserve.layers.norm import RMSNorm
+from aioserve.layers.rotary import RotaryEmbedding
+from aioserve.models.llama import LlamaAttention, LlamaForCausalLM
+from aioserve.models.model_config import ModelConfig
+
+
+class Qwen3Attention(LlamaAttention):
+    def __init__(self, config: ModelConfig, layer_id: int, rotary: RotaryEmbedding) -> None:
+        super().__init__(config, layer_id, rotary)
+        self.q_norm = RMSNorm(config.head_dim, config.rms_norm_eps)
+        self.k_norm = RMSNorm(config.head_dim, config.rms_norm_eps)
+
+    def normalize_qk(self, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.q_norm(q), self.k_norm(k)
+
+
+class Qwen3ForCausalLM(LlamaForCausalLM):
+    attention_cls = Qwen3Attention

@@ -1,0 +1,25 @@
+"""Architecture name (config.json `architectures[0]`) -> model class."""
+
+from __future__ import annotations
+
+from torch import nn
+
+from aioserve.models.llama import LlamaForCausalLM, MistralForCausalLM
+from aioserve.models.model_config import ModelConfig
+from aioserve.models.qwen2 import Qwen2ForCausalLM
+from aioserve.models.qwen3 import Qwen3ForCausalLM
+
+MODEL_CLASSES: dict[str, type[LlamaForCausalLM]] = {
+    "LlamaForCausalLM": LlamaForCausalLM,
+    "MistralForCausalLM": MistralForCausalLM,
+    "Qwen2ForCausalLM": Qwen2ForCausalLM,
+    "Qwen3ForCausalLM": Qwen3ForCausalLM,
+}
+
+
+def model_class(config: ModelConfig) -> type[nn.Module]:
+    try:
+        return MODEL_CLASSES[config.architecture]
+    except KeyError:
+        supported = ", ".join(sorted(MODEL_CLASSES))
+        raise ValueError(f"unsupported architecture {config.architecture!r} (supported: {supported})") from None

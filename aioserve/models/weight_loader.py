@@ -1,0 +1,125 @@
+"""Build a model and fill its weights: from safetensors files, or random
+("dummy") weights of the real shapes for benchmarks without a checkpoint.
+
+Each checkpoint tensor is handed to the layer that owns it, which cuts its
+tensor-parallel shard and fuses q/k/v and gate/up in place.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+from collections.abc import Iterator
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from torch import nn
+from tqdm import tqdm
+
+from aioserve.models.model_config import ModelConfig
+from aioserve.models.registry import model_class
+
+logger = logging.getLogger(__name__)
+
+# Hugging Face projection name -> (our fused module, which part of it).
+_FUSED_PARTS: dict[str, tuple[str, object]] = {
+    "q_proj": ("qkv_proj", "q"),
+    "k_proj": ("qkv_proj", "k"),
+    "v_proj": ("qkv_proj", "v"),
+    "gate_proj": ("gate_up_proj", 0),
+    "up_proj": ("gate_up_proj", 1),
+}
+_IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+
+
+@contextlib.contextmanager
+def _default_dtype(dtype: torch.dtype) -> Iterator[None]:
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(previous)
+
+
+def safetensors_files(path: Path) -> list[Path]:
+    """The checkpoint's shards: those the index names, else every *.safetensors."""
+    index = path / "model.safetensors.index.json"
+    if index.exists():
+        names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        return [path / name for name in names]
+    files = sorted(path.glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"no *.safetensors files in {path}")
+    return files
+
+
+def _target(model: nn.Module, hf_name: str) -> tuple[nn.Module, str, object] | None:
+    """The module, parameter name and fused part a checkpoint tensor loads into."""
+    if hf_name.endswith(_IGNORED_SUFFIXES):
+        return None
+    *module_path, param = hf_name.split(".")
+    shard = None
+    if module_path and module_path[-1] in _FUSED_PARTS:
+        module_path[-1], shard = _FUSED_PARTS[module_path[-1]]
+    try:
+        return model.get_submodule(".".join(module_path)), param, shard
+    except AttributeError:
+        return None
+
+
+def load_safetensors(model: nn.Module, config: ModelConfig, path: Path) -> None:
+    loaded: dict[int, set[object]] = {}  # id(parameter) -> the fused parts loaded into it
+    files = safetensors_files(path)
+    for file in tqdm(files, desc="loading weights", unit="file", disable=len(files) < 2):
+        with safe_open(str(file), framework="pt") as f:
+            for hf_name in f.keys():
+                if config.tie_word_embeddings and hf_name == "lm_head.weight":
+                    continue  # tied: the embedding is the head
+                target = _target(model, hf_name)
+                if target is None:
+                    logger.warning("ignoring checkpoint tensor %s", hf_name)
+                    continue
+                module, param, shard = target
+                module.load_weight(param, f.get_tensor(hf_name), shard)
+                loaded.setdefault(id(getattr(module, param)), set()).add(shard)
+    _check_complete(model, loaded, path)
+
+
+def _check_complete(model: nn.Module, loaded: dict[int, set[object]], path: Path) -> None:
+    """Every parameter, and every part of a fused one, came from the checkpoint
+    (ids, not names: a tied head shares the embedding's parameter)."""
+    missing = []
+    for module_name, module in model.named_modules():
+        parts = set(getattr(module, "shard_ids", (None,)))
+        for param_name, param in module.named_parameters(recurse=False):
+            if not parts <= loaded.get(id(param), set()):
+                missing.append(f"{module_name}.{param_name}")
+    if missing:
+        raise ValueError(f"checkpoint at {path} lacks {len(missing)} weights, e.g. {missing[:3]}")
+
+
+def init_dummy(model: nn.Module, seed: int) -> None:
+    """Random weights of the real shapes: N(0, 0.02) like HF's init, norms at 1."""
+    generator = torch.Generator().manual_seed(seed)
+    for name, param in model.named_parameters():
+        if name.endswith("norm.weight"):
+            param.data.fill_(1.0)
+        else:
+            param.data.copy_(torch.randn(param.shape, generator=generator) * 0.02)
+
+
+def build_model(
+    config: ModelConfig, path: Path, dtype: torch.dtype, device: torch.device, load_format: str, seed: int
+) -> nn.Module:
+    with _default_dtype(dtype), torch.device(device):
+        model = model_class(config)(config)
+    if load_format == "dummy":
+        init_dummy(model, seed)
+    elif load_format in ("auto", "safetensors"):
+        load_safetensors(model, config, path)
+    else:
+        raise ValueError(f"unknown load_format {load_format!r} (auto, safetensors, dummy)")
+    return model.eval()

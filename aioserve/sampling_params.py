@@ -1,0 +1,101 @@
+"""Per-request sampling and stopping settings.
+
+Plain data at the bottom of the dependency graph: imports nothing of the
+project, so the server, the scheduler and the offline API can all share it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+class SamplingParamsError(ValueError):
+    """A bad sampling setting; `param` names the offending request field."""
+
+    def __init__(self, message: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.param = param
+
+
+@dataclass
+class SamplingParams:
+    max_tokens: int | None = 16  # None: until the context is full
+    temperature: float = 1.0  # 0 means greedy
+    top_p: float = 1.0
+    top_k: int = -1  # -1 or 0: off
+    min_p: float = 0.0
+    seed: int | None = None
+    stop: list[str] = field(default_factory=list)
+    stop_token_ids: list[int] = field(default_factory=list)
+    ignore_eos: bool = False
+    min_tokens: int = 0
+    logprobs: int | None = None  # None: no logprobs; 0: the chosen token's; N: plus top N
+    prompt_logprobs: int | None = None  # same, for every prompt token after the first
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: dict[int, float] = field(default_factory=dict)
+    skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
+
+    MAX_TOP_LOGPROBS = 20
+
+    def __post_init__(self) -> None:
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0 or self.top_k == 1
+
+    @property
+    def has_penalties(self) -> bool:
+        return (
+            self.presence_penalty != 0.0
+            or self.frequency_penalty != 0.0
+            or self.repetition_penalty != 1.0
+        )
+
+    def validate(self, vocab_size: int | None = None) -> None:
+        """Raise SamplingParamsError for any value a sampler cannot honour."""
+        if self.max_tokens is not None and self.max_tokens < 1:
+            raise SamplingParamsError("max_tokens must be at least 1", "max_tokens")
+        if not 0.0 <= self.temperature <= 100.0:
+            raise SamplingParamsError("temperature must be in [0, 100]", "temperature")
+        if not 0.0 < self.top_p <= 1.0:
+            raise SamplingParamsError("top_p must be in (0, 1]", "top_p")
+        if self.top_k < -1:
+            raise SamplingParamsError("top_k must be -1 (off) or a positive integer", "top_k")
+        if not 0.0 <= self.min_p <= 1.0:
+            raise SamplingParamsError("min_p must be in [0, 1]", "min_p")
+        if self.min_tokens < 0:
+            raise SamplingParamsError("min_tokens must be non-negative", "min_tokens")
+        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
+            raise SamplingParamsError("min_tokens must not exceed max_tokens", "min_tokens")
+        for name in ("presence_penalty", "frequency_penalty"):
+            if not -2.0 <= getattr(self, name) <= 2.0:
+                raise SamplingParamsError(f"{name} must be in [-2, 2]", name)
+        if not 0.0 < self.repetition_penalty <= 2.0:
+            raise SamplingParamsError("repetition_penalty must be in (0, 2]", "repetition_penalty")
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            if value is not None and not 0 <= value <= self.MAX_TOP_LOGPROBS:
+                raise SamplingParamsError(
+                    f"{name} must be between 0 and {self.MAX_TOP_LOGPROBS}", name
+                )
+        if self.seed is not None and not -(2**63) <= self.seed < 2**64:
+            raise SamplingParamsError("seed must fit in 64 bits", "seed")
+        if any(not s for s in self.stop):
+            raise SamplingParamsError("stop strings must not be empty", "stop")
+        for bias in self.logit_bias.values():
+            if not -100.0 <= bias <= 100.0:
+                raise SamplingParamsError("logit_bias values must be in [-100, 100]", "logit_bias")
+        if vocab_size is not None:
+            for name, ids in (
+                ("stop_token_ids", self.stop_token_ids),
+                ("logit_bias", list(self.logit_bias)),
+            ):
+                if any(not 0 <= t < vocab_size for t in ids):
+                    raise SamplingParamsError(
+                        f"{name} holds a token id outside [0, {vocab_size})", name
+                    )

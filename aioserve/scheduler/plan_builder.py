@@ -1,0 +1,122 @@
+"""Collect a step's requests and turn them into a BatchPlan of plain tensors."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from aioserve.batch_plan import BatchPlan, PromptLogprobRequest
+from aioserve.kvcache.page_table import PageTable
+from aioserve.scheduler.request import Request
+from aioserve.scheduler.sampling_batch import SampleRow, SamplingBatchBuilder
+
+
+@dataclass
+class StepEntry:
+    """What the step does for one request, remembered until its output is processed."""
+
+    request: Request
+    kv_len_after: int
+    admission: int  # the request's admitted_seq when planned
+    first_position: int
+    row: int | None = None  # sampled row, if this step samples the request
+    prompt_logprob_span: tuple[int, int] | None = None  # (first, count) in the step's prompt logprobs
+
+
+@dataclass
+class ScheduledStep:
+    plan: BatchPlan
+    entries: list[StepEntry]
+    num_prefill_tokens: int
+
+
+@dataclass
+class PlanBuilder:
+    step: int
+    page_size: int
+    table: PageTable
+    sampling: SamplingBatchBuilder
+    ids: list[int] = field(default_factory=list)
+    starts: list[int] = field(default_factory=list)
+    lengths: list[int] = field(default_factory=list)
+    slots: list[int] = field(default_factory=list)
+    entries: list[StepEntry] = field(default_factory=list)
+    sample_rows: list[SampleRow] = field(default_factory=list)
+    logits_indices: list[int] = field(default_factory=list)
+    prompt_lp_indices: list[int] = field(default_factory=list)
+    prompt_lp_targets: list[int] = field(default_factory=list)
+    prompt_lp_top: int = 0
+    num_decodes: int = 0
+
+    def add(
+        self,
+        request: Request,
+        token_ids: list[int],
+        start: int,
+        sample: SampleRow | None,
+        decode: bool,
+        prompt_lp_targets: list[int] | None = None,
+    ) -> StepEntry:
+        """Add `token_ids` at positions start.. of `request`. Decodes (one
+        token after the request's whole KV) come before any extend."""
+        if decode:
+            if len(self.lengths) != self.num_decodes or len(token_ids) != 1:
+                raise ValueError("decodes are single tokens added before every extend")
+            self.num_decodes += 1
+        first_row = len(self.ids)
+        self.ids += token_ids
+        self.starts.append(start)
+        self.lengths.append(len(token_ids))
+        self.slots.append(request.slot)  # type: ignore[arg-type]
+        entry = StepEntry(request, start + len(token_ids), request.admitted_seq, start)
+        if sample is not None:
+            entry.row = len(self.sample_rows)
+            self.sample_rows.append(sample)
+            self.logits_indices.append(len(self.ids) - 1)
+        if prompt_lp_targets:
+            entry.prompt_logprob_span = (len(self.prompt_lp_indices), len(prompt_lp_targets))
+            self.prompt_lp_indices += range(first_row, first_row + len(prompt_lp_targets))
+            self.prompt_lp_targets += prompt_lp_targets
+            self.prompt_lp_top = max(self.prompt_lp_top, request.params.prompt_logprobs or 0)
+        self.entries.append(entry)
+        return entry
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.ids)
+
+    def build(self) -> ScheduledStep:
+        ps = self.page_size
+        starts = torch.tensor(self.starts, dtype=torch.long)
+        lengths = torch.tensor(self.lengths, dtype=torch.long)
+        seq_lens = starts + lengths
+        width = -(-int(seq_lens.max()) // ps)
+        page_rows = self.table.rows(self.slots, width)
+        # Per token: its request, and its position = request start + offset.
+        owner = torch.repeat_interleave(torch.arange(len(self.starts)), lengths)
+        first_token = torch.cumsum(lengths, 0) - lengths
+        positions = starts[owner] + torch.arange(len(self.ids)) - first_token[owner]
+        out_cache_loc = page_rows[owner, positions // ps].long() * ps + positions % ps
+        prompt_lp = None
+        if self.prompt_lp_indices:
+            prompt_lp = PromptLogprobRequest(
+                token_indices=torch.tensor(self.prompt_lp_indices, dtype=torch.long),
+                target_ids=torch.tensor(self.prompt_lp_targets, dtype=torch.long),
+                num_top=self.prompt_lp_top,
+            )
+        plan = BatchPlan(
+            step=self.step,
+            input_ids=torch.tensor(self.ids, dtype=torch.long),
+            positions=positions,
+            out_cache_loc=out_cache_loc,
+            seq_lens=seq_lens,
+            extend_lens=lengths,
+            page_table=page_rows,
+            num_decodes=self.num_decodes,
+            logits_indices=torch.tensor(self.logits_indices, dtype=torch.long),
+            sampling=self.sampling.build(self.sample_rows) if self.sample_rows else None,
+            prompt_logprobs=prompt_lp,
+        )
+        num_prefill = sum(self.lengths[self.num_decodes :])
+        return ScheduledStep(plan, self.entries, num_prefill)

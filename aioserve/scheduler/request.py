@@ -1,0 +1,127 @@
+"""A request's life in the scheduler, and the events it sends its consumer.
+
+Bookkeeping of KV progress, with overlap in mind:
+* `all_ids`: prompt + the output tokens processed so far.
+* `kv_len`: tokens whose KV is computed or scheduled (in flight).
+* `kv_done`: tokens whose KV is computed by steps already processed.
+* `num_pending`: sampled tokens scheduled but not processed yet (0, 1 or 2).
+A request is *prefilling* while more than its newest token lacks KV, and
+*decoding* when only the newest token (known, or pending) does.
+"""
+
+from __future__ import annotations
+
+import enum
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from aioserve.kvcache.prefix_cache import PrefixMatch
+from aioserve.sampling_params import SamplingParams
+
+
+class RequestRejected(ValueError):
+    """A request the scheduler can never serve (too long for the context or the pool)."""
+
+    def __init__(self, message: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.param = param
+
+
+class Status(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass
+class RequestEvent:
+    """One step's news for a request's consumer."""
+
+    token_id: int | None = None
+    logprob: float | None = None
+    top_logprobs: list[tuple[int, float]] | None = None
+    finish_reason: str | None = None  # stop | length | abort | error
+    # Sent with the first event only.
+    num_prompt_tokens: int | None = None
+    num_cached_tokens: int | None = None
+    prompt_logprobs: list[tuple[float, list[tuple[int, float]]] | None] | None = None
+    error: str | None = None
+
+
+EventSink = Callable[[RequestEvent], None]
+
+
+@dataclass(eq=False)
+class Request:
+    rid: str
+    prompt_ids: list[int]
+    params: SamplingParams
+    sink: EventSink
+    arrival: float = field(default_factory=time.monotonic)
+    max_new_tokens: int = 0  # set by the scheduler from max_tokens and the context
+    status: Status = Status.WAITING
+    all_ids: list[int] = field(default_factory=list)
+    output_logprobs: list[float] = field(default_factory=list)
+    # KV bookkeeping (see the module docstring).
+    slot: int | None = None
+    pages: list[int] = field(default_factory=list)  # page-table order: matched prefix, then own
+    prefix: PrefixMatch | None = None
+    kv_len: int = 0
+    kv_done: int = 0
+    num_pending: int = 0
+    last_step: int = -1  # the step that sampled the newest pending token
+    last_row: int = -1  # its row in that step's samples
+    admitted_seq: int = 0  # admission order, to preempt the newest first; also the
+    # admission's identity: steps planned before a preemption carry the old one
+    num_cached_tokens: int | None = None  # prefix-cache hit at first admission
+    num_preemptions: int = 0
+    prompt_logprobs: list[tuple[float, list[tuple[int, float]]] | None] = field(default_factory=list)
+    first_event_sent: bool = False
+    finish_reason: str | None = None
+    abort_reason: str | None = None  # set by abort(); acted on at the next step
+
+    def __post_init__(self) -> None:
+        if not self.all_ids:
+            self.all_ids = list(self.prompt_ids)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.all_ids) - len(self.prompt_ids)
+
+    @property
+    def output_ids(self) -> list[int]:
+        return self.all_ids[len(self.prompt_ids) :]
+
+    @property
+    def num_generated(self) -> int:
+        """Output tokens including those still in flight."""
+        return self.num_output_tokens + self.num_pending
+
+    @property
+    def seq_len(self) -> int:
+        """Tokens including those still in flight."""
+        return len(self.all_ids) + self.num_pending
+
+    @property
+    def is_prefilling(self) -> bool:
+        """More than the newest token lacks KV. (With only the newest
+        missing, the request decodes, whether that token is known or pending.)"""
+        return self.kv_len < self.seq_len - 1
+
+    @property
+    def wants_prompt_logprobs(self) -> bool:
+        return self.params.prompt_logprobs is not None and len(self.prompt_logprobs) < len(self.prompt_ids)
+
+    @property
+    def own_pages(self) -> list[int]:
+        """Pages this request allocated (the matched prefix's belong to the cache)."""
+        return self.pages[len(self.prefix.pages) if self.prefix else 0 :]
+
+    @property
+    def finished(self) -> bool:
+        return self.status is Status.FINISHED

@@ -1,0 +1,1 @@
+"""HTTP only: the starlette app, OpenAI protocol models, SSE, errors, metrics."""

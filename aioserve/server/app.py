@@ -1,0 +1,71 @@
+"""The starlette app: routes, error handlers, API-key check."""
+
+from __future__ import annotations
+
+import secrets
+
+from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
+from starlette.middleware import Middleware
+from starlette.requests import Request
+from starlette.responses import JSONResponse
+from starlette.routing import Route
+from starlette.types import ASGIApp, Receive, Scope, Send
+
+from aioserve.server import misc_routes
+from aioserve.server.chat import create_chat_completion
+from aioserve.server.completions import create_completion
+from aioserve.server.context import ServingContext
+from aioserve.server.errors import APIError, api_error_handler, unexpected_error_handler
+from aioserve.server.metrics import metrics_endpoint
+
+
+class APIKeyCheck:
+    """With --api-key, every /v1 route wants `Authorization: Bearer <key>`.
+    Plain ASGI (not BaseHTTPMiddleware) so streaming and disconnects pass through."""
+
+    def __init__(self, app: ASGIApp, api_key: str) -> None:
+        self.app = app
+        self.expected = f"Bearer {api_key}".encode()
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http" and scope["path"].startswith("/v1/"):
+            given = dict(scope["headers"]).get(b"authorization", b"")
+            if not secrets.compare_digest(given, self.expected):
+                response = APIError("invalid or missing API key", status=401, code="invalid_api_key").response()
+                await response(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+
+
+async def http_error_handler(request: Request, exc: Exception) -> JSONResponse:
+    """Unknown routes and wrong methods, in the same error shape."""
+    assert isinstance(exc, HTTPException)
+    kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
+    return APIError(f"{exc.detail}: {request.method} {request.url.path}", status=exc.status_code, type=kind).response()
+
+
+def create_app(ctx: ServingContext) -> Starlette:
+    routes = [
+        Route("/v1/completions", create_completion, methods=["POST"]),
+        Route("/v1/chat/completions", create_chat_completion, methods=["POST"]),
+        Route("/v1/models", misc_routes.list_models, methods=["GET"]),
+        Route("/health", misc_routes.health, methods=["GET"]),
+        Route("/tokenize", misc_routes.tokenize, methods=["POST"]),
+        Route("/detokenize", misc_routes.detokenize, methods=["POST"]),
+        Route("/flush_cache", misc_routes.flush_cache, methods=["POST"]),
+        Route("/server_info", misc_routes.server_info, methods=["GET"]),
+        Route("/metrics", metrics_endpoint(ctx), methods=["GET"]),
+    ]
+    middleware = [Middleware(APIKeyCheck, api_key=ctx.args.api_key)] if ctx.args.api_key else []
+    app = Starlette(
+        routes=routes,
+        middleware=middleware,
+        exception_handlers={
+            APIError: api_error_handler,
+            HTTPException: http_error_handler,
+            Exception: unexpected_error_handler,
+        },
+    )
+    app.state.ctx = ctx
+    return app

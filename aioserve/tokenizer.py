@@ -1,0 +1,162 @@
+"""Text in and out: encoding and chat templates on a thread pool, incremental
+detokenization, and stop-string matching.
+
+Encoding runs on the Rust tokenizer directly (`tokenizers` releases the GIL
+and keeps no per-call state, so pool threads can share it); transformers'
+tokenizer is used only to render chat templates.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+from tokenizers import Tokenizer as RustTokenizer
+from tokenizers.decoders import DecodeStream
+
+logger = logging.getLogger(__name__)
+
+# Prompt tokens given to a new DecodeStream so that the first generated
+# token decodes in context (e.g. keeps the space SentencePiece implies).
+_DECODE_CONTEXT = 6
+
+
+class ChatTemplateError(ValueError):
+    pass
+
+
+class Tokenizer:
+    def __init__(self, path: str | Path, chat_template: str | None = None, workers: int = 4) -> None:
+        from transformers import AutoTokenizer
+
+        self.hf = AutoTokenizer.from_pretrained(str(path))
+        self.rust: RustTokenizer = self.hf.backend_tokenizer
+        if chat_template is not None:
+            self.hf.chat_template = Path(chat_template).read_text()
+        self.vocab_size = len(self.hf)
+        self._token_texts: dict[int, str] = {}
+        self._anchor = self.encode("a", add_special_tokens=False)[-1]
+        self._pool = ThreadPoolExecutor(workers, thread_name_prefix="aioserve-tokenizer")
+
+    @property
+    def has_chat_template(self) -> bool:
+        return bool(self.hf.chat_template)
+
+    # -- synchronous ------------------------------------------------------------
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return self.rust.encode(text, add_special_tokens=add_special_tokens).ids
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        return self.rust.decode(ids, skip_special_tokens=skip_special_tokens)
+
+    def token_text(self, token_id: int) -> str:
+        """One token's text as it reads mid-sentence (for logprobs listings),
+        cached. Decoded after an anchor token and cut, because decoders such
+        as SentencePiece's drop a leading space at the start of a text."""
+        text = self._token_texts.get(token_id)
+        if text is None:
+            anchor_text = self.rust.decode([self._anchor], skip_special_tokens=False)
+            both = self.rust.decode([self._anchor, token_id], skip_special_tokens=False)
+            if both.startswith(anchor_text):
+                text = both[len(anchor_text) :]
+            else:
+                text = self.rust.decode([token_id], skip_special_tokens=False)
+            self._token_texts[token_id] = text
+        return text
+
+    def render_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True, **kwargs: Any) -> str:
+        if not self.has_chat_template:
+            raise ChatTemplateError(
+                "this model's tokenizer has no chat template; start the server with --chat-template FILE"
+            )
+        try:
+            return self.hf.apply_chat_template(
+                [normalize_message(m) for m in messages],
+                tokenize=False,
+                add_generation_prompt=add_generation_prompt,
+                **kwargs,
+            )
+        except Exception as exc:  # template code raising on odd input
+            raise ChatTemplateError(f"the chat template failed on these messages: {exc}") from exc
+
+    def encode_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True, **kwargs: Any) -> list[int]:
+        text = self.render_chat(messages, add_generation_prompt, **kwargs)
+        # The template writes BOS itself; encoding with special tokens would double it.
+        return self.encode(text, add_special_tokens=False)
+
+    # -- on the thread pool -------------------------------------------------------
+
+    async def encode_async(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return await asyncio.get_running_loop().run_in_executor(self._pool, self.encode, text, add_special_tokens)
+
+    async def encode_chat_async(self, messages: list[dict[str, Any]], **kwargs: Any) -> list[int]:
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self._pool, lambda: self.encode_chat(messages, **kwargs))
+
+    async def decode_async(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        return await asyncio.get_running_loop().run_in_executor(self._pool, self.decode, ids, skip_special_tokens)
+
+    def shutdown(self) -> None:
+        self._pool.shutdown(wait=False)
+
+
+def normalize_message(message: dict[str, Any]) -> dict[str, Any]:
+    """List-of-parts content becomes one string (templates expect strings)."""
+    content = message.get("content")
+    if isinstance(content, list):
+        texts = [part.get("text", "") for part in content if isinstance(part, dict) and part.get("type") == "text"]
+        message = {**message, "content": "\n".join(texts)}
+    elif content is None:
+        message = {**message, "content": ""}
+    return message
+
+
+class IncrementalDetokenizer:
+    """Text for each new token, correct across multi-byte UTF-8 split over
+    byte-fallback tokens (held back until the character is complete)."""
+
+    def __init__(self, tokenizer: Tokenizer, prompt_ids: list[int], skip_special_tokens: bool = True) -> None:
+        self._rust = tokenizer.rust
+        self._stream = DecodeStream(ids=prompt_ids[-_DECODE_CONTEXT:], skip_special_tokens=skip_special_tokens)
+
+    def step(self, token_id: int) -> str:
+        try:
+            return self._stream.step(self._rust, token_id) or ""
+        except Exception:  # ids beyond the tokenizer's vocabulary (padded embeddings)
+            return ""
+
+
+class StopStringMatcher:
+    """Finds stop strings in streamed text, also across token boundaries, by
+    holding back the last len(longest stop) - 1 characters until they cannot
+    begin a match."""
+
+    def __init__(self, stops: list[str], include_stop: bool = False) -> None:
+        self.stops = [s for s in stops if s]
+        self.include_stop = include_stop
+        self._hold = max((len(s) for s in self.stops), default=1) - 1
+        self._pending = ""
+
+    def feed(self, text: str) -> tuple[str, bool]:
+        """Text safe to emit now, and whether a stop string was reached."""
+        if not self.stops:
+            return text, False
+        self._pending += text
+        hits = [(i, s) for s in self.stops if (i := self._pending.find(s)) >= 0]
+        if hits:
+            index, stop = min(hits)
+            emitted = self._pending[: index + (len(stop) if self.include_stop else 0)]
+            self._pending = ""
+            return emitted, True
+        cut = max(0, len(self._pending) - self._hold)
+        emitted, self._pending = self._pending[:cut], self._pending[cut:]
+        return emitted, False
+
+    def flush(self) -> str:
+        """What is held back, once the request ends without a stop string."""
+        emitted, self._pending = self._pending, ""
+        return emitted

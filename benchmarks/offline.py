@@ -1,0 +1,88 @@
+"""Offline throughput of LLM.generate: N prompts of random token ids with
+random input/output lengths, all submitted at once.
+
+    python benchmarks/offline.py --model ../shared/models/stories260K
+    python benchmarks/offline.py --model ../shared/tokenizers/qwen3 --load-format dummy --dtype bfloat16
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import random
+import time
+
+from aioserve import LLM, SamplingParams
+
+logger = logging.getLogger("benchmarks.offline")
+
+
+def parse_args() -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", required=True)
+    p.add_argument("--num-prompts", type=int, default=64)
+    p.add_argument("--input-len", type=int, nargs=2, default=[64, 512], metavar=("LO", "HI"))
+    p.add_argument("--output-len", type=int, nargs=2, default=[64, 256], metavar=("LO", "HI"))
+    p.add_argument("--dtype", default="auto")
+    p.add_argument("--load-format", default="auto")
+    p.add_argument("--page-size", type=int, default=16)
+    p.add_argument("--max-prefill-tokens", type=int, default=8192)
+    p.add_argument("--max-model-len", type=int, default=None)
+    p.add_argument("--cache", default="radix")
+    p.add_argument("--no-overlap", action="store_true")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--json", help="write the results here")
+    return p.parse_args()
+
+
+def main() -> None:
+    args = parse_args()
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
+    llm = LLM(
+        args.model,
+        dtype=args.dtype,
+        load_format=args.load_format,
+        page_size=args.page_size,
+        max_prefill_tokens=args.max_prefill_tokens,
+        max_model_len=args.max_model_len,
+        cache=args.cache,
+        overlap=not args.no_overlap,
+        seed=args.seed,
+    )
+    rng = random.Random(args.seed)
+    # Ids from the middle of the vocabulary: real tokens, never special ones.
+    low, high = min(1000, llm.engine.vocab_size // 4), llm.engine.vocab_size // 2
+    prompts, params = [], []
+    for _ in range(args.num_prompts):
+        prompts.append([rng.randrange(low, high) for _ in range(rng.randint(*args.input_len))])
+        params.append(SamplingParams(max_tokens=rng.randint(*args.output_len), temperature=0, ignore_eos=True))
+    llm.generate([prompts[0][:16]], SamplingParams(max_tokens=4, ignore_eos=True))  # warm-up
+    start = time.perf_counter()
+    outputs = llm.generate(prompts, params, use_tqdm=True)
+    elapsed = time.perf_counter() - start
+    input_tokens = sum(len(p) for p in prompts)
+    output_tokens = sum(len(o.token_ids) for o in outputs)
+    results = {
+        "model": args.model,
+        "dtype": str(llm.engine.dtype).removeprefix("torch."),
+        "num_prompts": args.num_prompts,
+        "input_tokens": input_tokens,
+        "output_tokens": output_tokens,
+        "elapsed_s": round(elapsed, 3),
+        "requests_per_s": round(args.num_prompts / elapsed, 3),
+        "output_tokens_per_s": round(output_tokens / elapsed, 1),
+        "total_tokens_per_s": round((input_tokens + output_tokens) / elapsed, 1),
+        "steps": llm.stats.steps,
+        "preemptions": llm.stats.preemptions,
+    }
+    width = max(len(k) for k in results)
+    print("\n".join(f"{k:<{width}}  {v}" for k, v in results.items()))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(results, f, indent=2)
+    llm.close()
+
+
+if __name__ == "__main__":
+    main()

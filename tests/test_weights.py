@@ -1,0 +1,56 @@
+"""Loading: dtypes, dummy weights, incomplete checkpoints, Hugging Face ids."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from aioserve import LLM, SamplingParams
+from aioserve.engine.engine import resolve_dtype
+
+
+def test_dtype_resolution() -> None:
+    cpu, cuda = torch.device("cpu"), torch.device("cuda")
+    assert resolve_dtype("auto", "bfloat16", cpu) == torch.float32  # half on CPU: float32 unless asked
+    assert resolve_dtype("bfloat16", "float32", cpu) == torch.bfloat16
+    assert resolve_dtype("auto", "bfloat16", cuda) == torch.bfloat16
+    assert resolve_dtype("half", None, cpu) == torch.float16
+    with pytest.raises(ValueError, match="unknown dtype"):
+        resolve_dtype("int3", None, cpu)
+
+
+def test_bfloat16_and_dummy_weights_generate(tiny_checkpoints: dict[str, Path]) -> None:
+    path = tiny_checkpoints["qwen3"]
+    llm = LLM(str(path), dtype="bfloat16", load_format="dummy", page_size=8)
+    assert llm.engine.pool.buffer.dtype == torch.bfloat16
+    assert next(llm.engine.model.parameters()).dtype == torch.bfloat16
+    out = llm.generate("hello", SamplingParams(max_tokens=8, temperature=0, ignore_eos=True))[0]
+    assert len(out.token_ids) == 8
+    llm.close()
+
+
+def test_missing_weight_is_reported(tiny_checkpoints: dict[str, Path], tmp_path: Path) -> None:
+    broken = tmp_path / "broken"
+    shutil.copytree(tiny_checkpoints["llama"], broken)
+    tensors = load_file(broken / "model.safetensors")
+    del tensors["model.layers.1.self_attn.v_proj.weight"]
+    save_file(tensors, broken / "model.safetensors")
+    with pytest.raises(ValueError, match=r"lacks 1 weights.*layers\.1\.self_attn\.qkv_proj"):
+        LLM(str(broken))
+
+
+def test_unknown_architecture_and_unknown_model(tiny_checkpoints: dict[str, Path], tmp_path: Path) -> None:
+    odd = tmp_path / "odd"
+    shutil.copytree(tiny_checkpoints["llama"], odd)
+    config = json.loads((odd / "config.json").read_text())
+    config["architectures"] = ["GPT2LMHeadModel"]
+    (odd / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match="unsupported architecture 'GPT2LMHeadModel'"):
+        LLM(str(odd))
+    with pytest.raises(FileNotFoundError, match="neither a local folder"):
+        LLM("no-such-org/no-such-model-xyz")
