@@ -30,6 +30,11 @@ def build_parser() -> argparse.ArgumentParser:
     model.add_argument("--tokenizer", help="tokenizer folder (default: the model's)")
     model.add_argument("--served-model-name", help="the name clients use (default: --model)")
     model.add_argument("--dtype", default="auto", help="auto | float32 | bfloat16 | float16")
+    model.add_argument(
+        "--cpu-half-compute", default="auto", choices=["auto", "native", "float32"],
+        help="half-precision math on CPU: native, or float32 with rounded weights (auto: float32 "
+        "unless the CPU has AVX512-BF16/AMX)",
+    )
     model.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N")
     model.add_argument("--load-format", default="auto", choices=["auto", "safetensors", "dummy"])
     model.add_argument("--chat-template", help="a Jinja file that replaces the tokenizer's chat template")
@@ -66,6 +71,7 @@ def server_args(ns: argparse.Namespace) -> ServerArgs:
         model=ns.model,
         tokenizer=ns.tokenizer,
         dtype=ns.dtype,
+        cpu_half_compute=ns.cpu_half_compute,
         device=ns.device,
         load_format=ns.load_format,
         seed=ns.seed,

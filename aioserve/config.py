@@ -13,6 +13,7 @@ class EngineConfig:
     model: str
     tokenizer: str | None = None  # defaults to the model folder
     dtype: str = "auto"  # auto | float32 | bfloat16 | float16
+    cpu_half_compute: str = "auto"  # auto | native | float32: see engine/dtypes.py
     device: str = "auto"  # auto | cpu | cuda | cuda:N
     load_format: str = "auto"  # auto | safetensors | dummy
     seed: int = 0  # dummy weights and unseeded sampling

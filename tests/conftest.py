@@ -3,6 +3,7 @@ shared/ checkpoints when present, and a CUDA skip for `gpu` tests."""
 
 from __future__ import annotations
 
+import json
 import os
 import sys
 from pathlib import Path
@@ -12,7 +13,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
 
-from tiny_models import ARCHITECTURES, build_checkpoint  # noqa: E402
+from tiny_models import ARCHITECTURES, build_checkpoint, build_tokenizer  # noqa: E402
 
 SHARED = Path(__file__).resolve().parents[1].parent / "shared"
 STORIES = Path(os.environ.get("AIOSERVE_STORIES", SHARED / "models" / "stories260K"))
@@ -66,3 +67,28 @@ def chat_server(tiny_checkpoints: dict[str, Path]):
 @pytest.fixture(scope="session")
 def llama_path(tiny_checkpoints: dict[str, Path]) -> Path:
     return tiny_checkpoints["llama"]
+
+
+@pytest.fixture(scope="session")
+def wide_model(tmp_path_factory) -> Path:
+    """A config (no weights: served with --load-format dummy) big enough that
+    a 2,000-token prefill takes a while on a CPU."""
+    folder = tmp_path_factory.mktemp("wide")
+    build_tokenizer(folder)
+    config = {
+        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 512,
+        "intermediate_size": 2048, "num_hidden_layers": 8, "num_attention_heads": 8,
+        "num_key_value_heads": 8, "vocab_size": 400, "max_position_embeddings": 4096,
+        "rms_norm_eps": 1e-5, "eos_token_id": 2, "torch_dtype": "float32",
+    }
+    (folder / "config.json").write_text(json.dumps(config))
+    return folder
+
+
+@pytest.fixture(scope="session")
+def wide_server(wide_model: Path):
+    from server_harness import start_server
+
+    server = start_server(wide_model, "--load-format", "dummy", "--max-prefill-tokens", "4096", "--page-size", "4")
+    yield server
+    server.stop()

@@ -7,14 +7,12 @@ import asyncio
 import json
 import threading
 import time
-from pathlib import Path
 
 import httpx
 import openai
 import pytest
 
 from server_harness import start_server
-from tiny_models import build_tokenizer
 
 PROMPTS = [f"{name} went to the {place}." for name in ("Lily", "Ben", "Tom", "Sue") for place in
            ("park", "sea", "shop", "farm", "zoo", "woods", "lake", "town")]
@@ -68,29 +66,6 @@ def test_overlap_off_agrees(stories_path, requests_mix, sequential) -> None:
         assert run_clients(server, requests_mix, concurrent=True) == sequential
     finally:
         server.stop()
-
-
-@pytest.fixture(scope="module")
-def wide_model(tmp_path_factory) -> Path:
-    """A config (no weights: served with --load-format dummy) big enough that
-    a 2,000-token prefill takes a while on a CPU."""
-    folder = tmp_path_factory.mktemp("wide")
-    build_tokenizer(folder)
-    config = {
-        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 512,
-        "intermediate_size": 2048, "num_hidden_layers": 8, "num_attention_heads": 8,
-        "num_key_value_heads": 8, "vocab_size": 400, "max_position_embeddings": 4096,
-        "rms_norm_eps": 1e-5, "eos_token_id": 2, "torch_dtype": "float32",
-    }
-    (folder / "config.json").write_text(json.dumps(config))
-    return folder
-
-
-@pytest.fixture(scope="module")
-def wide_server(wide_model: Path):
-    server = start_server(wide_model, "--load-format", "dummy", "--max-prefill-tokens", "4096", "--page-size", "4")
-    yield server
-    server.stop()
 
 
 def test_disconnect_frees_everything_at_once(wide_server) -> None:

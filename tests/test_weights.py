@@ -11,7 +11,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from aioserve import LLM, SamplingParams
-from aioserve.engine.engine import resolve_dtype
+from aioserve.engine.dtypes import compute_dtype, resolve_dtype
 
 
 def test_dtype_resolution() -> None:
@@ -24,14 +24,43 @@ def test_dtype_resolution() -> None:
         resolve_dtype("int3", None, cpu)
 
 
-def test_bfloat16_and_dummy_weights_generate(tiny_checkpoints: dict[str, Path]) -> None:
+def test_half_compute_on_cpu() -> None:
+    cpu = torch.device("cpu")
+    assert compute_dtype(torch.bfloat16, cpu, "native") == torch.bfloat16
+    assert compute_dtype(torch.bfloat16, cpu, "float32") == torch.float32
+    assert compute_dtype(torch.float32, cpu, "auto") == torch.float32
+    assert compute_dtype(torch.bfloat16, torch.device("cuda"), "auto") == torch.bfloat16
+
+
+@pytest.mark.parametrize("mode", ["native", "float32"])
+def test_bfloat16_and_dummy_weights_generate(tiny_checkpoints: dict[str, Path], mode: str) -> None:
     path = tiny_checkpoints["qwen3"]
-    llm = LLM(str(path), dtype="bfloat16", load_format="dummy", page_size=8)
-    assert llm.engine.pool.buffer.dtype == torch.bfloat16
-    assert next(llm.engine.model.parameters()).dtype == torch.bfloat16
+    llm = LLM(str(path), dtype="bfloat16", load_format="dummy", page_size=8, cpu_half_compute=mode)
+    compute = torch.bfloat16 if mode == "native" else torch.float32
+    assert llm.engine.pool.buffer.dtype == compute
+    weight = llm.engine.model.model.layers[0].mlp.down_proj.weight
+    assert weight.dtype == compute
+    assert torch.equal(weight, weight.to(torch.bfloat16).to(compute))  # bfloat16 values either way
     out = llm.generate("hello", SamplingParams(max_tokens=8, temperature=0, ignore_eos=True))[0]
     assert len(out.token_ids) == 8
     llm.close()
+
+
+def test_float32_compute_of_bfloat16_weights_matches_native_greedy(tiny_checkpoints: dict[str, Path]) -> None:
+    path = tiny_checkpoints["llama"]
+    params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+    native = LLM(str(path), dtype="bfloat16", cpu_half_compute="native")
+    upcast = LLM(str(path), dtype="bfloat16", cpu_half_compute="float32")
+    reference = LLM(str(path), dtype="float32")
+    prompt = "Once upon a time there was"
+    # Same weight values; float32 math sits closer to the float32 model.
+    a = native.generate(prompt, params)[0].token_ids
+    b = upcast.generate(prompt, params)[0].token_ids
+    c = reference.generate(prompt, params)[0].token_ids
+    assert len(a) == len(b) == 12
+    assert sum(x == y for x, y in zip(b, c)) >= sum(x == y for x, y in zip(a, c))
+    for llm in (native, upcast, reference):
+        llm.close()
 
 
 def test_missing_weight_is_reported(tiny_checkpoints: dict[str, Path], tmp_path: Path) -> None:

@@ -16,6 +16,7 @@ from aioserve.attention import create_backend
 from aioserve.batch_plan import BatchPlan, StepOutput
 from aioserve.config import DEFAULT_CPU_KV_BYTES, EngineConfig
 from aioserve.distributed import get_tp_group
+from aioserve.engine.dtypes import compute_dtype, resolve_dtype
 from aioserve.engine.sampler import sample
 from aioserve.kvcache.kv_pool import RESERVED_PAGES, KVPool
 from aioserve.models.model_config import ModelConfig
@@ -23,28 +24,11 @@ from aioserve.models.weight_loader import build_model
 
 logger = logging.getLogger(__name__)
 
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-_DTYPE_ALIASES = {"fp32": "float32", "float": "float32", "bf16": "bfloat16", "fp16": "float16", "half": "float16"}
-
 
 def resolve_device(name: str) -> torch.device:
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     return torch.device(name)
-
-
-def resolve_dtype(name: str, checkpoint_dtype: str | None, device: torch.device) -> torch.dtype:
-    """The asked dtype; else the checkpoint's, except that half precision on
-    CPU becomes float32 (slow and inexact there) unless asked for."""
-    name = _DTYPE_ALIASES.get(name, name)
-    if name != "auto":
-        if name not in _DTYPES:
-            raise ValueError(f"unknown dtype {name!r} (auto, {', '.join(_DTYPES)})")
-        return _DTYPES[name]
-    dtype = _DTYPES.get(checkpoint_dtype or "float32", torch.float32)
-    if device.type == "cpu" and dtype != torch.float32:
-        return torch.float32
-    return dtype
 
 
 def resolve_model_path(model: str) -> Path:
@@ -69,10 +53,13 @@ class Engine:
             torch.set_num_threads(config.num_threads)
         self.model_path = resolve_model_path(config.model)
         self.model_config = ModelConfig.from_path(self.model_path)
-        self.dtype = resolve_dtype(config.dtype, self.model_config.torch_dtype, self.device)
+        # `weight_dtype` is what was asked; `dtype` is what the math and the KV cache use.
+        self.weight_dtype = resolve_dtype(config.dtype, self.model_config.torch_dtype, self.device)
+        self.dtype = compute_dtype(self.weight_dtype, self.device, config.cpu_half_compute)
         self.max_model_len = self._max_model_len()
         self.model = build_model(
-            self.model_config, self.model_path, self.dtype, self.device, config.load_format, config.seed
+            self.model_config, self.model_path, self.dtype, self.device, config.load_format, config.seed,
+            round_to=self.weight_dtype,
         )
         self.page_size = config.page_size
         self.num_pages = self._num_pages()
@@ -89,9 +76,10 @@ class Engine:
         self.attention = create_backend(config.attention_backend, self.pool)
         self._last_tokens = torch.zeros(0, dtype=torch.long, device=self.device)
         logger.info(
-            "loaded %s (%s, %s) on %s; KV pool: %d pages x %d = %d tokens",
+            "loaded %s (%s, %s weights, %s compute) on %s; KV pool: %d pages x %d = %d tokens",
             self.model_path,
             self.model_config.architecture,
+            str(self.weight_dtype).removeprefix("torch."),
             str(self.dtype).removeprefix("torch."),
             self.device,
             self.num_pages,

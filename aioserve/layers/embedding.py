@@ -7,6 +7,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from aioserve.distributed import all_gather_last_dim, all_reduce, get_tp_group
+from aioserve.layers.linear import linear
 
 
 class VocabParallelEmbedding(nn.Module):
@@ -46,5 +47,5 @@ class ParallelLMHead(VocabParallelEmbedding):
         self.weight = embedding.weight
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
-        logits = all_gather_last_dim(F.linear(hidden, self.weight))
+        logits = all_gather_last_dim(linear(hidden, self.weight))
         return logits[..., : self.vocab_size]

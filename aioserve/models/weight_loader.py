@@ -112,8 +112,16 @@ def init_dummy(model: nn.Module, seed: int) -> None:
 
 
 def build_model(
-    config: ModelConfig, path: Path, dtype: torch.dtype, device: torch.device, load_format: str, seed: int
+    config: ModelConfig,
+    path: Path,
+    dtype: torch.dtype,
+    device: torch.device,
+    load_format: str,
+    seed: int,
+    round_to: torch.dtype | None = None,
 ) -> nn.Module:
+    """The model with parameters in `dtype`; with `round_to`, their values are
+    rounded to that (narrower) dtype first (half weights computed in float32)."""
     with _default_dtype(dtype), torch.device(device):
         model = model_class(config)(config)
     if load_format == "dummy":
@@ -122,4 +130,7 @@ def build_model(
         load_safetensors(model, config, path)
     else:
         raise ValueError(f"unknown load_format {load_format!r} (auto, safetensors, dummy)")
+    if round_to is not None and round_to != dtype:
+        for param in model.parameters():
+            param.data.copy_(param.data.to(round_to))
     return model.eval()

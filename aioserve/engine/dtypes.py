@@ -1,0 +1,66 @@
+"""Which dtype the weights have, and which dtype the math runs in.
+
+They differ in one case: half precision on a CPU without native half-precision
+matrix units (AVX512-BF16 / AMX for bfloat16, AVX512-FP16 / AMX-FP16 for
+float16). There, torch's half GEMMs are emulated and several times slower
+than float32 (8x measured on an AVX2 EPYC at batch 64), so by default the
+weights are rounded to the asked dtype and kept in float32: the same values,
+computed faster and more exactly. `cpu_half_compute="native"` forces half math.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+from pathlib import Path
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+_ALIASES = {"fp32": "float32", "float": "float32", "bf16": "bfloat16", "fp16": "float16", "half": "float16"}
+# cpuinfo flags that give native matrix math per half dtype.
+_NATIVE_FLAGS = {torch.bfloat16: {"avx512_bf16", "amx_bf16"}, torch.float16: {"avx512_fp16", "amx_fp16"}}
+
+
+def resolve_dtype(name: str, checkpoint_dtype: str | None, device: torch.device) -> torch.dtype:
+    """The asked dtype; else the checkpoint's, except that half precision on
+    CPU becomes float32 unless asked for."""
+    name = _ALIASES.get(name, name)
+    if name != "auto":
+        if name not in _DTYPES:
+            raise ValueError(f"unknown dtype {name!r} (auto, {', '.join(_DTYPES)})")
+        return _DTYPES[name]
+    dtype = _DTYPES.get(checkpoint_dtype or "float32", torch.float32)
+    if device.type == "cpu" and dtype != torch.float32:
+        return torch.float32
+    return dtype
+
+
+@functools.lru_cache(maxsize=1)
+def _cpu_flags() -> frozenset[str]:
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return frozenset()
+    for line in text.splitlines():
+        if line.startswith("flags"):
+            return frozenset(line.split(":", 1)[1].split())
+    return frozenset()
+
+
+def cpu_has_native(dtype: torch.dtype) -> bool:
+    return dtype == torch.float32 or bool(_NATIVE_FLAGS.get(dtype, set()) & _cpu_flags())
+
+
+def compute_dtype(dtype: torch.dtype, device: torch.device, cpu_half_compute: str = "auto") -> torch.dtype:
+    if device.type != "cpu" or dtype == torch.float32 or cpu_half_compute == "native":
+        return dtype
+    if cpu_half_compute == "float32" or not cpu_has_native(dtype):
+        logger.info(
+            "this CPU has no native %s matrix math: computing in float32 with %s-rounded weights",
+            str(dtype).removeprefix("torch."), str(dtype).removeprefix("torch."),
+        )
+        return torch.float32
+    return dtype
