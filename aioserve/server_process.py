@@ -1,0 +1,67 @@
+"""Run `aioserve serve` as a child process on a free loopback port: for
+tests, benchmarks and scripts that need a real server to talk to."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@dataclass
+class ServerProcess:
+    url: str
+    process: subprocess.Popen
+    log_path: Path
+
+    @property
+    def v1(self) -> str:
+        return f"{self.url}/v1"
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+    def info(self) -> dict:
+        """GET /server_info: KV pool occupancy and scheduler counters."""
+        return httpx.get(f"{self.url}/server_info", timeout=30).json()
+
+    def stop(self) -> None:
+        self.process.terminate()
+        try:
+            self.process.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+
+    @classmethod
+    def start(cls, model: str | Path, *args: str, timeout: float = 600.0, log_path: str | None = None) -> "ServerProcess":
+        """Start the server and return once /health answers 200."""
+        port = free_port()
+        log = Path(log_path or tempfile.mkstemp(prefix="aioserve-", suffix=".log")[1])
+        cmd = [sys.executable, "-m", "aioserve", "serve", "--model", str(model), "--port", str(port), *args]
+        process = subprocess.Popen(cmd, stdout=log.open("w"), stderr=subprocess.STDOUT, env=dict(os.environ))
+        server = cls(f"http://127.0.0.1:{port}", process, log)
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if process.poll() is not None:
+                raise RuntimeError(f"server exited with {process.returncode}:\n{server.log()[-4000:]}")
+            try:
+                if httpx.get(f"{server.url}/health", timeout=1).status_code == 200:
+                    return server
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.2)
+        server.stop()
+        raise TimeoutError(f"server not ready after {timeout}s:\n{server.log()[-4000:]}")

@@ -1,0 +1,61 @@
+"""The native CPU decode-attention kernel agrees with its torch twin."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from aioserve import LLM, SamplingParams
+from aioserve.attention.torch_native import TorchNativeBackend
+from aioserve.batch_plan import BatchPlan
+from aioserve.kvcache.kv_pool import KVPool
+from aioserve.native import cpu_kernels
+
+pytestmark = pytest.mark.skipif(cpu_kernels() is None, reason="native kernels could not be built here")
+
+
+def decode_plan(lens: list[int], page_size: int, num_pages: int, generator: torch.Generator) -> BatchPlan:
+    """A decode-only plan over random, shuffled pages (page 0 stays reserved)."""
+    width = -(-max(lens) // page_size)
+    pages = (torch.randperm(num_pages - 1, generator=generator)[: len(lens) * width] + 1).view(len(lens), width)
+    seq_lens = torch.tensor(lens)
+    last = seq_lens - 1
+    out_loc = pages[torch.arange(len(lens)), last // page_size].long() * page_size + last % page_size
+    return BatchPlan(
+        step=0, input_ids=torch.zeros(len(lens), dtype=torch.long), positions=last, out_cache_loc=out_loc,
+        seq_lens=seq_lens, extend_lens=torch.ones(len(lens), dtype=torch.long), page_table=pages.int(),
+        num_decodes=len(lens), logits_indices=torch.arange(len(lens)), sampling=None,
+    )
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("heads,kv_heads", [(4, 4), (8, 2), (16, 8)])
+@pytest.mark.parametrize("page_size,window", [(1, None), (16, None), (4, 7)])
+def test_kernel_matches_torch(dtype, heads, kv_heads, page_size, window) -> None:
+    generator = torch.Generator().manual_seed(heads * 31 + page_size)
+    dim, lens = 32, [1, 5, 33, 70, 17]
+    pool = KVPool(1, 400, page_size, kv_heads, dim, dtype, torch.device("cpu"))
+    pool.buffer[:, :, page_size:].normal_(generator=generator)
+    plan = decode_plan(lens, page_size, 400, generator)
+    q = torch.randn(len(lens), heads, dim, generator=generator).to(dtype)
+    k = torch.randn(len(lens), kv_heads, dim, generator=generator).to(dtype)
+    v = torch.randn(len(lens), kv_heads, dim, generator=generator).to(dtype)
+    native = TorchNativeBackend(pool, use_native=True).prepare(plan).attend(0, q, k, v, dim**-0.5, window)
+    reference = TorchNativeBackend(pool, use_native=False).prepare(plan).attend(0, q, k, v, dim**-0.5, window)
+    tolerance = 1e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(native, reference, atol=tolerance, rtol=tolerance)
+
+
+def test_greedy_outputs_equal_with_and_without_the_kernel(tiny_checkpoints: dict[str, Path]) -> None:
+    path = tiny_checkpoints["mistral"]  # sliding window on every layer
+    params = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)
+    prompts = ["Once upon a time there was a little robot", "The quick brown fox", "a"]
+    native = LLM(str(path), page_size=4)
+    plain = LLM(str(path), page_size=4)
+    plain.engine.attention = TorchNativeBackend(plain.engine.pool, use_native=False)
+    assert native.engine.attention.kernels is not None
+    assert [o.token_ids for o in native.generate(prompts, params)] == [o.token_ids for o in plain.generate(prompts, params)]
+    native.close()
+    plain.close()
