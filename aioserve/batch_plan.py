@@ -39,6 +39,7 @@ class SamplingTensors:
     uniforms: torch.Tensor  # [S] float64 in [0, 1): the random draw of each row
     all_greedy: bool
     needs_sort: bool  # some row uses top_k or top_p
+    needs_min_p: bool  # some row uses min_p (a plain flag: no device sync to find out)
     num_top_logprobs: int  # top-N logprobs to return per row (0 = none)
     # Additive logit changes: logit_bias, and -inf for EOS under min_tokens.
     bias_rows: torch.Tensor  # [K] int64

@@ -45,6 +45,7 @@ def build_parser() -> argparse.ArgumentParser:
     memory.add_argument("--num-pages", type=int, help="KV pool size in pages (overrides the memory budget)")
     memory.add_argument("--kv-cache-memory", type=parse_bytes, help="KV pool bytes on CPU, e.g. 4GiB")
     memory.add_argument("--gpu-memory-utilization", type=float, default=0.85, help="share of free GPU memory for KV")
+    memory.add_argument("--kv-cache-dtype", default="auto", help="auto (the weights' dtype) | float32 | bfloat16 | float16")
     memory.add_argument("--cache", default="radix", choices=["radix", "naive"], help="prefix cache")
 
     sched = serve.add_argument_group("scheduling")
@@ -79,6 +80,7 @@ def server_args(ns: argparse.Namespace) -> ServerArgs:
         num_pages=ns.num_pages,
         kv_cache_memory=ns.kv_cache_memory,
         gpu_memory_utilization=ns.gpu_memory_utilization,
+        kv_cache_dtype=ns.kv_cache_dtype,
         cache=ns.cache,
         max_model_len=ns.max_model_len,
         max_running_requests=ns.max_running_requests,

@@ -22,6 +22,7 @@ class EngineConfig:
     num_pages: int | None = None  # explicit pool size; overrides the memory budget
     kv_cache_memory: int | None = None  # bytes for the pool on CPU (default 4 GiB, capped by need)
     gpu_memory_utilization: float = 0.85  # share of free GPU memory for the pool
+    kv_cache_dtype: str = "auto"  # auto (the weights' dtype) | float32 | bfloat16 | float16
     cache: str = "radix"  # radix | naive
     # Scheduling
     max_model_len: int | None = None  # defaults to the config's max_position_embeddings

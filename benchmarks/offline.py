@@ -68,7 +68,9 @@ def main() -> None:
     output_tokens = sum(len(o.token_ids) for o in outputs)
     results = {
         "model": args.model,
-        "dtype": str(llm.engine.dtype).removeprefix("torch."),
+        "dtypes": "weights {}, compute {}, KV {}".format(
+            *(str(d).removeprefix("torch.") for d in (llm.engine.weight_dtype, llm.engine.dtype, llm.engine.kv_dtype))
+        ),
         "num_prompts": args.num_prompts,
         "input_tokens": input_tokens,
         "output_tokens": output_tokens,

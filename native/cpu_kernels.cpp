@@ -5,7 +5,8 @@
 //
 // paged_decode_attention: one query token per request against its KV pages,
 //   read in place (no gather copy), GQA by grouping query heads under their
-//   KV head, optional sliding window.
+//   KV head, optional sliding window; the cache may be half precision under
+//   a float32 query.
 
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
@@ -34,7 +35,7 @@ inline void axpy(float w, const T* __restrict x, float* __restrict y, int64_t n)
   for (int64_t i = 0; i < n; ++i) y[i] += w * to_float(x[i]);
 }
 
-template <typename T>
+template <typename T, typename KV>
 void decode_attention_impl(const torch::Tensor& q, const torch::Tensor& k_cache, const torch::Tensor& v_cache,
                            const torch::Tensor& page_table, const torch::Tensor& seq_lens, int64_t page_size,
                            double scale, int64_t window, torch::Tensor& out) {
@@ -43,8 +44,8 @@ void decode_attention_impl(const torch::Tensor& q, const torch::Tensor& k_cache,
   const int64_t group = num_heads / num_kv_heads;
   const int64_t pages_per_row = page_table.size(1);
   const T* qp = q.data_ptr<T>();
-  const T* kp = k_cache.data_ptr<T>();
-  const T* vp = v_cache.data_ptr<T>();
+  const KV* kp = k_cache.data_ptr<KV>();
+  const KV* vp = v_cache.data_ptr<KV>();
   const int32_t* pt = page_table.data_ptr<int32_t>();
   const int64_t* lens = seq_lens.data_ptr<int64_t>();
   T* op = out.data_ptr<T>();
@@ -65,7 +66,7 @@ void decode_attention_impl(const torch::Tensor& q, const torch::Tensor& k_cache,
       for (int64_t j = 0; j < n; ++j) {
         const int64_t pos = first + j;
         const int64_t slot = static_cast<int64_t>(pt[b * pages_per_row + pos / page_size]) * page_size + pos % page_size;
-        const T* key = kp + slot * kv_stride + h * dim;
+        const KV* key = kp + slot * kv_stride + h * dim;
         for (int64_t g = 0; g < group; ++g) {
           const float s = dot(&qf[g * dim], key, dim);
           scores[j * group + g] = s;
@@ -83,7 +84,7 @@ void decode_attention_impl(const torch::Tensor& q, const torch::Tensor& k_cache,
       for (int64_t j = 0; j < n; ++j) {
         const int64_t pos = first + j;
         const int64_t slot = static_cast<int64_t>(pt[b * pages_per_row + pos / page_size]) * page_size + pos % page_size;
-        const T* value = vp + slot * kv_stride + h * dim;
+        const KV* value = vp + slot * kv_stride + h * dim;
         for (int64_t g = 0; g < group; ++g) axpy(scores[j * group + g], value, &acc[g * dim], dim);
       }
       for (int64_t g = 0; g < group; ++g) {
@@ -101,8 +102,9 @@ torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_cache, tor
                                      torch::Tensor page_table, torch::Tensor seq_lens, int64_t page_size,
                                      double scale, int64_t window) {
   TORCH_CHECK(q.dim() == 3 && k_cache.dim() == 3 && v_cache.dim() == 3, "q [B,H,D], caches [slots,Hk,D]");
-  TORCH_CHECK(q.scalar_type() == k_cache.scalar_type() && k_cache.scalar_type() == v_cache.scalar_type(),
-              "q and the caches must share a dtype");
+  TORCH_CHECK(k_cache.scalar_type() == v_cache.scalar_type(), "the K and V caches must share a dtype");
+  TORCH_CHECK(q.scalar_type() == k_cache.scalar_type() || q.scalar_type() == torch::kFloat32,
+              "q must have the caches' dtype, or be float32");
   TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous(), "caches must be contiguous");
   TORCH_CHECK(page_table.scalar_type() == torch::kInt32 && seq_lens.scalar_type() == torch::kInt64,
               "page_table int32, seq_lens int64");
@@ -111,8 +113,14 @@ torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_cache, tor
   page_table = page_table.contiguous();
   seq_lens = seq_lens.contiguous();
   auto out = torch::empty_like(q);
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "paged_decode_attention", [&] {
-    decode_attention_impl<scalar_t>(q, k_cache, v_cache, page_table, seq_lens, page_size, scale, window, out);
+  // The cache may be narrower than q (half-precision KV under float32 math).
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, k_cache.scalar_type(), "paged_decode_attention", [&] {
+    using KV = scalar_t;
+    if (q.scalar_type() == torch::kFloat32) {
+      decode_attention_impl<float, KV>(q, k_cache, v_cache, page_table, seq_lens, page_size, scale, window, out);
+    } else {
+      decode_attention_impl<KV, KV>(q, k_cache, v_cache, page_table, seq_lens, page_size, scale, window, out);
+    }
   });
   return out;
 }

@@ -15,7 +15,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 
 from tiny_models import ARCHITECTURES, build_checkpoint, build_tokenizer  # noqa: E402
 
-SHARED = Path(__file__).resolve().parents[1].parent / "shared"
+SHARED = Path(os.environ.get("AIOSERVE_SHARED", Path(__file__).resolve().parents[1].parent / "shared"))
 STORIES = Path(os.environ.get("AIOSERVE_STORIES", SHARED / "models" / "stories260K"))
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # no hub lookups from tests
@@ -89,6 +89,10 @@ def wide_model(tmp_path_factory) -> Path:
 def wide_server(wide_model: Path):
     from server_harness import start_server
 
-    server = start_server(wide_model, "--load-format", "dummy", "--max-prefill-tokens", "4096", "--page-size", "4")
+    # On the CPU: the tests need a prefill long enough to watch the loop
+    # answer during it, which a GPU finishes in milliseconds.
+    server = start_server(
+        wide_model, "--load-format", "dummy", "--max-prefill-tokens", "4096", "--page-size", "4", "--device", "cpu"
+    )
     yield server
     server.stop()

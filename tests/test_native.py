@@ -30,21 +30,21 @@ def decode_plan(lens: list[int], page_size: int, num_pages: int, generator: torc
     )
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("dtype,kv_dtype", [(torch.float32,) * 2, (torch.bfloat16,) * 2, (torch.float32, torch.bfloat16)])
 @pytest.mark.parametrize("heads,kv_heads", [(4, 4), (8, 2), (16, 8)])
 @pytest.mark.parametrize("page_size,window", [(1, None), (16, None), (4, 7)])
-def test_kernel_matches_torch(dtype, heads, kv_heads, page_size, window) -> None:
+def test_kernel_matches_torch(dtype, kv_dtype, heads, kv_heads, page_size, window) -> None:
     generator = torch.Generator().manual_seed(heads * 31 + page_size)
     dim, lens = 32, [1, 5, 33, 70, 17]
-    pool = KVPool(1, 400, page_size, kv_heads, dim, dtype, torch.device("cpu"))
+    pool = KVPool(1, 400, page_size, kv_heads, dim, kv_dtype, torch.device("cpu"))
     pool.buffer[:, :, page_size:].normal_(generator=generator)
     plan = decode_plan(lens, page_size, 400, generator)
     q = torch.randn(len(lens), heads, dim, generator=generator).to(dtype)
     k = torch.randn(len(lens), kv_heads, dim, generator=generator).to(dtype)
     v = torch.randn(len(lens), kv_heads, dim, generator=generator).to(dtype)
-    native = TorchNativeBackend(pool, use_native=True).prepare(plan).attend(0, q, k, v, dim**-0.5, window)
-    reference = TorchNativeBackend(pool, use_native=False).prepare(plan).attend(0, q, k, v, dim**-0.5, window)
-    tolerance = 1e-5 if dtype == torch.float32 else 2e-2
+    native = TorchNativeBackend(pool, use_native=True).prepare(plan, plan).attend(0, q, k, v, dim**-0.5, window)
+    reference = TorchNativeBackend(pool, use_native=False).prepare(plan, plan).attend(0, q, k, v, dim**-0.5, window)
+    tolerance = 1e-5 if dtype == kv_dtype == torch.float32 else 2e-2
     torch.testing.assert_close(native, reference, atol=tolerance, rtol=tolerance)
 
 
@@ -52,8 +52,8 @@ def test_greedy_outputs_equal_with_and_without_the_kernel(tiny_checkpoints: dict
     path = tiny_checkpoints["mistral"]  # sliding window on every layer
     params = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)
     prompts = ["Once upon a time there was a little robot", "The quick brown fox", "a"]
-    native = LLM(str(path), page_size=4)
-    plain = LLM(str(path), page_size=4)
+    native = LLM(str(path), page_size=4, device="cpu")
+    plain = LLM(str(path), page_size=4, device="cpu")
     plain.engine.attention = TorchNativeBackend(plain.engine.pool, use_native=False)
     assert native.engine.attention.kernels is not None
     assert [o.token_ids for o in native.generate(prompts, params)] == [o.token_ids for o in plain.generate(prompts, params)]

@@ -30,6 +30,7 @@ def tensors(rows: int, temperature: float = 1.0, top_k: int = 0, top_p: float = 
         uniforms=uniforms if uniforms is not None else torch.rand(rows, dtype=torch.float64),
         all_greedy=temperature == 0,
         needs_sort=top_k > 0 or top_p < 1,
+        needs_min_p=min_p > 0,
         num_top_logprobs=0,
         bias_rows=empty, bias_token_ids=empty, bias_values=torch.zeros(0),
         presence=torch.zeros(rows), frequency=torch.zeros(rows), repetition=torch.ones(rows),

@@ -35,9 +35,9 @@ def test_half_compute_on_cpu() -> None:
 @pytest.mark.parametrize("mode", ["native", "float32"])
 def test_bfloat16_and_dummy_weights_generate(tiny_checkpoints: dict[str, Path], mode: str) -> None:
     path = tiny_checkpoints["qwen3"]
-    llm = LLM(str(path), dtype="bfloat16", load_format="dummy", page_size=8, cpu_half_compute=mode)
+    llm = LLM(str(path), dtype="bfloat16", load_format="dummy", page_size=8, cpu_half_compute=mode, device="cpu")
     compute = torch.bfloat16 if mode == "native" else torch.float32
-    assert llm.engine.pool.buffer.dtype == compute
+    assert llm.engine.pool.buffer.dtype == torch.bfloat16  # the cache keeps the weights' width
     weight = llm.engine.model.model.layers[0].mlp.down_proj.weight
     assert weight.dtype == compute
     assert torch.equal(weight, weight.to(torch.bfloat16).to(compute))  # bfloat16 values either way
@@ -46,12 +46,30 @@ def test_bfloat16_and_dummy_weights_generate(tiny_checkpoints: dict[str, Path], 
     llm.close()
 
 
+def test_kv_cache_dtype_option(tiny_checkpoints: dict[str, Path]) -> None:
+    path = tiny_checkpoints["llama"]
+    params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True, logprobs=0)
+    wide = LLM(str(path), dtype="bfloat16", cpu_half_compute="float32", kv_cache_dtype="float32", device="cpu")
+    narrow = LLM(str(path), dtype="bfloat16", cpu_half_compute="float32", device="cpu")
+    assert wide.engine.pool.buffer.dtype == torch.float32
+    assert narrow.engine.pool.buffer.dtype == torch.bfloat16
+    # A bfloat16 cache halves the pool's bytes per token for the same budget.
+    assert narrow.engine.pool.buffer.element_size() * 2 == wide.engine.pool.buffer.element_size()
+    prompt = "Once upon a time there was"
+    a, b = wide.generate(prompt, params)[0], narrow.generate(prompt, params)[0]
+    assert len(a.token_ids) == len(b.token_ids) == 12
+    # Rounding cached keys/values to bfloat16 moves logprobs by little.
+    assert abs(a.logprobs[0] - b.logprobs[0]) < 0.05
+    for llm in (wide, narrow):
+        llm.close()
+
+
 def test_float32_compute_of_bfloat16_weights_matches_native_greedy(tiny_checkpoints: dict[str, Path]) -> None:
     path = tiny_checkpoints["llama"]
     params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
-    native = LLM(str(path), dtype="bfloat16", cpu_half_compute="native")
-    upcast = LLM(str(path), dtype="bfloat16", cpu_half_compute="float32")
-    reference = LLM(str(path), dtype="float32")
+    native = LLM(str(path), dtype="bfloat16", cpu_half_compute="native", device="cpu")
+    upcast = LLM(str(path), dtype="bfloat16", cpu_half_compute="float32", device="cpu")
+    reference = LLM(str(path), dtype="float32", device="cpu")
     prompt = "Once upon a time there was"
     # Same weight values; float32 math sits closer to the float32 model.
     a = native.generate(prompt, params)[0].token_ids

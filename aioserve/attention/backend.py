@@ -32,5 +32,7 @@ class AttentionMetadata(ABC):
 
 class AttentionBackend(ABC):
     @abstractmethod
-    def prepare(self, plan: BatchPlan) -> AttentionMetadata:
-        """Per-step work shared by all layers (index tensors, masks, plans)."""
+    def prepare(self, plan: BatchPlan, host_plan: BatchPlan) -> AttentionMetadata:
+        """Per-step work shared by all layers (index tensors, masks, plans).
+        `plan` is on the engine's device; `host_plan` is the same plan on the
+        CPU, for lengths the backend must know without a device sync."""

@@ -71,13 +71,17 @@ class GatherWorkspace:
 
 
 class TorchNativeMetadata(AttentionMetadata):
-    def __init__(self, pool: KVPool, plan: BatchPlan, workspace: GatherWorkspace, kernels: object | None) -> None:
+    def __init__(
+        self, pool: KVPool, plan: BatchPlan, host_plan: BatchPlan, workspace: GatherWorkspace, kernels: object | None
+    ) -> None:
         self.pool = pool
         self.workspace = workspace
         self.kernels = kernels
         self.out_cache_loc = plan.out_cache_loc
-        seq_lens = plan.seq_lens.tolist()
-        extend_lens = plan.extend_lens.tolist()
+        # Lengths come from the host copy: reading them off the device would
+        # wait for the step still running there.
+        seq_lens = host_plan.seq_lens.tolist()
+        extend_lens = host_plan.extend_lens.tolist()
         nd = plan.num_decodes
         self.num_decodes = nd
         self._decode_masks: dict[int | None, torch.Tensor] = {}
@@ -122,6 +126,10 @@ class TorchNativeMetadata(AttentionMetadata):
     ) -> torch.Tensor:
         self.pool.store(layer, self.out_cache_loc, k, v)
         keys, values = self.pool.keys(layer), self.pool.values(layer)
+        if keys.dtype != q.dtype:
+            # A narrower cache: attend to the new tokens as later steps will
+            # read them back, rounded to the cache's dtype.
+            k, v = k.to(keys.dtype).to(q.dtype), v.to(keys.dtype).to(q.dtype)
         out = torch.empty_like(q)
         nd = self.num_decodes
         if nd:
@@ -131,19 +139,33 @@ class TorchNativeMetadata(AttentionMetadata):
             if ext.slots is None:
                 ek, ev = k[rows], v[rows]
             else:
-                ek, ev = keys.index_select(0, ext.slots), values.index_select(0, ext.slots)
-            mask = ext.mask(sliding_window)
-            attended = F.scaled_dot_product_attention(
-                q[rows].transpose(0, 1),
-                ek.transpose(0, 1),
-                ev.transpose(0, 1),
-                attn_mask=mask,
-                is_causal=mask is None,
-                scale=scale,
-                enable_gqa=True,
-            )
-            out[rows] = attended.transpose(0, 1)
+                ek = keys.index_select(0, ext.slots).to(q.dtype)
+                ev = values.index_select(0, ext.slots).to(q.dtype)
+            out[rows] = self._attend_extend(q[rows], ek, ev, ext.mask(sliding_window), scale)
         return out
+
+    @staticmethod
+    def _attend_extend(
+        q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, scale: float
+    ) -> torch.Tensor:
+        """One request's chunk, [L, H, D] in and out. Inputs go in 4-D, the
+        layout CUDA's fused kernels require (3-D falls back to the slow math
+        path). Their masked kernel does not take grouped KV heads, so on CUDA
+        a masked chunk gets its KV heads repeated instead."""
+        gqa = True
+        if mask is not None and q.is_cuda and k.shape[1] != q.shape[1]:
+            group = q.shape[1] // k.shape[1]
+            k, v, gqa = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1), False
+        attended = F.scaled_dot_product_attention(
+            q.transpose(0, 1)[None],
+            k.transpose(0, 1)[None],
+            v.transpose(0, 1)[None],
+            attn_mask=mask,
+            is_causal=mask is None,
+            scale=scale,
+            enable_gqa=gqa,
+        )
+        return attended[0].transpose(0, 1)
 
     def _attend_decodes(
         self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scale: float, window: int | None
@@ -160,8 +182,8 @@ class TorchNativeMetadata(AttentionMetadata):
         rows = self.decode_slots.numel()
         dk = torch.index_select(keys, 0, self.decode_slots, out=self.workspace.get(0, rows, keys))
         dv = torch.index_select(values, 0, self.decode_slots, out=self.workspace.get(1, rows, values))
-        dk = dk.view(batch, -1, num_kv_heads, dim).transpose(1, 2)
-        dv = dv.view(batch, -1, num_kv_heads, dim).transpose(1, 2)
+        dk = dk.view(batch, -1, num_kv_heads, dim).transpose(1, 2).to(q.dtype)
+        dv = dv.view(batch, -1, num_kv_heads, dim).transpose(1, 2).to(q.dtype)
         attended = F.scaled_dot_product_attention(grouped, dk, dv, attn_mask=self._decode_mask(window), scale=scale)
         return attended.reshape(batch, num_heads, dim)
 
@@ -173,5 +195,5 @@ class TorchNativeBackend(AttentionBackend):
         on_cpu = pool.buffer.device.type == "cpu"
         self.kernels = cpu_kernels() if use_native and on_cpu else None
 
-    def prepare(self, plan: BatchPlan) -> TorchNativeMetadata:
-        return TorchNativeMetadata(self.pool, plan, self.workspace, self.kernels)
+    def prepare(self, plan: BatchPlan, host_plan: BatchPlan) -> TorchNativeMetadata:
+        return TorchNativeMetadata(self.pool, plan, host_plan, self.workspace, self.kernels)

@@ -63,7 +63,7 @@ def filtered_probs(logits: torch.Tensor, st: SamplingTensors) -> tuple[torch.Ten
         # the top token always stays.
         mass_before = probs.cumsum(dim=-1) - probs
         probs = probs * (mass_before < st.top_ps[:, None])
-    if bool((st.min_ps > 0).any()):
+    if st.needs_min_p:
         peak = probs.max(dim=-1, keepdim=True).values
         probs = probs * (probs >= st.min_ps[:, None] * peak)
     return probs, order

@@ -45,9 +45,13 @@ class KVPool:
     def values(self, layer: int) -> torch.Tensor:
         return self.buffer[layer, 1]
 
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.buffer.dtype
+
     def store(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
-        self.buffer[layer, 0].index_copy_(0, slots, k)
-        self.buffer[layer, 1].index_copy_(0, slots, v)
+        self.buffer[layer, 0].index_copy_(0, slots, k.to(self.dtype))
+        self.buffer[layer, 1].index_copy_(0, slots, v.to(self.dtype))
 
     @staticmethod
     def bytes_per_page(num_layers: int, page_size: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:

@@ -100,11 +100,23 @@ class RotaryEmbedding(nn.Module):
         angles = torch.cat((freqs, freqs), dim=-1)
         self.register_buffer("cos_cache", angles.cos() * attention_factor, persistent=False)
         self.register_buffer("sin_cache", angles.sin() * attention_factor, persistent=False)
+        self._step_key: tuple[torch.Tensor, torch.dtype] | None = None
+        self._step_cos_sin: tuple[torch.Tensor, torch.Tensor] = (self.cos_cache, self.sin_cache)
 
     def forward(
         self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Rotate q [T, Hq, D] and k [T, Hk, D] by their token's position."""
-        cos = self.cos_cache[positions].unsqueeze(1).to(q.dtype)
-        sin = self.sin_cache[positions].unsqueeze(1).to(q.dtype)
+        cos, sin = self._cos_sin(positions, q.dtype)
         return q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin
+
+    def _cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos/sin rows of a step's positions. Every layer shares this module
+        and gets the same positions tensor, so the lookup is done once a step:
+        on a GPU each op costs a kernel launch, and small steps are launch-bound."""
+        key = (positions, dtype)
+        if self._step_key is None or self._step_key[0] is not positions or self._step_key[1] != dtype:
+            cos = self.cos_cache[positions].unsqueeze(1).to(dtype)
+            sin = self.sin_cache[positions].unsqueeze(1).to(dtype)
+            self._step_key, self._step_cos_sin = key, (cos, sin)
+        return self._step_cos_sin

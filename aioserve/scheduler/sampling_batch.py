@@ -93,6 +93,7 @@ class SamplingBatchBuilder:
             uniforms=torch.tensor(uniforms, dtype=torch.float64),
             all_greedy=not any(sampled),
             needs_sort=any(s and (k < self.vocab_size or q < 1.0) for s, k, q in zip(sampled, top_ks, top_ps)),
+            needs_min_p=any(s and m > 0 for s, m in zip(sampled, min_ps)),
             num_top_logprobs=num_top,
             bias_rows=torch.tensor(bias_rows, dtype=torch.long),
             bias_token_ids=torch.tensor(bias_ids, dtype=torch.long),

@@ -1,0 +1,86 @@
+"""Start one aioserve server and run benchmarks/serving.py at several
+concurrency levels against it; print one table.
+
+    python benchmarks/serving_sweep.py --model ../shared/models/stories260K --concurrency 1 16 64 \\
+        --input-len 64 --output-len 128
+    python benchmarks/serving_sweep.py --model ../shared/tokenizers/qwen3 --server-args "--load-format dummy --dtype bfloat16" \\
+        --concurrency 1 16 64 --input-len 64 --output-len 64 --vocab-high 30000
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import logging
+import os
+import sys
+import tempfile
+
+from aioserve.server_process import ServerProcess
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from serving import BenchConfig, run_benchmark  # noqa: E402
+
+COLUMNS = [
+    ("concurrency", None), ("requests", "completed"), ("out tok/s", "output_throughput"),
+    ("req/s", "request_throughput"), ("TTFT mean", ("ttft_ms", "mean")), ("TTFT p99", ("ttft_ms", "p99")),
+    ("TPOT mean", ("tpot_ms", "mean")), ("ITL p50", ("itl_ms", "p50")), ("ITL p99", ("itl_ms", "p99")),
+    ("E2E mean", ("e2e_ms", "mean")),
+]
+
+
+def parse_args() -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", required=True)
+    p.add_argument("--server-args", default="")
+    p.add_argument("--concurrency", type=int, nargs="+", default=[1, 16, 64])
+    p.add_argument("--requests-per-level", type=int, default=0, help="default: max(concurrency, 4)")
+    p.add_argument("--input-len", type=int, default=64)
+    p.add_argument("--output-len", type=int, default=128)
+    p.add_argument("--vocab-low", type=int, default=100)
+    p.add_argument("--vocab-high", type=int, default=500)
+    p.add_argument("--json", help="write all summaries here")
+    return p.parse_args()
+
+
+def cell(summary: dict, key: object) -> str:
+    if isinstance(key, tuple):
+        value = summary[key[0]][key[1]]
+    else:
+        value = summary[key]  # type: ignore[index]
+    return "-" if value is None else (f"{value:.1f}" if isinstance(value, float) else str(value))
+
+
+def main() -> None:
+    args = parse_args()
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
+    log = os.path.join(tempfile.gettempdir(), "aioserve-sweep.log")
+    server = ServerProcess.start(args.model, *args.server_args.split(), log_path=log)
+    rows, summaries = [], {}
+    try:
+        for level in args.concurrency:
+            config = BenchConfig(
+                base_url=server.url, num_requests=args.requests_per_level or max(level, 4),
+                max_concurrency=level, input_len=args.input_len, output_len=args.output_len,
+                prompts_as_ids=True, vocab_low=args.vocab_low, vocab_high=args.vocab_high,
+                warmup=1, label=f"c={level}", progress=False, seed=level,
+            )
+            summary = asyncio.run(run_benchmark(config)).summary
+            summaries[level] = summary
+            rows.append([str(level)] + [cell(summary, key) for _, key in COLUMNS[1:]])
+    finally:
+        server.stop()
+    headers = [name for name, _ in COLUMNS]
+    widths = [max(len(h), *(len(r[i]) for r in rows)) for i, h in enumerate(headers)]
+    print(f"\n{args.model} ({args.server_args or 'defaults'}); {args.input_len} in / {args.output_len} out; ms")
+    print("  ".join(h.rjust(w) for h, w in zip(headers, widths)))
+    for row in rows:
+        print("  ".join(c.rjust(w) for c, w in zip(row, widths)))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"model": args.model, "server_args": args.server_args, "levels": summaries}, f, indent=2)
+
+
+if __name__ == "__main__":
+    main()
