@@ -73,3 +73,37 @@ def test_manager_release_and_integrity() -> None:
     assert len(kv.allocate(8)) == 8 and kv.cache.num_pages == 0
     with pytest.raises(AssertionError, match="out of place"):
         kv.check_integrity([], [])  # 8 pages allocated but claimed by nobody
+
+
+def test_share_computed_pages_of_running_requests() -> None:
+    kv = KVManager(num_pages=12, page_size=2, max_requests=2, max_pages_per_request=4, cache="radix")
+    tokens = [1, 2, 3, 4, 5, 6]
+    # Two requests computed the same prompt side by side, each in its own pages.
+    slot_a, slot_b = kv.table.alloc_slot(), kv.table.alloc_slot()
+    pages_a, pages_b = kv.allocate(3), kv.allocate(3)
+    kv.table.write(slot_a, 0, pages_a)
+    kv.table.write(slot_b, 0, pages_b)
+    # A shares its two complete pages (5 tokens computed); the cache adopts them.
+    pages_a, match_a = kv.share_computed(tokens, pages_a, None, kv_done=5, slot=slot_a)
+    assert match_a.num_tokens == 4 and kv.cache.num_pages == 2 and kv.cache.num_evictable_pages == 0
+    kv.check_integrity([pages_a[2:], pages_b], [slot_a, slot_b])  # B still owns all three of its own
+    # B shares next: its copies are redundant, it switches to A's and frees its own.
+    free_before = kv.allocator.num_free
+    pages_b, match_b = kv.share_computed(tokens, pages_b, None, kv_done=6, slot=slot_b)
+    assert pages_b[:2] == pages_a[:2] and kv.allocator.num_free == free_before + 2
+    assert kv.table.rows([slot_b], 3).tolist() == [pages_b]
+    kv.check_integrity([pages_a[2:], pages_b[3:]], [slot_a, slot_b])
+    # B's third page is complete too (6 tokens): it joins the cache under A's two.
+    assert match_b.num_tokens == 6 and kv.cache.num_pages == 3
+    # Nothing new to share: unchanged.
+    assert kv.share_computed(tokens, pages_b, match_b, kv_done=6, slot=slot_b) == (pages_b, match_b)
+    kv.release(tokens, pages_a, match_a, kv_done=6, slot=slot_a)
+    kv.release(tokens, pages_b, match_b, kv_done=6, slot=slot_b)
+    kv.check_integrity([], [])
+    assert kv.cache.num_evictable_pages == kv.cache.num_pages == 3
+
+
+def test_naive_cache_shares_nothing() -> None:
+    kv = KVManager(num_pages=6, page_size=2, max_requests=1, max_pages_per_request=4, cache="naive")
+    slot, pages = kv.table.alloc_slot(), kv.allocate(2)
+    assert kv.share_computed([1, 2, 3, 4], pages, None, kv_done=4, slot=slot) == (pages, None)

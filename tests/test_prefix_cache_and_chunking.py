@@ -88,6 +88,24 @@ def test_shared_prefix_is_reported_and_not_recomputed(stories_server) -> None:
     assert stories_server.info()["stats"]["last_prefill_tokens"] == len(second_prompt) - cached
 
 
+def test_requests_arriving_together_share_a_prefix_once_it_is_computed(stories_path, stories_server) -> None:
+    # One 200-token prefix, eight prompts at once, 128 prefill tokens a step:
+    # admissions span ~14 steps and nobody finishes within 64 tokens, so any
+    # cache hit comes from prompt pages shared while their owners still run.
+    prompts = [p[:201] + p[-20:] for p in story_prompts(seed=5, count=8, shared=200, own=20)]
+    prompts = [prompts[0][:201] + p[201:] for p in prompts]
+    expected = complete_all(stories_server, prompts, 64)
+    server = start_server(stories_path, "--max-prefill-tokens", "128", "--page-size", "4", "--debug-integrity")
+    try:
+        assert complete_all(server, prompts, 64) == expected
+        stats = server.info()["stats"]
+        assert stats["finished"] == 8
+        assert stats["cached_tokens"] >= 5 * 128
+        assert stats["prefill_tokens"] == stats["prompt_tokens"] - stats["cached_tokens"]
+    finally:
+        server.stop()
+
+
 def test_small_pool_preempts_but_everyone_finishes(stories_path, stories_server) -> None:
     prompts = story_prompts(seed=3, count=24, shared=30, own=70)
     expected = complete_all(stories_server, prompts, 150)

@@ -124,12 +124,12 @@ class TorchNativeMetadata(AttentionMetadata):
         scale: float,
         sliding_window: int | None,
     ) -> torch.Tensor:
-        self.pool.store(layer, self.out_cache_loc, k, v)
         keys, values = self.pool.keys(layer), self.pool.values(layer)
-        if keys.dtype != q.dtype:
-            # A narrower cache: attend to the new tokens as later steps will
-            # read them back, rounded to the cache's dtype.
-            k, v = k.to(keys.dtype).to(q.dtype), v.to(keys.dtype).to(q.dtype)
+        # A narrower cache: round the new tokens once, store them, and attend
+        # to them as later steps will read them back.
+        k, v = k.to(keys.dtype), v.to(keys.dtype)
+        self.pool.store(layer, self.out_cache_loc, k, v)
+        k, v = k.to(q.dtype), v.to(q.dtype)
         out = torch.empty_like(q)
         nd = self.num_decodes
         if nd:

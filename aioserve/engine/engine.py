@@ -58,7 +58,7 @@ class Engine:
             torch.backends.cuda.enable_cudnn_sdp(False)
         self.model_path = resolve_model_path(config.model)
         self.model_config = ModelConfig.from_path(self.model_path)
-        # `weight_dtype` is what was asked; `dtype` is what the math and the KV cache use.
+        # `weight_dtype` is what was asked; `dtype` is what the math uses; `kv_dtype` what the cache holds.
         self.weight_dtype = resolve_dtype(config.dtype, self.model_config.torch_dtype, self.device)
         self.dtype = compute_dtype(self.weight_dtype, self.device, config.cpu_half_compute)
         # The cache keeps the weights' width by default: half the bytes to hold

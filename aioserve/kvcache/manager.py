@@ -75,6 +75,33 @@ class KVManager:
             self.cache.unlock(match)
         self.table.free_slot(slot)
 
+    def share_computed(
+        self, tokens: list[int], pages: list[int], match: PrefixMatch | None, kv_done: int, slot: int
+    ) -> tuple[list[int], PrefixMatch | None]:
+        """Hand the whole computed pages of a running request to the prefix
+        cache, so requests admitted from now on can match them before this
+        one finishes (concurrent prompts over one system prompt share it).
+
+        The request keeps reading them through a lock on the new match. Where
+        the cache already had a page for the same tokens, the request switches
+        to the cache's copy and its own is freed: a step still in flight may
+        read it, but only later steps can be handed it. Returns the request's
+        new page list and match."""
+        full = min(kv_done // self.page_size, len(pages))
+        held = len(match.pages) if match is not None else 0
+        if not self.cache.reuses or full <= held:
+            return pages, match
+        redundant = self.cache.insert(tokens[: full * self.page_size], pages[:full])
+        # One token past the pages: match never takes a prompt's last token.
+        shared = self.cache.match(tokens[: full * self.page_size] + [-1])
+        self.cache.lock(shared)
+        if match is not None:
+            self.cache.unlock(match)
+        if redundant:
+            self.table.write(slot, 0, shared.pages)
+            self.allocator.free(redundant)
+        return shared.pages + pages[full:], shared
+
     def flush(self) -> int:
         pages = self.cache.reset()
         self.allocator.free(pages)

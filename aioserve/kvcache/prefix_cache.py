@@ -21,6 +21,8 @@ class PrefixMatch:
 
 
 class PrefixCache(ABC):
+    reuses = True  # whether inserted pages can be matched by later prompts
+
     def __init__(self, page_size: int) -> None:
         self.page_size = page_size
 
@@ -62,6 +64,8 @@ class PrefixCache(ABC):
 
 class NaiveCache(PrefixCache):
     """No reuse: every request computes its whole prompt."""
+
+    reuses = False
 
     def match(self, tokens: list[int]) -> PrefixMatch:
         return PrefixMatch([], 0)

@@ -114,9 +114,8 @@ class RotaryEmbedding(nn.Module):
         """cos/sin rows of a step's positions. Every layer shares this module
         and gets the same positions tensor, so the lookup is done once a step:
         on a GPU each op costs a kernel launch, and small steps are launch-bound."""
-        key = (positions, dtype)
         if self._step_key is None or self._step_key[0] is not positions or self._step_key[1] != dtype:
             cos = self.cos_cache[positions].unsqueeze(1).to(dtype)
             sin = self.sin_cache[positions].unsqueeze(1).to(dtype)
-            self._step_key, self._step_cos_sin = key, (cos, sin)
+            self._step_key, self._step_cos_sin = (positions, dtype), (cos, sin)
         return self._step_cos_sin

@@ -21,6 +21,7 @@ class StepEntry:
     admission: int  # the request's admitted_seq when planned
     first_position: int
     row: int | None = None  # sampled row, if this step samples the request
+    prefill: bool = False  # a prompt chunk, not a decode
     prompt_logprob_span: tuple[int, int] | None = None  # (first, count) in the step's prompt logprobs
 
 
@@ -69,7 +70,7 @@ class PlanBuilder:
         self.starts.append(start)
         self.lengths.append(len(token_ids))
         self.slots.append(request.slot)  # type: ignore[arg-type]
-        entry = StepEntry(request, start + len(token_ids), request.admitted_seq, start)
+        entry = StepEntry(request, start + len(token_ids), request.admitted_seq, start, prefill=not decode)
         if sample is not None:
             entry.row = len(self.sample_rows)
             self.sample_rows.append(sample)

@@ -336,6 +336,12 @@ class Scheduler:
         request.slot, request.pages, request.prefix = None, [], None
         request.kv_len = request.kv_done = 0
 
+    def _share_prompt_pages(self, request: Request) -> None:
+        """Prompt pages go to the prefix cache as soon as they are computed."""
+        request.pages, request.prefix = self.kv.share_computed(
+            request.all_ids, request.pages, request.prefix, request.kv_done, request.slot  # type: ignore[arg-type]
+        )
+
     def _preempt(self, request: Request) -> None:
         """Free a running request's KV and queue it first, to recompute later
         (its computed pages go to the prefix cache, so often little is lost)."""
@@ -373,6 +379,8 @@ class Scheduler:
                 continue
             if request.status is Status.RUNNING and entry.admission == request.admitted_seq:
                 request.kv_done = max(request.kv_done, entry.kv_len_after)
+                if entry.prefill:
+                    self._share_prompt_pages(request)
             if entry.prompt_logprob_span is not None:
                 self._record_prompt_logprobs(request, entry, output)
             if entry.row is None:
