@@ -1,106 +1,121 @@
-"""`aioserve serve --model PATH_OR_HF_ID [options]` (also `python -m aioserve serve`)."""
+"""`aioserve serve --model PATH_OR_HF_ID [options]` (also `python -m aioserve serve`).
+
+No option is written out here: they are built from the fields of EngineConfig
+and ServerArgs (config.option), so the CLI cannot drift from the config.
+Benchmarks and scripts reuse `add_options` / `engine_config` for the engine's
+options, or `parse_serve_args` to check flags they pass to a server."""
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import logging
-import re
 import sys
+import types
+import typing
+from collections.abc import Sequence
+from typing import Any, Callable, TypeVar
 
-from aioserve.attention import BACKENDS
-from aioserve.config import EngineConfig, ServerArgs
+from aioserve.config import GROUPS, EngineConfig, ServerArgs, parse_bytes
+
+__all__ = ["add_options", "build_parser", "engine_config", "main", "parse_bytes", "parse_serve_args", "server_args"]
+
+Config = TypeVar("Config")
 
 
-def parse_bytes(text: str) -> int:
-    """'4GiB', '512M', '1e9' -> bytes."""
-    match = re.fullmatch(r"\s*([\d.e+]+)\s*([kmgt]?)(i?b)?\s*", text.lower())
-    if not match:
-        raise argparse.ArgumentTypeError(f"not a size: {text!r} (e.g. 4GiB, 512MiB, 1000000)")
-    scale = 1024 ** "_kmgt".index(match.group(2) or "_")
-    return int(float(match.group(1)) * scale)
+def option_fields(cls: type) -> list[tuple[dataclasses.Field, type]]:
+    """The CLI options of a config dataclass, each with its resolved type.
+    A nested config (ServerArgs.engine) brings its own options and is skipped;
+    any other field must be declared with config.option."""
+    hints = typing.get_type_hints(cls)
+    options = []
+    for f in dataclasses.fields(cls):
+        if dataclasses.is_dataclass(hints[f.name]):
+            continue
+        if "help" not in f.metadata:
+            raise TypeError(f"{cls.__name__}.{f.name} is not declared with config.option(...)")
+        options.append((f, hints[f.name]))
+    return options
+
+
+def flag(f: dataclasses.Field) -> str:
+    name = f.name.replace("_", "-")
+    return f"--disable-{name}" if f.default is True else f"--{name}"
+
+
+def _value_type(kind: Any) -> type:
+    """`int | None` -> int: what the option's text is converted to."""
+    if typing.get_origin(kind) in (typing.Union, types.UnionType):
+        args = [arg for arg in typing.get_args(kind) if arg is not type(None)]
+        if len(args) != 1:
+            raise TypeError(f"no CLI type for {kind}: give option(parse=...)")
+        return args[0]
+    return kind
+
+
+def _reporting(parse: Callable[[str], Any]) -> Callable[[str], Any]:
+    """argparse prints an ArgumentTypeError's message but replaces a ValueError's
+    with 'invalid <name> value'; keep the parser's own explanation."""
+
+    def convert(text: str) -> Any:
+        try:
+            return parse(text)
+        except ValueError as exc:
+            raise argparse.ArgumentTypeError(str(exc)) from exc
+
+    convert.__name__ = parse.__name__
+    return convert
+
+
+def add_options(parser: argparse.ArgumentParser, *classes: type) -> None:
+    """Add the fields of config dataclasses to `parser` as options, in groups.
+    Every option's dest is its field name."""
+    groups = {name: parser.add_argument_group(name) for name in GROUPS}  # argparse hides empty groups
+    for cls in classes:
+        for f, kind in option_fields(cls):
+            meta = f.metadata
+            help_text = meta["help"].replace("%", "%%")  # argparse %-formats help
+            kwargs: dict[str, Any] = {"dest": f.name}
+            if kind is bool:
+                kwargs.update(action="store_false" if f.default else "store_true", default=f.default)
+            else:
+                kwargs["type"] = _reporting(meta["parse"]) if meta["parse"] else _value_type(kind)
+                if meta["choices"]:
+                    kwargs["choices"] = meta["choices"]
+                if f.default is dataclasses.MISSING:
+                    kwargs["required"] = True
+                else:
+                    kwargs["default"] = f.default
+                    if f.default is not None:
+                        help_text += " (default: %(default)s)"
+            groups[meta["group"]].add_argument(flag(f), help=help_text, **kwargs)
+
+
+def _build(cls: type[Config], ns: argparse.Namespace, **nested: Any) -> Config:
+    return cls(**{f.name: getattr(ns, f.name) for f, _ in option_fields(cls)}, **nested)
+
+
+def engine_config(ns: argparse.Namespace) -> EngineConfig:
+    """EngineConfig from a namespace parsed with add_options(parser, EngineConfig)."""
+    return _build(EngineConfig, ns)
+
+
+def server_args(ns: argparse.Namespace) -> ServerArgs:
+    return _build(ServerArgs, ns, engine=engine_config(ns))
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="aioserve", description="OpenAI-compatible LLM server")
     commands = parser.add_subparsers(dest="command", required=True)
-    serve = commands.add_parser("serve", help="start the HTTP server")
-
-    model = serve.add_argument_group("model")
-    model.add_argument("--model", required=True, help="a Hugging Face folder or model id")
-    model.add_argument("--tokenizer", help="tokenizer folder (default: the model's)")
-    model.add_argument("--served-model-name", help="the name clients use (default: --model)")
-    model.add_argument("--dtype", default="auto", help="auto | float32 | bfloat16 | float16")
-    model.add_argument(
-        "--cpu-half-compute", default="auto", choices=["auto", "native", "float32"],
-        help="half-precision math on CPU: native, or float32 with rounded weights (auto: float32 "
-        "unless the CPU has AVX512-BF16/AMX)",
-    )
-    model.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N")
-    model.add_argument("--load-format", default="auto", choices=["auto", "safetensors", "dummy"])
-    model.add_argument("--chat-template", help="a Jinja file that replaces the tokenizer's chat template")
-    model.add_argument("--seed", type=int, default=0, help="for dummy weights and unseeded sampling")
-
-    memory = serve.add_argument_group("KV cache")
-    memory.add_argument("--page-size", type=int, default=16, help="tokens per KV page")
-    memory.add_argument("--num-pages", type=int, help="KV pool size in pages (overrides the memory budget)")
-    memory.add_argument("--kv-cache-memory", type=parse_bytes, help="KV pool bytes on CPU, e.g. 4GiB")
-    memory.add_argument("--gpu-memory-utilization", type=float, default=0.85, help="share of free GPU memory for KV")
-    memory.add_argument("--kv-cache-dtype", default="auto", help="auto (the weights' dtype) | float32 | bfloat16 | float16")
-    memory.add_argument("--cache", default="radix", choices=["radix", "naive"], help="prefix cache")
-
-    sched = serve.add_argument_group("scheduling")
-    sched.add_argument("--max-model-len", type=int, help="context limit (default: the model's)")
-    sched.add_argument("--max-running-requests", type=int, default=256)
-    sched.add_argument("--max-prefill-tokens", type=int, default=8192, help="prefill tokens per step (chunking)")
-    sched.add_argument("--decode-reserve-tokens", type=int, default=64, help="KV room kept per admitted request")
-    sched.add_argument("--disable-overlap", action="store_true", help="plain sequential loop")
-    sched.add_argument("--attention-backend", default="auto", choices=list(BACKENDS))
-    sched.add_argument("--num-threads", type=int, help="torch threads on CPU")
-    sched.add_argument("--debug-integrity", action="store_true", help="check KV bookkeeping when idle")
-
-    http = serve.add_argument_group("HTTP")
-    http.add_argument("--host", default="127.0.0.1")
-    http.add_argument("--port", type=int, default=8000)
-    http.add_argument("--api-key", help="require `Authorization: Bearer KEY` on /v1 routes")
-    http.add_argument("--tokenizer-workers", type=int, default=4)
-    http.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    serve = commands.add_parser("serve", help="start the HTTP server", description="Start the HTTP server.")
+    add_options(serve, EngineConfig, ServerArgs)
     return parser
 
 
-def server_args(ns: argparse.Namespace) -> ServerArgs:
-    engine = EngineConfig(
-        model=ns.model,
-        tokenizer=ns.tokenizer,
-        dtype=ns.dtype,
-        cpu_half_compute=ns.cpu_half_compute,
-        device=ns.device,
-        load_format=ns.load_format,
-        seed=ns.seed,
-        page_size=ns.page_size,
-        num_pages=ns.num_pages,
-        kv_cache_memory=ns.kv_cache_memory,
-        gpu_memory_utilization=ns.gpu_memory_utilization,
-        kv_cache_dtype=ns.kv_cache_dtype,
-        cache=ns.cache,
-        max_model_len=ns.max_model_len,
-        max_running_requests=ns.max_running_requests,
-        max_prefill_tokens=ns.max_prefill_tokens,
-        decode_reserve_tokens=ns.decode_reserve_tokens,
-        overlap=not ns.disable_overlap,
-        attention_backend=ns.attention_backend,
-        num_threads=ns.num_threads,
-        debug_integrity=ns.debug_integrity,
-    )
-    return ServerArgs(
-        engine=engine,
-        host=ns.host,
-        port=ns.port,
-        served_model_name=ns.served_model_name,
-        chat_template=ns.chat_template,
-        api_key=ns.api_key,
-        tokenizer_workers=ns.tokenizer_workers,
-        log_level=ns.log_level,
-    )
+def parse_serve_args(argv: Sequence[str]) -> ServerArgs:
+    """`aioserve serve` flags -> ServerArgs, exiting with argparse's message on
+    a bad one: lets a script check flags before it starts a server with them."""
+    return server_args(build_parser().parse_args(["serve", *argv]))
 
 
 def main(argv: list[str] | None = None) -> None:

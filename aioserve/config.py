@@ -1,50 +1,117 @@
 """Every knob in one place: EngineConfig (model, memory, scheduling) and
-ServerArgs (HTTP on top of it). The CLI and the offline API both fill these."""
+ServerArgs (HTTP on top of it). The CLI and the offline API both fill these.
+
+Each field is declared with `option(...)`, which carries its help text, its
+CLI group and, where free text is not enough, choices or a parser. cli.py
+builds `aioserve serve`'s options from the fields, so a new knob is one field
+here and nothing else."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import re
+from dataclasses import MISSING, dataclass, field
+from typing import Any, Callable
 
 DEFAULT_CPU_KV_BYTES = 4 << 30
+
+# CLI argument groups, in the order `aioserve serve --help` lists them.
+GROUPS = ("model", "KV cache", "scheduling", "HTTP")
+
+# Equals aioserve.attention.BACKENDS (tests/test_cli.py checks it). Spelled out
+# because importing it would make this leaf module, which everything imports,
+# pull in torch and the attention package.
+ATTENTION_BACKENDS = ("auto", "torch_native")
+
+
+def parse_bytes(text: str) -> int:
+    """'4GiB', '512M', '1e9' -> bytes."""
+    match = re.fullmatch(r"\s*([\d.e+]+)\s*([kmgt]?)(i?b)?\s*", text.lower())
+    try:
+        number = float(match.group(1)) if match else None
+    except ValueError:  # '1.2.3' passes the pattern
+        number = None
+    if number is None:
+        raise ValueError(f"not a size: {text!r} (e.g. 4GiB, 512MiB, 1000000)")
+    return int(number * 1024 ** "_kmgt".index(match.group(2) or "_"))  # type: ignore[union-attr]
+
+
+def option(
+    default: Any = MISSING,
+    *,
+    help: str,
+    group: str,
+    choices: tuple[str, ...] | None = None,
+    parse: Callable[[str], Any] | None = None,
+) -> Any:
+    """A dataclass field that is also a CLI option: `--kebab-name` from the
+    field name, type from the annotation unless `parse` turns the text into the
+    value, required when there is no default. A bool that defaults to True is
+    offered as `--disable-kebab-name`, one that defaults to False as a switch;
+    either way `help` says what the flag does."""
+    if group not in GROUPS:
+        raise ValueError(f"unknown option group {group!r} (choose from {', '.join(GROUPS)})")
+    return field(default=default, metadata={"help": help, "group": group, "choices": choices, "parse": parse})
 
 
 @dataclass
 class EngineConfig:
-    model: str
-    tokenizer: str | None = None  # defaults to the model folder
-    dtype: str = "auto"  # auto | float32 | bfloat16 | float16
-    cpu_half_compute: str = "auto"  # auto | native | float32: see engine/dtypes.py
-    device: str = "auto"  # auto | cpu | cuda | cuda:N
-    load_format: str = "auto"  # auto | safetensors | dummy
-    seed: int = 0  # dummy weights and unseeded sampling
-    # KV cache
-    page_size: int = 16
-    num_pages: int | None = None  # explicit pool size; overrides the memory budget
-    kv_cache_memory: int | None = None  # bytes for the pool on CPU (default 4 GiB, capped by need)
-    gpu_memory_utilization: float = 0.85  # share of free GPU memory for the pool
-    kv_cache_dtype: str = "auto"  # auto (the weights' dtype) | float32 | bfloat16 | float16
-    cache: str = "radix"  # radix | naive
-    # Scheduling
-    max_model_len: int | None = None  # defaults to the config's max_position_embeddings
-    max_running_requests: int = 256
-    max_prefill_tokens: int = 8192  # prefill tokens of one step; longer prompts are chunked
-    decode_reserve_tokens: int = 64  # KV room a request must have beyond its prompt to be admitted
-    overlap: bool = True  # prepare step N+1 while step N runs
-    attention_backend: str = "auto"
-    num_threads: int | None = None  # torch intra-op threads on CPU
-    debug_integrity: bool = False  # check the KV bookkeeping whenever the scheduler goes idle
+    model: str = option(help="a Hugging Face folder or model id", group="model")
+    tokenizer: str | None = option(None, help="tokenizer folder (default: the model's)", group="model")
+    dtype: str = option("auto", help="auto | float32 | bfloat16 | float16", group="model")
+    cpu_half_compute: str = option(
+        "auto", group="model", choices=("auto", "native", "float32"),
+        help="half-precision math on CPU: native, or float32 with rounded weights (auto: float32 unless the CPU "
+        "has AVX512-BF16/AMX); see engine/dtypes.py",
+    )
+    device: str = option("auto", help="auto | cpu | cuda | cuda:N", group="model")
+    load_format: str = option(
+        "auto", choices=("auto", "safetensors", "dummy"), group="model",
+        help="dummy: random weights of the config's shapes",
+    )
+    seed: int = option(0, help="for dummy weights and unseeded sampling", group="model")
+
+    page_size: int = option(16, help="tokens per KV page", group="KV cache")
+    num_pages: int | None = option(None, help="KV pool size in pages (overrides the memory budget)", group="KV cache")
+    kv_cache_memory: int | None = option(
+        None, parse=parse_bytes, group="KV cache",
+        help="KV pool bytes on CPU, e.g. 4GiB (default: 4GiB, capped by what the requests could use)",
+    )
+    gpu_memory_utilization: float = option(0.85, help="share of free GPU memory for the KV pool", group="KV cache")
+    kv_cache_dtype: str = option(
+        "auto", help="auto (the weights' dtype) | float32 | bfloat16 | float16", group="KV cache"
+    )
+    cache: str = option("radix", choices=("radix", "naive"), help="prefix cache", group="KV cache")
+
+    max_model_len: int | None = option(None, help="context limit (default: the model's)", group="scheduling")
+    max_running_requests: int = option(256, help="requests decoding at once (page-table slots)", group="scheduling")
+    max_prefill_tokens: int = option(
+        8192, help="prefill tokens per step; longer prompts are chunked", group="scheduling"
+    )
+    decode_reserve_tokens: int = option(
+        64, help="KV room a request must have beyond its prompt to be admitted", group="scheduling"
+    )
+    overlap: bool = option(
+        True, help="plain sequential loop instead of preparing step N+1 while step N runs", group="scheduling"
+    )
+    attention_backend: str = option("auto", choices=ATTENTION_BACKENDS, help="attention kernels", group="scheduling")
+    num_threads: int | None = option(None, help="torch intra-op threads on CPU", group="scheduling")
+    debug_integrity: bool = option(
+        False, help="check the KV bookkeeping whenever the scheduler goes idle", group="scheduling"
+    )
 
 
 @dataclass
 class ServerArgs:
-    engine: EngineConfig
-    host: str = "127.0.0.1"
-    port: int = 8000
-    served_model_name: str | None = None
-    chat_template: str | None = None  # a file that overrides the tokenizer's template
-    api_key: str | None = None
-    tokenizer_workers: int = 4
-    log_level: str = "info"
+    engine: EngineConfig  # its options come from its own fields
+    host: str = option("127.0.0.1", help="address to listen on", group="HTTP")
+    port: int = option(8000, help="port to listen on", group="HTTP")
+    served_model_name: str | None = option(None, help="the name clients use (default: --model)", group="model")
+    chat_template: str | None = option(
+        None, help="a Jinja file that replaces the tokenizer's chat template", group="model"
+    )
+    api_key: str | None = option(None, help="require `Authorization: Bearer KEY` on /v1 routes", group="HTTP")
+    tokenizer_workers: int = option(4, help="threads that tokenize requests", group="HTTP")
+    log_level: str = option("info", choices=("debug", "info", "warning", "error"), help="logging level", group="HTTP")
 
     @property
     def model_name(self) -> str:

@@ -73,3 +73,9 @@ def shard_range(total: int, tp: TPGroup | None = None) -> tuple[int, int]:
         raise ValueError(f"{total} does not divide evenly over {tp.size} ranks")
     per_rank = total // tp.size
     return tp.rank * per_rank, (tp.rank + 1) * per_rank
+
+
+def kv_heads_per_rank(num_kv_heads: int, tp_size: int) -> int:
+    """KV heads on each rank: an even share, or one replicated head per rank
+    when there are fewer KV heads than ranks."""
+    return max(1, num_kv_heads // tp_size)

@@ -12,21 +12,19 @@ from __future__ import annotations
 
 import asyncio
 import itertools
-import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any
 
 from tqdm import tqdm
 
 from aioserve.config import EngineConfig
-from aioserve.output_stream import OutputStream, TopLogprobs
+from aioserve.output_stream import OutputStream, PromptLogprobs, TopLogprobs
 from aioserve.sampling_params import SamplingParams
 from aioserve.scheduler.factory import build_scheduler
 from aioserve.scheduler.request import Request, RequestEvent
 from aioserve.tokenizer import Tokenizer
-
-logger = logging.getLogger(__name__)
 
 Prompt = str | list[int]
 
@@ -39,7 +37,7 @@ class GenerationOutput:
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)  # of each chosen token
     top_logprobs: list[TopLogprobs | None] = field(default_factory=list)
-    prompt_logprobs: list | None = None
+    prompt_logprobs: PromptLogprobs | None = None
     finish_reason: str | None = None  # stop | length | abort | error
     num_cached_tokens: int = 0
 
@@ -76,8 +74,8 @@ class LLM:
             ids = self.encode(prompt)
             output = GenerationOutput(prompt if isinstance(prompt, str) else None, ids)
             rid = f"offline-{next(self._ids)}"
-            stream = OutputStream(self.tokenizer, ids, params)
-            request = Request(rid, ids, params, sink=self._sink(rid, stream, output, bar))
+            stream = OutputStream(self.tokenizer, ids, params, end_request=partial(self.scheduler.abort, rid, "stop"))
+            request = Request(rid, ids, params, sink=self._sink(stream, output, bar))
             self.scheduler.submit(request)  # RequestRejected (a ValueError) for impossible prompts
             outputs.append(output)
             rids.append(rid)
@@ -89,13 +87,12 @@ class LLM:
             bar.close()
         return outputs
 
-    def _sink(self, rid: str, stream: OutputStream, output: GenerationOutput, bar: tqdm):
+    @staticmethod
+    def _sink(stream: OutputStream, output: GenerationOutput, bar: tqdm) -> Callable[[RequestEvent], None]:
         def on_event(event: RequestEvent) -> None:
             if stream.finished:
                 return
             stream.add(event)
-            if stream.stop_string_hit:
-                self.scheduler.abort(rid, "stop")
             if stream.finished:
                 output.text = stream.text
                 output.token_ids = stream.token_ids
@@ -119,6 +116,6 @@ class LLM:
         return self.scheduler.stats
 
     def close(self) -> None:
-        self.scheduler.executor.shutdown()
+        self.scheduler.shutdown()
         self.tokenizer.shutdown()
         self._loop.close()

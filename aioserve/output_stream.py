@@ -1,9 +1,12 @@
 """From a request's scheduler events to what a client sees: text deltas
-(incrementally detokenized, cut at stop strings), token ids, logprobs, the
-finish reason and usage. Shared by the HTTP handlers and the offline API."""
+(incrementally detokenized, cut at stop strings), token ids, logprobs, where
+each token's text starts, the finish reason and usage. Shared by the HTTP
+handlers and the offline API, which is why ending a request at a stop string
+happens here too: both consumers would otherwise have to remember it."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from aioserve.sampling_params import SamplingParams
@@ -11,33 +14,54 @@ from aioserve.scheduler.request import RequestEvent
 from aioserve.tokenizer import IncrementalDetokenizer, StopStringMatcher, Tokenizer
 
 TopLogprobs = list[tuple[int, float]]
+PromptLogprobs = list[tuple[float, TopLogprobs] | None]
 
 
 @dataclass
 class OutputDelta:
-    """What changed since the last delta."""
+    """What changed since the last delta (or, from `OutputStream.whole`, everything)."""
 
     text: str = ""
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
     top_logprobs: list[TopLogprobs | None] = field(default_factory=list)
+    # Where each token's text starts in the stream's whole text. A token that
+    # completes nothing yet (the first bytes of a multi-byte character, a
+    # skipped special token) starts where the next character will.
+    text_offsets: list[int] = field(default_factory=list)
     finish_reason: str | None = None
+
+    @property
+    def changed(self) -> bool:
+        return bool(self.text or self.token_ids or self.finish_reason)
 
 
 class OutputStream:
-    def __init__(self, tokenizer: Tokenizer, prompt_ids: list[int], params: SamplingParams) -> None:
+    def __init__(
+        self,
+        tokenizer: Tokenizer,
+        prompt_ids: list[int],
+        params: SamplingParams,
+        end_request: Callable[[], object] | None = None,
+    ) -> None:
+        """`end_request` is called once when a stop string ends the text: the
+        scheduler does not know text, so the consumer must stop the request
+        (`scheduler.abort(rid, "stop")`) or it would run to max_tokens."""
         self.prompt_ids = prompt_ids
         self.params = params
+        self._end_request = end_request
         self._detok = IncrementalDetokenizer(tokenizer, prompt_ids, params.skip_special_tokens)
         self._stops = StopStringMatcher(params.stop, params.include_stop_str_in_output)
+        self._detok_text = ""  # everything detokenized, before stop strings cut it
         self.text = ""
         self.token_ids: list[int] = []
         self.logprobs: list[float] = []
         self.top_logprobs: list[TopLogprobs | None] = []
+        self.text_offsets: list[int] = []
         self.finish_reason: str | None = None
-        self.stop_string_hit = False  # the consumer must then end the request (scheduler.abort(.., "stop"))
+        self.matched_stop: str | int | None = None  # the stop string, or the token id that stopped it
         self.num_cached_tokens = 0
-        self.prompt_logprobs: list | None = None
+        self.prompt_logprobs: PromptLogprobs | None = None
         self.error: str | None = None
 
     @property
@@ -57,19 +81,41 @@ class OutputStream:
             self.error = event.error
         text = ""
         if event.token_id is not None:
-            self.token_ids.append(event.token_id)
-            self.logprobs.append(event.logprob)  # type: ignore[arg-type]
-            self.top_logprobs.append(event.top_logprobs)
-            delta.token_ids.append(event.token_id)
-            delta.logprobs.append(event.logprob)  # type: ignore[arg-type]
-            delta.top_logprobs.append(event.top_logprobs)
-            text, self.stop_string_hit = self._stops.feed(self._detok.step(event.token_id))
-            if self.stop_string_hit:
+            self._add_token(event, delta)
+            piece = self._detok.step(event.token_id)
+            self._detok_text += piece
+            text, stop_string_hit = self._stops.feed(piece)
+            if stop_string_hit:
                 self.finish_reason = "stop"
+                self.matched_stop = self._first_stop_string()
+                if self._end_request is not None:
+                    self._end_request()
         if event.finish_reason is not None and not self.finished:
             self.finish_reason = event.finish_reason
+            if event.finish_reason == "stop" and event.token_id is not None:
+                self.matched_stop = event.token_id  # EOS or a stop token id
             text += self._stops.flush()
         self.text += text
         delta.text += text
         delta.finish_reason = self.finish_reason
         return delta
+
+    def whole(self) -> OutputDelta:
+        """Everything so far, as one delta."""
+        return OutputDelta(
+            self.text, self.token_ids, self.logprobs, self.top_logprobs, self.text_offsets, self.finish_reason
+        )
+
+    def _add_token(self, event: RequestEvent, delta: OutputDelta) -> None:
+        offset = len(self._detok_text)
+        for stream in (self, delta):
+            stream.token_ids.append(event.token_id)  # type: ignore[arg-type]
+            stream.logprobs.append(event.logprob)  # type: ignore[arg-type]
+            stream.top_logprobs.append(event.top_logprobs)
+            stream.text_offsets.append(offset)
+
+    def _first_stop_string(self) -> str:
+        """The stop string that matched: the earliest in the text (the matcher
+        would have stopped at any earlier one), ties broken as the matcher does."""
+        hits = [(i, s) for s in self.params.stop if s and (i := self._detok_text.find(s)) >= 0]
+        return min(hits)[1] if hits else ""

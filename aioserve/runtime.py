@@ -48,7 +48,7 @@ async def serve(args: ServerArgs) -> None:
         logger.info("shutting down")
         scheduler.stop()
         await asyncio.wait_for(ctx.scheduler_task, timeout=30)
-        scheduler.executor.shutdown()
+        scheduler.shutdown()
         tokenizer.shutdown()
 
 

@@ -19,7 +19,7 @@ class SamplingParamsError(ValueError):
 
 @dataclass
 class SamplingParams:
-    max_tokens: int | None = 16  # None: until the context is full
+    max_tokens: int | None = 16  # None: until the context (or the KV pool) is full; 0: score the prompt only
     temperature: float = 1.0  # 0 means greedy
     top_p: float = 1.0
     top_k: int = -1  # -1 or 0: off
@@ -58,8 +58,8 @@ class SamplingParams:
 
     def validate(self, vocab_size: int | None = None) -> None:
         """Raise SamplingParamsError for any value a sampler cannot honour."""
-        if self.max_tokens is not None and self.max_tokens < 1:
-            raise SamplingParamsError("max_tokens must be at least 1", "max_tokens")
+        if self.max_tokens is not None and self.max_tokens < 0:
+            raise SamplingParamsError("max_tokens must not be negative", "max_tokens")
         if not 0.0 <= self.temperature <= 100.0:
             raise SamplingParamsError("temperature must be in [0, 100]", "temperature")
         if not 0.0 < self.top_p <= 1.0:

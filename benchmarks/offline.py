@@ -12,47 +12,31 @@ import json
 import logging
 import random
 import time
+from dataclasses import asdict
 
 from aioserve import LLM, SamplingParams
-from aioserve.cli import parse_bytes
+from aioserve.cli import add_options, engine_config
+from aioserve.config import EngineConfig
 
 logger = logging.getLogger("benchmarks.offline")
 
 
 def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", required=True)
     p.add_argument("--num-prompts", type=int, default=64)
     p.add_argument("--input-len", type=int, nargs=2, default=[64, 512], metavar=("LO", "HI"))
     p.add_argument("--output-len", type=int, nargs=2, default=[64, 256], metavar=("LO", "HI"))
-    p.add_argument("--dtype", default="auto")
-    p.add_argument("--load-format", default="auto")
-    p.add_argument("--page-size", type=int, default=16)
-    p.add_argument("--kv-cache-memory", type=parse_bytes, default=None, help="KV pool bytes, e.g. 8GiB")
-    p.add_argument("--max-prefill-tokens", type=int, default=8192)
-    p.add_argument("--max-model-len", type=int, default=None)
-    p.add_argument("--cache", default="radix")
-    p.add_argument("--no-overlap", action="store_true")
-    p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", help="write the results here")
+    add_options(p, EngineConfig)  # every engine option of `aioserve serve`; --seed also seeds the prompts
+    # This script's older spelling of --disable-overlap.
+    p.add_argument("--no-overlap", dest="overlap", action="store_false", help=argparse.SUPPRESS)
     return p.parse_args()
 
 
 def main() -> None:
     args = parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
-    llm = LLM(
-        args.model,
-        dtype=args.dtype,
-        load_format=args.load_format,
-        page_size=args.page_size,
-        kv_cache_memory=args.kv_cache_memory,
-        max_prefill_tokens=args.max_prefill_tokens,
-        max_model_len=args.max_model_len,
-        cache=args.cache,
-        overlap=not args.no_overlap,
-        seed=args.seed,
-    )
+    llm = LLM(**asdict(engine_config(args)))
     rng = random.Random(args.seed)
     # Ids from the middle of the vocabulary: real tokens, never special ones.
     low, high = min(1000, llm.engine.vocab_size // 4), llm.engine.vocab_size // 2

@@ -10,6 +10,9 @@ in one run, on servers this script starts itself.
     python benchmarks/dummy_model.py --tokenizer ../shared/tokenizers/qwen3 --out /tmp/qwen3-mini \\
         --layers 8 --hidden 512 --intermediate 1536 --heads 8 --kv-heads 4 --head-dim 64
     python benchmarks/prefix_and_chunking.py --model /tmp/qwen3-mini --load-format dummy
+
+Any option this script does not know is an `aioserve serve` flag and goes to
+every server as written (so does --server-args "FLAGS", the older spelling).
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ import time
 import httpx
 import numpy as np
 
+from aioserve.cli import parse_serve_args
 from aioserve.server_process import ServerProcess
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -37,8 +41,6 @@ logger = logging.getLogger("benchmarks.prefix_and_chunking")
 def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", required=True)
-    p.add_argument("--load-format", default="auto")
-    p.add_argument("--dtype", default="auto")
     p.add_argument("--workload", choices=["prefix", "chunking", "both"], default="both")
     p.add_argument("--server-args", default="", help="extra flags for every server")
     # prefix workload
@@ -59,11 +61,14 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--vocab-high", type=int, default=30000)
     p.add_argument("--json", help="write all results here")
     p.add_argument("--plot", help="PNG: ITL distributions of the chunking workload")
-    return p.parse_args()
+    args, serve_flags = p.parse_known_args()
+    args.serve_flags = [*args.server_args.split(), *serve_flags]
+    parse_serve_args(["--model", args.model, *args.serve_flags])  # a bad flag fails here, not in a server's log
+    return args
 
 
 def server_for(args: argparse.Namespace, extra: list[str], name: str) -> ServerProcess:
-    flags = ["--load-format", args.load_format, "--dtype", args.dtype, *args.server_args.split(), *extra]
+    flags = [*args.serve_flags, *extra]  # extra last: argparse keeps an option's last value
     log = os.path.join(tempfile.gettempdir(), f"aioserve-bench-{name}.log")
     logger.info("starting %s: %s", name, " ".join(flags))
     return ServerProcess.start(args.model, *flags, log_path=log)

@@ -3,8 +3,11 @@ concurrency levels against it; print one table.
 
     python benchmarks/serving_sweep.py --model ../shared/models/stories260K --concurrency 1 16 64 \\
         --input-len 64 --output-len 128
-    python benchmarks/serving_sweep.py --model ../shared/tokenizers/qwen3 --server-args "--load-format dummy --dtype bfloat16" \\
+    python benchmarks/serving_sweep.py --model ../shared/tokenizers/qwen3 --load-format dummy --dtype bfloat16 \\
         --concurrency 1 16 64 --input-len 64 --output-len 64 --vocab-high 30000
+
+Any option this script does not know is an `aioserve serve` flag and goes to
+the server as written (so does --server-args "FLAGS", the older spelling).
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ import os
 import sys
 import tempfile
 
+from aioserve.cli import parse_serve_args
 from aioserve.server_process import ServerProcess
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -33,7 +37,7 @@ COLUMNS = [
 def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", required=True)
-    p.add_argument("--server-args", default="")
+    p.add_argument("--server-args", default="", help="`aioserve serve` flags, as one string")
     p.add_argument("--concurrency", type=int, nargs="+", default=[1, 16, 64])
     p.add_argument("--requests-per-level", type=int, default=0, help="default: max(concurrency, 4)")
     p.add_argument("--input-len", type=int, default=64)
@@ -41,7 +45,10 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--vocab-low", type=int, default=100)
     p.add_argument("--vocab-high", type=int, default=500)
     p.add_argument("--json", help="write all summaries here")
-    return p.parse_args()
+    args, serve_flags = p.parse_known_args()
+    args.serve_flags = [*args.server_args.split(), *serve_flags]
+    parse_serve_args(["--model", args.model, *args.serve_flags])  # a bad flag fails here, not in the server's log
+    return args
 
 
 def cell(summary: dict, key: object) -> str:
@@ -56,7 +63,7 @@ def main() -> None:
     args = parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
     log = os.path.join(tempfile.gettempdir(), "aioserve-sweep.log")
-    server = ServerProcess.start(args.model, *args.server_args.split(), log_path=log)
+    server = ServerProcess.start(args.model, *args.serve_flags, log_path=log)
     rows, summaries = [], {}
     try:
         for level in args.concurrency:
@@ -73,13 +80,14 @@ def main() -> None:
         server.stop()
     headers = [name for name, _ in COLUMNS]
     widths = [max(len(h), *(len(r[i]) for r in rows)) for i, h in enumerate(headers)]
-    print(f"\n{args.model} ({args.server_args or 'defaults'}); {args.input_len} in / {args.output_len} out; ms")
+    print(f"\n{args.model} ({' '.join(args.serve_flags) or 'defaults'}); {args.input_len} in / {args.output_len} out; ms")
     print("  ".join(h.rjust(w) for h, w in zip(headers, widths)))
     for row in rows:
         print("  ".join(c.rjust(w) for c, w in zip(row, widths)))
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"model": args.model, "server_args": args.server_args, "levels": summaries}, f, indent=2)
+            results = {"model": args.model, "server_args": " ".join(args.serve_flags), "levels": summaries}
+            json.dump(results, f, indent=2)
 
 
 if __name__ == "__main__":

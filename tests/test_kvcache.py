@@ -61,49 +61,112 @@ def test_flush_refuses_while_locked() -> None:
 
 def test_manager_release_and_integrity() -> None:
     kv = KVManager(num_pages=9, page_size=2, max_requests=2, max_pages_per_request=4, cache="radix")
-    slot = kv.table.alloc_slot()
-    pages = kv.allocate(3)
     tokens = [1, 2, 3, 4, 5]
-    kv.check_integrity([pages], [slot])
+    handle = kv.admit(tokens)
+    assert handle is not None and len(handle.own_pages) == 3 and handle.kv_done == 0
+    kv.check_integrity([handle])
     # 5 tokens computed: two whole pages cached, the third freed.
-    kv.release(tokens, pages, None, kv_done=5, slot=slot)
-    kv.check_integrity([], [])
+    handle.computed(5)
+    kv.release(handle, tokens)
+    kv.check_integrity([])
     assert kv.cache.num_pages == 2 and kv.allocator.num_free == 6
+    with pytest.raises(RuntimeError, match="after release"):
+        handle.computed(6)
     # Allocation beyond the free list evicts cached pages.
     assert len(kv.allocate(8)) == 8 and kv.cache.num_pages == 0
     with pytest.raises(AssertionError, match="out of place"):
-        kv.check_integrity([], [])  # 8 pages allocated but claimed by nobody
+        kv.check_integrity([])  # 8 pages allocated but claimed by nobody
 
 
 def test_share_computed_pages_of_running_requests() -> None:
     kv = KVManager(num_pages=12, page_size=2, max_requests=2, max_pages_per_request=4, cache="radix")
     tokens = [1, 2, 3, 4, 5, 6]
     # Two requests computed the same prompt side by side, each in its own pages.
-    slot_a, slot_b = kv.table.alloc_slot(), kv.table.alloc_slot()
-    pages_a, pages_b = kv.allocate(3), kv.allocate(3)
-    kv.table.write(slot_a, 0, pages_a)
-    kv.table.write(slot_b, 0, pages_b)
+    a, b = kv.admit(tokens), kv.admit(tokens)
+    assert a is not None and b is not None and a.slot != b.slot
+    pages_a, pages_b = a.pages, b.pages
     # A shares its two complete pages (5 tokens computed); the cache adopts them.
-    pages_a, match_a = kv.share_computed(tokens, pages_a, None, kv_done=5, slot=slot_a)
-    assert match_a.num_tokens == 4 and kv.cache.num_pages == 2 and kv.cache.num_evictable_pages == 0
-    kv.check_integrity([pages_a[2:], pages_b], [slot_a, slot_b])  # B still owns all three of its own
+    a.computed(5)
+    kv.share_computed(a, tokens)
+    assert a.prefix.num_tokens == 4 and kv.cache.num_pages == 2 and kv.cache.num_evictable_pages == 0
+    assert a.pages == pages_a and a.own_pages == pages_a[2:]
+    kv.check_integrity([a, b])  # B still owns all three of its own
     # B shares next: its copies are redundant, it switches to A's and frees its own.
     free_before = kv.allocator.num_free
-    pages_b, match_b = kv.share_computed(tokens, pages_b, None, kv_done=6, slot=slot_b)
-    assert pages_b[:2] == pages_a[:2] and kv.allocator.num_free == free_before + 2
-    assert kv.table.rows([slot_b], 3).tolist() == [pages_b]
-    kv.check_integrity([pages_a[2:], pages_b[3:]], [slot_a, slot_b])
+    b.computed(6)
+    kv.share_computed(b, tokens)
+    assert b.pages[:2] == pages_a[:2] and kv.allocator.num_free == free_before + 2
+    assert kv.table.rows([b.slot], 3).tolist() == [b.pages]
+    assert b.own_pages == [] and b.pages[2] == pages_b[2]
+    kv.check_integrity([a, b])
     # B's third page is complete too (6 tokens): it joins the cache under A's two.
-    assert match_b.num_tokens == 6 and kv.cache.num_pages == 3
+    assert b.prefix.num_tokens == 6 and kv.cache.num_pages == 3
     # Nothing new to share: unchanged.
-    assert kv.share_computed(tokens, pages_b, match_b, kv_done=6, slot=slot_b) == (pages_b, match_b)
-    kv.release(tokens, pages_a, match_a, kv_done=6, slot=slot_a)
-    kv.release(tokens, pages_b, match_b, kv_done=6, slot=slot_b)
-    kv.check_integrity([], [])
+    before = (b.pages, b.prefix)
+    kv.share_computed(b, tokens)
+    assert (b.pages, b.prefix) == before
+    a.computed(6)
+    kv.release(a, tokens)
+    kv.release(b, tokens)
+    kv.check_integrity([])
     assert kv.cache.num_evictable_pages == kv.cache.num_pages == 3
 
 
 def test_naive_cache_shares_nothing() -> None:
     kv = KVManager(num_pages=6, page_size=2, max_requests=1, max_pages_per_request=4, cache="naive")
-    slot, pages = kv.table.alloc_slot(), kv.allocate(2)
-    assert kv.share_computed([1, 2, 3, 4], pages, None, kv_done=4, slot=slot) == (pages, None)
+    handle = kv.admit([1, 2, 3, 4])
+    assert handle is not None
+    pages = handle.pages
+    handle.computed(4)
+    kv.share_computed(handle, [1, 2, 3, 4])
+    assert handle.pages == pages and handle.prefix.num_tokens == 0
+
+
+def test_kv_handle_lifecycle_keeps_integrity() -> None:
+    """admit / extend / share / preempt (release) / readmit / release: the
+    integrity check holds after every move, and the cache serves the
+    preempted request's computed pages back at readmission."""
+    kv = KVManager(num_pages=10, page_size=2, max_requests=2, max_pages_per_request=8, cache="radix")
+    prompt = [5, 6, 7, 8, 9]
+    first = kv.admit(prompt)
+    assert first is not None and first.kv_len == first.kv_done == 0
+    kv.check_integrity([first])
+    # A second request sharing no prefix; the pool keeps headroom for it.
+    other = kv.admit([1, 1, 1], headroom_pages=2)
+    assert other is not None
+    kv.check_integrity([first, other])
+    # Prefill computed, then decoding grows it page by page.
+    first.scheduled(5)
+    first.computed(5)
+    kv.share_computed(first, prompt)
+    kv.check_integrity([first, other])
+    tokens = prompt + [10, 11, 12]
+    for length in (6, 7, 8):
+        assert kv.extend(first, length)
+        first.scheduled(length)
+        first.computed(length - 1)  # the newest token's KV lands a step later
+        kv.check_integrity([first, other])
+    assert first.num_pages == kv.pages_for(8)
+    # Ask for more than the pool has: refused, nothing changes.
+    held = first.pages
+    assert not kv.extend(first, 2 * 8) and first.pages == held
+    kv.check_integrity([first, other])
+    # Preempt: computed whole pages go to the cache, the rest is freed.
+    kv.release(first, tokens)
+    kv.check_integrity([other])
+    assert kv.cache.num_pages == 3  # 7 computed tokens = 3 whole pages
+    # Readmission matches them (never the last token) and needs one page more.
+    again = kv.admit(tokens)
+    assert again is not None and again.kv_done == again.prefix.num_tokens == 6
+    assert len(again.own_pages) == 1
+    kv.check_integrity([again, other])
+    # Admission that cannot keep the asked headroom holds nothing.
+    free = kv.allocator.num_free
+    assert kv.admit([3, 3, 3, 3], headroom_pages=kv.num_available_pages) is None
+    assert kv.allocator.num_free == free
+    kv.check_integrity([again, other])
+    again.computed(8)
+    kv.release(again, tokens)
+    kv.release(other, [1, 1, 1])
+    kv.check_integrity([])
+    assert kv.allocator.num_free + kv.cache.num_evictable_pages == kv.num_usable_pages

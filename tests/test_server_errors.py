@@ -30,7 +30,7 @@ def assert_error(response: httpx.Response, status: int, param: str | None = None
         ({"prompt": "hi", "temperature": -1}, 400, "temperature"),
         ({"prompt": "hi", "top_p": 0}, 400, "top_p"),
         ({"prompt": "hi", "n": 0}, 400, "n"),
-        ({"prompt": "hi", "max_tokens": 0}, 400, "max_tokens"),
+        ({"prompt": "hi", "max_tokens": -1}, 400, "max_tokens"),  # 0 is fine: it scores the prompt
         ({"max_tokens": 4}, 400, "prompt"),
         ({"prompt": []}, 400, "prompt"),
         ({"prompt": "hi", "logit_bias": {"abc": 1}}, 400, "logit_bias"),
@@ -69,6 +69,8 @@ def test_bad_chat_requests(stories_server, chat_server) -> None:
         ({"messages": [{"role": "user", "content": "hi"}], "tools": [{"type": "function"}]}, "tools"),
         ({"messages": [{"role": "user", "content": "hi"}], "top_logprobs": 2}, "top_logprobs"),
         ({"messages": [{"role": "user", "content": "hi"}], "max_completion_tokens": 5000}, "max_tokens"),
+        ({"messages": [{"role": "user", "content": "hi"}], "max_tokens": 0}, "max_tokens"),
+        ({"messages": [{"role": "user", "content": [{"type": "input_audio"}]}]}, "messages.0.content"),
     ]:
         assert_error(post(chat_server, "/v1/chat/completions", json=body), 400, param)
 
@@ -76,6 +78,19 @@ def test_bad_chat_requests(stories_server, chat_server) -> None:
 def test_token_endpoints_reject_bad_input(stories_server) -> None:
     assert_error(post(stories_server, "/detokenize", json={"tokens": [1, -5]}), 400, "tokens")
     assert_error(post(stories_server, "/tokenize", json={}), 400, "prompt")
+
+
+def test_a_client_leaving_a_whole_response_aborts_it_quietly(stories_server) -> None:
+    before = stories_server.info()["stats"]["aborted"]
+    log_start = len(stories_server.log())
+    body = {"prompt": "hi", "max_tokens": 500, "ignore_eos": True, "temperature": 0}
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(f"{stories_server.url}/v1/completions", json=body, timeout=0.3)
+    info = stories_server.wait_idle(timeout=10)
+    assert info["stats"]["aborted"] == before + 1
+    log = stories_server.log()[log_start:]
+    assert "client left; aborted" in log
+    assert "Traceback" not in log and "InvalidStateError" not in log
 
 
 def test_server_is_fine_after_all_that(stories_server) -> None:

@@ -82,3 +82,36 @@ def test_multibyte_text_is_detokenized_whole(llm: LLM) -> None:
     assert "".join(deltas) == " a 🙂 b"
     assert "\ufffd" not in "".join(deltas)
     assert deltas.count("") >= 3  # the emoji's first three bytes emit nothing yet
+
+
+def test_output_stream_ends_the_request_once_at_a_stop_string(llm: LLM) -> None:
+    from aioserve.output_stream import OutputStream
+    from aioserve.scheduler import RequestEvent
+
+    full = llm.generate(PROMPT, greedy(max_tokens=32))[0]
+    ended: list[bool] = []
+    params = greedy(stop=["zzz", "l named L"])
+    stream = OutputStream(llm.tokenizer, llm.tokenizer.encode(PROMPT), params, end_request=lambda: ended.append(True))
+    for token_id in full.token_ids:  # the scheduler may still send tokens computed after the stop
+        stream.add(RequestEvent(token_id=token_id, logprob=0.0))
+    stream.add(RequestEvent(finish_reason="stop"))  # the abort's echo
+    assert ended == [True]
+    assert stream.text == full.text[: full.text.index("l named L")]
+    assert stream.finish_reason == "stop" and stream.matched_stop == "l named L"
+    assert len(stream.token_ids) < len(full.token_ids)
+
+
+def test_text_offsets_follow_the_detokenized_text(llm: LLM) -> None:
+    from aioserve.output_stream import OutputStream
+    from aioserve.scheduler import RequestEvent
+
+    ids = llm.tokenizer.encode("a 🙂 b", add_special_tokens=False)
+    stream = OutputStream(llm.tokenizer, llm.tokenizer.encode(PROMPT), SamplingParams())
+    for token_id in ids:
+        stream.add(RequestEvent(token_id=token_id, logprob=0.0))
+    assert stream.text == " a 🙂 b"
+    # The emoji's four byte tokens all start where the emoji does.
+    assert stream.text_offsets == [0, 2, 3, 3, 3, 3, 4]
+    # A stop token id is what matched.
+    stream.add(RequestEvent(token_id=2, logprob=0.0, finish_reason="stop"))
+    assert stream.matched_stop == 2 and stream.text_offsets[-1] == len(stream.text)

@@ -21,6 +21,7 @@ from aioserve.engine.sampler import sample
 from aioserve.kvcache.kv_pool import RESERVED_PAGES, KVPool
 from aioserve.models.model_config import ModelConfig
 from aioserve.models.weight_loader import build_model
+from aioserve.placeholders import PreviousStepTokens
 
 logger = logging.getLogger(__name__)
 
@@ -72,18 +73,17 @@ class Engine:
         )
         self.page_size = config.page_size
         self.num_pages = self._num_pages()
-        attn = self.model.model.layers[0].self_attn.qkv_proj
         self.pool = KVPool(
             self.model_config.num_layers,
             self.num_pages,
             self.page_size,
-            attn.num_kv_heads,
+            self.model_config.kv_heads_per_rank(get_tp_group().size),
             self.model_config.head_dim,
             self.kv_dtype,
             self.device,
         )
         self.attention = create_backend(config.attention_backend, self.pool)
-        self._last_tokens = torch.zeros(0, dtype=torch.long, device=self.device)
+        self.previous = PreviousStepTokens(self.device)  # fills the next plan's placeholders
         logger.info(
             "loaded %s (%s; weights %s, compute %s, KV %s) on %s; KV pool: %d pages x %d = %d tokens",
             self.model_path,
@@ -117,8 +117,7 @@ class Engine:
         cfg = self.config
         if cfg.num_pages is not None:
             return cfg.num_pages
-        tp = get_tp_group()
-        kv_heads = max(1, self.model_config.num_kv_heads // tp.size)
+        kv_heads = self.model_config.kv_heads_per_rank(get_tp_group().size)
         page_bytes = KVPool.bytes_per_page(
             self.model_config.num_layers, self.page_size, kv_heads, self.model_config.head_dim, self.kv_dtype
         )
@@ -131,13 +130,6 @@ class Engine:
         pages_per_request = -(-self.max_model_len // self.page_size)
         useful = cfg.max_running_requests * pages_per_request + RESERVED_PAGES
         return max(RESERVED_PAGES + 1, min(budget // page_bytes, useful))
-
-    def _resolve(self, ids: torch.Tensor) -> torch.Tensor:
-        """Fill placeholders -(row + 1) with the previous step's sampled tokens."""
-        if self._last_tokens.numel() == 0:
-            return ids
-        rows = (-ids - 1).clamp(0, self._last_tokens.numel() - 1)
-        return torch.where(ids < 0, self._last_tokens[rows], ids)
 
     def forward(self, plan: BatchPlan) -> StepOutput:
         """Run one step and wait for it: the output is on the CPU."""
@@ -152,7 +144,7 @@ class Engine:
     def launch(self, plan: BatchPlan) -> StepOutput:
         """Enqueue one step on the current stream; the output stays on the device."""
         host_plan, plan = plan, plan.to(self.device)
-        input_ids = self._resolve(plan.input_ids)
+        input_ids = self.previous.resolve(plan.step, plan.input_ids, host_plan.input_ids)
         meta = self.attention.prepare(plan, host_plan)
         hidden = self.model(input_ids, plan.positions, meta)
         empty = torch.zeros(0, dtype=torch.long, device=self.device)
@@ -160,12 +152,14 @@ class Engine:
         if plan.sampling is not None:
             st = plan.sampling
             if st.has_penalties:
-                st.output_token_ids = self._resolve(st.output_token_ids)
-                st.seen_token_ids = self._resolve(st.seen_token_ids)
+                host_st = host_plan.sampling
+                assert host_st is not None
+                st.output_token_ids = self.previous.resolve(plan.step, st.output_token_ids, host_st.output_token_ids)
+                st.seen_token_ids = self.previous.resolve(plan.step, st.seen_token_ids, host_st.seen_token_ids)
             sampled = sample(self.model.compute_logits(hidden[plan.logits_indices]), st)
             output.next_token_ids, output.logprobs = sampled.token_ids, sampled.logprobs
             output.top_ids, output.top_logprobs = sampled.top_ids, sampled.top_logprobs
-        self._last_tokens = output.next_token_ids
+        self.previous.record(plan.step, output.next_token_ids)
         if plan.prompt_logprobs is not None:
             self._prompt_logprobs(hidden, plan, output)
         return output

@@ -1,6 +1,9 @@
 """The scheduler's view of KV memory: free pages, the page table's slots and
 the prefix cache, kept consistent with each other.
 
+Each admitted request holds a `RequestKV` (its slot, locked prefix and own
+pages); the manager is the only writer of those and of the page table.
+
 Invariant (checked by `check_integrity`): every usable page is in exactly
 one place: the free list, the prefix cache, or the own pages of one running
 request; and every slot is either free or held by one running request.
@@ -16,6 +19,7 @@ from aioserve.kvcache.page_allocator import PageAllocator
 from aioserve.kvcache.page_table import PageTable
 from aioserve.kvcache.prefix_cache import NaiveCache, PrefixCache, PrefixMatch
 from aioserve.kvcache.radix_cache import RadixCache
+from aioserve.kvcache.request_kv import RequestKV
 
 logger = logging.getLogger(__name__)
 
@@ -35,9 +39,6 @@ class KVManager:
         self.table = PageTable(max_requests, max_pages_per_request)
         self.cache = create_prefix_cache(cache, page_size)
 
-    def pages_for(self, num_tokens: int) -> int:
-        return -(-num_tokens // self.page_size)
-
     @property
     def num_usable_pages(self) -> int:
         return self.allocator.num_usable
@@ -47,10 +48,8 @@ class KVManager:
         """Pages an allocation could get: free ones plus evictable cached ones."""
         return self.allocator.num_free + self.cache.num_evictable_pages
 
-    def match_and_lock(self, tokens: list[int]) -> PrefixMatch:
-        match = self.cache.match(tokens)
-        self.cache.lock(match)
-        return match
+    def pages_for(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.page_size)
 
     def allocate(self, count: int) -> list[int] | None:
         """`count` pages, evicting cached ones when the free list runs short."""
@@ -61,23 +60,47 @@ class KVManager:
             self.allocator.free(self.cache.evict(short))
         return self.allocator.alloc(count)
 
-    def release(self, tokens: list[int], pages: list[int], match: PrefixMatch | None, kv_done: int, slot: int) -> None:
-        """Give back a request's slot and pages.
+    # -- a request's KV: admit, extend, share, release --------------------------
 
-        Whole pages whose KV is complete (the first `kv_done` tokens) go to the
-        prefix cache; the rest, and copies the cache already had, are freed.
-        `pages` starts with the matched prefix's pages, which the cache owns.
-        """
-        full = min(kv_done // self.page_size, len(pages))
-        redundant = self.cache.insert(tokens[: full * self.page_size], pages[:full])
-        self.allocator.free(redundant + pages[full:])
-        if match is not None:
+    def admit(self, tokens: list[int], headroom_pages: int = 0, use_cache: bool = True) -> RequestKV | None:
+        """A slot and pages for all of `tokens`, reusing the longest cached
+        prefix, if the pool can give them and still keep `headroom_pages`
+        available; None (and nothing held) otherwise."""
+        if self.table.num_free_slots == 0:
+            return None
+        match = self.cache.match(tokens) if use_cache else PrefixMatch([], 0)
+        self.cache.lock(match)
+        need = self.pages_for(len(tokens)) - len(match.pages)
+        pages = self.allocate(need) if self.num_available_pages >= need + headroom_pages else None
+        if pages is None:
             self.cache.unlock(match)
-        self.table.free_slot(slot)
+            return None
+        slot = self.table.alloc_slot()
+        assert slot is not None
+        kv = RequestKV(slot, match, pages, kv_len=match.num_tokens, kv_done=match.num_tokens)
+        self.table.write(slot, 0, kv.pages)
+        return kv
 
-    def share_computed(
-        self, tokens: list[int], pages: list[int], match: PrefixMatch | None, kv_done: int, slot: int
-    ) -> tuple[list[int], PrefixMatch | None]:
+    def pages_short(self, kv: RequestKV, num_tokens: int) -> int:
+        """New pages `kv` needs to hold `num_tokens` tokens."""
+        return max(0, self.pages_for(num_tokens) - kv.num_pages)
+
+    def extend(self, kv: RequestKV, num_tokens: int) -> bool:
+        """Grow `kv` to hold `num_tokens` tokens; False (nothing changed) if
+        the pool cannot."""
+        short = self.pages_short(kv, num_tokens)
+        if short == 0:
+            return True
+        if len(kv.pages) + short > self.table.max_pages_per_request:
+            raise ValueError(f"{num_tokens} tokens exceed the page table's row")
+        pages = self.allocate(short)
+        if pages is None:
+            return False
+        self.table.write(kv.slot, kv.num_pages, pages)
+        kv.own_pages += pages
+        return True
+
+    def share_computed(self, kv: RequestKV, tokens: list[int]) -> None:
         """Hand the whole computed pages of a running request to the prefix
         cache, so requests admitted from now on can match them before this
         one finishes (concurrent prompts over one system prompt share it).
@@ -85,36 +108,53 @@ class KVManager:
         The request keeps reading them through a lock on the new match. Where
         the cache already had a page for the same tokens, the request switches
         to the cache's copy and its own is freed: a step still in flight may
-        read it, but only later steps can be handed it. Returns the request's
-        new page list and match."""
-        full = min(kv_done // self.page_size, len(pages))
-        held = len(match.pages) if match is not None else 0
-        if not self.cache.reuses or full <= held:
-            return pages, match
+        read it, but only later steps can be handed it."""
+        pages = kv.pages
+        full = min(kv.kv_done // self.page_size, len(pages))
+        if not self.cache.reuses or full <= len(kv.prefix.pages):
+            return
         redundant = self.cache.insert(tokens[: full * self.page_size], pages[:full])
         # One token past the pages: match never takes a prompt's last token.
         shared = self.cache.match(tokens[: full * self.page_size] + [-1])
         self.cache.lock(shared)
-        if match is not None:
-            self.cache.unlock(match)
+        self.cache.unlock(kv.prefix)
         if redundant:
-            self.table.write(slot, 0, shared.pages)
+            self.table.write(kv.slot, 0, shared.pages)
             self.allocator.free(redundant)
-        return shared.pages + pages[full:], shared
+        kv.prefix, kv.own_pages = shared, pages[full:]
+
+    def release(self, kv: RequestKV, tokens: list[int]) -> None:
+        """Give back a request's slot and pages (it finished, was aborted or
+        is preempted: the same thing to the pool).
+
+        Whole pages whose KV is complete (the first `kv_done` tokens) go to the
+        prefix cache, so a preempted request often finds most of them again;
+        the rest, and copies the cache already had, are freed."""
+        kv.check_live()
+        pages = kv.pages
+        full = min(kv.kv_done // self.page_size, len(pages))
+        redundant = self.cache.insert(tokens[: full * self.page_size], pages[:full])
+        self.allocator.free(redundant + pages[full:])
+        self.cache.unlock(kv.prefix)
+        self.table.free_slot(kv.slot)
+        kv.released = True
+        kv.own_pages = []
 
     def flush(self) -> int:
         pages = self.cache.reset()
         self.allocator.free(pages)
         return len(pages)
 
-    def check_integrity(self, held: list[list[int]], held_slots: list[int]) -> None:
+    def check_integrity(self, held: list[RequestKV]) -> None:
         """Raise AssertionError unless free + cached + held pages cover the
-        pool exactly once each, and slots likewise. `held` lists the pages each
-        running request owns (not those it borrows from the cache)."""
+        pool exactly once each, and slots likewise; `held` is the KV of every
+        running request. Its own pages count, not those it borrows from the
+        cache."""
         where = Counter(self.allocator.free_pages())
         where.update(self.cache.all_pages())
-        for pages in held:
-            where.update(pages)
+        for kv in held:
+            assert not kv.released, f"released KV of slot {kv.slot} still held"
+            where.update(kv.own_pages)
         doubled = [page for page, n in where.items() if n > 1]
         expected = set(range(RESERVED_PAGES, self.allocator.num_pages))
         lost = expected - where.keys()
@@ -122,7 +162,7 @@ class KVManager:
         assert not doubled and not lost and not stray, (
             f"KV pages out of place: {len(doubled)} in two places, {len(lost)} lost, {len(stray)} unknown"
         )
-        slots = Counter(self.table.free_slot_ids() + held_slots)
+        slots = Counter(self.table.free_slot_ids() + [kv.slot for kv in held])
         assert all(n == 1 for n in slots.values()) and len(slots) == self.table.max_requests, (
             f"page-table slots out of place: {len(slots)} known of {self.table.max_requests}"
         )

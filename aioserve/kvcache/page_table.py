@@ -12,6 +12,7 @@ class PageTable:
         self.table = torch.zeros((max_requests, max_pages_per_request), dtype=torch.int32)
         self._free_slots = list(range(max_requests - 1, -1, -1))
         self.max_requests = max_requests
+        self.max_pages_per_request = max_pages_per_request
 
     @property
     def num_free_slots(self) -> int:

@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from aioserve.distributed import all_reduce, get_tp_group, shard_range
+from aioserve.distributed import all_reduce, get_tp_group, kv_heads_per_rank, shard_range
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -86,7 +86,7 @@ class QKVParallelLinear(ColumnParallelLinear):
             raise ValueError(f"{num_heads} attention heads do not divide over {tp.size} ranks")
         self.head_dim = head_dim
         self.num_heads = num_heads // tp.size
-        self.num_kv_heads = max(1, num_kv_heads // tp.size)
+        self.num_kv_heads = kv_heads_per_rank(num_kv_heads, tp.size)
         # The first KV head this rank holds (replicated when kv heads < ranks).
         self.kv_head_start = (tp.rank * num_kv_heads) // tp.size
         nn.Module.__init__(self)

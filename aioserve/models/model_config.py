@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from aioserve.distributed import kv_heads_per_rank
 from aioserve.layers.rotary import RopeScaling
 
 
@@ -75,8 +76,13 @@ class ModelConfig:
         generation = json.loads(gen_path.read_text()) if gen_path.exists() else None
         return cls.from_dict(raw, generation)
 
+    def kv_heads_per_rank(self, tp_size: int) -> int:
+        """KV heads each tensor-parallel rank holds (replicated when there
+        are fewer KV heads than ranks)."""
+        return kv_heads_per_rank(self.num_kv_heads, tp_size)
+
     def kv_bytes_per_token(self, dtype_size: int, tp_size: int = 1) -> int:
-        kv_heads = max(1, self.num_kv_heads // tp_size)
+        kv_heads = self.kv_heads_per_rank(tp_size)
         return self.num_layers * 2 * kv_heads * self.head_dim * dtype_size
 
 

@@ -8,6 +8,7 @@ import torch
 
 from aioserve.batch_plan import BatchPlan, PromptLogprobRequest
 from aioserve.kvcache.page_table import PageTable
+from aioserve.kvcache.request_kv import RequestKV
 from aioserve.scheduler.request import Request
 from aioserve.scheduler.sampling_batch import SampleRow, SamplingBatchBuilder
 
@@ -17,8 +18,9 @@ class StepEntry:
     """What the step does for one request, remembered until its output is processed."""
 
     request: Request
+    kv: RequestKV  # the admission it was planned for: a step planned before a
+    # preemption is stale for the readmitted request, which has a new handle
     kv_len_after: int
-    admission: int  # the request's admitted_seq when planned
     first_position: int
     row: int | None = None  # sampled row, if this step samples the request
     prefill: bool = False  # a prompt chunk, not a decode
@@ -61,6 +63,7 @@ class PlanBuilder:
     ) -> StepEntry:
         """Add `token_ids` at positions start.. of `request`. Decodes (one
         token after the request's whole KV) come before any extend."""
+        kv = request.admitted_kv
         if decode:
             if len(self.lengths) != self.num_decodes or len(token_ids) != 1:
                 raise ValueError("decodes are single tokens added before every extend")
@@ -69,8 +72,8 @@ class PlanBuilder:
         self.ids += token_ids
         self.starts.append(start)
         self.lengths.append(len(token_ids))
-        self.slots.append(request.slot)  # type: ignore[arg-type]
-        entry = StepEntry(request, start + len(token_ids), request.admitted_seq, start, prefill=not decode)
+        self.slots.append(kv.slot)
+        entry = StepEntry(request, kv, start + len(token_ids), start, prefill=not decode)
         if sample is not None:
             entry.row = len(self.sample_rows)
             self.sample_rows.append(sample)

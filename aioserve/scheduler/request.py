@@ -1,10 +1,11 @@
 """A request's life in the scheduler, and the events it sends its consumer.
 
-Bookkeeping of KV progress, with overlap in mind:
+Bookkeeping, with overlap in mind:
 * `all_ids`: prompt + the output tokens processed so far.
-* `kv_len`: tokens whose KV is computed or scheduled (in flight).
-* `kv_done`: tokens whose KV is computed by steps already processed.
-* `num_pending`: sampled tokens scheduled but not processed yet (0, 1 or 2).
+* `kv`: its KV handle while admitted (owned by the KVManager): slot, pages,
+  `kv_len` (tokens whose KV is computed or scheduled) and `kv_done`
+  (computed by steps already processed).
+* `pending`: sampled tokens scheduled but not processed yet (0, 1 or 2).
 A request is *prefilling* while more than its newest token lacks KV, and
 *decoding* when only the newest token (known, or pending) does.
 """
@@ -16,8 +17,9 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from aioserve.kvcache.prefix_cache import PrefixMatch
+from aioserve.kvcache.request_kv import RequestKV
 from aioserve.sampling_params import SamplingParams
+from aioserve.scheduler.pending_tokens import PendingTokens
 
 
 class RequestRejected(ValueError):
@@ -63,23 +65,13 @@ class Request:
     status: Status = Status.WAITING
     all_ids: list[int] = field(default_factory=list)
     output_logprobs: list[float] = field(default_factory=list)
-    # KV bookkeeping (see the module docstring).
-    slot: int | None = None
-    pages: list[int] = field(default_factory=list)  # page-table order: matched prefix, then own
-    prefix: PrefixMatch | None = None
-    kv_len: int = 0
-    kv_done: int = 0
-    num_pending: int = 0
-    last_step: int = -1  # the step that sampled the newest pending token
-    last_row: int = -1  # its row in that step's samples
-    admitted_seq: int = 0  # admission order, to preempt the newest first; also the
-    # admission's identity: steps planned before a preemption carry the old one
+    kv: RequestKV | None = None  # while admitted (see the module docstring)
+    pending: PendingTokens = field(default_factory=PendingTokens)
     num_cached_tokens: int | None = None  # prefix-cache hit at first admission
     num_preemptions: int = 0
     prompt_logprobs: list[tuple[float, list[tuple[int, float]]] | None] = field(default_factory=list)
     first_event_sent: bool = False
     finish_reason: str | None = None
-    abort_reason: str | None = None  # set by abort(); acted on at the next step
 
     def __post_init__(self) -> None:
         if not self.all_ids:
@@ -100,12 +92,24 @@ class Request:
     @property
     def num_generated(self) -> int:
         """Output tokens including those still in flight."""
-        return self.num_output_tokens + self.num_pending
+        return self.num_output_tokens + self.pending.count
 
     @property
     def seq_len(self) -> int:
         """Tokens including those still in flight."""
-        return len(self.all_ids) + self.num_pending
+        return len(self.all_ids) + self.pending.count
+
+    @property
+    def admitted_kv(self) -> RequestKV:
+        """The KV handle of a running request."""
+        if self.kv is None:
+            raise RuntimeError(f"request {self.rid} is not admitted")
+        return self.kv
+
+    @property
+    def kv_len(self) -> int:
+        """Tokens whose KV is computed or scheduled (0 while not admitted)."""
+        return self.kv.kv_len if self.kv is not None else 0
 
     @property
     def is_prefilling(self) -> bool:
@@ -116,11 +120,6 @@ class Request:
     @property
     def wants_prompt_logprobs(self) -> bool:
         return self.params.prompt_logprobs is not None and len(self.prompt_logprobs) < len(self.prompt_ids)
-
-    @property
-    def own_pages(self) -> list[int]:
-        """Pages this request allocated (the matched prefix's belong to the cache)."""
-        return self.pages[len(self.prefix.pages) if self.prefix else 0 :]
 
     @property
     def finished(self) -> bool:

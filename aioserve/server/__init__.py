@@ -1,1 +1,2 @@
-"""HTTP only: the starlette app, OpenAI protocol models, SSE, errors, metrics."""
+"""HTTP only: the starlette app, request and response models (OpenAI and
+SGLang's /generate), the one response path, SSE, errors, metrics."""

@@ -8,7 +8,7 @@ from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.middleware import Middleware
 from starlette.requests import Request
-from starlette.responses import JSONResponse
+from starlette.responses import Response
 from starlette.routing import Route
 from starlette.types import ASGIApp, Receive, Scope, Send
 
@@ -17,6 +17,7 @@ from aioserve.server.chat import create_chat_completion
 from aioserve.server.completions import create_completion
 from aioserve.server.context import ServingContext
 from aioserve.server.errors import APIError, api_error_handler, unexpected_error_handler
+from aioserve.server.generate import generate
 from aioserve.server.metrics import metrics_endpoint
 
 
@@ -38,7 +39,7 @@ class APIKeyCheck:
         await self.app(scope, receive, send)
 
 
-async def http_error_handler(request: Request, exc: Exception) -> JSONResponse:
+async def http_error_handler(request: Request, exc: Exception) -> Response:
     """Unknown routes and wrong methods, in the same error shape."""
     assert isinstance(exc, HTTPException)
     kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
@@ -50,6 +51,8 @@ def create_app(ctx: ServingContext) -> Starlette:
         Route("/v1/completions", create_completion, methods=["POST"]),
         Route("/v1/chat/completions", create_chat_completion, methods=["POST"]),
         Route("/v1/models", misc_routes.list_models, methods=["GET"]),
+        Route("/v1/models/{model:path}", misc_routes.retrieve_model, methods=["GET"]),
+        Route("/generate", generate, methods=["POST"]),
         Route("/health", misc_routes.health, methods=["GET"]),
         Route("/tokenize", misc_routes.tokenize, methods=["POST"]),
         Route("/detokenize", misc_routes.detokenize, methods=["POST"]),

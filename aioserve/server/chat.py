@@ -4,16 +4,29 @@ from __future__ import annotations
 
 import time
 
+from pydantic import BaseModel
 from starlette.requests import Request
-from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.responses import Response
 
+from aioserve.server.assembly import ChoiceUpdate, respond
+from aioserve.server.content import ContentDelta
 from aioserve.server.context import ServingContext
 from aioserve.server.errors import APIError
-from aioserve.server.generation import Generation, choice_params, new_id
-from aioserve.server.handler_utils import parse_body, run_to_completion, stream_events
+from aioserve.server.generation import Choice, Generation, new_id
 from aioserve.server.logprobs import chat_logprobs
 from aioserve.server.protocol import ChatCompletionRequest
-from aioserve.server.sse import event
+from aioserve.server.request_body import parse_body
+from aioserve.server.responses import (
+    ChatChoice,
+    ChatChunkChoice,
+    ChatCompletion,
+    ChatCompletionChunk,
+    ChatDelta,
+    ChatLogprobs,
+    ChatMessage,
+    Usage,
+)
+from aioserve.server.wire import WireModel
 from aioserve.tokenizer import ChatTemplateError
 
 
@@ -42,70 +55,83 @@ async def create_chat_completion(request: Request) -> Response:
     logprobs = (body.top_logprobs or 0) if body.logprobs else None
     params = body.sampling_params(body.token_limit, logprobs, None)
     generation = Generation(ctx, new_id("chatcmpl"))
-    generation.validate(params, prompt_ids)
-    for j in range(body.n):
-        generation.add(j, 0, prompt_ids, choice_params(params, j))
-    created = int(time.time())
-    if body.stream:
-        return StreamingResponse(
-            stream_events(generation, _stream(ctx, body, generation, created)), media_type="text/event-stream"
-        )
-    if not await run_to_completion(request, generation):
-        return Response(status_code=499)  # nobody is listening any more
-    return JSONResponse(_response(ctx, body, generation, created))
+    generation.start([prompt_ids], params, body.n)
+    builder = ChatBuilder(ctx, body, generation.request_id)
+    return await respond(request, generation, builder, stream=body.stream, include_usage=body.include_usage)
 
 
-def _response(ctx: ServingContext, body: ChatCompletionRequest, generation: Generation, created: int) -> dict:
-    choices = []
-    for choice in generation.choices:
-        out = choice.stream
-        choices.append(
-            {
-                "index": choice.index,
-                "message": {"role": "assistant", "content": out.text},
-                "logprobs": chat_logprobs(ctx.tokenizer, out.token_ids, out.logprobs, out.top_logprobs)
-                if body.logprobs
-                else None,
-                "finish_reason": out.finish_reason,
-            }
-        )
-    return {
-        "id": generation.request_id,
-        "object": "chat.completion",
-        "created": created,
-        "model": ctx.model_name,
-        "choices": choices,
-        "usage": generation.usage(),
-    }
+class ChatBuilder:
+    def __init__(self, ctx: ServingContext, body: ChatCompletionRequest, request_id: str) -> None:
+        self.ctx = ctx
+        self.body = body
+        self.request_id = request_id
+        self.created = int(time.time())
 
+    def opening(self, choices: list[Choice]) -> list[WireModel]:
+        # The role comes first, in a chunk of its own, as OpenAI sends it.
+        role = ChatDelta(role="assistant", content="")
+        first = [ChatChunkChoice(index=c.index, delta=role, logprobs=None, finish_reason=None) for c in choices]
+        return [self._chunk(first)]
 
-async def _stream(ctx: ServingContext, body: ChatCompletionRequest, generation: Generation, created: int):
-    def chunk(choices: list[dict]) -> bytes:
-        return event(
-            {"id": generation.request_id, "object": "chat.completion.chunk", "created": created,
-             "model": ctx.model_name, "choices": choices}
-        )
-
-    # The role comes first, in a chunk of its own, as OpenAI sends it.
-    yield chunk(
-        [{"index": c.index, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}
-         for c in generation.choices]
-    )
-    async for deltas in generation.deltas():
+    def chunk(self, updates: list[ChoiceUpdate]) -> list[WireModel]:
         choices = []
-        for choice, delta in deltas:
-            logprobs = None
-            if body.logprobs and delta.token_ids:
-                logprobs = chat_logprobs(ctx.tokenizer, delta.token_ids, delta.logprobs, delta.top_logprobs)
-            if delta.text or logprobs or delta.finish_reason:
-                content = {"content": delta.text} if delta.text or logprobs else {}
+        for update in updates:
+            logprobs = self._logprobs(update) if update.output.token_ids else None
+            delta = _delta(update.content, force_content=logprobs is not None)
+            if delta.model_fields_set or update.finish_reason:
                 choices.append(
-                    {"index": choice.index, "delta": content, "logprobs": logprobs, "finish_reason": delta.finish_reason}
+                    ChatChunkChoice(
+                        index=update.choice.index, delta=delta, logprobs=logprobs, finish_reason=update.finish_reason
+                    )
                 )
-        if choices:
-            yield chunk(choices)
-    if body.include_usage:
-        yield event(
-            {"id": generation.request_id, "object": "chat.completion.chunk", "created": created,
-             "model": ctx.model_name, "choices": [], "usage": generation.usage()}
+        return [self._chunk(choices)] if choices else []
+
+    def usage_chunk(self, usage: Usage) -> list[WireModel]:
+        return [self._chunk([], usage)]
+
+    def whole(self, results: list[ChoiceUpdate], usage: Usage) -> BaseModel:
+        choices = [
+            ChatChoice(
+                index=update.choice.index,
+                message=_message(update.message),
+                logprobs=self._logprobs(update),
+                finish_reason=update.finish_reason,
+            )
+            for update in results
+        ]
+        return ChatCompletion(
+            id=self.request_id, created=self.created, model=self.ctx.model_name, choices=choices, usage=usage
         )
+
+    def _chunk(self, choices: list[ChatChunkChoice], usage: Usage | None = None) -> ChatCompletionChunk:
+        return ChatCompletionChunk(
+            id=self.request_id, created=self.created, model=self.ctx.model_name, choices=choices, usage=usage
+        )
+
+    def _logprobs(self, update: ChoiceUpdate) -> ChatLogprobs | None:
+        if not self.body.logprobs:
+            return None
+        out = update.output
+        return chat_logprobs(self.ctx.tokenizer, out.token_ids, out.logprobs, out.top_logprobs)
+
+
+def _delta(content: ContentDelta, force_content: bool) -> ChatDelta:
+    """Only what this step adds; a chunk that carries logprobs carries its
+    content too, even when the text is held back (a partial character)."""
+    fields: dict = {}
+    if content.content or force_content:
+        fields["content"] = content.content
+    if content.reasoning_content:
+        fields["reasoning_content"] = content.reasoning_content
+    if content.tool_calls:
+        fields["tool_calls"] = content.tool_calls
+    return ChatDelta(**fields)
+
+
+def _message(message: ContentDelta) -> ChatMessage:
+    return ChatMessage(
+        # OpenAI answers a message that is only tool calls with content null.
+        content=message.content if message.content or not message.tool_calls else None,
+        reasoning_content=message.reasoning_content or None,
+        tool_calls=message.tool_calls or None,
+    )

@@ -3,43 +3,40 @@
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
 from typing import Any
 
+from pydantic import BaseModel
 from starlette.requests import Request
-from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.responses import Response
 
+from aioserve.server.assembly import ChoiceUpdate, respond
 from aioserve.server.context import ServingContext
 from aioserve.server.errors import APIError
-from aioserve.server.generation import Choice, Generation, choice_params, new_id
-from aioserve.server.handler_utils import parse_body, run_to_completion, stream_events
-from aioserve.server.logprobs import completion_logprobs
+from aioserve.server.generation import Choice, Generation, new_id
+from aioserve.server.logprobs import completion_logprobs, prompt_text_offsets
 from aioserve.server.protocol import CompletionRequest
-from aioserve.server.sse import event
+from aioserve.server.request_body import parse_body
+from aioserve.server.responses import Completion, CompletionChoice, CompletionLogprobs, Usage
+from aioserve.server.wire import WireModel
 
 
-async def prompt_token_lists(ctx: ServingContext, prompt: Any) -> list[tuple[str | None, list[int]]]:
-    """(text, ids) for each prompt: a string, strings, token ids, or lists of them."""
-    if isinstance(prompt, str):
-        prompt = [prompt]
-    elif prompt and isinstance(prompt[0], int):
+@dataclass
+class Prompt:
+    text: str | None  # None for token ids: decoded only if echoed
+    ids: list[int]
+
+
+async def prompt_list(ctx: ServingContext, prompt: Any) -> list[Prompt]:
+    """A string, strings, token ids, or lists of them."""
+    if isinstance(prompt, str) or (prompt and isinstance(prompt[0], int)):
         prompt = [prompt]
     if not prompt:
         raise APIError("prompt must not be empty", param="prompt")
-    result = []
-    for item in prompt:
-        if isinstance(item, str):
-            result.append((item, await ctx.tokenizer.encode_async(item)))
-        else:
-            result.append((None, list(item)))
-    return result
-
-
-def _echo_logprobs(choice: Choice) -> tuple[list[int], list[float | None], list]:
-    """The prompt part of echoed logprobs: the first token has none."""
-    entries = choice.stream.prompt_logprobs or [None]
-    logprobs = [None] + [lp for lp, _ in entries[1:]]  # type: ignore[misc]
-    tops = [None] + [top for _, top in entries[1:]]  # type: ignore[misc]
-    return choice.prompt_ids, logprobs, tops
+    return [
+        Prompt(item, await ctx.tokenizer.encode_async(item)) if isinstance(item, str) else Prompt(None, list(item))
+        for item in prompt
+    ]
 
 
 async def create_completion(request: Request) -> Response:
@@ -50,79 +47,84 @@ async def create_completion(request: Request) -> Response:
         raise APIError("best_of is not supported (only best_of == n)", param="best_of")
     if body.suffix:
         raise APIError("suffix is not supported", param="suffix")
-    prompts = await prompt_token_lists(ctx, body.prompt)
+    prompts = await prompt_list(ctx, body.prompt)
     echo_logprobs = body.logprobs if body.echo and body.logprobs is not None else None
     params = body.sampling_params(body.max_tokens, body.logprobs, echo_logprobs)
     generation = Generation(ctx, new_id("cmpl"))
-    for _, ids in prompts:
-        generation.validate(params, ids)
-    for p, (_, ids) in enumerate(prompts):
-        for j in range(body.n):
-            generation.add(p * body.n + j, p, ids, choice_params(params, j))
-    texts = [text if text is not None else ctx.tokenizer.decode(ids) for text, ids in prompts]
-    created = int(time.time())
-    if body.stream:
-        return StreamingResponse(
-            stream_events(generation, _stream(ctx, body, generation, texts, created)),
-            media_type="text/event-stream",
-        )
-    if not await run_to_completion(request, generation):
-        return Response(status_code=499)  # nobody is listening any more
-    return JSONResponse(_response(ctx, body, generation, texts, created))
+    generation.start([p.ids for p in prompts], params, body.n)
+    builder = CompletionBuilder(ctx, body, generation.request_id, prompts)
+    return await respond(request, generation, builder, stream=body.stream, include_usage=body.include_usage)
 
 
-def _choice_logprobs(ctx: ServingContext, body: CompletionRequest, choice: Choice, ids, logprobs, tops, echo: bool):
-    if body.logprobs is None:
-        return None
-    if echo:
-        p_ids, p_lps, p_tops = _echo_logprobs(choice)
-        ids, logprobs, tops = p_ids + ids, p_lps + logprobs, p_tops + tops
-    return completion_logprobs(ctx.tokenizer, ids, logprobs, tops)
+class CompletionBuilder:
+    """Chunks and whole responses share one shape. With echo, the prompt's
+    text and logprobs come first (in a stream: in the choice's first chunk),
+    and text offsets count from the start of the prompt's text."""
 
+    def __init__(self, ctx: ServingContext, body: CompletionRequest, request_id: str, prompts: list[Prompt]) -> None:
+        self.ctx = ctx
+        self.body = body
+        self.request_id = request_id
+        self.created = int(time.time())
+        self._echo_texts = [self._echo_text(p) for p in prompts] if body.echo else []
+        self._echoed: set[int] = set()
 
-def _response(ctx: ServingContext, body: CompletionRequest, generation: Generation, texts: list[str], created: int) -> dict:
-    choices = []
-    for choice in generation.choices:
-        out = choice.stream
-        text = (texts[choice.prompt_index] if body.echo else "") + out.text
-        choices.append(
-            {
-                "index": choice.index,
-                "text": text,
-                "logprobs": _choice_logprobs(ctx, body, choice, out.token_ids, out.logprobs, out.top_logprobs, body.echo),
-                "finish_reason": out.finish_reason,
-            }
-        )
-    return {
-        "id": generation.request_id,
-        "object": "text_completion",
-        "created": created,
-        "model": ctx.model_name,
-        "choices": choices,
-        "usage": generation.usage(),
-    }
+    def opening(self, choices: list[Choice]) -> list[WireModel]:
+        return []
 
-
-async def _stream(ctx: ServingContext, body: CompletionRequest, generation: Generation, texts: list[str], created: int):
-    def chunk(choices: list[dict]) -> bytes:
-        return event(
-            {"id": generation.request_id, "object": "text_completion", "created": created, "model": ctx.model_name, "choices": choices}
-        )
-
-    echoed: set[int] = set()
-    async for deltas in generation.deltas():
+    def chunk(self, updates: list[ChoiceUpdate]) -> list[WireModel]:
         choices = []
-        for choice, delta in deltas:
-            echo = body.echo and choice.index not in echoed
-            echoed.add(choice.index)
-            text = (texts[choice.prompt_index] if echo else "") + delta.text
-            logprobs = _choice_logprobs(ctx, body, choice, delta.token_ids, delta.logprobs, delta.top_logprobs, echo)
-            if text or logprobs or delta.finish_reason:  # a held-back partial character sends nothing
-                choices.append({"index": choice.index, "text": text, "logprobs": logprobs, "finish_reason": delta.finish_reason})
-        if choices:
-            yield chunk(choices)
-    if body.include_usage:
-        yield event(
-            {"id": generation.request_id, "object": "text_completion", "created": created, "model": ctx.model_name,
-             "choices": [], "usage": generation.usage()}
+        for update in updates:
+            echo = self.body.echo and update.choice.index not in self._echoed
+            self._echoed.add(update.choice.index)
+            choice = self._choice(update, echo)
+            # A token that only begins a character sends nothing, unless its logprob is wanted.
+            if choice.text or choice.finish_reason or (choice.logprobs and choice.logprobs.tokens):
+                choices.append(choice)
+        return [self._completion(choices)] if choices else []
+
+    def usage_chunk(self, usage: Usage) -> list[WireModel]:
+        return [self._completion([], usage)]
+
+    def whole(self, results: list[ChoiceUpdate], usage: Usage) -> BaseModel:
+        return self._completion([self._choice(update, self.body.echo) for update in results], usage)
+
+    def _completion(self, choices: list[CompletionChoice], usage: Usage | None = None) -> Completion:
+        return Completion(
+            id=self.request_id, created=self.created, model=self.ctx.model_name, choices=choices, usage=usage
         )
+
+    def _echo_text(self, prompt: Prompt) -> str:
+        return prompt.text if prompt.text is not None else self.ctx.tokenizer.decode(prompt.ids)
+
+    def _choice(self, update: ChoiceUpdate, echo: bool) -> CompletionChoice:
+        prompt_text = self._echo_texts[update.choice.prompt_index] if echo else ""
+        return CompletionChoice(
+            index=update.choice.index,
+            text=prompt_text + update.content.content,
+            logprobs=self._logprobs(update, echo),
+            finish_reason=update.finish_reason,
+        )
+
+    def _logprobs(self, update: ChoiceUpdate, echo: bool) -> CompletionLogprobs | None:
+        if self.body.logprobs is None:
+            return None
+        out = update.output
+        base = len(self._echo_texts[update.choice.prompt_index]) if self.body.echo else 0
+        ids, tops = list(out.token_ids), list(out.top_logprobs)
+        logprobs: list[float | None] = list(out.logprobs)
+        offsets = [base + offset for offset in out.text_offsets]
+        if echo:
+            prompt_ids = update.choice.prompt_ids
+            prompt_lps, prompt_tops = _prompt_logprobs(update.choice)
+            ids, logprobs, tops = prompt_ids + ids, prompt_lps + logprobs, prompt_tops + tops
+            offsets = prompt_text_offsets(self.ctx.tokenizer, prompt_ids) + offsets
+        return completion_logprobs(self.ctx.tokenizer, ids, logprobs, tops, offsets)
+
+
+def _prompt_logprobs(choice: Choice) -> tuple[list[float | None], list]:
+    """The prompt's logprobs and top logprobs: none for the first token (nor
+    for any the scheduler did not report)."""
+    entries = list(choice.stream.prompt_logprobs or [])
+    entries += [None] * (len(choice.prompt_ids) - len(entries))
+    return [e[0] if e else None for e in entries], [e[1] if e else None for e in entries]

@@ -7,7 +7,7 @@ import time
 from dataclasses import dataclass, field
 
 from aioserve.config import ServerArgs
-from aioserve.scheduler import Scheduler
+from aioserve.scheduler import SchedulerClient
 from aioserve.server.errors import APIError
 from aioserve.tokenizer import Tokenizer
 
@@ -15,7 +15,7 @@ from aioserve.tokenizer import Tokenizer
 @dataclass
 class ServingContext:
     args: ServerArgs
-    scheduler: Scheduler
+    scheduler: SchedulerClient
     tokenizer: Tokenizer
     max_model_len: int
     vocab_size: int

@@ -7,11 +7,13 @@ anything else is a 500 with the same shape (and a logged traceback).
 from __future__ import annotations
 
 import logging
-from typing import Any
 
 from pydantic import ValidationError
 from starlette.requests import Request
-from starlette.responses import JSONResponse
+from starlette.responses import Response
+
+from aioserve.server.responses import ErrorDetail, ErrorResponse
+from aioserve.server.wire import json_response
 
 logger = logging.getLogger(__name__)
 
@@ -28,25 +30,30 @@ class APIError(Exception):
         super().__init__(message)
         self.message, self.status, self.type, self.param, self.code = message, status, type, param, code
 
-    def body(self) -> dict[str, Any]:
-        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+    def body(self) -> ErrorResponse:
+        return ErrorResponse(error=ErrorDetail(message=self.message, type=self.type, param=self.param, code=self.code))
 
-    def response(self) -> JSONResponse:
-        return JSONResponse(self.body(), status_code=self.status)
+    def response(self) -> Response:
+        return json_response(self.body(), self.status)
 
 
 def from_validation_error(exc: ValidationError) -> APIError:
-    first = exc.errors()[0]
-    param = ".".join(str(part) for part in first["loc"]) or None
-    message = "; ".join(f"{'.'.join(map(str, e['loc'])) or 'body'}: {e['msg']}" for e in exc.errors()[:5])
+    errors = exc.errors()
+    param = ".".join(str(part) for part in errors[0]["loc"]) or None
+    message = "; ".join(f"{'.'.join(map(str, e['loc'])) or 'body'}: {_reason(e['msg'])}" for e in errors[:5])
     return APIError(message, param=param)
 
 
-async def api_error_handler(request: Request, exc: Exception) -> JSONResponse:
+def _reason(message: str) -> str:
+    """Our own validators' messages read better without pydantic's prefix."""
+    return message.removeprefix("Value error, ")
+
+
+async def api_error_handler(request: Request, exc: Exception) -> Response:
     assert isinstance(exc, APIError)
     return exc.response()
 
 
-async def unexpected_error_handler(request: Request, exc: Exception) -> JSONResponse:
+async def unexpected_error_handler(request: Request, exc: Exception) -> Response:
     logger.exception("unexpected error on %s %s", request.method, request.url.path)
     return APIError(f"internal error: {exc}", status=500, type="internal_server_error").response()

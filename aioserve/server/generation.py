@@ -3,8 +3,7 @@
 A Generation submits one scheduler request per choice (n per prompt), each
 pushing its events into one queue, and turns them into per-choice deltas,
 grouping whatever arrived since the last look into one delta per choice.
-It ends requests whose text hit a stop string, and `close()` aborts what is
-still running when the client goes away.
+`close()` aborts what is still running when the client goes away.
 """
 
 from __future__ import annotations
@@ -14,12 +13,14 @@ import itertools
 import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, replace
+from functools import partial
 
 from aioserve.output_stream import OutputDelta, OutputStream
 from aioserve.sampling_params import SamplingParams, SamplingParamsError
 from aioserve.scheduler import Request, RequestEvent, RequestRejected
 from aioserve.server.context import ServingContext
 from aioserve.server.errors import APIError
+from aioserve.server.responses import PromptTokensDetails, Usage
 
 _counter = itertools.count()
 
@@ -30,7 +31,7 @@ def new_id(prefix: str) -> str:
 
 @dataclass(eq=False)
 class Choice:
-    index: int
+    index: int  # prompt-major: prompt_index * n + the prompt's choice number
     prompt_index: int
     rid: str
     prompt_ids: list[int]
@@ -44,8 +45,16 @@ class Generation:
         self.choices: list[Choice] = []
         self._queue: asyncio.Queue[tuple[Choice, RequestEvent]] = asyncio.Queue()
 
-    def validate(self, params: SamplingParams, prompt_ids: list[int]) -> None:
-        """Refuse now (400) what the scheduler could never serve."""
+    def start(self, prompts: list[list[int]], params: SamplingParams, n: int = 1) -> None:
+        """n choices for each prompt, all checked before any is submitted, so
+        that a 400 leaves nothing behind in the scheduler."""
+        for prompt_ids in prompts:
+            self._validate(params, prompt_ids)
+        for p, prompt_ids in enumerate(prompts):
+            for j in range(n):
+                self._add(p * n + j, p, prompt_ids, _choice_params(params, j))
+
+    def _validate(self, params: SamplingParams, prompt_ids: list[int]) -> None:
         try:
             params.validate(self.ctx.vocab_size)
             self.ctx.scheduler.validate(len(prompt_ids), params.max_tokens)
@@ -54,18 +63,19 @@ class Generation:
         if any(not 0 <= t < self.ctx.vocab_size for t in prompt_ids):
             raise APIError(f"prompt token ids must be in [0, {self.ctx.vocab_size})", param="prompt")
 
-    def add(self, index: int, prompt_index: int, prompt_ids: list[int], params: SamplingParams) -> Choice:
+    def _add(self, index: int, prompt_index: int, prompt_ids: list[int], params: SamplingParams) -> None:
+        scheduler = self.ctx.scheduler
         rid = f"{self.request_id}-{index}-{next(_counter)}"
-        choice = Choice(index, prompt_index, rid, prompt_ids, OutputStream(self.ctx.tokenizer, prompt_ids, params))
+        stream = OutputStream(self.ctx.tokenizer, prompt_ids, params, end_request=partial(scheduler.abort, rid, "stop"))
+        choice = Choice(index, prompt_index, rid, prompt_ids, stream)
         queue = self._queue
         request = Request(rid, prompt_ids, params, sink=lambda event: queue.put_nowait((choice, event)))
         try:
-            self.ctx.scheduler.submit(request)
+            scheduler.submit(request)
         except RequestRejected as exc:
             self.close()
             raise APIError(str(exc), param=exc.param) from None
         self.choices.append(choice)
-        return choice
 
     @property
     def finished(self) -> bool:
@@ -80,15 +90,8 @@ class Generation:
                 items.append(self._queue.get_nowait())
             grouped: dict[Choice, OutputDelta] = {}
             for choice, event in items:
-                was_finished = choice.stream.finished
                 grouped[choice] = choice.stream.add(event, grouped.get(choice))
-                if choice.stream.stop_string_hit and not was_finished:
-                    self.ctx.scheduler.abort(choice.rid, "stop")
-            yield [(c, d) for c, d in grouped.items() if d.text or d.token_ids or d.finish_reason]
-
-    async def wait(self) -> None:
-        async for _ in self.deltas():
-            pass
+            yield [(c, d) for c, d in grouped.items() if d.changed]
 
     def close(self) -> None:
         """Abort whatever still runs (the client left, or an error)."""
@@ -96,22 +99,25 @@ class Generation:
             if not choice.stream.finished:
                 self.ctx.scheduler.abort(choice.rid)
 
-    def usage(self) -> dict:
+    def usage(self) -> Usage:
+        """Each prompt counts once, however many choices it has."""
         prompts = {c.prompt_index: c for c in self.choices}
         prompt_tokens = sum(len(c.prompt_ids) for c in prompts.values())
         completion_tokens = sum(len(c.stream.token_ids) for c in self.choices)
-        return {
-            "prompt_tokens": prompt_tokens,
-            "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens,
-            "prompt_tokens_details": {"cached_tokens": sum(c.stream.num_cached_tokens for c in prompts.values())},
-        }
+        return Usage(
+            prompt_tokens=prompt_tokens,
+            completion_tokens=completion_tokens,
+            total_tokens=prompt_tokens + completion_tokens,
+            prompt_tokens_details=PromptTokensDetails(
+                cached_tokens=sum(c.stream.num_cached_tokens for c in prompts.values())
+            ),
+        )
 
     def error(self) -> str | None:
         return next((c.stream.error or "generation failed" for c in self.choices if c.stream.finish_reason == "error"), None)
 
 
-def choice_params(params: SamplingParams, choice: int) -> SamplingParams:
+def _choice_params(params: SamplingParams, choice: int) -> SamplingParams:
     """The n choices of one prompt must differ: each gets its own seed."""
     if choice == 0 or params.seed is None:
         return params

@@ -3,10 +3,9 @@ the chat `content` list."""
 
 from __future__ import annotations
 
-from typing import Any
-
 from aioserve.output_stream import TopLogprobs
-from aioserve.tokenizer import Tokenizer
+from aioserve.server.responses import ChatLogprobs, CompletionLogprobs, TokenLogprob, TopLogprob
+from aioserve.tokenizer import IncrementalDetokenizer, Tokenizer
 
 
 def completion_logprobs(
@@ -14,35 +13,45 @@ def completion_logprobs(
     token_ids: list[int],
     logprobs: list[float | None],
     tops: list[TopLogprobs | None],
-    text_offset: int = 0,
-) -> dict[str, Any]:
-    """{"tokens", "token_logprobs", "top_logprobs", "text_offset"}."""
-    tokens = [tokenizer.token_text(t) for t in token_ids]
-    offsets = []
-    for token in tokens:
-        offsets.append(text_offset)
-        text_offset += len(token)
-    return {
-        "tokens": tokens,
-        "token_logprobs": logprobs,
-        "top_logprobs": [
-            None if top is None else {tokenizer.token_text(t): lp for t, lp in top} for top in tops
-        ],
-        "text_offset": offsets,
-    }
+    text_offsets: list[int],
+) -> CompletionLogprobs:
+    return CompletionLogprobs(
+        tokens=[tokenizer.token_text(t) for t in token_ids],
+        token_logprobs=logprobs,
+        top_logprobs=[None if top is None else {tokenizer.token_text(t): lp for t, lp in top} for top in tops],
+        text_offset=text_offsets,
+    )
 
 
-def _entry(tokenizer: Tokenizer, token_id: int, logprob: float) -> dict[str, Any]:
+def prompt_text_offsets(tokenizer: Tokenizer, prompt_ids: list[int]) -> list[int]:
+    """Where each prompt token's text starts in the prompt's text. Counted on
+    the detokenized text, not on token strings: a BOS that the text does not
+    show takes no room, and SentencePiece's first word has no leading space."""
+    detok = IncrementalDetokenizer(tokenizer, [], skip_special_tokens=True)
+    offsets, length = [], 0
+    for token_id in prompt_ids:
+        offsets.append(length)
+        length += len(detok.step(token_id))
+    return offsets
+
+
+def _top(tokenizer: Tokenizer, token_id: int, logprob: float) -> TopLogprob:
     text = tokenizer.token_text(token_id)
-    return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8"))}
+    return TopLogprob(token=text, logprob=logprob, bytes=list(text.encode("utf-8")))
 
 
 def chat_logprobs(
     tokenizer: Tokenizer, token_ids: list[int], logprobs: list[float], tops: list[TopLogprobs | None]
-) -> dict[str, Any]:
+) -> ChatLogprobs:
     content = []
     for token_id, logprob, top in zip(token_ids, logprobs, tops):
-        entry = _entry(tokenizer, token_id, logprob)
-        entry["top_logprobs"] = [_entry(tokenizer, t, lp) for t, lp in (top or [])]
-        content.append(entry)
-    return {"content": content}
+        entry = _top(tokenizer, token_id, logprob)
+        content.append(
+            TokenLogprob(
+                token=entry.token,
+                logprob=entry.logprob,
+                bytes=entry.bytes,
+                top_logprobs=[_top(tokenizer, t, lp) for t, lp in (top or [])],
+            )
+        )
+    return ChatLogprobs(content=content, refusal=None)

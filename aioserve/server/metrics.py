@@ -21,9 +21,8 @@ class SchedulerCollector:
         self.ctx = ctx
 
     def collect(self) -> Iterator[Metric]:
-        scheduler = self.ctx.scheduler
-        stats = scheduler.stats
-        kv = scheduler.kv
+        info = self.ctx.scheduler.info()
+        stats = info.stats
         labels = {"model_name": self.ctx.model_name}
 
         def gauge(name: str, doc: str, value: float) -> GaugeMetricFamily:
@@ -36,18 +35,18 @@ class SchedulerCollector:
             metric.add_metric(list(labels.values()), value)
             return metric
 
-        used = kv.num_usable_pages - kv.allocator.num_free - kv.cache.num_evictable_pages
-        yield gauge("aioserve:num_requests_running", "Requests holding KV pages.", len(scheduler.running))
-        yield gauge("aioserve:num_requests_waiting", "Requests queued for admission.", len(scheduler.waiting))
-        yield gauge("aioserve:kv_cache_usage_perc", "Share of KV pages in use (0-1).", used / kv.num_usable_pages)
-        yield counter("aioserve:prompt_tokens", "Prompt tokens of admitted requests.", stats.prompt_tokens)
-        yield counter("aioserve:prefix_cache_hit_tokens", "Prompt tokens served by the prefix cache.", stats.cached_tokens)
-        yield counter("aioserve:generation_tokens", "Tokens generated.", stats.generated_tokens)
-        yield counter("aioserve:num_preemptions", "Requests preempted to free KV pages.", stats.preemptions)
-        yield counter("aioserve:request_success", "Requests finished (stop or length).", stats.finished)
-        yield counter("aioserve:request_aborted", "Requests aborted.", stats.aborted)
-        yield counter("aioserve:engine_steps", "Forward steps run.", stats.steps)
-
+        yield gauge("aioserve:num_requests_running", "Requests holding KV pages.", info.running)
+        yield gauge("aioserve:num_requests_waiting", "Requests queued for admission.", info.waiting)
+        yield gauge("aioserve:kv_cache_usage_perc", "Share of KV pages in use (0-1).", info.kv_usage)
+        yield counter("aioserve:prompt_tokens", "Prompt tokens of admitted requests.", stats["prompt_tokens"])
+        yield counter(
+            "aioserve:prefix_cache_hit_tokens", "Prompt tokens served by the prefix cache.", stats["cached_tokens"]
+        )
+        yield counter("aioserve:generation_tokens", "Tokens generated.", stats["generated_tokens"])
+        yield counter("aioserve:num_preemptions", "Requests preempted to free KV pages.", stats["preemptions"])
+        yield counter("aioserve:request_success", "Requests finished (stop or length).", stats["finished"])
+        yield counter("aioserve:request_aborted", "Requests aborted.", stats["aborted"])
+        yield counter("aioserve:engine_steps", "Forward steps run.", stats["steps"])
 
 def metrics_endpoint(ctx: ServingContext):
     registry = CollectorRegistry()

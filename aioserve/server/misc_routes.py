@@ -9,25 +9,35 @@ from starlette.responses import JSONResponse, Response
 from aioserve.server.chat import encode_messages
 from aioserve.server.context import ServingContext
 from aioserve.server.errors import APIError
-from aioserve.server.handler_utils import parse_body
 from aioserve.server.protocol import ChatCompletionRequest, DetokenizeRequest, TokenizeRequest
+from aioserve.server.request_body import parse_body
+from aioserve.server.responses import ModelCard, ModelList
+from aioserve.server.wire import json_response
 
 
 def _ctx(request: Request) -> ServingContext:
     return request.app.state.ctx
 
 
-async def list_models(request: Request) -> JSONResponse:
+def _model_card(ctx: ServingContext) -> ModelCard:
+    return ModelCard(
+        id=ctx.model_name,
+        created=ctx.started_at,
+        owned_by="aioserve",
+        root=str(ctx.args.engine.model),
+        max_model_len=ctx.max_model_len,
+    )
+
+
+async def list_models(request: Request) -> Response:
+    return json_response(ModelList(data=[_model_card(_ctx(request))]))
+
+
+async def retrieve_model(request: Request) -> Response:
+    """GET /v1/models/{model}; ids may hold slashes ("Qwen/Qwen3-0.6B")."""
     ctx = _ctx(request)
-    card = {
-        "id": ctx.model_name,
-        "object": "model",
-        "created": ctx.started_at,
-        "owned_by": "aioserve",
-        "root": str(ctx.args.engine.model),
-        "max_model_len": ctx.max_model_len,
-    }
-    return JSONResponse({"object": "list", "data": [card]})
+    ctx.check_model(request.path_params["model"])
+    return json_response(_model_card(ctx))
 
 
 async def health(request: Request) -> Response:
@@ -66,28 +76,23 @@ async def flush_cache(request: Request) -> JSONResponse:
 async def server_info(request: Request) -> JSONResponse:
     """Configuration, KV pool occupancy and scheduler counters (for ops and tests)."""
     ctx = _ctx(request)
-    scheduler = ctx.scheduler
-    kv = scheduler.kv
-    try:
-        scheduler.check_integrity()
-        integrity = "ok"
-    except AssertionError as exc:
-        integrity = str(exc)
+    info = ctx.scheduler.info()
+    engine = ctx.args.engine
     return JSONResponse(
         {
             "model": ctx.model_name,
             "max_model_len": ctx.max_model_len,
-            "page_size": kv.page_size,
-            "kv_pages_total": kv.num_usable_pages,
-            "kv_pages_free": kv.allocator.num_free,
-            "kv_pages_cached": kv.cache.num_pages,
-            "kv_pages_evictable": kv.cache.num_evictable_pages,
-            "kv_integrity": integrity,
-            "running": len(scheduler.running),
-            "waiting": len(scheduler.waiting),
-            "overlap": ctx.args.engine.overlap,
-            "cache": ctx.args.engine.cache,
-            "max_prefill_tokens": ctx.args.engine.max_prefill_tokens,
-            "stats": vars(scheduler.stats),
+            "page_size": info.page_size,
+            "kv_pages_total": info.kv_pages_total,
+            "kv_pages_free": info.kv_pages_free,
+            "kv_pages_cached": info.kv_pages_cached,
+            "kv_pages_evictable": info.kv_pages_evictable,
+            "kv_integrity": info.kv_integrity,
+            "running": info.running,
+            "waiting": info.waiting,
+            "overlap": engine.overlap,
+            "cache": engine.cache,
+            "max_prefill_tokens": engine.max_prefill_tokens,
+            "stats": info.stats,
         }
     )

@@ -1,27 +1,44 @@
 """OpenAI request bodies (pydantic) and their translation to SamplingParams.
 
 Unknown fields are ignored, as OpenAI's own server does; fields we cannot
-honour (best_of > n, suffix, tools) are refused with a clear 400.
+honour (best_of > n, suffix, tools, images) are refused with a clear 400.
+An explicit null means the field's default, as in OpenAI's spec (clients
+and SDKs send `"n": null` and the like).
 """
 
 from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from aioserve.sampling_params import SamplingParams
 
 
-class _Body(BaseModel):
+def check_logit_bias_keys(value: dict[str, float] | None) -> dict[str, float] | None:
+    """JSON object keys are strings; logit_bias keys must spell token ids."""
+    for key in value or {}:
+        if not key.lstrip("-").isdigit():
+            raise ValueError(f"logit_bias keys must be token ids, got {key!r}")
+    return value
+
+
+class RequestModel(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
+    @model_validator(mode="before")
+    @classmethod
+    def _null_means_default(cls, data: Any) -> Any:
+        if isinstance(data, dict):
+            return {key: value for key, value in data.items() if value is not None}
+        return data
 
-class StreamOptions(_Body):
+
+class StreamOptions(RequestModel):
     include_usage: bool = False
 
 
-class _SamplingFields(_Body):
+class _SamplingFields(RequestModel):
     """Fields completions and chat share."""
 
     model: str | None = None
@@ -56,10 +73,7 @@ class _SamplingFields(_Body):
     @field_validator("logit_bias")
     @classmethod
     def _bias_keys(cls, value: dict[str, float] | None) -> dict[str, float] | None:
-        for key in value or {}:
-            if not key.lstrip("-").isdigit():
-                raise ValueError(f"logit_bias keys must be token ids, got {key!r}")
-        return value
+        return check_logit_bias_keys(value)
 
     @property
     def include_usage(self) -> bool:
@@ -90,22 +104,36 @@ class _SamplingFields(_Body):
 
 class CompletionRequest(_SamplingFields):
     prompt: str | list[str] | list[int] | list[list[int]]
-    max_tokens: int | None = Field(16, ge=1)
+    max_tokens: int = Field(16, ge=0)  # 0: score the prompt (with echo and logprobs), generate nothing
     logprobs: int | None = Field(None, ge=0, le=20)
     echo: bool = False
     best_of: int | None = None
     suffix: str | None = None
 
 
-class TextPart(_Body):
+class TextPart(RequestModel):
     type: Literal["text"]
     text: str
 
 
-class ChatMessage(_Body):
+class ChatMessage(RequestModel):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None
     name: str | None = None
+
+    @field_validator("content", mode="before")
+    @classmethod
+    def _text_only(cls, value: Any) -> Any:
+        """Images, audio and files get one clear answer rather than pydantic's
+        account of why each union member failed."""
+        for number, part in enumerate(value if isinstance(value, list) else []):
+            kind = part.get("type") if isinstance(part, dict) else type(part).__name__
+            if kind != "text":
+                raise ValueError(
+                    f"this model takes text only: content part {number} has type {kind!r}, "
+                    "and only 'text' parts are supported"
+                )
+        return value
 
     def template_dict(self) -> dict[str, Any]:
         message: dict[str, Any] = {"role": "system" if self.role == "developer" else self.role}
@@ -134,7 +162,7 @@ class ChatCompletionRequest(_SamplingFields):
         return self.max_completion_tokens or self.max_tokens
 
 
-class TokenizeRequest(_Body):
+class TokenizeRequest(RequestModel):
     model: str | None = None
     prompt: str | None = None
     messages: list[ChatMessage] | None = None
@@ -142,6 +170,6 @@ class TokenizeRequest(_Body):
     add_generation_prompt: bool = True
 
 
-class DetokenizeRequest(_Body):
+class DetokenizeRequest(RequestModel):
     model: str | None = None
     tokens: list[int]

@@ -1,12 +1,11 @@
-"""Server-sent events as OpenAI clients read them."""
+"""Server-sent events as OpenAI (and SGLang) clients read them."""
 
 from __future__ import annotations
 
-import json
-from typing import Any
+from aioserve.server.wire import WireModel
 
 DONE = b"data: [DONE]\n\n"
 
 
-def event(payload: dict[str, Any]) -> bytes:
-    return b"data: " + json.dumps(payload, ensure_ascii=False, separators=(",", ":")).encode() + b"\n\n"
+def event(body: WireModel) -> bytes:
+    return b"data: " + body.json_bytes() + b"\n\n"

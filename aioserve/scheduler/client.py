@@ -1,0 +1,55 @@
+"""The scheduler as its clients (HTTP handlers, the offline API, metrics)
+see it: a few calls, not the concrete class.
+
+Handlers submit and abort requests, ask whether a request could ever run,
+flush the prefix cache and read a snapshot of occupancy and counters. They
+never reach into the KV manager, the queues or the executor.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from aioserve.scheduler.request import Request
+
+
+@dataclass
+class SchedulerInfo:
+    """A snapshot for /server_info and /metrics."""
+
+    running: int
+    waiting: int
+    page_size: int
+    kv_pages_total: int
+    kv_pages_free: int
+    kv_pages_cached: int
+    kv_pages_evictable: int
+    kv_integrity: str  # "ok", or what the integrity check found
+    stats: dict[str, int] = field(default_factory=dict)
+
+    @property
+    def kv_usage(self) -> float:
+        """Share of usable pages held by requests (free and evictable ones are not)."""
+        used = self.kv_pages_total - self.kv_pages_free - self.kv_pages_evictable
+        return used / self.kv_pages_total if self.kv_pages_total else 0.0
+
+
+class SchedulerClient(Protocol):
+    def validate(self, prompt_len: int, max_tokens: int | None) -> int:
+        """How many tokens a request may generate; RequestRejected if it can never run."""
+        ...
+
+    def submit(self, request: Request) -> None:
+        """Queue a request; its sink gets its events. RequestRejected if it can never run."""
+        ...
+
+    def abort(self, rid: str, reason: str = "abort") -> bool:
+        """End a request now (its sink gets a last event); False if unknown."""
+        ...
+
+    def flush_cache(self) -> bool:
+        """Empty the prefix cache; False while requests run."""
+        ...
+
+    def info(self) -> SchedulerInfo: ...

@@ -1,0 +1,147 @@
+"""Processing a step's output, entry by entry, in named phases:
+
+1. `_settle`: the entry's pending token has landed; if the request still
+   holds the admission the entry was planned for, its KV up to the entry is
+   now computed, and computed prompt pages go to the prefix cache.
+2. `_record_prompt_logprobs`, for requests that asked for them.
+3. `_accept`: append the sampled token and its logprobs.
+4. `_stop_reason`: stop token, EOS, or the token limit.
+5. `_event`: what the consumer hears (the first event also carries the
+   prompt's metadata); then finish the request or just deliver.
+
+Entries of requests that ended meanwhile (aborted, stop string) only
+settle their pending count.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from aioserve.batch_plan import StepOutput
+from aioserve.scheduler.plan_builder import ScheduledStep, StepEntry
+from aioserve.scheduler.request import Request, RequestEvent, Status
+from aioserve.scheduler.request_table import RequestTable
+
+TopLogprobs = list[tuple[int, float]]
+
+
+@dataclass
+class _HostOutput:
+    """A step's sampled rows as Python lists, converted once per step."""
+
+    tokens: list[int]
+    logprobs: list[float]
+    top_ids: list[list[int]] | None
+    top_logprobs: list[list[float]] | None
+
+    @classmethod
+    def of(cls, output: StepOutput) -> "_HostOutput":
+        return cls(
+            output.next_token_ids.tolist(),
+            output.logprobs.tolist(),
+            output.top_ids.tolist() if output.top_ids is not None else None,
+            output.top_logprobs.tolist() if output.top_logprobs is not None else None,
+        )
+
+    def top(self, row: int, wanted: int | None) -> TopLogprobs | None:
+        if not wanted or self.top_ids is None or self.top_logprobs is None:
+            return None
+        return list(zip(self.top_ids[row][:wanted], self.top_logprobs[row][:wanted]))
+
+
+class OutputProcessor:
+    def __init__(self, table: RequestTable, eos_token_ids: list[int]) -> None:
+        self.table = table
+        self.eos_token_ids = frozenset(eos_token_ids)
+
+    def process(self, step: ScheduledStep, output: StepOutput) -> None:
+        host = _HostOutput.of(output)
+        for entry in step.entries:
+            request = entry.request
+            if entry.row is not None:
+                request.pending.landed()
+            if request.finished:
+                continue
+            current = self._settle(request, entry)
+            if entry.prompt_logprob_span is not None:
+                self._record_prompt_logprobs(request, entry, output)
+            if entry.row is None:
+                if current and request.max_new_tokens == 0 and entry.kv_len_after == request.num_prompt_tokens:
+                    self._finish_prompt_only(request)
+                continue
+            token = self._accept(request, entry.row, host)
+            reason = self._stop_reason(request, token)
+            event = self._event(request, entry.row, token, reason, host)
+            if reason is not None:
+                self.table.finish(request, reason, event)
+            else:
+                self.table.deliver(request, event)
+
+    # -- the phases ----------------------------------------------------------------
+
+    def _settle(self, request: Request, entry: StepEntry) -> bool:
+        """Record computed KV; False when the entry belongs to an earlier
+        admission (the request was preempted since: it recomputes)."""
+        if request.status is not Status.RUNNING or request.kv is not entry.kv:
+            return False
+        request.kv.computed(entry.kv_len_after)
+        if entry.prefill:
+            self.table.kv.share_computed(request.kv, request.all_ids)
+        return True
+
+    @staticmethod
+    def _record_prompt_logprobs(request: Request, entry: StepEntry, output: StepOutput) -> None:
+        assert entry.prompt_logprob_span is not None and output.prompt_logprobs is not None
+        first, count = entry.prompt_logprob_span
+        wanted = request.params.prompt_logprobs or 0
+        for i in range(count):
+            # Position p's logits give the logprob of prompt token p + 1; a
+            # recomputed chunk (after preemption) may repeat positions already had.
+            if entry.first_position + i + 1 != len(request.prompt_logprobs):
+                continue
+            top: TopLogprobs = []
+            if output.prompt_top_ids is not None and output.prompt_top_logprobs is not None:
+                ids = output.prompt_top_ids[first + i, :wanted].tolist()
+                top = list(zip(ids, output.prompt_top_logprobs[first + i, :wanted].tolist()))
+            request.prompt_logprobs.append((float(output.prompt_logprobs[first + i]), top))
+
+    def _accept(self, request: Request, row: int, host: _HostOutput) -> int:
+        token = host.tokens[row]
+        request.all_ids.append(token)
+        request.output_logprobs.append(host.logprobs[row])
+        self.table.stats.generated_tokens += 1
+        return token
+
+    def _stop_reason(self, request: Request, token: int) -> str | None:
+        params = request.params
+        if token in params.stop_token_ids or (not params.ignore_eos and token in self.eos_token_ids):
+            return "stop"
+        if request.num_output_tokens >= request.max_new_tokens:
+            return "length"
+        return None
+
+    def _event(self, request: Request, row: int, token: int, reason: str | None, host: _HostOutput) -> RequestEvent:
+        event = RequestEvent(
+            token_id=token,
+            logprob=host.logprobs[row],
+            top_logprobs=host.top(row, request.params.logprobs),
+            finish_reason=reason,
+        )
+        self._add_first_event_metadata(request, event)
+        return event
+
+    @staticmethod
+    def _add_first_event_metadata(request: Request, event: RequestEvent) -> None:
+        if request.first_event_sent:
+            return
+        request.first_event_sent = True
+        event.num_prompt_tokens = request.num_prompt_tokens
+        event.num_cached_tokens = request.num_cached_tokens
+        if request.params.prompt_logprobs is not None:
+            event.prompt_logprobs = request.prompt_logprobs
+
+    def _finish_prompt_only(self, request: Request) -> None:
+        """max_tokens 0: the prompt is computed (and scored), nothing is generated."""
+        event = RequestEvent(finish_reason="length")
+        self._add_first_event_metadata(request, event)
+        self.table.finish(request, "length", event)

@@ -1,0 +1,150 @@
+"""Planning one step, in three phases read top to bottom:
+
+1. **decodes**: every running request whose prompt is computed gets one
+   token. When its next token starts a page it gets a new page first; while
+   the pool cannot give those, the newest request is preempted.
+2. **chunks of prompts under way**, up to `max_prefill_tokens` in all.
+3. **admissions**: waiting requests in arrival order, while the budget, a
+   slot and the pool (prompt + a decode reserve for it and for every running
+   request) allow. A request that cannot be admitted even with nothing
+   running never could be; it ends instead of blocking the queue.
+
+The result is a ScheduledStep: the BatchPlan of plain tensors, plus what the
+output processor needs to know about each of its entries.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from aioserve.config import EngineConfig
+from aioserve.kvcache.manager import KVManager
+from aioserve.scheduler.plan_builder import PlanBuilder, ScheduledStep, StepEntry
+from aioserve.scheduler.request import Request, RequestEvent
+from aioserve.scheduler.request_table import RequestTable
+from aioserve.scheduler.sampling_batch import SampleRow, SamplingBatchBuilder
+
+logger = logging.getLogger(__name__)
+
+
+class StepPlanner:
+    def __init__(self, config: EngineConfig, table: RequestTable, kv: KVManager, sampling: SamplingBatchBuilder) -> None:
+        self.config = config
+        self.table = table
+        self.kv = kv
+        self.sampling = sampling
+
+    def plan(self, step_id: int) -> ScheduledStep | None:
+        builder = PlanBuilder(step_id, self.kv.page_size, self.kv.table, self.sampling)
+        self._plan_decodes(builder, step_id)
+        budget = self._plan_running_chunks(builder, self.config.max_prefill_tokens, step_id)
+        self._plan_admissions(builder, budget, step_id)
+        return builder.build() if builder.entries else None
+
+    # -- phase 1: decodes --------------------------------------------------------
+
+    def _plan_decodes(self, builder: PlanBuilder, step_id: int) -> None:
+        decoders = [r for r in self.table.running if self._can_decode(r, step_id)]
+        for request in self._reserve_pages(decoders):
+            placeholder = request.pending.placeholder_for(step_id)
+            token = placeholder if placeholder is not None else request.all_ids[-1]
+            sample = SampleRow(request, request.num_generated, placeholder)
+            entry = builder.add(request, [token], request.kv_len, sample, decode=True)
+            request.admitted_kv.scheduled(request.kv_len + 1)
+            self._mark_sampled(request, entry, step_id)
+
+    @staticmethod
+    def _can_decode(request: Request, step_id: int) -> bool:
+        if request.is_prefilling or request.num_generated >= request.max_new_tokens:
+            return False  # a request at its limit finishes once its pending token lands
+        return request.pending.reachable_from(step_id)
+
+    def _reserve_pages(self, decoders: list[Request]) -> list[Request]:
+        """Give each decoder the page its next token needs, preempting the
+        newest running requests while the pool cannot; returns the decoders
+        still running."""
+        while True:
+            short = sum(self.kv.pages_short(r.admitted_kv, r.kv_len + 1) for r in decoders)
+            if short <= self.kv.num_available_pages or not self.table.running:
+                break
+            victim = self.table.running[-1]
+            self.table.preempt(victim)
+            decoders = [r for r in decoders if r is not victim]
+        for request in decoders:
+            if not self.kv.extend(request.admitted_kv, request.kv_len + 1):
+                raise RuntimeError("KV pool exhausted after preemption")  # the loop above rules it out
+        return decoders
+
+    # -- phase 2: prompts under way ------------------------------------------------
+
+    def _plan_running_chunks(self, builder: PlanBuilder, budget: int, step_id: int) -> int:
+        for request in [r for r in self.table.running if r.is_prefilling]:
+            if budget <= 0:
+                break
+            budget -= self._add_chunk(builder, request, budget, step_id)
+        return budget
+
+    def _add_chunk(self, builder: PlanBuilder, request: Request, budget: int, step_id: int) -> int:
+        """Add the next prefill chunk of `request`; returns its token count.
+        The chunk that completes the sequence samples the next token (unless
+        the request asked for none: it only wanted its prompt scored)."""
+        start = request.kv_len
+        end = min(len(request.all_ids), start + budget)
+        samples = end == len(request.all_ids) and request.max_new_tokens > 0
+        sample = SampleRow(request, request.num_generated, None) if samples else None
+        targets = None
+        if request.wants_prompt_logprobs:
+            last = min(end, request.num_prompt_tokens - 1)
+            targets = request.prompt_ids[start + 1 : last + 1]
+        entry = builder.add(request, request.all_ids[start:end], start, sample, decode=False, prompt_lp_targets=targets)
+        request.admitted_kv.scheduled(end)
+        if samples:
+            self._mark_sampled(request, entry, step_id)
+        return end - start
+
+    @staticmethod
+    def _mark_sampled(request: Request, entry: StepEntry, step_id: int) -> None:
+        assert entry.row is not None
+        request.pending.sampled(step_id, entry.row)
+
+    # -- phase 3: admissions ---------------------------------------------------------
+
+    def _plan_admissions(self, builder: PlanBuilder, budget: int, step_id: int) -> None:
+        waiting = self.table.waiting
+        while waiting and budget > 0:
+            request = waiting[0]
+            if request.pending.count:  # preempted with a token still in flight: next step
+                return
+            if not self._admit(request):
+                if not self.table.running:
+                    self._end_unadmittable(request)
+                    continue
+                return
+            budget -= self._add_chunk(builder, request, budget, step_id)
+
+    def _admit(self, request: Request) -> bool:
+        """Admit `request` if the pool holds its whole sequence and can also
+        keep room for it and for each running request to decode."""
+        tokens = request.all_ids
+        headroom = 0
+        if self.table.running:
+            decode_room = min(request.max_new_tokens - request.num_generated, self.config.decode_reserve_tokens)
+            headroom = self.kv.pages_for(len(tokens) + decode_room) - self.kv.pages_for(len(tokens))
+            headroom += len(self.table.running)
+        # Prompt logprobs need every prompt position computed: no prefix reuse.
+        kv = self.kv.admit(tokens, headroom, use_cache=not request.wants_prompt_logprobs)
+        if kv is None:
+            return False
+        self.table.start(request, kv)
+        return True
+
+    def _end_unadmittable(self, request: Request) -> None:
+        """With nothing running, every slot is free and every cached page
+        evictable: a request that still does not fit never will. Validation
+        bounds requests by the pool, so this is a backstop, not a path."""
+        logger.error("request %s (%d tokens) can never fit the KV pool; ending it", request.rid, len(request.all_ids))
+        if request.num_output_tokens:
+            self.table.finish(request, "length")
+        else:
+            message = "the request does not fit the KV pool"
+            self.table.finish(request, "error", RequestEvent(finish_reason="error", error=message))

@@ -1,0 +1,106 @@
+"""Where every request is (waiting, running, or gone), the moves between
+those places, and the delivery of events to each request's consumer.
+
+Each move is paired with the KVManager call it needs, so the queues and the
+KV pool cannot disagree: `start` takes a KV handle from admission, `preempt`
+and `finish` release it. A consumer whose sink raises fails its own request
+only; the scheduler loop never sees the exception.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import deque
+from dataclasses import dataclass
+
+from aioserve.kvcache.manager import KVManager
+from aioserve.kvcache.request_kv import RequestKV
+from aioserve.scheduler.request import Request, RequestEvent, Status
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class SchedulerStats:
+    steps: int = 0
+    prompt_tokens: int = 0  # prompt tokens of finished-or-running requests, once each
+    prefill_tokens: int = 0  # tokens computed by prefill chunks
+    cached_tokens: int = 0  # prompt tokens served by the prefix cache
+    generated_tokens: int = 0
+    preemptions: int = 0
+    finished: int = 0
+    aborted: int = 0
+    last_prefill_tokens: int = 0  # prefill tokens of the latest step that had any
+    peak_running: int = 0  # most requests admitted at once
+
+
+class RequestTable:
+    def __init__(self, kv: KVManager) -> None:
+        self.kv = kv
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []  # in admission order: the last is the newest
+        self.by_id: dict[str, Request] = {}
+        self.stats = SchedulerStats()
+
+    def add(self, request: Request) -> None:
+        self.by_id[request.rid] = request
+        self.waiting.append(request)
+
+    def start(self, request: Request, kv: RequestKV) -> None:
+        """The head of the queue was admitted with `kv`."""
+        if self.waiting[0] is not request:
+            raise RuntimeError("admission is in arrival order")
+        self.waiting.popleft()
+        request.kv = kv
+        request.status = Status.RUNNING
+        if request.num_cached_tokens is None:  # first admission: count its prompt once
+            request.num_cached_tokens = kv.kv_done
+            self.stats.cached_tokens += kv.kv_done
+            self.stats.prompt_tokens += request.num_prompt_tokens
+        self.running.append(request)
+        self.stats.peak_running = max(self.stats.peak_running, len(self.running))
+
+    def preempt(self, request: Request) -> None:
+        """Free a running request's KV and queue it first, to recompute later
+        (its computed pages go to the prefix cache, so often little is lost)."""
+        self._release(request)
+        request.status = Status.WAITING
+        request.num_preemptions += 1
+        self.stats.preemptions += 1
+        self.waiting.appendleft(request)
+        logger.info(
+            "preempted request %s (%d tokens) to free KV pages; %d preemptions so far",
+            request.rid, request.seq_len, self.stats.preemptions,
+        )
+
+    def finish(self, request: Request, reason: str, event: RequestEvent | None = None) -> None:
+        """End `request` (stop | length | abort | error), free what it holds and
+        send `event` (by default a bare one with the reason)."""
+        if request.status is Status.RUNNING:
+            self._release(request)
+        elif request.status is Status.WAITING:
+            self.waiting.remove(request)
+        request.status = Status.FINISHED
+        request.finish_reason = reason
+        self.by_id.pop(request.rid, None)
+        if reason in ("stop", "length"):
+            self.stats.finished += 1
+        elif reason == "abort":
+            self.stats.aborted += 1
+        self.deliver(request, event or RequestEvent(finish_reason=reason))
+
+    def deliver(self, request: Request, event: RequestEvent) -> None:
+        """Send `event` to the request's consumer; a consumer that raises
+        ends its own request with an error."""
+        try:
+            request.sink(event)
+        except Exception:
+            logger.exception("the consumer of request %s failed; ending it", request.rid)
+            if not request.finished:
+                self.finish(request, "error", RequestEvent(finish_reason="error", error="the consumer failed"))
+
+    def _release(self, request: Request) -> None:
+        assert request.kv is not None
+        self.kv.release(request.kv, request.all_ids)
+        self.running.remove(request)
+        request.kv = None

@@ -1,0 +1,163 @@
+"""OpenAI response bodies: completions, chat completions, their stream
+chunks, usage, logprobs, models and errors, shaped as OpenAI's published
+spec has them (tests/test_openapi_spec.py checks every body against it)."""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from aioserve.server.wire import WireModel
+
+# Ours are stop | length | abort | error; OpenAI's spec adds tool_calls and
+# content_filter, which a content processor may report.
+FinishReason = str
+
+
+class PromptTokensDetails(WireModel):
+    cached_tokens: int
+
+
+class Usage(WireModel):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+    prompt_tokens_details: PromptTokensDetails
+
+
+# -- /v1/completions ------------------------------------------------------------
+
+
+class CompletionLogprobs(WireModel):
+    """The legacy shape; `text_offset` indexes the choice's text (for a
+    stream, the text of all its chunks joined)."""
+
+    tokens: list[str]
+    token_logprobs: list[float | None]  # None: the first prompt token of an echo
+    top_logprobs: list[dict[str, float] | None]
+    text_offset: list[int]
+
+
+class CompletionChoice(WireModel):
+    index: int
+    text: str
+    logprobs: CompletionLogprobs | None
+    finish_reason: FinishReason | None
+
+
+class Completion(WireModel):
+    """A whole response, and (the same shape) each stream chunk; the last
+    chunk of a stream with include_usage has no choices and the usage."""
+
+    omit_when_none = ("usage",)
+
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int
+    model: str
+    choices: list[CompletionChoice]
+    usage: Usage | None = None
+
+
+# -- /v1/chat/completions --------------------------------------------------------
+
+
+class TopLogprob(WireModel):
+    token: str
+    logprob: float
+    bytes: list[int] | None
+
+
+class TokenLogprob(TopLogprob):
+    top_logprobs: list[TopLogprob]
+
+
+class ChatLogprobs(WireModel):
+    content: list[TokenLogprob] | None
+    refusal: list[TokenLogprob] | None = None
+
+
+class ChatMessage(WireModel):
+    """`reasoning_content` and `tool_calls` come only from a content processor
+    that produces them (vLLM and SGLang name the reasoning field this way)."""
+
+    omit_when_none = ("reasoning_content", "tool_calls")
+
+    role: Literal["assistant"] = "assistant"
+    content: str | None
+    refusal: str | None = None
+    reasoning_content: str | None = None
+    tool_calls: list[dict[str, Any]] | None = None
+
+
+class ChatChoice(WireModel):
+    index: int
+    message: ChatMessage
+    logprobs: ChatLogprobs | None
+    finish_reason: FinishReason | None
+
+
+class ChatCompletion(WireModel):
+    id: str
+    object: Literal["chat.completion"] = "chat.completion"
+    created: int
+    model: str
+    choices: list[ChatChoice]
+    usage: Usage
+
+
+class ChatDelta(WireModel):
+    omit_when_none = ("role", "content", "reasoning_content", "tool_calls")
+
+    role: Literal["assistant"] | None = None
+    content: str | None = None
+    reasoning_content: str | None = None
+    tool_calls: list[dict[str, Any]] | None = None
+
+
+class ChatChunkChoice(WireModel):
+    index: int
+    delta: ChatDelta
+    logprobs: ChatLogprobs | None
+    finish_reason: FinishReason | None
+
+
+class ChatCompletionChunk(WireModel):
+    omit_when_none = ("usage",)
+
+    id: str
+    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
+    created: int
+    model: str
+    choices: list[ChatChunkChoice]
+    usage: Usage | None = None
+
+
+# -- /v1/models ------------------------------------------------------------------
+
+
+class ModelCard(WireModel):
+    id: str
+    object: Literal["model"] = "model"
+    created: int
+    owned_by: str
+    root: str  # vLLM's extras: where the weights came from, and the context length
+    max_model_len: int
+
+
+class ModelList(WireModel):
+    object: Literal["list"] = "list"
+    data: list[ModelCard]
+
+
+# -- errors ----------------------------------------------------------------------
+
+
+class ErrorDetail(WireModel):
+    message: str
+    type: str
+    param: str | None
+    code: str | None
+
+
+class ErrorResponse(WireModel):
+    error: ErrorDetail
