@@ -88,7 +88,7 @@ def add_options(parser: argparse.ArgumentParser, *classes: type) -> None:
                     kwargs["default"] = f.default
                     if f.default is not None:
                         help_text += " (default: %(default)s)"
-            groups[meta["group"]].add_argument(flag(f), help=help_text, **kwargs)
+            groups[meta["group"]].add_argument(flag(f), *meta.get("aliases", ()), help=help_text, **kwargs)
 
 
 def _build(cls: type[Config], ns: argparse.Namespace, **nested: Any) -> Config:

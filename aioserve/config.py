@@ -15,7 +15,7 @@ from typing import Any, Callable
 DEFAULT_CPU_KV_BYTES = 4 << 30
 
 # CLI argument groups, in the order `aioserve serve --help` lists them.
-GROUPS = ("model", "KV cache", "scheduling", "HTTP")
+GROUPS = ("model", "KV cache", "scheduling", "distributed", "HTTP")
 
 # Equals aioserve.attention.BACKENDS (tests/test_cli.py checks it). Spelled out
 # because importing it would make this leaf module, which everything imports,
@@ -42,15 +42,19 @@ def option(
     group: str,
     choices: tuple[str, ...] | None = None,
     parse: Callable[[str], Any] | None = None,
+    aliases: tuple[str, ...] = (),
 ) -> Any:
     """A dataclass field that is also a CLI option: `--kebab-name` from the
     field name, type from the annotation unless `parse` turns the text into the
     value, required when there is no default. A bool that defaults to True is
     offered as `--disable-kebab-name`, one that defaults to False as a switch;
-    either way `help` says what the flag does."""
+    either way `help` says what the flag does. `aliases` are further flags for
+    the same option (the spellings users of other servers type)."""
     if group not in GROUPS:
         raise ValueError(f"unknown option group {group!r} (choose from {', '.join(GROUPS)})")
-    return field(default=default, metadata={"help": help, "group": group, "choices": choices, "parse": parse})
+    return field(
+        default=default, metadata={"help": help, "group": group, "choices": choices, "parse": parse, "aliases": aliases},
+    )
 
 
 @dataclass
@@ -99,6 +103,17 @@ class EngineConfig:
         False, help="check the KV bookkeeping whenever the scheduler goes idle", group="scheduling"
     )
 
+    tp_size: int = option(
+        1, aliases=("--tp", "--tensor-parallel-size"), group="distributed",
+        help="tensor-parallel ranks: one process each (one GPU each on CUDA; gloo on CPU)",
+    )
+    nnodes: int = option(1, help="machines the ranks are spread over", group="distributed")
+    node_rank: int = option(0, help="this machine's index among --nnodes (0 serves HTTP)", group="distributed")
+    dist_init_addr: str | None = option(
+        None, group="distributed",
+        help="HOST:PORT of node 0 where the ranks meet (default: a free local port; needed with --nnodes > 1)",
+    )
+
 
 @dataclass
 class ServerArgs:
@@ -108,6 +123,10 @@ class ServerArgs:
     served_model_name: str | None = option(None, help="the name clients use (default: --model)", group="model")
     chat_template: str | None = option(
         None, help="a Jinja file that replaces the tokenizer's chat template", group="model"
+    )
+    allowed_origins: str | None = option(
+        None, group="HTTP",
+        help="comma-separated origins allowed by CORS (browser pages served elsewhere), or *",
     )
     api_key: str | None = option(None, help="require `Authorization: Bearer KEY` on /v1 routes", group="HTTP")
     tokenizer_workers: int = option(4, help="threads that tokenize requests", group="HTTP")

@@ -35,10 +35,12 @@ def test_every_field_is_an_option_with_help() -> None:
     for f in option_fields():
         action = by_dest[f.name]
         kebab = f.name.replace("_", "-")
-        assert action.option_strings == [f"--disable-{kebab}" if f.default is True else f"--{kebab}"]
+        main = f"--disable-{kebab}" if f.default is True else f"--{kebab}"
+        assert action.option_strings == [main, *f.metadata["aliases"]]
         assert action.help and f.metadata["group"] in GROUPS
     assert by_dest["model"].required
     assert "--disable-overlap" in by_dest["overlap"].option_strings
+    assert by_dest["tp_size"].option_strings == ["--tp-size", "--tp", "--tensor-parallel-size"]
 
 
 def test_defaults_equal_the_dataclasses() -> None:
