@@ -1,42 +1,190 @@
-"""The C++ kernels of native/, JIT-built on first use with
-torch.utils.cpp_extension and cached (TORCH_EXTENSIONS_DIR).
+"""The C++ kernels of native/, built on this machine and cached.
 
 Each kernel has a pure-torch twin that is used when the build is not
 possible (no compiler, no ninja, a package installed without native/, or
-AIOSERVE_NATIVE=0); tests/test_native.py checks that both agree.
+AIOSERVE_NATIVE=0) and while the build is still running; tests/test_native.py
+checks that both agree.
+
+Building takes about 40 s on 2 cores, so a server does not wait for it:
+`cpu_kernels(wait=False)` answers None and starts the build in a background
+thread (the torch twins serve meanwhile); later calls get the module once it
+is ready. A build is cached under a key of everything the binary depends on
+(the source, torch, Python, the flags and this CPU's instruction set), so two
+checkouts or two environments on one machine share a build when they can
+and never evict each other's. Builds of one key are serialized with an
+advisory file lock, which the kernel releases when its holder dies: a start
+killed mid-build leaves nothing that makes the next one wait.
 """
 
 from __future__ import annotations
 
-import functools
+import hashlib
+import importlib.util
 import logging
 import os
+import platform
+import sys
+import sysconfig
+import threading
 from pathlib import Path
 from types import ModuleType
 
 logger = logging.getLogger(__name__)
 
 NATIVE_DIR = Path(__file__).resolve().parents[1] / "native"
+SOURCE = NATIVE_DIR / "cpu_kernels.cpp"
+# Built on the machine that runs it, so native instructions are safe; the
+# CPU's flags are part of the cache key in case the cache is shared.
+CFLAGS = ["-O3", "-march=native", "-fopenmp-simd"]
 
 
-@functools.lru_cache(maxsize=1)
-def cpu_kernels() -> ModuleType | None:
-    """The compiled CPU kernels, or None (the callers fall back to torch ops)."""
-    source = NATIVE_DIR / "cpu_kernels.cpp"
-    if os.environ.get("AIOSERVE_NATIVE", "1") == "0" or not source.exists():
-        return None
+def cache_root() -> Path:
+    configured = os.environ.get("AIOSERVE_NATIVE_CACHE")
+    return Path(configured) if configured else Path.home() / ".cache" / "aioserve" / "native"
+
+
+def _cpu_flags() -> str:
     try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith(("flags", "Features")):
+                return line
+    except OSError:
+        pass
+    return platform.processor()
+
+
+def build_key(source: bytes) -> str:
+    import torch
+
+    parts = [source, torch.__version__.encode(), sys.version.encode(), str(sysconfig.get_config_var("EXT_SUFFIX")).encode(),
+             " ".join(CFLAGS).encode(), platform.machine().encode(), _cpu_flags().encode()]
+    digest = hashlib.sha256()
+    for part in parts:
+        digest.update(part + b"\0")
+    return digest.hexdigest()[:16]
+
+
+def _import(name: str, path: Path) -> ModuleType:
+    spec = importlib.util.spec_from_file_location(name, path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+class _BuildLock:
+    """An exclusive flock on a file in the build folder, released by the
+    kernel if this process dies."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self._fd = -1
+
+    def __enter__(self) -> "_BuildLock":
+        import fcntl
+
+        self._fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        fcntl.flock(self._fd, fcntl.LOCK_EX)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        import fcntl
+
+        fcntl.flock(self._fd, fcntl.LOCK_UN)
+        os.close(self._fd)
+
+
+def _locate() -> tuple[str, Path, Path]:
+    """The module name, build folder and binary of this source and environment."""
+    key = build_key(SOURCE.read_bytes())
+    name = f"aioserve_cpu_kernels_{key}"
+    folder = cache_root() / key
+    return name, folder, folder / f"{name}.so"
+
+
+def load_cached() -> ModuleType | None:
+    """The kernels' module if this environment built it before (fast: no compiler)."""
+    import torch  # noqa: F401  (the extension links against the loaded libtorch)
+
+    name, _, built = _locate()
+    return _import(name, built) if built.exists() else None
+
+
+def load_or_build() -> ModuleType:
+    """The kernels' module: loaded from the cache, or built into it first."""
+    name, folder, built = _locate()
+    if built.exists():
+        try:
+            return _import(name, built)
+        except Exception:  # being written by another process, or corrupt: settled under the lock
+            pass
+    folder.mkdir(parents=True, exist_ok=True)
+    with _BuildLock(folder / "aioserve-build.lock"):
+        if built.exists():  # another process built it while we waited, or a truncated one
+            try:
+                return _import(name, built)
+            except Exception as exc:
+                logger.warning("cached native kernels at %s failed to load (%s); rebuilding", built, exc)
+                built.unlink()
+        # torch's own lock file, left behind by a build killed midway, would
+        # make torch wait for it forever; holding our lock, nobody else builds.
+        (folder / "lock").unlink(missing_ok=True)
         from torch.utils.cpp_extension import load
 
-        module = load(
-            name="aioserve_cpu_kernels",
-            sources=[str(source)],
-            # Built on the machine that runs it, so native instructions are safe.
-            extra_cflags=["-O3", "-march=native", "-fopenmp-simd"],
-            verbose=False,
-        )
-    except Exception as exc:  # no compiler / ninja / headers
-        logger.warning("native CPU kernels unavailable (%s); using the torch fallbacks", exc)
-        return None
-    logger.info("native CPU kernels loaded from %s", source)
-    return module
+        logger.info("building native CPU kernels into %s", folder)
+        return load(name=name, sources=[str(SOURCE)], extra_cflags=CFLAGS, build_directory=str(folder), verbose=False)
+
+
+class _Kernels:
+    """The process's one build attempt, possibly running in the background."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._thread: threading.Thread | None = None
+        self._done = threading.Event()
+        self.module: ModuleType | None = None
+
+    def _run(self) -> None:
+        try:
+            self.module = load_or_build()
+            logger.info("native CPU kernels ready")
+        except Exception as exc:  # no compiler / ninja / headers
+            logger.warning("native CPU kernels unavailable (%s); using the torch fallbacks", exc)
+        finally:
+            self._done.set()
+
+    def get(self, wait: bool) -> ModuleType | None:
+        if self._done.is_set():
+            return self.module
+        if os.environ.get("AIOSERVE_NATIVE", "1") == "0" or not SOURCE.exists():
+            return None
+        with self._lock:
+            if self._thread is None and not self._done.is_set():
+                try:
+                    self.module = load_cached()
+                except Exception:  # a corrupt binary: the build thread replaces it
+                    self.module = None
+                if self.module is not None:
+                    self._done.set()
+                    return self.module
+                self._thread = threading.Thread(target=self._run, name="aioserve-native-build", daemon=True)
+                self._thread.start()
+                if not wait:
+                    logger.info("native CPU kernels are being built in the background; torch fallbacks serve meanwhile")
+        if wait:
+            self._done.wait()
+        return self.module
+
+
+_kernels = _Kernels()
+
+
+def cpu_kernels(wait: bool = True) -> ModuleType | None:
+    """The compiled CPU kernels, or None (the callers fall back to torch ops).
+    With wait=False, None while a build runs (started by this call if needed)."""
+    return _kernels.get(wait)
+
+
+if __name__ == "__main__":  # `python -m aioserve.native`: build ahead of the first start
+    logging.basicConfig(level=logging.INFO)
+    sys.exit(0 if cpu_kernels(wait=True) is not None else 1)

@@ -22,6 +22,15 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")  # no hub lookups from tests
 torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
 
 
+def pytest_sessionstart(session: pytest.Session) -> None:
+    # Build (or load) the native kernels before any test runs: an engine
+    # started while they build serves with the torch twins and switches to
+    # them mid-run, and outputs compared across runs must come from one path.
+    from aioserve.native import cpu_kernels
+
+    cpu_kernels(wait=True)
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     if torch.cuda.is_available():
         return

@@ -12,6 +12,7 @@ never pads the short ones.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from types import ModuleType
 
 import torch
 import torch.nn.functional as F
@@ -192,8 +193,14 @@ class TorchNativeBackend(AttentionBackend):
     def __init__(self, pool: KVPool, use_native: bool = True) -> None:
         self.pool = pool
         self.workspace = GatherWorkspace()
-        on_cpu = pool.buffer.device.type == "cpu"
-        self.kernels = cpu_kernels() if use_native and on_cpu else None
+        self.use_native = use_native and pool.buffer.device.type == "cpu"
+        if self.use_native:
+            cpu_kernels(wait=False)  # a first start builds them in the background
+
+    @property
+    def kernels(self) -> ModuleType | None:
+        """The native kernels once built; until then the torch twins serve."""
+        return cpu_kernels(wait=False) if self.use_native else None
 
     def prepare(self, plan: BatchPlan, host_plan: BatchPlan) -> TorchNativeMetadata:
         return TorchNativeMetadata(self.pool, plan, host_plan, self.workspace, self.kernels)
