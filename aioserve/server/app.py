@@ -1,12 +1,14 @@
-"""The starlette app: routes, error handlers, API-key check."""
+"""The starlette app: routes, error handlers, CORS and the API-key check."""
 
 from __future__ import annotations
 
+import logging
 import secrets
 
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.middleware import Middleware
+from starlette.middleware.cors import CORSMiddleware
 from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
@@ -19,24 +21,60 @@ from aioserve.server.context import ServingContext
 from aioserve.server.errors import APIError, api_error_handler, unexpected_error_handler
 from aioserve.server.generate import generate
 from aioserve.server.metrics import metrics_endpoint
+from aioserve.server.page import page_routes
+
+logger = logging.getLogger(__name__)
 
 
 class APIKeyCheck:
     """With --api-key, every /v1 route wants `Authorization: Bearer <key>`.
-    Plain ASGI (not BaseHTTPMiddleware) so streaming and disconnects pass through."""
+    Plain ASGI (not BaseHTTPMiddleware) so streaming and disconnects pass through.
+    A CORS preflight passes unchecked: browsers never send credentials on one,
+    and answering it 401 would keep a page from ever sending its key."""
 
     def __init__(self, app: ASGIApp, api_key: str) -> None:
         self.app = app
         self.expected = f"Bearer {api_key}".encode()
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] == "http" and scope["path"].startswith("/v1/"):
+        if scope["type"] == "http" and scope["path"].startswith("/v1/") and not _is_preflight(scope):
             given = dict(scope["headers"]).get(b"authorization", b"")
             if not secrets.compare_digest(given, self.expected):
                 response = APIError("invalid or missing API key", status=401, code="invalid_api_key").response()
                 await response(scope, receive, send)
                 return
         await self.app(scope, receive, send)
+
+
+def _is_preflight(scope: Scope) -> bool:
+    headers = scope["headers"]
+    return scope["method"] == "OPTIONS" and any(name == b"access-control-request-method" for name, _ in headers)
+
+
+def parse_origins(allowed: str | None) -> list[str]:
+    """--allowed-origins: "a, b" -> ["a", "b"]; "*" -> ["*"]; unset or blank -> [] (no CORS)."""
+    return [origin.strip().rstrip("/") for origin in (allowed or "").split(",") if origin.strip()]
+
+
+def build_middleware(allowed_origins: str | None, api_key: str | None) -> list[Middleware]:
+    """Outermost first. CORS wraps the key check so that its headers are on
+    a 401 too (else the page sees an opaque network error, not "bad key")."""
+    middleware = []
+    origins = parse_origins(allowed_origins)
+    if origins:
+        logger.info("CORS allowed for %s", ", ".join(origins))
+        middleware.append(
+            Middleware(
+                CORSMiddleware,
+                allow_origins=origins,
+                allow_methods=["GET", "POST", "OPTIONS"],
+                allow_headers=["authorization", "content-type"],
+                max_age=600,
+            )
+        )
+    if api_key:
+        middleware.append(Middleware(APIKeyCheck, api_key=api_key))
+    return middleware
 
 
 async def http_error_handler(request: Request, exc: Exception) -> Response:
@@ -59,11 +97,11 @@ def create_app(ctx: ServingContext) -> Starlette:
         Route("/flush_cache", misc_routes.flush_cache, methods=["POST"]),
         Route("/server_info", misc_routes.server_info, methods=["GET"]),
         Route("/metrics", metrics_endpoint(ctx), methods=["GET"]),
+        *page_routes(),
     ]
-    middleware = [Middleware(APIKeyCheck, api_key=ctx.args.api_key)] if ctx.args.api_key else []
     app = Starlette(
         routes=routes,
-        middleware=middleware,
+        middleware=build_middleware(ctx.args.allowed_origins, ctx.args.api_key),
         exception_handlers={
             APIError: api_error_handler,
             HTTPException: http_error_handler,

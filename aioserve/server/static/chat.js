@@ -1,0 +1,279 @@
+// The aioserve chat page. Streams a reply from /v1/chat/completions over
+// server-sent events (fetch + ReadableStream), or from /v1/completions for a
+// model without a chat template. Model text reaches the page only as Text
+// nodes (append of a string, appendData, textContent): never as markup.
+"use strict";
+
+const KEY_STORAGE = "aioserve.apiKey"; // sessionStorage: forgotten when the tab closes
+const DEFAULT_MAX_TOKENS = 256;
+const DEFAULT_TEMPERATURE = 0.7;
+
+const $ = (id) => document.getElementById(id);
+
+const state = {
+  model: null,        // the served model's id (GET /v1/models); null: let the server pick its one
+  mode: "chat",       // "completion" once the server says the model has no chat template
+  history: [],        // chat mode: the conversation so far, as OpenAI messages
+  controller: null,   // the AbortController of the request under way
+};
+
+// ---- talking to the server -------------------------------------------------
+
+function headers() {
+  const result = { "Content-Type": "application/json" };
+  const key = $("api-key").value.trim();
+  if (key) result.Authorization = `Bearer ${key}`;
+  return result;
+}
+
+// The server's OpenAI-style error ({"error": {"message", "param", ...}}), or
+// whatever text came back.
+async function readError(response) {
+  const text = await response.text();
+  try {
+    const error = JSON.parse(text).error;
+    if (error && typeof error.message === "string") return error;
+  } catch (_) { /* not JSON: use the text */ }
+  return { message: text || `${response.status} ${response.statusText}` };
+}
+
+// The server refuses chat for a model whose tokenizer has no chat template;
+// such a model is still useful as a plain-text completer.
+function isMissingTemplate(error) {
+  return error.param === "messages" && /no chat template/i.test(error.message);
+}
+
+function numberFrom(input, fallback, parse) {
+  const value = parse(input.value);
+  return Number.isFinite(value) && value >= 0 ? value : fallback;
+}
+
+function requestFor(mode, text) {
+  const body = {
+    model: state.model ?? undefined,
+    stream: true,
+    stream_options: { include_usage: true },
+    max_tokens: Math.max(1, numberFrom($("max-tokens"), DEFAULT_MAX_TOKENS, (v) => parseInt(v, 10))),
+    temperature: numberFrom($("temperature"), DEFAULT_TEMPERATURE, parseFloat),
+  };
+  if (mode === "chat") {
+    return ["/v1/chat/completions", { ...body, messages: [...state.history, { role: "user", content: text }] }];
+  }
+  return ["/v1/completions", { ...body, prompt: text }];
+}
+
+function post(mode, text, signal) {
+  const [path, body] = requestFor(mode, text);
+  return fetch(path, { method: "POST", headers: headers(), body: JSON.stringify(body), signal });
+}
+
+// The JSON payloads of a server-sent-event stream, up to [DONE].
+async function* sseData(body) {
+  const reader = body.getReader();
+  const decoder = new TextDecoder();
+  let buffer = "";
+  try {
+    for (;;) {
+      const { value, done } = await reader.read();
+      if (done) return;
+      buffer += decoder.decode(value, { stream: true });
+      let end;
+      while ((end = buffer.indexOf("\n\n")) >= 0) {
+        const event = buffer.slice(0, end);
+        buffer = buffer.slice(end + 2);
+        const data = event.split("\n")
+          .filter((line) => line.startsWith("data:"))
+          .map((line) => line.slice(5).trimStart())
+          .join("\n");
+        if (data === "[DONE]") return;
+        if (data) yield JSON.parse(data);
+      }
+    }
+  } finally {
+    reader.releaseLock();
+  }
+}
+
+async function loadModel() {
+  try {
+    const response = await fetch("/v1/models", { headers: headers() });
+    if (response.status === 401) {
+      wantKey(true);
+      $("model").textContent = "this server wants an API key";
+      return;
+    }
+    if (!response.ok) throw new Error((await readError(response)).message);
+    state.model = (await response.json()).data[0].id;
+    $("model").textContent = state.model;
+    wantKey(false);
+  } catch (err) {
+    $("model").textContent = `server unreachable: ${err.message}`;
+  }
+}
+
+// ---- the page ----------------------------------------------------------------
+
+// Time to first token and decode speed of one reply. Counts content chunks
+// while streaming (one per token, but for a partial character held back); the
+// server's usage count replaces that at the end.
+class Stats {
+  constructor() {
+    this.start = performance.now();
+    this.first = null;
+    this.last = null;
+    this.chunks = 0;
+    this.usageTokens = null;
+  }
+
+  token() {
+    const now = performance.now();
+    this.first ??= now;
+    this.last = now;
+    this.chunks += 1;
+  }
+
+  toString() {
+    if (this.first === null) return "waiting for the first token…";
+    const tokens = this.usageTokens ?? this.chunks;
+    const seconds = (this.last - this.first) / 1000;
+    // The first token's time is the prefill's: the rate is of the ones after it.
+    const rate = tokens > 1 && seconds > 0 ? ((tokens - 1) / seconds).toFixed(1) : "–";
+    const ttft = Math.round(this.first - this.start);
+    return `${tokens} tokens · ${rate} tokens/s · time to first token ${ttft} ms`;
+  }
+}
+
+function addTurn(kind, text) {
+  const transcript = $("transcript");
+  const turn = document.createElement("div");
+  turn.className = `turn ${kind}`;
+  if (text) turn.append(text); // a string becomes a Text node: never parsed as HTML
+  transcript.append(turn);
+  transcript.scrollTop = transcript.scrollHeight;
+  return turn;
+}
+
+function addNote(turn, text, isError = false) {
+  const note = document.createElement("span");
+  note.className = isError ? "note error" : "note";
+  note.textContent = text;
+  turn.append(note);
+}
+
+function setMode(mode) {
+  state.mode = mode;
+  const badge = $("mode");
+  badge.hidden = mode === "chat";
+  badge.textContent = "completion mode: this model has no chat template, so each prompt is continued as plain text";
+}
+
+function wantKey(wanted) {
+  $("key-label").classList.toggle("wanted", wanted);
+  if (wanted) $("api-key").focus();
+}
+
+function setBusy(busy) {
+  $("send").disabled = busy;
+  $("stop").disabled = !busy;
+}
+
+const FINISH_NOTES = {
+  stop: "",
+  length: "stopped at the max tokens limit",
+  abort: "aborted by the server",
+};
+
+async function send(text) {
+  addTurn("user", text);
+  const turn = addTurn("reply streaming");
+  const output = document.createTextNode("");
+  const textSpan = document.createElement("span");
+  textSpan.className = "text";
+  textSpan.append(output);
+  turn.append(textSpan);
+
+  const stats = new Stats();
+  const controller = new AbortController();
+  state.controller = controller;
+  setBusy(true);
+  $("stats").textContent = stats.toString();
+  const mode = state.mode;
+  let replyMode = mode;
+  let finish = null;
+  try {
+    let response = await post(mode, text, controller.signal);
+    if (mode === "chat" && response.status === 400) {
+      const error = await readError(response);
+      if (!isMissingTemplate(error)) throw new Error(error.message);
+      setMode("completion");
+      replyMode = "completion";
+      response = await post(replyMode, text, controller.signal);
+    }
+    if (!response.ok) {
+      if (response.status === 401) wantKey(true);
+      throw new Error((await readError(response)).message);
+    }
+    for await (const chunk of sseData(response.body)) {
+      if (chunk.error) throw new Error(chunk.error.message);
+      if (chunk.usage) stats.usageTokens = chunk.usage.completion_tokens;
+      const choice = chunk.choices?.[0];
+      if (!choice) continue;
+      const piece = replyMode === "chat" ? choice.delta?.content : choice.text;
+      if (piece) {
+        output.appendData(piece);
+        stats.token();
+        $("stats").textContent = stats.toString();
+        $("transcript").scrollTop = $("transcript").scrollHeight;
+      }
+      if (choice.finish_reason) finish = choice.finish_reason;
+    }
+    if (FINISH_NOTES[finish]) addNote(turn, FINISH_NOTES[finish]);
+  } catch (err) {
+    if (err.name === "AbortError") addNote(turn, "stopped");
+    else addNote(turn, err.message, true);
+  } finally {
+    turn.classList.remove("streaming");
+    state.controller = null;
+    setBusy(false);
+    $("stats").textContent = stats.toString();
+    // turn.isConnected: "New chat" during the reply has already dropped it.
+    if (replyMode === "chat" && output.data && turn.isConnected) {
+      state.history.push({ role: "user", content: text }, { role: "assistant", content: output.data });
+    }
+  }
+}
+
+function init() {
+  const key = $("api-key");
+  key.value = sessionStorage.getItem(KEY_STORAGE) ?? "";
+  key.addEventListener("change", () => {
+    sessionStorage.setItem(KEY_STORAGE, key.value.trim());
+    loadModel();
+  });
+
+  const prompt = $("prompt");
+  $("composer").addEventListener("submit", (event) => {
+    event.preventDefault();
+    const text = prompt.value.trim();
+    if (!text || state.controller) return;
+    prompt.value = "";
+    send(text);
+  });
+  prompt.addEventListener("keydown", (event) => {
+    if (event.key === "Enter" && !event.shiftKey && !event.isComposing) {
+      event.preventDefault();
+      $("composer").requestSubmit();
+    }
+  });
+  // Aborting the fetch closes the connection; the server aborts the request at once.
+  $("stop").addEventListener("click", () => state.controller?.abort());
+  $("clear").addEventListener("click", () => {
+    state.controller?.abort();
+    state.history = [];
+    $("transcript").replaceChildren();
+    $("stats").textContent = "—";
+  });
+  loadModel();
+}
+
+init();
