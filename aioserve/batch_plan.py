@@ -12,7 +12,7 @@ known; the engine, which runs steps in order, fills them in.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 
 import torch
 
@@ -54,6 +54,12 @@ class SamplingTensors:
     output_token_ids: torch.Tensor  # [M] int64, may hold placeholders
     seen_rows: torch.Tensor  # [R] int64
     seen_token_ids: torch.Tensor  # [R] int64, may hold placeholders
+    # Constrained decoding: the rows whose next token must follow a grammar and,
+    # per such row, the allowed tokens as a packed bitmask (bit t % 32 of word
+    # t // 32 set = token t allowed). Rows here never sample after a pending
+    # token: the mask is computed from the grammar state when the plan is built.
+    grammar_rows: torch.Tensor = field(default_factory=lambda: torch.zeros(0, dtype=torch.long))  # [G] int64
+    grammar_bitmask: torch.Tensor = field(default_factory=lambda: torch.zeros(0, 0, dtype=torch.int32))  # [G, W] int32
 
     @property
     def has_penalties(self) -> bool:

@@ -125,7 +125,11 @@ def main(argv: list[str] | None = None) -> None:
     )
     from aioserve.runtime import run_server
 
-    run_server(server_args(ns))
+    try:
+        run_server(server_args(ns))
+    except (FileNotFoundError, PermissionError) as exc:  # a model that cannot be had: the message says why
+        logging.getLogger("aioserve").error("%s", exc)
+        sys.exit(1)
 
 
 if __name__ == "__main__":

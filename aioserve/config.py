@@ -57,9 +57,22 @@ def option(
     )
 
 
+# The model `aioserve serve` runs without --model: stories260K, shipped inside
+# the package (aioserve/demo_model), so a fresh install answers with nothing
+# downloaded. models/source.py maps the name to the folder.
+DEMO_MODEL = "stories260K"
+
+
 @dataclass
 class EngineConfig:
-    model: str = option(help="a Hugging Face folder or model id", group="model")
+    model: str = option(
+        DEMO_MODEL, group="model",
+        help="a local Hugging Face folder, a Hugging Face model id (fetched into the hub cache, HF_HOME), or "
+        f"{DEMO_MODEL}: the 260K-parameter demo model built into the package",
+    )
+    revision: str | None = option(
+        None, group="model", help="branch, tag or commit of a Hugging Face model id (default: main)"
+    )
     tokenizer: str | None = option(None, help="tokenizer folder (default: the model's)", group="model")
     dtype: str = option("auto", help="auto | float32 | bfloat16 | float16", group="model")
     cpu_half_compute: str = option(
@@ -105,13 +118,19 @@ class EngineConfig:
 
     tp_size: int = option(
         1, aliases=("--tp", "--tensor-parallel-size"), group="distributed",
-        help="tensor-parallel ranks: one process each (one GPU each on CUDA; gloo on CPU)",
+        help="tensor-parallel ranks: one process each, rank 0 serving HTTP (one GPU each on CUDA, NCCL; on CPU "
+        "gloo, each rank with its share of the cores); heads, MLP and vocabulary are split over them",
     )
-    nnodes: int = option(1, help="machines the ranks are spread over", group="distributed")
+    nnodes: int = option(
+        1, group="distributed",
+        help="machines the ranks are spread over (--tp / --nnodes each); start `aioserve serve` with the same "
+        "options on every machine, each with its --node-rank",
+    )
     node_rank: int = option(0, help="this machine's index among --nnodes (0 serves HTTP)", group="distributed")
     dist_init_addr: str | None = option(
         None, group="distributed",
-        help="HOST:PORT of node 0 where the ranks meet (default: a free local port; needed with --nnodes > 1)",
+        help="HOST:PORT of node 0 where the ranks meet (default: a free local port; needed with --nnodes > 1); "
+        "ranks give up meeting after AIOSERVE_DIST_INIT_TIMEOUT seconds (default 120)",
     )
 
 
@@ -124,11 +143,27 @@ class ServerArgs:
     chat_template: str | None = option(
         None, help="a Jinja file that replaces the tokenizer's chat template", group="model"
     )
+    # Spelled out: config imports nothing of the project; tests/test_tool_parsers.py
+    # checks them against aioserve.server.tool_parsers.CHOICES and server.reasoning.PARSERS.
+    tool_call_parser: str = option(
+        "auto", group="model",
+        choices=("auto", "none", "hermes", "llama3_json", "qwen", "qwen3", "qwen25", "llama3", "llama"),
+        help="how the model writes tool calls: hermes (Qwen's <tool_call>{json}</tool_call>), llama3_json "
+        '({"name": ..., "parameters": ...}), none, or auto: the format the chat template teaches',
+    )
+    reasoning_parser: str | None = option(
+        None, group="model", choices=("qwen3", "deepseek_r1"),
+        help="split a thinking model's <think>...</think> into reasoning_content (default: no split)",
+    )
     allowed_origins: str | None = option(
         None, group="HTTP",
         help="comma-separated origins allowed by CORS (browser pages served elsewhere), or *",
     )
-    api_key: str | None = option(None, help="require `Authorization: Bearer KEY` on /v1 routes", group="HTTP")
+    api_key: str | None = option(
+        None, group="HTTP",
+        help="require `Authorization: Bearer KEY` on every route but /health, /metrics and the chat page "
+        "(default: $AIOSERVE_API_KEY)",
+    )
     tokenizer_workers: int = option(4, help="threads that tokenize requests", group="HTTP")
     log_level: str = option("info", choices=("debug", "info", "warning", "error"), help="logging level", group="HTTP")
 

@@ -5,7 +5,9 @@
     outputs = llm.generate(["Once upon a time"], SamplingParams(max_tokens=32, temperature=0))
 
 It drives the same scheduler the server uses (continuous batching, prefix
-cache, chunked prefill, overlap) on a private event loop.
+cache, chunked prefill, overlap) on a private event loop. `LLM(path, tp=2)`
+(also `tp_size=2` or vLLM's `tensor_parallel_size=2`) runs tensor-parallel:
+this process is rank 0 and starts the other ranks as child processes.
 """
 
 from __future__ import annotations
@@ -19,7 +21,8 @@ from typing import Any
 
 from tqdm import tqdm
 
-from aioserve.config import EngineConfig
+from aioserve.config import DEMO_MODEL, EngineConfig
+from aioserve.grammar import compiler_for
 from aioserve.output_stream import OutputStream, PromptLogprobs, TopLogprobs
 from aioserve.sampling_params import SamplingParams
 from aioserve.scheduler.factory import build_scheduler
@@ -42,13 +45,25 @@ class GenerationOutput:
     num_cached_tokens: int = 0
 
 
+def _tp_size_option(options: dict[str, Any]) -> None:
+    """`tp` and `tensor_parallel_size` are other names of EngineConfig.tp_size."""
+    given = {name: options.pop(name) for name in ("tp", "tensor_parallel_size", "tp_size") if name in options}
+    if len(set(given.values())) > 1:
+        raise ValueError(f"conflicting tensor-parallel sizes: {given}")
+    if given:
+        options["tp_size"] = next(iter(given.values()))
+
+
 class LLM:
-    def __init__(self, model: str, **engine_options: Any) -> None:
+    def __init__(self, model: str = DEMO_MODEL, **engine_options: Any) -> None:
         chat_template = engine_options.pop("chat_template", None)
+        _tp_size_option(engine_options)
         self.config = EngineConfig(model=model, **engine_options)
-        self.engine, self.scheduler = build_scheduler(self.config)
-        self.tokenizer = Tokenizer(self.config.tokenizer or self.engine.model_path, chat_template)
         self._loop = asyncio.new_event_loop()
+        self._run: asyncio.Task | None = None
+        self.tp_failure: str | None = None  # why the tensor-parallel group broke
+        self.engine, self.scheduler = build_scheduler(self.config, on_tp_failure=self._on_tp_failure)
+        self.tokenizer = Tokenizer(self.config.tokenizer or self.engine.model_path, chat_template)
         self._ids = itertools.count()
 
     def encode(self, prompt: Prompt) -> list[int]:
@@ -61,6 +76,7 @@ class LLM:
         use_tqdm: bool = False,
     ) -> list[GenerationOutput]:
         """Generate for every prompt (text, or token ids), all batched together."""
+        self._check_tp()
         if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
             prompts = [prompts]  # type: ignore[list-item]
         if sampling_params is None or isinstance(sampling_params, SamplingParams):
@@ -75,17 +91,45 @@ class LLM:
             output = GenerationOutput(prompt if isinstance(prompt, str) else None, ids)
             rid = f"offline-{next(self._ids)}"
             stream = OutputStream(self.tokenizer, ids, params, end_request=partial(self.scheduler.abort, rid, "stop"))
-            request = Request(rid, ids, params, sink=self._sink(stream, output, bar))
+            request = Request(rid, ids, params, sink=self._sink(stream, output, bar), grammar=self._grammar(params))
             self.scheduler.submit(request)  # RequestRejected (a ValueError) for impossible prompts
             outputs.append(output)
             rids.append(rid)
         try:
-            self._loop.run_until_complete(self.scheduler.run(until_idle=True))
+            self._run = self._loop.create_task(self.scheduler.run(until_idle=True))
+            self._loop.run_until_complete(self._run)
+        except asyncio.CancelledError:
+            if self.tp_failure is None:
+                raise
         finally:
+            self._run = None
             for rid in rids:  # on an interrupt, leave nothing behind
                 self.scheduler.abort(rid)
             bar.close()
+        self._check_tp()
         return outputs
+
+    def _on_tp_failure(self, reason: str) -> None:
+        """A rank died or a step failed (called from another thread): end the
+        running generate, which then raises."""
+        self.tp_failure = reason
+        try:
+            self._loop.call_soon_threadsafe(self._cancel_run)
+        except RuntimeError:  # the loop is closed
+            pass
+
+    def _cancel_run(self) -> None:
+        if self._run is not None:
+            self._run.cancel()
+
+    def _check_tp(self) -> None:
+        if self.tp_failure is not None:
+            raise RuntimeError(f"tensor parallelism failed: {self.tp_failure}; create a new LLM")
+
+    def _grammar(self, params: SamplingParams):
+        """The compiled grammar of a constrained request (GrammarError, a ValueError, if it does not compile)."""
+        spec = params.structured_outputs
+        return None if spec is None else compiler_for(self.tokenizer, self.engine.vocab_size).compile(spec)
 
     @staticmethod
     def _sink(stream: OutputStream, output: GenerationOutput, bar: tqdm) -> Callable[[RequestEvent], None]:

@@ -1,14 +1,28 @@
 """Per-process bootstrap: one uvloop event loop that runs hypercorn (the
 starlette app), the tokenizer's thread pool and the scheduler coroutine,
-then shuts them down cleanly on SIGINT/SIGTERM."""
+then shuts them down cleanly on SIGINT/SIGTERM.
+
+Under tensor parallelism this process is rank 0 (node 0), and building the
+scheduler starts node 0's follower ranks. `aioserve serve --node-rank K`
+(K > 0) runs only that node's follower ranks: no HTTP. When the group breaks
+(a rank died or a step failed), /health answers 503 at once, the listener
+closes a moment later and the process exits with status 1; a watchdog exits
+hard if the orderly path hangs on a collective.
+"""
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import signal
+import sys
+import threading
+from typing import Any, Coroutine
 
 from aioserve.config import ServerArgs
+from aioserve.engine.tp_follower import run_node
+from aioserve.engine.tp_world import DistributedInitError, is_distributed
 from aioserve.scheduler.factory import build_scheduler
 from aioserve.server.app import create_app
 from aioserve.server.context import ServingContext
@@ -16,19 +30,61 @@ from aioserve.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
 
+FAILURE_GRACE_S = 1.0  # /health answers 503 this long before the listener closes
+HARD_EXIT_S = 8.0  # after a failure, exit by force if still running (the issue allows 10 s)
 
-async def serve(args: ServerArgs) -> None:
+
+class RankFailure:
+    """Rank 0's reaction to a broken tensor-parallel group. Called from any
+    thread (the lifeline watcher, the forward thread)."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop, stop: asyncio.Event) -> None:
+        self.loop = loop
+        self.stop = stop
+        self.reason: str | None = None
+        self.ctx: ServingContext | None = None
+
+    def __call__(self, reason: str) -> None:
+        if self.reason is not None:
+            return
+        self.reason = reason
+        threading.Thread(target=self._watchdog, name="aioserve-exit-watchdog", daemon=True).start()
+        self.loop.call_soon_threadsafe(self._on_loop)
+
+    def attach(self, ctx: ServingContext) -> None:
+        self.ctx = ctx
+
+    def _on_loop(self) -> None:
+        # A finished scheduler task is what /health reports as 503.
+        if self.ctx is not None and self.ctx.scheduler_task is not None:
+            self.ctx.scheduler_task.cancel()
+        self.loop.call_later(FAILURE_GRACE_S, self.stop.set)
+
+    def _watchdog(self) -> None:
+        threading.Event().wait(HARD_EXIT_S)
+        logger.error("tensor-parallel shutdown did not finish within %.0f s; exiting now", HARD_EXIT_S)
+        logging.shutdown()
+        os._exit(1)
+
+
+async def serve(args: ServerArgs) -> str | None:
+    """Serve until a signal (returns None) or a tensor-parallel failure
+    (returns its reason)."""
     from hypercorn.asyncio import serve as hypercorn_serve
     from hypercorn.config import Config
 
-    engine, scheduler = build_scheduler(args.engine)
+    loop = asyncio.get_running_loop()
+    stop = asyncio.Event()
+    failure = RankFailure(loop, stop)
+    engine, scheduler = build_scheduler(args.engine, on_tp_failure=failure)
     tokenizer = Tokenizer(args.engine.tokenizer or engine.model_path, args.chat_template, args.tokenizer_workers)
-    ctx = ServingContext(args, scheduler, tokenizer, engine.max_model_len, engine.vocab_size)
+    ctx = ServingContext(
+        args, scheduler, tokenizer, engine.max_model_len, engine.vocab_size, tp_layout=engine.tp_layout
+    )
     ctx.scheduler_task = asyncio.create_task(scheduler.run(), name="scheduler")
     ctx.scheduler_task.add_done_callback(_report_scheduler_exit)
+    failure.attach(ctx)
 
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
 
@@ -38,18 +94,21 @@ async def serve(args: ServerArgs) -> None:
     config.errorlog = logging.getLogger("hypercorn.error")
     config.graceful_timeout = 3.0
     logger.info(
-        "serving %s as %r at http://%s:%d (KV pool: %d tokens, max context %d, overlap %s, cache %s)",
+        "serving %s as %r at http://%s:%d (KV pool: %d tokens, max context %d, overlap %s, cache %s, tp %d)",
         engine.model_path, args.model_name, args.host, args.port, engine.kv_capacity_tokens,
-        engine.max_model_len, "on" if args.engine.overlap else "off", args.engine.cache,
+        engine.max_model_len, "on" if args.engine.overlap else "off", args.engine.cache, args.engine.tp_size,
     )
     try:
-        await hypercorn_serve(create_app(ctx), config, shutdown_trigger=stop.wait)  # type: ignore[arg-type]
+        if failure.reason is None:  # the group may have broken while we started
+            await hypercorn_serve(create_app(ctx), config, shutdown_trigger=stop.wait)  # type: ignore[arg-type]
     finally:
         logger.info("shutting down")
         scheduler.stop()
-        await asyncio.wait_for(ctx.scheduler_task, timeout=30)
+        if not ctx.scheduler_task.done():
+            await asyncio.wait({ctx.scheduler_task}, timeout=30)
         scheduler.shutdown()
         tokenizer.shutdown()
+    return failure.reason
 
 
 def _report_scheduler_exit(task: asyncio.Task) -> None:
@@ -57,11 +116,26 @@ def _report_scheduler_exit(task: asyncio.Task) -> None:
         logger.error("the scheduler loop died; /health now answers 503", exc_info=task.exception())
 
 
-def run_server(args: ServerArgs) -> None:
-    """Block running the server on a uvloop event loop."""
+def _run_loop(coroutine: Coroutine[Any, Any, Any]) -> Any:
     try:
         import uvloop
     except ImportError:  # Windows
-        asyncio.run(serve(args))
-        return
-    uvloop.run(serve(args))
+        return asyncio.run(coroutine)
+    return uvloop.run(coroutine)
+
+
+def run_server(args: ServerArgs) -> None:
+    """Block running the server on a uvloop event loop (or, on a node other
+    than 0, that node's follower ranks)."""
+    config = args.engine
+    try:
+        if is_distributed(config) and config.node_rank > 0:
+            sys.exit(run_node(config))
+        failure = _run_loop(serve(args))
+    except DistributedInitError as exc:
+        logger.error("cannot start tensor parallelism: %s", exc)
+        sys.exit(1)
+    if failure is not None:
+        logger.error("exiting with status 1: %s", failure)
+        logging.shutdown()
+        os._exit(1)  # a forward thread may still be stuck in a collective

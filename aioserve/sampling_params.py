@@ -6,7 +6,9 @@ project, so the server, the scheduler and the offline API can all share it.
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
+from typing import Any
 
 
 class SamplingParamsError(ValueError):
@@ -15,6 +17,70 @@ class SamplingParamsError(ValueError):
     def __init__(self, message: str, param: str | None = None) -> None:
         super().__init__(message)
         self.param = param
+
+
+@dataclass
+class StructuredOutputParams:
+    """What the output must match; exactly one field is set. The grammar is
+    compiled (by the server or the offline API, which know the vocabulary)
+    before the request reaches the scheduler.
+
+    * `json`: a JSON schema (a dict, or its JSON text);
+    * `json_object`: any JSON object;
+    * `regex`: the whole output matches it;
+    * `choice`: the output is one of these strings;
+    * `grammar`: an EBNF grammar (xgrammar's GBNF dialect, `root ::= ...`).
+    """
+
+    json: dict[str, Any] | str | None = None
+    json_object: bool = False
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+
+    def kind(self) -> str:
+        """The one field that is set; SamplingParamsError if none or several."""
+        given = [
+            name
+            for name, value in (
+                ("json", self.json), ("json_object", self.json_object or None), ("regex", self.regex),
+                ("choice", self.choice), ("grammar", self.grammar),
+            )
+            if value is not None
+        ]
+        if len(given) != 1:
+            what = "none" if not given else ", ".join(given)
+            raise SamplingParamsError(
+                f"structured output takes exactly one of json, json_object, regex, choice, grammar (got {what})",
+                "structured_outputs",
+            )
+        return given[0]
+
+    def key(self) -> tuple[str, str]:
+        """A hashable identity of the constraint, for caching its compiled grammar."""
+        kind = self.kind()
+        if kind == "json":
+            # One key for a schema however it is spaced; key order is kept
+            # (properties are generated in the schema's order).
+            schema = self.json
+            if isinstance(schema, str):
+                try:
+                    schema = json.loads(schema)
+                except json.JSONDecodeError:
+                    return kind, schema  # compiling it reports the error
+            return kind, json.dumps(schema)
+        if kind == "choice":
+            return kind, json.dumps(self.choice)
+        if kind == "json_object":
+            return kind, ""
+        return kind, str(getattr(self, kind))
+
+    def validate(self) -> None:
+        kind = self.kind()
+        if kind == "choice" and (not self.choice or not all(isinstance(c, str) and c for c in self.choice)):
+            raise SamplingParamsError("choice must be a non-empty list of non-empty strings", "structured_outputs.choice")
+        if kind in ("regex", "grammar") and not getattr(self, kind):
+            raise SamplingParamsError(f"{kind} must not be empty", f"structured_outputs.{kind}")
 
 
 @dataclass
@@ -37,6 +103,8 @@ class SamplingParams:
     logit_bias: dict[int, float] = field(default_factory=dict)
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    # Constrained decoding: the output follows a grammar (see StructuredOutputParams).
+    structured_outputs: StructuredOutputParams | None = None
 
     MAX_TOP_LOGPROBS = 20
 
@@ -90,6 +158,8 @@ class SamplingParams:
         for bias in self.logit_bias.values():
             if not -100.0 <= bias <= 100.0:
                 raise SamplingParamsError("logit_bias values must be in [-100, 100]", "logit_bias")
+        if self.structured_outputs is not None:
+            self.structured_outputs.validate()
         if vocab_size is not None:
             for name, ids in (
                 ("stop_token_ids", self.stop_token_ids),

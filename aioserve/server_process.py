@@ -26,6 +26,7 @@ class ServerProcess:
     url: str
     process: subprocess.Popen
     log_path: Path
+    api_key: str | None = None  # sent on our own calls (/server_info) when the server wants one
 
     @property
     def v1(self) -> str:
@@ -36,7 +37,8 @@ class ServerProcess:
 
     def info(self) -> dict:
         """GET /server_info: KV pool occupancy and scheduler counters."""
-        return httpx.get(f"{self.url}/server_info", timeout=30).json()
+        headers = {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
+        return httpx.get(f"{self.url}/server_info", headers=headers, timeout=30).json()
 
     def stop(self) -> None:
         self.process.terminate()
@@ -52,7 +54,8 @@ class ServerProcess:
         log = Path(log_path or tempfile.mkstemp(prefix="aioserve-", suffix=".log")[1])
         cmd = [sys.executable, "-m", "aioserve", "serve", "--model", str(model), "--port", str(port), *args]
         process = subprocess.Popen(cmd, stdout=log.open("w"), stderr=subprocess.STDOUT, env=dict(os.environ))
-        server = cls(f"http://127.0.0.1:{port}", process, log)
+        key = args[args.index("--api-key") + 1] if "--api-key" in args else os.environ.get("AIOSERVE_API_KEY")
+        server = cls(f"http://127.0.0.1:{port}", process, log, key)
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if process.poll() is not None:

@@ -11,13 +11,16 @@ from __future__ import annotations
 import asyncio
 import logging
 from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from tokenizers import Tokenizer as RustTokenizer
 from tokenizers.decoders import DecodeStream
 
 logger = logging.getLogger(__name__)
+
+Result = TypeVar("Result")
 
 # Prompt tokens given to a new DecodeStream so that the first generated
 # token decodes in context (e.g. keeps the space SentencePiece implies).
@@ -99,6 +102,10 @@ class Tokenizer:
 
     async def decode_async(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         return await asyncio.get_running_loop().run_in_executor(self._pool, self.decode, ids, skip_special_tokens)
+
+    async def run_async(self, work: Callable[..., Result], *args: Any) -> Result:
+        """Other vocabulary work (compiling a grammar) on the same pool."""
+        return await asyncio.get_running_loop().run_in_executor(self._pool, work, *args)
 
     def shutdown(self) -> None:
         self._pool.shutdown(wait=False)

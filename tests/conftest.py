@@ -15,8 +15,12 @@ sys.path.insert(0, str(Path(__file__).parent))
 
 from tiny_models import ARCHITECTURES, build_checkpoint, build_tokenizer  # noqa: E402
 
+from aioserve.models.source import DEMO_MODEL_DIR  # noqa: E402
+
 SHARED = Path(os.environ.get("AIOSERVE_SHARED", Path(__file__).resolve().parents[1].parent / "shared"))
-STORIES = Path(os.environ.get("AIOSERVE_STORIES", SHARED / "models" / "stories260K"))
+# stories260K ships inside the package (the built-in demo model), so the suite
+# needs nothing outside the repository; AIOSERVE_STORIES points elsewhere.
+STORIES = Path(os.environ.get("AIOSERVE_STORIES", DEMO_MODEL_DIR))
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # no hub lookups from tests
 torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))

@@ -15,7 +15,7 @@ import pytest
 
 from aioserve.attention import BACKENDS
 from aioserve.cli import add_options, build_parser, engine_config, parse_serve_args, server_args
-from aioserve.config import ATTENTION_BACKENDS, GROUPS, EngineConfig, ServerArgs, option, parse_bytes
+from aioserve.config import ATTENTION_BACKENDS, DEMO_MODEL, GROUPS, EngineConfig, ServerArgs, option, parse_bytes
 
 BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
 
@@ -38,13 +38,20 @@ def test_every_field_is_an_option_with_help() -> None:
         main = f"--disable-{kebab}" if f.default is True else f"--{kebab}"
         assert action.option_strings == [main, *f.metadata["aliases"]]
         assert action.help and f.metadata["group"] in GROUPS
-    assert by_dest["model"].required
+    assert not by_dest["model"].required and by_dest["model"].default == DEMO_MODEL
     assert "--disable-overlap" in by_dest["overlap"].option_strings
     assert by_dest["tp_size"].option_strings == ["--tp-size", "--tp", "--tensor-parallel-size"]
 
 
 def test_defaults_equal_the_dataclasses() -> None:
     assert parse_serve_args(["--model", "x"]) == ServerArgs(engine=EngineConfig(model="x"))
+
+
+def test_no_model_means_the_built_in_one() -> None:
+    args = parse_serve_args([])
+    assert args == ServerArgs(engine=EngineConfig()) and args.engine.model == DEMO_MODEL
+    assert args.model_name == DEMO_MODEL and args.engine.revision is None
+    assert parse_serve_args(["--model", "org/m", "--revision", "v2"]).engine.revision == "v2"
 
 
 def test_flags_round_trip() -> None:
@@ -79,13 +86,11 @@ def test_help_lists_groups_help_and_defaults(capsys: pytest.CaptureFixture[str])
         (["--cache", "bogus"], "invalid choice"),
         (["--kv-cache-memory", "lots"], "not a size"),
         (["--attention-backend", "flash"], "invalid choice"),
-        ([], "required: --model"),
     ],
 )
 def test_bad_values_are_argparse_errors(flags: list[str], message: str, capsys: pytest.CaptureFixture[str]) -> None:
-    model = [] if not flags else ["--model", "m"]
     with pytest.raises(SystemExit) as exit_:
-        build_parser().parse_args(["serve", *model, *flags])
+        build_parser().parse_args(["serve", "--model", "m", *flags])
     assert exit_.value.code == 2
     assert message in capsys.readouterr().err
 

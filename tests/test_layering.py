@@ -14,7 +14,7 @@ PACKAGE = Path(__file__).resolve().parents[1] / "aioserve"
 RANKS: dict[str, float] = {
     "__init__": 10, "__main__": 9.6, "cli": 9.4, "runtime": 9.2, "server_process": 9,
     "server": 8, "llm": 8,
-    "output_stream": 7, "tokenizer": 6.5,
+    "output_stream": 7, "grammar": 6.7, "tokenizer": 6.5,
     "scheduler": 6,
     "engine": 5,
     "models": 4.5, "attention": 4,  # a model's forward takes the attention backend's metadata

@@ -142,3 +142,18 @@ def test_penalties_change_a_repetitive_greedy_output(tiny_checkpoints: dict[str,
     assert penalised.token_ids != plain.token_ids
     assert len(set(penalised.token_ids)) > len(set(plain.token_ids))
     llm.close()
+
+
+def test_a_row_samples_the_same_token_whether_or_not_its_batch_sorts() -> None:
+    """A plain temperature row draws the same token alone and beside a top-p
+    row (whose presence makes the batch sort); it used to be drawn in the
+    sorted order then, so a seeded request changed with its neighbours."""
+    uniforms = torch.rand(200, dtype=torch.float64, generator=torch.Generator().manual_seed(3))
+    logits = LOGITS.repeat(2, 1)
+    for u in uniforms:
+        alone = sample(LOGITS[None], tensors(1, uniforms=u[None])).token_ids.item()
+        pair = tensors(2, uniforms=torch.stack([u, u]), top_ps=torch.tensor([1.0, 0.5]), needs_sort=True)
+        assert sample(logits, pair).token_ids[0].item() == alone
+        # And the top-p row itself does not depend on which rows share its batch.
+        with_top_p = tensors(1, top_p=0.5, uniforms=u[None])
+        assert sample(LOGITS[None], with_top_p).token_ids.item() == sample(logits, pair).token_ids[1].item()

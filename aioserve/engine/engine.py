@@ -3,23 +3,29 @@
 It holds no request state. Everything a step needs comes in the plan, so any
 engine built from the same checkpoint (another rank, a test's second
 instance) runs the same plan to the same tokens.
+
+Under tensor parallelism every rank runs `launch(plan)` on its shard; only
+rank 0 samples, and the sampled tokens are broadcast to the others, so every
+rank records the same tokens for the next step's placeholders whatever its
+float rounding.
 """
 
 from __future__ import annotations
 
 import logging
-from pathlib import Path
 
 import torch
 
 from aioserve.attention import create_backend
 from aioserve.batch_plan import BatchPlan, StepOutput
 from aioserve.config import DEFAULT_CPU_KV_BYTES, EngineConfig
-from aioserve.distributed import get_tp_group
+from aioserve.distributed import broadcast_from_leader, get_tp_group, min_over_ranks
 from aioserve.engine.dtypes import compute_dtype, resolve_dtype
 from aioserve.engine.sampler import sample
+from aioserve.engine.tp_layout import gather_layout, layout_lines
 from aioserve.kvcache.kv_pool import RESERVED_PAGES, KVPool
 from aioserve.models.model_config import ModelConfig
+from aioserve.models.source import resolve_model_path
 from aioserve.models.weight_loader import build_model
 from aioserve.placeholders import PreviousStepTokens
 
@@ -32,23 +38,10 @@ def resolve_device(name: str) -> torch.device:
     return torch.device(name)
 
 
-def resolve_model_path(model: str) -> Path:
-    """A local folder, or a Hugging Face id looked up in huggingface_hub's cache
-    (downloaded when the hub is reachable)."""
-    path = Path(model).expanduser()
-    if path.is_dir():
-        return path
-    from huggingface_hub import snapshot_download
-
-    try:
-        return Path(snapshot_download(model, allow_patterns=["*.json", "*.safetensors", "*.model", "*.txt"]))
-    except Exception as exc:  # offline, unknown id, no access
-        raise FileNotFoundError(f"model {model!r} is neither a local folder nor a reachable Hugging Face id: {exc}")
-
-
 class Engine:
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
+        self.tp = get_tp_group()
         self.device = resolve_device(config.device)
         if self.device.type == "cpu" and config.num_threads:
             torch.set_num_threads(config.num_threads)
@@ -57,7 +50,7 @@ class Engine:
             # (~1.8 ms of CPU per layer call, measured on an H100): serving
             # never repeats a length, so leave SDPA to flash / mem-efficient.
             torch.backends.cuda.enable_cudnn_sdp(False)
-        self.model_path = resolve_model_path(config.model)
+        self.model_path = resolve_model_path(config.model, config.revision)
         self.model_config = ModelConfig.from_path(self.model_path)
         # `weight_dtype` is what was asked; `dtype` is what the math uses; `kv_dtype` what the cache holds.
         self.weight_dtype = resolve_dtype(config.dtype, self.model_config.torch_dtype, self.device)
@@ -72,18 +65,22 @@ class Engine:
             round_to=self.weight_dtype,
         )
         self.page_size = config.page_size
-        self.num_pages = self._num_pages()
+        # Free memory differs between ranks: every rank takes the smallest
+        # pool any of them can hold, so one page id means one page everywhere.
+        self.num_pages = min_over_ranks(self._num_pages())
         self.pool = KVPool(
             self.model_config.num_layers,
             self.num_pages,
             self.page_size,
-            self.model_config.kv_heads_per_rank(get_tp_group().size),
+            self.model_config.kv_heads_per_rank(self.tp.size),
             self.model_config.head_dim,
             self.kv_dtype,
             self.device,
         )
         self.attention = create_backend(config.attention_backend, self.pool)
         self.previous = PreviousStepTokens(self.device)  # fills the next plan's placeholders
+        # What every rank holds (gathered from all of them; equal on every rank).
+        self.tp_layout = gather_layout(self)
         logger.info(
             "loaded %s (%s; weights %s, compute %s, KV %s) on %s; KV pool: %d pages x %d = %d tokens",
             self.model_path,
@@ -96,6 +93,9 @@ class Engine:
             self.page_size,
             self.kv_capacity_tokens,
         )
+        if self.tp.size > 1 and self.tp.is_leader:
+            for line in layout_lines(self.tp_layout):
+                logger.info("tensor parallel: %s", line)
 
     @property
     def vocab_size(self) -> int:
@@ -117,7 +117,7 @@ class Engine:
         cfg = self.config
         if cfg.num_pages is not None:
             return cfg.num_pages
-        kv_heads = self.model_config.kv_heads_per_rank(get_tp_group().size)
+        kv_heads = self.model_config.kv_heads_per_rank(self.tp.size)
         page_bytes = KVPool.bytes_per_page(
             self.model_config.num_layers, self.page_size, kv_heads, self.model_config.head_dim, self.kv_dtype
         )
@@ -142,7 +142,8 @@ class Engine:
 
     @torch.inference_mode()
     def launch(self, plan: BatchPlan) -> StepOutput:
-        """Enqueue one step on the current stream; the output stays on the device."""
+        """Enqueue one step on the current stream; the output stays on the
+        device. Followers return only the tokens (what rank 0 sampled)."""
         host_plan, plan = plan, plan.to(self.device)
         input_ids = self.previous.resolve(plan.step, plan.input_ids, host_plan.input_ids)
         meta = self.attention.prepare(plan, host_plan)
@@ -150,23 +151,35 @@ class Engine:
         empty = torch.zeros(0, dtype=torch.long, device=self.device)
         output = StepOutput(next_token_ids=empty, logprobs=empty.float(), top_ids=None, top_logprobs=None)
         if plan.sampling is not None:
-            st = plan.sampling
-            if st.has_penalties:
-                host_st = host_plan.sampling
-                assert host_st is not None
-                st.output_token_ids = self.previous.resolve(plan.step, st.output_token_ids, host_st.output_token_ids)
-                st.seen_token_ids = self.previous.resolve(plan.step, st.seen_token_ids, host_st.seen_token_ids)
-            sampled = sample(self.model.compute_logits(hidden[plan.logits_indices]), st)
-            output.next_token_ids, output.logprobs = sampled.token_ids, sampled.logprobs
-            output.top_ids, output.top_logprobs = sampled.top_ids, sampled.top_logprobs
+            # The LM head gathers the vocabulary shards: every rank takes part.
+            logits = self.model.compute_logits(hidden[plan.logits_indices])
+            if self.tp.is_leader:
+                self._sample(logits, plan, host_plan, output)
+            else:
+                output.next_token_ids = torch.empty(logits.shape[0], dtype=torch.long, device=self.device)
+            broadcast_from_leader(output.next_token_ids)
         self.previous.record(plan.step, output.next_token_ids)
         if plan.prompt_logprobs is not None:
-            self._prompt_logprobs(hidden, plan, output)
+            logits = self.model.compute_logits(hidden[plan.prompt_logprobs.token_indices])
+            if self.tp.is_leader:
+                self._prompt_logprobs(logits, plan, output)
         return output
 
-    def _prompt_logprobs(self, hidden: torch.Tensor, plan: BatchPlan, output: StepOutput) -> None:
+    def _sample(self, logits: torch.Tensor, plan: BatchPlan, host_plan: BatchPlan, output: StepOutput) -> None:
+        st = plan.sampling
+        assert st is not None
+        if st.has_penalties:
+            host_st = host_plan.sampling
+            assert host_st is not None
+            st.output_token_ids = self.previous.resolve(plan.step, st.output_token_ids, host_st.output_token_ids)
+            st.seen_token_ids = self.previous.resolve(plan.step, st.seen_token_ids, host_st.seen_token_ids)
+        sampled = sample(logits, st)
+        output.next_token_ids, output.logprobs = sampled.token_ids, sampled.logprobs
+        output.top_ids, output.top_logprobs = sampled.top_ids, sampled.top_logprobs
+
+    def _prompt_logprobs(self, logits: torch.Tensor, plan: BatchPlan, output: StepOutput) -> None:
         request = plan.prompt_logprobs
-        logits = self.model.compute_logits(hidden[request.token_indices])
+        assert request is not None
         normalizer = torch.logsumexp(logits, dim=-1, keepdim=True)
         output.prompt_logprobs = (logits.gather(1, request.target_ids[:, None]) - normalizer).squeeze(1)
         if request.num_top:

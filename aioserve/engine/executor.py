@@ -10,18 +10,69 @@ next plan at once.
 * CUDA: a launcher thread enqueues each step on the engine's own stream and
   records an event after the device-to-host copies; a waiter thread blocks
   on that event. Launching step N+1 does not wait for step N to finish.
+
+Under tensor parallelism (a `PlanBroadcaster`, rank 0's TPLeader) the same
+thread that launches a step first broadcasts its plan to the followers, so
+the event loop never blocks on a collective and plans reach the followers in
+execution order. Any exception on that path is fatal to the group; at
+shutdown the followers are told to stop after the last step.
 """
 
 from __future__ import annotations
 
 import asyncio
 import concurrent.futures
-from typing import Protocol
+from collections.abc import Callable
+from typing import Protocol, TypeVar
 
 import torch
 
 from aioserve.batch_plan import BatchPlan, StepOutput
 from aioserve.engine.engine import Engine
+
+T = TypeVar("T")
+
+
+class PlanBroadcaster(Protocol):
+    """Rank 0's link to the follower ranks (engine/tp_leader.py)."""
+
+    @property
+    def failed(self) -> bool: ...
+
+    def send(self, plan: BatchPlan) -> None: ...
+
+    def fail(self, reason: str) -> None: ...
+
+    def stop_followers(self) -> None: ...
+
+    def close(self) -> None: ...
+
+
+def _fatal_on_error(leader: PlanBroadcaster | None, what: str, fn: Callable[..., T], *args: object) -> T:
+    """Run fn; under tensor parallelism an exception also fails the group
+    (the ranks no longer agree on which steps ran)."""
+    try:
+        return fn(*args)
+    except Exception as exc:
+        if leader is not None:
+            leader.fail(f"{what} raised on rank 0: {exc!r}")
+        raise
+
+
+def _shutdown(leader: PlanBroadcaster | None, threads: list[concurrent.futures.ThreadPoolExecutor]) -> None:
+    """Stop the followers after the last step (on the step thread), then the
+    threads. After a failure nothing waits: a thread may be stuck in a
+    collective with a dead rank."""
+    if leader is not None and not leader.failed:
+        try:
+            threads[0].submit(leader.stop_followers).result(timeout=30)
+        except Exception as exc:
+            leader.fail(f"stopping the followers failed: {exc!r}")
+    healthy = leader is None or not leader.failed
+    for thread in threads:
+        thread.shutdown(wait=healthy, cancel_futures=not healthy)
+    if leader is not None:
+        leader.close()
 
 
 class StepExecutor(Protocol):
@@ -31,25 +82,35 @@ class StepExecutor(Protocol):
 
 
 class ThreadExecutor:
-    def __init__(self, engine: Engine) -> None:
+    def __init__(self, engine: Engine, leader: PlanBroadcaster | None = None) -> None:
         self.engine = engine
+        self.leader = leader
         self._thread = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="aioserve-forward")
 
+    def _step(self, plan: BatchPlan) -> StepOutput:
+        if self.leader is not None:
+            self.leader.send(plan)
+        return self.engine.forward(plan)
+
     def submit(self, plan: BatchPlan) -> "asyncio.Future[StepOutput]":
-        return asyncio.wrap_future(self._thread.submit(self.engine.forward, plan))
+        what = f"step {plan.step}"
+        return asyncio.wrap_future(self._thread.submit(_fatal_on_error, self.leader, what, self._step, plan))
 
     def shutdown(self) -> None:
-        self._thread.shutdown(wait=True)
+        _shutdown(self.leader, [self._thread])
 
 
 class CudaStreamExecutor:
-    def __init__(self, engine: Engine) -> None:
+    def __init__(self, engine: Engine, leader: PlanBroadcaster | None = None) -> None:
         self.engine = engine
+        self.leader = leader
         self.stream = torch.cuda.Stream(engine.device)
         self._launcher = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="aioserve-launch")
         self._waiter = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="aioserve-cuda-wait")
 
     def _launch(self, plan: BatchPlan) -> tuple[StepOutput, torch.cuda.Event]:
+        if self.leader is not None:
+            self.leader.send(plan)
         with torch.cuda.stream(self.stream):
             output = self.engine.launch(plan).to(torch.device("cpu"))
             done = torch.cuda.Event()
@@ -62,13 +123,16 @@ class CudaStreamExecutor:
         return output
 
     def submit(self, plan: BatchPlan) -> "asyncio.Future[StepOutput]":
-        launched = self._launcher.submit(self._launch, plan)
-        return asyncio.wrap_future(self._waiter.submit(self._wait, launched))
+        what = f"step {plan.step}"
+        launched = self._launcher.submit(_fatal_on_error, self.leader, what, self._launch, plan)
+        return asyncio.wrap_future(self._waiter.submit(_fatal_on_error, self.leader, what, self._wait, launched))
 
     def shutdown(self) -> None:
-        self._launcher.shutdown(wait=True)
-        self._waiter.shutdown(wait=True)
+        _shutdown(self.leader, [self._launcher, self._waiter])
 
 
-def create_executor(engine: Engine) -> StepExecutor:
-    return CudaStreamExecutor(engine) if engine.device.type == "cuda" else ThreadExecutor(engine)
+def create_executor(engine: Engine, leader: PlanBroadcaster | None = None) -> StepExecutor:
+    """The executor for the engine's device; `leader` under tensor parallelism."""
+    if engine.device.type == "cuda":
+        return CudaStreamExecutor(engine, leader)
+    return ThreadExecutor(engine, leader)

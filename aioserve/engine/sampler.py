@@ -1,4 +1,5 @@
-"""Batched sampling: logit adjustments, greedy or filtered random choice, logprobs.
+"""Batched sampling: logit adjustments, grammar masks, greedy or filtered
+random choice, logprobs.
 
 Random rows are sampled by inverting the CDF with one uniform draw per row,
 and the scheduler chooses that draw (from the request's seed and how many
@@ -45,48 +46,97 @@ def adjust_logits(logits: torch.Tensor, st: SamplingTensors) -> torch.Tensor:
     return out
 
 
-def filtered_probs(logits: torch.Tensor, st: SamplingTensors) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Probabilities after temperature, top-k, top-p and min-p, unnormalised.
+# Byte value -> its 8 bits as additive logit masks (0: allowed, -inf: not).
+_BYTE_MASKS: dict[tuple[torch.device, torch.dtype], torch.Tensor] = {}
 
-    With top-k/top-p the rows come back sorted (descending) along with the
-    order that maps a sorted position to its token id; otherwise in vocab order.
+
+def _byte_masks(device: torch.device, dtype: torch.dtype) -> torch.Tensor:
+    table = _BYTE_MASKS.get((device, dtype))
+    if table is None:
+        bits = (torch.arange(256, device=device)[:, None] >> torch.arange(8, device=device)) & 1
+        table = _BYTE_MASKS[(device, dtype)] = torch.where(bits.bool(), 0.0, float("-inf")).to(dtype)
+    return table
+
+
+def grammar_mask(bitmask: torch.Tensor, vocab_size: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """[G, W] int32 packed bitmask (bit t % 32 of word t // 32 allows token t)
+    -> [G, vocab_size] additive mask: 0 where allowed, -inf elsewhere, and
+    -inf past the mask's width (an embedding padded beyond the vocabulary).
+
+    Each byte of the (little-endian) words is looked up in a 256 x 8 table:
+    about 20x faster on CPU than shifting bits into a bool mask and applying
+    it with where/masked_fill (1.5 ms against 33 ms for 16 x 152k logits)."""
+    rows = bitmask.shape[0]
+    table = _byte_masks(bitmask.device, dtype)
+    mask = torch.nn.functional.embedding(bitmask.contiguous().view(torch.uint8).long(), table).reshape(rows, -1)
+    if mask.shape[1] >= vocab_size:
+        return mask[:, :vocab_size]
+    return torch.nn.functional.pad(mask, (0, vocab_size - mask.shape[1]), value=float("-inf"))
+
+
+def allowed_tokens(bitmask: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """The packed bitmask as [G, vocab_size] bool."""
+    return grammar_mask(bitmask, vocab_size) == 0
+
+
+def apply_grammar(logits: torch.Tensor, st: SamplingTensors) -> torch.Tensor:
+    """Disallowed tokens of constrained rows get -inf; a new tensor when any
+    row is constrained, else `logits` itself."""
+    if st.grammar_rows.numel() == 0:
+        return logits
+    mask = grammar_mask(st.grammar_bitmask, logits.shape[1], logits.dtype)
+    return logits.index_add(0, st.grammar_rows, mask)
+
+
+def filtered_probs(logits: torch.Tensor, st: SamplingTensors) -> torch.Tensor:
+    """Probabilities after temperature, top-k, top-p and min-p, unnormalised,
+    in vocab order.
+
+    Top-k and top-p are decided on a sorted copy, but only as a keep-mask
+    carried back to vocab order: every row is then sampled in vocab order, and
+    a row that uses neither gets exactly the probabilities it would get in a
+    batch that sorts nothing. (Sampling sorted rows in sorted order made a
+    seeded request's tokens change when a top-p request joined its batch.)
     """
     temperatures = torch.where(st.temperatures > 0, st.temperatures, 1.0)
     probs = torch.softmax(logits / temperatures[:, None], dim=-1)
-    order = None
     if st.needs_sort:
-        probs, order = probs.sort(dim=-1, descending=True)
+        sorted_probs, order = probs.sort(dim=-1, descending=True)
         ranks = torch.arange(probs.shape[1], device=probs.device)
-        probs = probs * (ranks[None, :] < st.top_ks[:, None])
-        probs = probs / probs.sum(dim=-1, keepdim=True)
+        in_top_k = ranks[None, :] < st.top_ks[:, None]
+        top_k_probs = sorted_probs * in_top_k
+        top_k_probs = top_k_probs / top_k_probs.sum(dim=-1, keepdim=True)
         # Keep a token while the mass ranked above it is still below top_p;
         # the top token always stays.
-        mass_before = probs.cumsum(dim=-1) - probs
-        probs = probs * (mass_before < st.top_ps[:, None])
+        mass_before = top_k_probs.cumsum(dim=-1) - top_k_probs
+        keep_sorted = in_top_k & (mass_before < st.top_ps[:, None])
+        filtering = (st.top_ks < probs.shape[1]) | (st.top_ps < 1.0)
+        keep_sorted |= ~filtering[:, None]
+        probs = probs * torch.empty_like(keep_sorted).scatter_(1, order, keep_sorted)
     if st.needs_min_p:
         peak = probs.max(dim=-1, keepdim=True).values
         probs = probs * (probs >= st.min_ps[:, None] * peak)
-    return probs, order
+    return probs
 
 
-def sample_from(probs: torch.Tensor, order: torch.Tensor | None, uniforms: torch.Tensor) -> torch.Tensor:
-    """Inverse-CDF sampling with one uniform draw per row."""
+def sample_from(probs: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
+    """Inverse-CDF sampling in vocab order with one uniform draw per row."""
     cdf = probs.cumsum(dim=-1)
     total = cdf[:, -1:]
     # u * total may round up to total in float32; stay strictly below it so the
     # chosen index always carries probability mass.
     target = torch.minimum(uniforms[:, None].to(cdf.dtype) * total, torch.nextafter(total, torch.zeros_like(total)))
-    index = torch.searchsorted(cdf, target, right=True).squeeze(1)
-    return order.gather(1, index[:, None]).squeeze(1) if order is not None else index
+    return torch.searchsorted(cdf, target, right=True).squeeze(1)
 
 
 def sample(logits: torch.Tensor, st: SamplingTensors) -> SamplerOutput:
     """Choose one token per row of float32 `logits` [S, V]."""
-    adjusted = adjust_logits(logits, st)
+    # The grammar mask comes after bias and penalties, so top-k, top-p and
+    # min-p choose among the tokens the grammar allows.
+    adjusted = apply_grammar(adjust_logits(logits, st), st)
     token_ids = adjusted.argmax(dim=-1)
     if not st.all_greedy:
-        probs, order = filtered_probs(adjusted, st)
-        sampled = sample_from(probs, order, st.uniforms)
+        sampled = sample_from(filtered_probs(adjusted, st), st.uniforms)
         token_ids = torch.where(st.temperatures > 0, sampled, token_ids)
     # Logprobs are reported from the model's raw distribution, like vLLM's default.
     normalizer = torch.logsumexp(logits, dim=-1, keepdim=True)

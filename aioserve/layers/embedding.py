@@ -19,7 +19,8 @@ class VocabParallelEmbedding(nn.Module):
         tp = get_tp_group()
         per_rank = -(-vocab_size // tp.size)  # ceil: the last shard is padded
         self.vocab_size = vocab_size
-        self.vocab_start = tp.rank * per_rank
+        # With a tiny vocabulary over many ranks the last ones may hold no row.
+        self.vocab_start = min(vocab_size, tp.rank * per_rank)
         self.vocab_end = min(vocab_size, self.vocab_start + per_rank)
         self.weight = nn.Parameter(torch.zeros(per_rank, hidden), requires_grad=False)
 

@@ -1,7 +1,10 @@
 """Linear layers whose weights are split over the tensor-parallel ranks.
 
 Each layer knows how to cut its own shard out of a full Hugging Face tensor
-(`load_weight`), so the weight loader stays a plain name-mapping loop.
+(`load_weight`), so the weight loader stays a plain name-mapping loop. What
+it is handed may be a tensor or the loader's lazy CheckpointTensor: layers
+only index it (`loaded[a:b]`, `loaded[:, a:b]`, `loaded[:]`) and read
+`.shape`, so each rank reads just its slice from the file.
 Column-parallel layers split the output features and need no comms;
 row-parallel layers split the input features and all-reduce their output.
 """
@@ -25,7 +28,15 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     return out + bias if bias is not None else out
 
 
+def _check_full(loaded: torch.Tensor, dim: int, expected: int, what: str) -> None:
+    """The checkpoint tensor (before slicing) has the size the config implies
+    along the split dim: a slice of a wrong-sized tensor could look right."""
+    if loaded.shape[dim] != expected:
+        raise ValueError(f"{what}: checkpoint has {loaded.shape[dim]} features along dim {dim}, the config {expected}")
+
+
 def _copy_checked(param: torch.Tensor, loaded: torch.Tensor, what: str) -> None:
+    """`loaded` is the already-sliced tensor."""
     if param.shape != loaded.shape:
         raise ValueError(f"{what}: checkpoint shape {tuple(loaded.shape)} != {tuple(param.shape)}")
     param.data.copy_(loaded)
@@ -44,6 +55,7 @@ class ColumnParallelLinear(nn.Module):
     def load_weight(self, name: str, loaded: torch.Tensor, shard: object = None) -> None:
         target = self.weight if name == "weight" else self.bias
         rows = target.shape[0]
+        _check_full(loaded, 0, self.out_full, name)
         _copy_checked(target, loaded[self.out_start : self.out_start + rows], name)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -57,6 +69,9 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
 
     def __init__(self, in_features: int, part_sizes: list[int], bias: bool = False) -> None:
         tp = get_tp_group()
+        for size in part_sizes:
+            if size % tp.size:
+                raise ValueError(f"a projection of {size} features does not divide over {tp.size} ranks")
         self.part_sizes = [size // tp.size for size in part_sizes]
         self.shard_ids = tuple(range(len(part_sizes)))
         self.full_part_sizes = part_sizes
@@ -68,6 +83,7 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
         size = self.part_sizes[index]
         offset = sum(self.part_sizes[:index])
         start, _ = shard_range(self.full_part_sizes[index])
+        _check_full(loaded, 0, self.full_part_sizes[index], f"{name}[{index}]")
         _copy_checked(target[offset : offset + size], loaded[start : start + size], f"{name}[{index}]")
 
 
@@ -85,6 +101,7 @@ class QKVParallelLinear(ColumnParallelLinear):
         if num_heads % tp.size:
             raise ValueError(f"{num_heads} attention heads do not divide over {tp.size} ranks")
         self.head_dim = head_dim
+        self.total_heads, self.total_kv_heads = num_heads, num_kv_heads
         self.num_heads = num_heads // tp.size
         self.num_kv_heads = kv_heads_per_rank(num_kv_heads, tp.size)
         # The first KV head this rank holds (replicated when kv heads < ranks).
@@ -107,12 +124,13 @@ class QKVParallelLinear(ColumnParallelLinear):
         target = self.weight if name == "weight" else self.bias
         d = self.head_dim
         if shard == "q":
-            offset, size, first_head = 0, self.q_size, self.q_head_start
+            offset, size, first_head, total = 0, self.q_size, self.q_head_start, self.total_heads
         elif shard in ("k", "v"):
             offset = self.q_size + (0 if shard == "k" else self.kv_size)
-            size, first_head = self.kv_size, self.kv_head_start
+            size, first_head, total = self.kv_size, self.kv_head_start, self.total_kv_heads
         else:
             raise ValueError(f"unknown qkv shard {shard!r}")
+        _check_full(loaded, 0, total * d, f"{name}[{shard}]")
         _copy_checked(target[offset : offset + size], loaded[first_head * d : first_head * d + size], f"{name}[{shard}]")
 
 
@@ -122,15 +140,17 @@ class RowParallelLinear(nn.Module):
 
     def __init__(self, in_features: int, out_features: int, bias: bool = False) -> None:
         super().__init__()
+        self.in_full = in_features
         self.in_start, in_end = shard_range(in_features)
         self.weight = nn.Parameter(torch.empty(out_features, in_end - self.in_start), requires_grad=False)
         self.bias = nn.Parameter(torch.empty(out_features), requires_grad=False) if bias else None
 
     def load_weight(self, name: str, loaded: torch.Tensor, shard: object = None) -> None:
         if name == "bias":
-            _copy_checked(self.bias, loaded, name)  # type: ignore[arg-type]
+            _copy_checked(self.bias, loaded[:], name)  # type: ignore[arg-type]
             return
         cols = self.weight.shape[1]
+        _check_full(loaded, 1, self.in_full, name)
         _copy_checked(self.weight, loaded[:, self.in_start : self.in_start + cols], name)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

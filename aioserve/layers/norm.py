@@ -15,7 +15,8 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(size), requires_grad=False)
 
     def load_weight(self, name: str, loaded: torch.Tensor, shard: object = None) -> None:
-        self.weight.data.copy_(loaded)
+        """Replicated on every rank: `loaded[:]` reads the whole tensor."""
+        self.weight.data.copy_(loaded[:])
 
     def _norm(self, x: torch.Tensor) -> torch.Tensor:
         if x.is_cuda:

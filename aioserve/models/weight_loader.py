@@ -2,7 +2,10 @@
 ("dummy") weights of the real shapes for benchmarks without a checkpoint.
 
 Each checkpoint tensor is handed to the layer that owns it, which cuts its
-tensor-parallel shard and fuses q/k/v and gate/up in place.
+tensor-parallel shard and fuses q/k/v and gate/up in place. The layer gets a
+`CheckpointTensor`, not the tensor: indexing it reads only the rows or
+columns asked for from the memory-mapped file, so a rank never holds a full
+copy of a sharded weight.
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ from safetensors import safe_open
 from torch import nn
 from tqdm import tqdm
 
+from aioserve.distributed import get_tp_group
 from aioserve.models.model_config import ModelConfig
 from aioserve.models.registry import model_class
 
@@ -32,6 +36,19 @@ _FUSED_PARTS: dict[str, tuple[str, object]] = {
     "up_proj": ("gate_up_proj", 1),
 }
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+
+
+class CheckpointTensor:
+    """A tensor of a safetensors file, not read yet: its shape, and indexing
+    (`t[a:b]`, `t[:, a:b]`, `t[:]` for all of it) that reads just that part."""
+
+    def __init__(self, handle: object, name: str) -> None:
+        self._slice = handle.get_slice(name)  # type: ignore[attr-defined]
+        self.name = name
+        self.shape = torch.Size(self._slice.get_shape())
+
+    def __getitem__(self, index: object) -> torch.Tensor:
+        return self._slice[index]
 
 
 @contextlib.contextmanager
@@ -73,7 +90,8 @@ def _target(model: nn.Module, hf_name: str) -> tuple[nn.Module, str, object] | N
 def load_safetensors(model: nn.Module, config: ModelConfig, path: Path) -> None:
     loaded: dict[int, set[object]] = {}  # id(parameter) -> the fused parts loaded into it
     files = safetensors_files(path)
-    for file in tqdm(files, desc="loading weights", unit="file", disable=len(files) < 2):
+    quiet = len(files) < 2 or not get_tp_group().is_leader  # one bar, on rank 0
+    for file in tqdm(files, desc="loading weights", unit="file", disable=quiet):
         with safe_open(str(file), framework="pt") as f:
             for hf_name in f.keys():
                 if config.tie_word_embeddings and hf_name == "lm_head.weight":
@@ -83,7 +101,7 @@ def load_safetensors(model: nn.Module, config: ModelConfig, path: Path) -> None:
                     logger.warning("ignoring checkpoint tensor %s", hf_name)
                     continue
                 module, param, shard = target
-                module.load_weight(param, f.get_tensor(hf_name), shard)
+                module.load_weight(param, CheckpointTensor(f, hf_name), shard)
                 loaded.setdefault(id(getattr(module, param)), set()).add(shard)
     _check_complete(model, loaded, path)
 

@@ -1,10 +1,20 @@
-"""Build the engine, its executor and the scheduler over them from one config."""
+"""Build the engine, its executor and the scheduler over them from one config.
+
+With `tp_size` > 1 (or several nodes) this process becomes rank 0: it starts
+node 0's follower ranks, joins the group, and its executor broadcasts every
+plan before running it (engine/tp_leader.py). The scheduler itself does not
+know: it plans for rank 0's engine as it always does.
+"""
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 from aioserve.config import EngineConfig
 from aioserve.engine.engine import Engine
 from aioserve.engine.executor import create_executor
+from aioserve.engine.tp_leader import TPLeader
+from aioserve.engine.tp_world import is_distributed
 from aioserve.scheduler.scheduler import ModelFacts, Scheduler
 
 
@@ -18,6 +28,18 @@ def model_facts(engine: Engine) -> ModelFacts:
     )
 
 
-def build_scheduler(config: EngineConfig) -> tuple[Engine, Scheduler]:
-    engine = Engine(config)
-    return engine, Scheduler(config, model_facts(engine), create_executor(engine))
+def build_scheduler(
+    config: EngineConfig, on_tp_failure: Callable[[str], None] | None = None
+) -> tuple[Engine, Scheduler]:
+    """`on_tp_failure(reason)` is called (from another thread) when a
+    tensor-parallel rank dies or a step fails: the group cannot go on."""
+    if not is_distributed(config):
+        engine = Engine(config)
+        return engine, Scheduler(config, model_facts(engine), create_executor(engine))
+    leader = TPLeader(config, on_tp_failure)
+    try:
+        engine = Engine(leader.rank_config)
+    except BaseException:
+        leader.close()
+        raise
+    return engine, Scheduler(config, model_facts(engine), create_executor(engine, leader))

@@ -4,8 +4,9 @@
    holds the admission the entry was planned for, its KV up to the entry is
    now computed, and computed prompt pages go to the prefix cache.
 2. `_record_prompt_logprobs`, for requests that asked for them.
-3. `_accept`: append the sampled token and its logprobs.
-4. `_stop_reason`: stop token, EOS, or the token limit.
+3. `_accept`: append the sampled token and its logprobs;
+   `_advance_grammar`: a constrained request's matcher takes the token.
+4. `_stop_reason`: stop token, EOS, a completed grammar, or the token limit.
 5. `_event`: what the consumer hears (the first event also carries the
    prompt's metadata); then finish the request or just deliver.
 
@@ -15,12 +16,15 @@ settle their pending count.
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 
 from aioserve.batch_plan import StepOutput
 from aioserve.scheduler.plan_builder import ScheduledStep, StepEntry
 from aioserve.scheduler.request import Request, RequestEvent, Status
 from aioserve.scheduler.request_table import RequestTable
+
+logger = logging.getLogger(__name__)
 
 TopLogprobs = list[tuple[int, float]]
 
@@ -70,6 +74,8 @@ class OutputProcessor:
                     self._finish_prompt_only(request)
                 continue
             token = self._accept(request, entry.row, host)
+            if not self._advance_grammar(request, token):
+                continue
             reason = self._stop_reason(request, token)
             event = self._event(request, entry.row, token, reason, host)
             if reason is not None:
@@ -112,10 +118,23 @@ class OutputProcessor:
         self.table.stats.generated_tokens += 1
         return token
 
+    def _advance_grammar(self, request: Request, token: int) -> bool:
+        """Feed the token to the request's grammar. The mask allowed only
+        tokens it accepts, so a refusal is a bug: it ends the request with an
+        error rather than letting it emit text the grammar does not match."""
+        if request.constraint is None or request.constraint.accept(token):
+            return True
+        logger.error("request %s: the grammar refused token %d it had allowed", request.rid, token)
+        message = "the sampled token does not match the request's grammar"
+        self.table.finish(request, "error", RequestEvent(finish_reason="error", error=message))
+        return False
+
     def _stop_reason(self, request: Request, token: int) -> str | None:
         params = request.params
         if token in params.stop_token_ids or (not params.ignore_eos and token in self.eos_token_ids):
             return "stop"
+        if request.constraint is not None and request.constraint.is_terminated():
+            return "stop"  # the grammar is complete and needs no stop token
         if request.num_output_tokens >= request.max_new_tokens:
             return "length"
         return None

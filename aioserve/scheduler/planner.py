@@ -1,7 +1,8 @@
 """Planning one step, in three phases read top to bottom:
 
 1. **decodes**: every running request whose prompt is computed gets one
-   token. When its next token starts a page it gets a new page first; while
+   token (a grammar-constrained one only once its previous token has
+   landed: its mask is built from it). When its next token starts a page it gets a new page first; while
    the pool cannot give those, the newest request is preempted.
 2. **chunks of prompts under way**, up to `max_prefill_tokens` in all.
 3. **admissions**: waiting requests in arrival order, while the budget, a
@@ -53,10 +54,25 @@ class StepPlanner:
             request.admitted_kv.scheduled(request.kv_len + 1)
             self._mark_sampled(request, entry, step_id)
 
+    def constrained_wait_for_tokens(self) -> bool:
+        """Whether at least half of the decoding requests are constrained with
+        a token in flight. Planned now, they would sit this step out (their
+        masks need that token) and decode every other step; waiting for the
+        step in flight instead gives up overlap for one step but keeps every
+        request decoding. With few constrained requests among many free ones,
+        skipping them is the cheaper of the two."""
+        decoding = [r for r in self.table.running if not r.is_prefilling]
+        waiting = sum(1 for r in decoding if r.is_constrained and r.pending.count)
+        return waiting > 0 and 2 * waiting >= len(decoding)
+
     @staticmethod
     def _can_decode(request: Request, step_id: int) -> bool:
         if request.is_prefilling or request.num_generated >= request.max_new_tokens:
             return False  # a request at its limit finishes once its pending token lands
+        if request.is_constrained and request.pending.count:
+            # Its grammar mask depends on the token in flight: wait for it to
+            # land (the next step), so the mask is exact when the plan is built.
+            return False
         return request.pending.reachable_from(step_id)
 
     def _reserve_pages(self, decoders: list[Request]) -> list[Request]:

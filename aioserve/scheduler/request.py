@@ -5,7 +5,8 @@ Bookkeeping, with overlap in mind:
 * `kv`: its KV handle while admitted (owned by the KVManager): slot, pages,
   `kv_len` (tokens whose KV is computed or scheduled) and `kv_done`
   (computed by steps already processed).
-* `pending`: sampled tokens scheduled but not processed yet (0, 1 or 2).
+* `pending`: sampled tokens scheduled but not processed yet (0, 1 or 2;
+  at most 1 for a grammar-constrained request, whose mask needs its tokens).
 A request is *prefilling* while more than its newest token lacks KV, and
 *decoding* when only the newest token (known, or pending) does.
 """
@@ -19,6 +20,7 @@ from dataclasses import dataclass, field
 
 from aioserve.kvcache.request_kv import RequestKV
 from aioserve.sampling_params import SamplingParams
+from aioserve.scheduler.constraint import ConstraintFactory, TokenConstraint
 from aioserve.scheduler.pending_tokens import PendingTokens
 
 
@@ -72,6 +74,8 @@ class Request:
     prompt_logprobs: list[tuple[float, list[tuple[int, float]]] | None] = field(default_factory=list)
     first_event_sent: bool = False
     finish_reason: str | None = None
+    grammar: ConstraintFactory | None = None  # compiled from params.structured_outputs
+    constraint: TokenConstraint | None = None  # its matcher, made at submission
 
     def __post_init__(self) -> None:
         if not self.all_ids:
@@ -120,6 +124,10 @@ class Request:
     @property
     def wants_prompt_logprobs(self) -> bool:
         return self.params.prompt_logprobs is not None and len(self.prompt_logprobs) < len(self.prompt_ids)
+
+    @property
+    def is_constrained(self) -> bool:
+        return self.constraint is not None
 
     @property
     def finished(self) -> bool:

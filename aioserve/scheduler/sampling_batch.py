@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import torch
 
 from aioserve.batch_plan import SamplingTensors
+from aioserve.scheduler.constraint import bitmask_width
 from aioserve.scheduler.request import Request
 
 _MASK64 = (1 << 64) - 1
@@ -51,6 +52,8 @@ class SamplingBatchBuilder:
         bias_rows, bias_ids, bias_values = [], [], []
         out_rows, out_ids, seen_rows, seen_ids = [], [], [], []
         num_top = 0
+        grammar_rows = [i for i, row in enumerate(rows) if row.request.constraint is not None]
+        bitmask = self._grammar_bitmask(rows, grammar_rows)
         for i, row in enumerate(rows):
             p = row.request.params
             greedy = p.greedy
@@ -64,8 +67,8 @@ class SamplingBatchBuilder:
                 bias_rows.append(i)
                 bias_ids.append(token)
                 bias_values.append(value)
-            if row.token_index < p.min_tokens:
-                # Too early to stop: EOS and the stop tokens cannot be chosen.
+            if row.token_index < p.min_tokens and row.request.constraint is None:
+                # Too early to stop (a grammar decides that itself): EOS and the stop tokens cannot be chosen.
                 banned = set(p.stop_token_ids) | (set() if p.ignore_eos else set(self.eos_token_ids))
                 bias_rows += [i] * len(banned)
                 bias_ids += sorted(banned)
@@ -105,4 +108,18 @@ class SamplingBatchBuilder:
             output_token_ids=torch.tensor(out_ids, dtype=torch.long),
             seen_rows=torch.tensor(seen_rows, dtype=torch.long),
             seen_token_ids=torch.tensor(seen_ids, dtype=torch.long),
+            grammar_rows=torch.tensor(grammar_rows, dtype=torch.long),
+            grammar_bitmask=bitmask,
         )
+
+    def _grammar_bitmask(self, rows: list[SampleRow], grammar_rows: list[int]) -> torch.Tensor:
+        """The allowed tokens of each constrained row, from its matcher's
+        current state: which is why such a row never follows a pending token."""
+        bitmask = torch.zeros(len(grammar_rows), bitmask_width(self.vocab_size) if grammar_rows else 0, dtype=torch.int32)
+        for k, i in enumerate(grammar_rows):
+            row = rows[i]
+            if row.pending_placeholder is not None:
+                raise RuntimeError(f"request {row.request.rid} is constrained but planned after a pending token")
+            assert row.request.constraint is not None
+            row.request.constraint.fill_bitmask(bitmask, k)
+        return bitmask

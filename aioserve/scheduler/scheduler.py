@@ -114,10 +114,18 @@ class Scheduler:
         if request.rid in self.table.by_id:
             raise RequestRejected(f"request id {request.rid!r} is already in use", "request_id")
         request.max_new_tokens = self.validate(len(request.prompt_ids), request.params.max_tokens)
+        if request.grammar is not None and request.constraint is None:
+            request.constraint = request.grammar.new_constraint(self._stop_token_ids(request))
         if request.params.prompt_logprobs is not None and not request.prompt_logprobs:
             request.prompt_logprobs.append(None)  # the first token has no logprob
         self.table.add(request)
         self._notify()
+
+    def _stop_token_ids(self, request: Request) -> list[int]:
+        """The tokens that may end a constrained output once its grammar is complete."""
+        params = request.params
+        eos = [] if params.ignore_eos else self.facts.eos_token_ids
+        return sorted(set(params.stop_token_ids) | set(eos))
 
     def abort(self, rid: str, reason: str = "abort") -> bool:
         """End a request now and free what it holds; its consumer gets a last
@@ -183,6 +191,11 @@ class Scheduler:
         inflight: tuple[ScheduledStep, asyncio.Future[StepOutput]] | None = None
         while not self._stopping:
             self._wake.clear()
+            if inflight is not None and self.planner.constrained_wait_for_tokens():
+                # Most decoders need the in-flight step's tokens for their grammar
+                # masks: let it land first rather than skip them in this step.
+                await self._complete(*inflight)
+                inflight = None
             try:
                 step = self.schedule()
             except Exception:  # a bug must not take the server down: fail what runs, go on

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import os
 import secrets
 
 from starlette.applications import Starlette
@@ -26,8 +27,20 @@ from aioserve.server.page import page_routes
 logger = logging.getLogger(__name__)
 
 
+# Open even with --api-key: probes and scrapers (/health, /metrics), and the
+# chat page with its files (it asks the user for the key before any call).
+OPEN_PATHS = ("/health", "/metrics", "/")
+OPEN_PREFIXES = ("/static/",)
+
+
+def _is_open(path: str) -> bool:
+    return path in OPEN_PATHS or path.startswith(OPEN_PREFIXES)
+
+
 class APIKeyCheck:
-    """With --api-key, every /v1 route wants `Authorization: Bearer <key>`.
+    """With --api-key (or AIOSERVE_API_KEY), every route but the open ones
+    wants `Authorization: Bearer <key>`, compared in constant time: /v1/*,
+    /generate, /tokenize, /flush_cache, /server_info alike.
     Plain ASGI (not BaseHTTPMiddleware) so streaming and disconnects pass through.
     A CORS preflight passes unchecked: browsers never send credentials on one,
     and answering it 401 would keep a page from ever sending its key."""
@@ -37,7 +50,7 @@ class APIKeyCheck:
         self.expected = f"Bearer {api_key}".encode()
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] == "http" and scope["path"].startswith("/v1/") and not _is_preflight(scope):
+        if scope["type"] == "http" and not _is_open(scope["path"]) and not _is_preflight(scope):
             given = dict(scope["headers"]).get(b"authorization", b"")
             if not secrets.compare_digest(given, self.expected):
                 response = APIError("invalid or missing API key", status=401, code="invalid_api_key").response()
@@ -101,7 +114,7 @@ def create_app(ctx: ServingContext) -> Starlette:
     ]
     app = Starlette(
         routes=routes,
-        middleware=build_middleware(ctx.args.allowed_origins, ctx.args.api_key),
+        middleware=build_middleware(ctx.args.allowed_origins, ctx.args.api_key or os.environ.get("AIOSERVE_API_KEY")),
         exception_handlers={
             APIError: api_error_handler,
             HTTPException: http_error_handler,

@@ -26,15 +26,20 @@ from aioserve.server.responses import (
     ChatMessage,
     Usage,
 )
+from aioserve.server.structured import compile_grammar, structured_request
+from aioserve.server.tools import ToolPlan, content_processors, plan_tools, template_messages
 from aioserve.server.wire import WireModel
 from aioserve.tokenizer import ChatTemplateError
 
 
-async def encode_messages(ctx: ServingContext, body: ChatCompletionRequest) -> list[int]:
+async def encode_messages(ctx: ServingContext, body: ChatCompletionRequest, tools: ToolPlan) -> list[int]:
+    template = ctx.tokenizer.hf.chat_template
+    messages = template_messages(tools, [m.template_dict() for m in body.messages], template)
     try:
         return await ctx.tokenizer.encode_chat_async(
-            [m.template_dict() for m in body.messages],
+            messages,
             add_generation_prompt=body.add_generation_prompt,
+            **tools.template_kwargs(),
             **(body.chat_template_kwargs or {}),
         )
     except ChatTemplateError as exc:
@@ -45,19 +50,26 @@ async def create_chat_completion(request: Request) -> Response:
     ctx: ServingContext = request.app.state.ctx
     body = await parse_body(request, ChatCompletionRequest)
     ctx.check_model(body.model)
-    if body.tools:
-        raise APIError("tool calling is not supported by this server", param="tools")
-    if body.response_format and body.response_format.get("type") not in (None, "text"):
-        raise APIError("only response_format {'type': 'text'} is supported", param="response_format")
     if body.top_logprobs and not body.logprobs:
         raise APIError("top_logprobs needs logprobs: true", param="top_logprobs")
-    prompt_ids = await encode_messages(ctx, body)
+    tools = plan_tools(ctx, body)
+    constraint = structured_request(body)
+    if tools.grammar is not None:
+        if constraint is not None:
+            raise APIError(f"tool_choice {tools.mode!r} forces the output; {constraint.param} cannot also", param=constraint.param)
+        constraint = tools.grammar
+    prompt_ids = await encode_messages(ctx, body, tools)
+    grammar = await compile_grammar(ctx, constraint)
     logprobs = (body.top_logprobs or 0) if body.logprobs else None
     params = body.sampling_params(body.token_limit, logprobs, None)
+    params.structured_outputs = constraint.spec if constraint else None
     generation = Generation(ctx, new_id("chatcmpl"))
-    generation.start([prompt_ids], params, body.n)
+    generation.start([prompt_ids], params, body.n, grammar)
     builder = ChatBuilder(ctx, body, generation.request_id)
-    return await respond(request, generation, builder, stream=body.stream, include_usage=body.include_usage)
+    return await respond(
+        request, generation, builder, stream=body.stream, include_usage=body.include_usage,
+        new_processor=content_processors(ctx, tools),
+    )
 
 
 class ChatBuilder:
@@ -129,9 +141,11 @@ def _delta(content: ContentDelta, force_content: bool) -> ChatDelta:
 
 
 def _message(message: ContentDelta) -> ChatMessage:
+    # A whole message's calls carry no stream index.
+    calls = [{k: v for k, v in call.items() if k != "index"} for call in message.tool_calls]
     return ChatMessage(
         # OpenAI answers a message that is only tool calls with content null.
-        content=message.content if message.content or not message.tool_calls else None,
+        content=message.content if message.content or not calls else None,
         reasoning_content=message.reasoning_content or None,
-        tool_calls=message.tool_calls or None,
+        tool_calls=calls or None,
     )

@@ -18,6 +18,7 @@ from aioserve.server.logprobs import completion_logprobs, prompt_text_offsets
 from aioserve.server.protocol import CompletionRequest
 from aioserve.server.request_body import parse_body
 from aioserve.server.responses import Completion, CompletionChoice, CompletionLogprobs, Usage
+from aioserve.server.structured import compile_grammar, structured_request
 from aioserve.server.wire import WireModel
 
 
@@ -47,11 +48,14 @@ async def create_completion(request: Request) -> Response:
         raise APIError("best_of is not supported (only best_of == n)", param="best_of")
     if body.suffix:
         raise APIError("suffix is not supported", param="suffix")
+    constraint = structured_request(body)
     prompts = await prompt_list(ctx, body.prompt)
+    grammar = await compile_grammar(ctx, constraint)
     echo_logprobs = body.logprobs if body.echo and body.logprobs is not None else None
     params = body.sampling_params(body.max_tokens, body.logprobs, echo_logprobs)
+    params.structured_outputs = constraint.spec if constraint else None
     generation = Generation(ctx, new_id("cmpl"))
-    generation.start([p.ids for p in prompts], params, body.n)
+    generation.start([p.ids for p in prompts], params, body.n, grammar)
     builder = CompletionBuilder(ctx, body, generation.request_id, prompts)
     return await respond(request, generation, builder, stream=body.stream, include_usage=body.include_usage)
 

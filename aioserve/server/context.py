@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
 from aioserve.config import ServerArgs
 from aioserve.scheduler import SchedulerClient
@@ -21,6 +22,8 @@ class ServingContext:
     vocab_size: int
     scheduler_task: asyncio.Task | None = None
     started_at: int = field(default_factory=lambda: int(time.time()))
+    # What each tensor-parallel rank holds (engine/tp_layout.py), for /server_info.
+    tp_layout: list[dict[str, Any]] = field(default_factory=list)
 
     @property
     def model_name(self) -> str:

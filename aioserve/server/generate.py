@@ -26,6 +26,7 @@ from aioserve.server.generate_protocol import (
 from aioserve.server.generation import Choice, Generation
 from aioserve.server.request_body import parse_body
 from aioserve.server.responses import Usage
+from aioserve.server.structured import compile_grammar
 from aioserve.server.wire import WireModel
 
 
@@ -61,9 +62,10 @@ async def generate(request: Request) -> Response:
     prompts, batch = await _prompts(ctx, body)
     rids = _request_ids(body, len(prompts))
     n = body.sampling_params.n
+    grammar = await compile_grammar(ctx, body.sampling_params.structured())
     generation = Generation(ctx, f"generate-{rids[0]}")
     try:
-        generation.start(prompts, body.to_sampling_params(), n)
+        generation.start(prompts, body.to_sampling_params(), n, grammar)
     except APIError as exc:  # named as OpenAI's fields are; say SGLang's names
         exc.param = sglang_param(exc.param, "text" if body.text is not None else "input_ids")
         raise

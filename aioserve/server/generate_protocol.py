@@ -3,15 +3,17 @@
 Names and defaults are SGLang's (io_struct.GenerateReqInput and its
 sampling params), so SGLang clients and scripts work unchanged. As with the
 OpenAI bodies, unknown fields are ignored and null means the default; what
-SGLang supports and we do not (constrained decoding) is refused with a 400.
+SGLang supports and we do not (structural tags) is refused with a 400.
 """
 
 from __future__ import annotations
 
 from pydantic import Field, RootModel, field_validator
 
-from aioserve.sampling_params import SamplingParams
+from aioserve.sampling_params import SamplingParams, StructuredOutputParams
+from aioserve.server.errors import APIError
 from aioserve.server.protocol import RequestModel, check_logit_bias_keys
+from aioserve.server.structured import StructuredRequest
 from aioserve.server.wire import WireModel
 
 
@@ -39,12 +41,25 @@ class GenerateSamplingParams(RequestModel):
     ebnf: str | None = None
     structural_tag: str | None = None
 
-    @field_validator("json_schema", "regex", "ebnf", "structural_tag")
+    @field_validator("structural_tag")
     @classmethod
     def _unsupported(cls, value: str | None) -> str | None:
         if value is not None:
-            raise ValueError("constrained decoding is not supported by this server")
+            raise ValueError("structural tags are not supported by this server (json_schema, regex and ebnf are)")
         return value
+
+    def structured(self) -> StructuredRequest | None:
+        given = [
+            StructuredRequest(StructuredOutputParams(**{kind: value}), f"sampling_params.{field}")
+            for field, kind, value in (
+                ("json_schema", "json", self.json_schema), ("regex", "regex", self.regex),
+                ("ebnf", "grammar", self.ebnf),
+            )
+            if value is not None
+        ]
+        if len(given) > 1:
+            raise APIError("give one of json_schema, regex and ebnf", param=given[1].param)
+        return given[0] if given else None
 
     @field_validator("logit_bias")
     @classmethod
@@ -89,6 +104,7 @@ class GenerateRequest(RequestModel):
             logit_bias={int(k): v for k, v in (sp.logit_bias or {}).items()},
             skip_special_tokens=sp.skip_special_tokens,
             include_stop_str_in_output=sp.no_stop_trim,
+            structured_outputs=constraint.spec if (constraint := sp.structured()) else None,
         )
 
 

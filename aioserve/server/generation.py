@@ -18,6 +18,7 @@ from functools import partial
 from aioserve.output_stream import OutputDelta, OutputStream
 from aioserve.sampling_params import SamplingParams, SamplingParamsError
 from aioserve.scheduler import Request, RequestEvent, RequestRejected
+from aioserve.scheduler.constraint import ConstraintFactory
 from aioserve.server.context import ServingContext
 from aioserve.server.errors import APIError
 from aioserve.server.responses import PromptTokensDetails, Usage
@@ -45,14 +46,17 @@ class Generation:
         self.choices: list[Choice] = []
         self._queue: asyncio.Queue[tuple[Choice, RequestEvent]] = asyncio.Queue()
 
-    def start(self, prompts: list[list[int]], params: SamplingParams, n: int = 1) -> None:
+    def start(
+        self, prompts: list[list[int]], params: SamplingParams, n: int = 1, grammar: ConstraintFactory | None = None
+    ) -> None:
         """n choices for each prompt, all checked before any is submitted, so
-        that a 400 leaves nothing behind in the scheduler."""
+        that a 400 leaves nothing behind in the scheduler. `grammar` (compiled
+        from params.structured_outputs) gives each choice its own matcher."""
         for prompt_ids in prompts:
             self._validate(params, prompt_ids)
         for p, prompt_ids in enumerate(prompts):
             for j in range(n):
-                self._add(p * n + j, p, prompt_ids, _choice_params(params, j))
+                self._add(p * n + j, p, prompt_ids, _choice_params(params, j), grammar)
 
     def _validate(self, params: SamplingParams, prompt_ids: list[int]) -> None:
         try:
@@ -63,13 +67,16 @@ class Generation:
         if any(not 0 <= t < self.ctx.vocab_size for t in prompt_ids):
             raise APIError(f"prompt token ids must be in [0, {self.ctx.vocab_size})", param="prompt")
 
-    def _add(self, index: int, prompt_index: int, prompt_ids: list[int], params: SamplingParams) -> None:
+    def _add(
+        self, index: int, prompt_index: int, prompt_ids: list[int], params: SamplingParams,
+        grammar: ConstraintFactory | None,
+    ) -> None:
         scheduler = self.ctx.scheduler
         rid = f"{self.request_id}-{index}-{next(_counter)}"
         stream = OutputStream(self.ctx.tokenizer, prompt_ids, params, end_request=partial(scheduler.abort, rid, "stop"))
         choice = Choice(index, prompt_index, rid, prompt_ids, stream)
         queue = self._queue
-        request = Request(rid, prompt_ids, params, sink=lambda event: queue.put_nowait((choice, event)))
+        request = Request(rid, prompt_ids, params, sink=lambda event: queue.put_nowait((choice, event)), grammar=grammar)
         try:
             scheduler.submit(request)
         except RequestRejected as exc:

@@ -12,6 +12,7 @@ from aioserve.server.errors import APIError
 from aioserve.server.protocol import ChatCompletionRequest, DetokenizeRequest, TokenizeRequest
 from aioserve.server.request_body import parse_body
 from aioserve.server.responses import ModelCard, ModelList
+from aioserve.server.tools import plan_tools
 from aioserve.server.wire import json_response
 
 
@@ -51,8 +52,10 @@ async def tokenize(request: Request) -> JSONResponse:
     if (body.prompt is None) == (body.messages is None):
         raise APIError("give exactly one of prompt and messages", param="prompt")
     if body.messages is not None:
-        chat = ChatCompletionRequest(messages=body.messages, add_generation_prompt=body.add_generation_prompt)
-        tokens = await encode_messages(ctx, chat)
+        chat = ChatCompletionRequest(
+            messages=body.messages, tools=body.tools, add_generation_prompt=body.add_generation_prompt
+        )
+        tokens = await encode_messages(ctx, chat, plan_tools(ctx, chat))
     else:
         tokens = await ctx.tokenizer.encode_async(body.prompt, body.add_special_tokens)  # type: ignore[arg-type]
     return JSONResponse({"tokens": tokens, "count": len(tokens), "max_model_len": ctx.max_model_len})
@@ -94,5 +97,10 @@ async def server_info(request: Request) -> JSONResponse:
             "cache": engine.cache,
             "max_prefill_tokens": engine.max_prefill_tokens,
             "stats": info.stats,
+            "tensor_parallel": {
+                "tp_size": engine.tp_size,
+                "nnodes": engine.nnodes,
+                "ranks": ctx.tp_layout,  # per rank: heads, KV heads, MLP columns, vocab rows, KV pool
+            },
         }
     )

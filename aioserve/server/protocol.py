@@ -1,13 +1,16 @@
 """OpenAI request bodies (pydantic) and their translation to SamplingParams.
 
 Unknown fields are ignored, as OpenAI's own server does; fields we cannot
-honour (best_of > n, suffix, tools, images) are refused with a clear 400.
+honour (best_of > n, suffix, images) are refused with a clear 400. The
+structured-output fields (response_format, vLLM's structured_outputs and its
+older guided_*) are read by server/structured.py, tools by server/tools.py.
 An explicit null means the field's default, as in OpenAI's spec (clients
 and SDKs send `"n": null` and the like).
 """
 
 from __future__ import annotations
 
+import json
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
@@ -38,7 +41,29 @@ class StreamOptions(RequestModel):
     include_usage: bool = False
 
 
-class _SamplingFields(RequestModel):
+class JsonSchemaFormat(RequestModel):
+    name: str | None = None
+    description: str | None = None
+    schema_: dict[str, Any] | bool | None = Field(None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(RequestModel):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+
+class StructuredOutputsField(RequestModel):
+    """vLLM's `structured_outputs` extra body field (one of these is set)."""
+
+    json_: dict[str, Any] | str | None = Field(None, alias="json")
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+
+
+class SamplingFields(RequestModel):
     """Fields completions and chat share."""
 
     model: str | None = None
@@ -61,6 +86,13 @@ class _SamplingFields(RequestModel):
     user: str | None = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    # Constrained decoding (server/structured.py turns these into StructuredOutputParams).
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputsField | None = None
+    guided_json: dict[str, Any] | str | None = None  # vLLM before 0.12; clients still send them
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
 
     @field_validator("stop")
     @classmethod
@@ -102,7 +134,7 @@ class _SamplingFields(RequestModel):
         )
 
 
-class CompletionRequest(_SamplingFields):
+class CompletionRequest(SamplingFields):
     prompt: str | list[str] | list[int] | list[list[int]]
     max_tokens: int = Field(16, ge=0)  # 0: score the prompt (with echo and logprobs), generate nothing
     logprobs: int | None = Field(None, ge=0, le=20)
@@ -116,10 +148,38 @@ class TextPart(RequestModel):
     text: str
 
 
+class FunctionCall(RequestModel):
+    name: str
+    arguments: str | dict[str, Any] = "{}"
+
+
+class ToolCall(RequestModel):
+    """A tool call of an earlier assistant message, sent back in the conversation."""
+
+    id: str | None = None
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
+class FunctionDefinition(RequestModel):
+    name: str = Field(min_length=1, max_length=64)
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class ToolDefinition(RequestModel):
+    type: Literal["function"] = "function"
+    function: FunctionDefinition
+
+
 class ChatMessage(RequestModel):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None
     name: str | None = None
+    tool_calls: list[ToolCall] | None = None  # assistant
+    tool_call_id: str | None = None  # tool
+    reasoning_content: str | None = None  # assistant: an earlier turn's reasoning
 
     @field_validator("content", mode="before")
     @classmethod
@@ -143,10 +203,32 @@ class ChatMessage(RequestModel):
             message["content"] = self.content or ""
         if self.name:
             message["name"] = self.name
+        if self.tool_calls:
+            message["tool_calls"] = [_template_tool_call(call) for call in self.tool_calls]
+        if self.tool_call_id is not None:
+            message["tool_call_id"] = self.tool_call_id
+        if self.reasoning_content is not None:
+            message["reasoning_content"] = self.reasoning_content
         return message
 
 
-class ChatCompletionRequest(_SamplingFields):
+def _template_tool_call(call: ToolCall) -> dict[str, Any]:
+    """Templates expect arguments as a mapping (they write `arguments | tojson`);
+    a JSON string that is not an object stays a string."""
+    arguments: Any = call.function.arguments
+    if isinstance(arguments, str):
+        try:
+            parsed = json.loads(arguments)
+        except json.JSONDecodeError:
+            parsed = None
+        arguments = parsed if isinstance(parsed, dict) else arguments
+    entry: dict[str, Any] = {"type": "function", "function": {"name": call.function.name, "arguments": arguments}}
+    if call.id is not None:
+        entry["id"] = call.id
+    return entry
+
+
+class ChatCompletionRequest(SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1)
     max_tokens: int | None = Field(None, ge=1)
     max_completion_tokens: int | None = Field(None, ge=1)
@@ -154,8 +236,9 @@ class ChatCompletionRequest(_SamplingFields):
     top_logprobs: int | None = Field(None, ge=0, le=20)
     add_generation_prompt: bool = True
     chat_template_kwargs: dict[str, Any] | None = None
-    tools: list[dict[str, Any]] | None = None
-    response_format: dict[str, Any] | None = None
+    tools: list[ToolDefinition] | None = None
+    tool_choice: Literal["none", "auto", "required"] | dict[str, Any] | None = None
+    parallel_tool_calls: bool = True
 
     @property
     def token_limit(self) -> int | None:
@@ -166,6 +249,7 @@ class TokenizeRequest(RequestModel):
     model: str | None = None
     prompt: str | None = None
     messages: list[ChatMessage] | None = None
+    tools: list[ToolDefinition] | None = None  # rendered by the chat template, as in a chat request
     add_special_tokens: bool = True
     add_generation_prompt: bool = True
 

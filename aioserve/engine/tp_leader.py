@@ -1,0 +1,141 @@
+"""Rank 0's side of tensor parallelism: it starts the ranks of node 0, joins
+the group, broadcasts each step's plan and, on failure, cuts everyone loose.
+
+Any failure is fatal to the whole group: a follower that died, a broadcast or
+forward that raised. Ranks that disagree on which steps ran cannot go on
+(their KV pools and placeholders would diverge), so `fail` reports once to
+the owner (the server stops with 503 and exits non-zero; the offline API
+raises) and closes every lifeline, which makes every follower exit.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from aioserve.config import EngineConfig
+from aioserve.distributed import destroy_tensor_parallel, init_tensor_parallel
+from aioserve.engine.engine import resolve_device
+from aioserve.engine.tp_channel import PlanChannel
+from aioserve.engine.tp_lifeline import LeaderLifeline
+from aioserve.engine.tp_world import (
+    LIFELINE_KEY,
+    DistributedInitError,
+    check_layout,
+    init_timeout,
+    node_ranks,
+    open_store,
+    parse_addr,
+    rank_config,
+    spawn_followers,
+    stop_processes,
+)
+
+logger = logging.getLogger(__name__)
+
+FailureHandler = Callable[[str], None]
+
+
+class TPLeader:
+    def __init__(self, config: EngineConfig, on_failure: FailureHandler | None = None) -> None:
+        check_layout(config)
+        if config.node_rank != 0:
+            raise DistributedInitError("only node 0 runs rank 0 (the HTTP server and the scheduler)")
+        self.on_failure: FailureHandler = on_failure or (lambda reason: None)
+        self.failure: str | None = None
+        self._fail_lock = threading.Lock()
+        self._closed = False
+        self._stop_sent = False
+        self._threads_before = torch.get_num_threads()
+        self.world_size = config.tp_size
+        deadline = time.monotonic() + init_timeout()
+        if config.dist_init_addr:
+            host, port = parse_addr(config.dist_init_addr)
+        else:
+            host, port = "127.0.0.1", 0  # one node: a free loopback port
+        # Every local rank's device and threads, checked before anything starts.
+        for spec in node_ranks(config, host, port):
+            rank_config(config, spec)
+        self.store = open_store(node_ranks(config, host, port)[0], deadline)
+        specs = node_ranks(config, host, self.store.port)
+        self.rank_config = rank_config(config, specs[0])
+        self.device = resolve_device(self.rank_config.device)
+        self.lifeline = LeaderLifeline("0.0.0.0" if config.nnodes > 1 else "127.0.0.1")
+        self.store.set(LIFELINE_KEY, str(self.lifeline.port))
+        self.processes = spawn_followers(specs[1:], config)
+        try:
+            self.lifeline.accept(set(range(1, self.world_size)), deadline, self._check_children)
+        except TimeoutError as exc:
+            self.close()
+            raise DistributedInitError(
+                f"{exc} within {init_timeout():.0f} s at {host}:{self.store.port} "
+                f"(are all --nnodes {config.nnodes} nodes started?)"
+            ) from None
+        except BaseException:
+            self.close()
+            raise
+        try:
+            init_tensor_parallel(0, self.world_size, self.store, self.device)
+        except BaseException:
+            self.close()
+            raise
+        self.channel = PlanChannel()
+        self.lifeline.watch(lambda rank: self.fail(f"rank {rank} exited or became unreachable"))
+        logger.info("tensor parallel: %d ranks over %d node(s) met at %s:%d", self.world_size, config.nnodes,
+                    host, self.store.port)
+
+    def _check_children(self) -> None:
+        for rank, process in self.processes:
+            if process.poll() is not None:
+                raise DistributedInitError(f"rank {rank} exited with code {process.returncode} while starting")
+
+    @property
+    def failed(self) -> bool:
+        return self.failure is not None
+
+    def send(self, plan: Any) -> None:
+        """Broadcast a step's plan (on the executor's thread, before the forward)."""
+        self.channel.send(plan)
+
+    def fail(self, reason: str) -> None:
+        """The group is broken: report once, cut every follower loose."""
+        with self._fail_lock:
+            if self.failure is not None or self._closed:
+                return
+            self.failure = reason
+        logger.error("tensor parallelism failed: %s; stopping every rank", reason)
+        self.lifeline.close()
+        self.on_failure(reason)
+
+    def stop_followers(self) -> None:
+        """Tell the followers to exit (on the executor's thread, after the last step)."""
+        if self.failed:
+            return
+        self.lifeline.closing = True  # their exits are expected from here on
+        self.channel.send_stop()
+        self._stop_sent = True
+
+    def close(self) -> None:
+        """Leave the group. After stop_followers: wait for the followers to
+        exit. Otherwise (start-up failed, or the group did): cut their
+        lifelines so they exit now, and kill node 0's stragglers."""
+        if self._closed:
+            return
+        self._closed = True
+        self.lifeline.closing = True
+        orderly = self._stop_sent and not self.failed
+        if orderly:
+            stop_processes(self.processes, timeout=10.0)
+            self.lifeline.wait_disconnected(timeout=10.0)  # followers on other nodes
+        self.lifeline.close()
+        if not orderly:
+            stop_processes(self.processes, timeout=5.0)
+        # A broken NCCL communicator can hang on destroy; gloo's cannot.
+        if orderly or self.device.type != "cuda":
+            destroy_tensor_parallel()
+        torch.set_num_threads(self._threads_before)

@@ -1,0 +1,147 @@
+"""Compiling StructuredOutputParams into grammars, off the event loop and cached.
+
+The vocabulary view xgrammar needs (every token's bytes) is built once per
+tokenizer, on first use (about 2 s for Qwen3's 151k tokens). Compilation
+runs on the tokenizer's thread pool; compiled grammars are kept in an LRU
+cache keyed by the constraint itself (the schema's canonical JSON, the
+regex, ...), so a client that sends the same schema with every request
+compiles it once.
+
+JSON is generated compact (", " and ": " separators, no free whitespace):
+that is how models print JSON anyway, and a free whitespace rule lets a
+weak or confused model pad forever without ever closing the object.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import re
+import threading
+import weakref
+from collections import OrderedDict
+from typing import Any
+
+import xgrammar as xgr
+
+from aioserve.grammar.matcher import CompiledGrammar
+from aioserve.sampling_params import StructuredOutputParams
+from aioserve.tokenizer import Tokenizer
+
+logger = logging.getLogger(__name__)
+
+CACHE_SIZE = 512
+
+# xgrammar prefixes its errors with a timestamp and the C++ source line.
+_XGRAMMAR_PREFIX = re.compile(r"^\[[\d:]+\] \S+:\d+: (Check failed: \(.*?\) is false: )?")
+
+
+class GrammarError(ValueError):
+    """A constraint that does not compile; `kind` names what was wrong
+    (json, regex, choice, grammar)."""
+
+    def __init__(self, message: str, kind: str) -> None:
+        super().__init__(message)
+        self.kind = kind
+
+
+class GrammarCompiler:
+    def __init__(self, tokenizer: Tokenizer, vocab_size: int, cache_size: int = CACHE_SIZE) -> None:
+        self.tokenizer = tokenizer
+        self.vocab_size = vocab_size
+        self.cache_size = cache_size
+        self._compiler: xgr.GrammarCompiler | None = None
+        self._lock = threading.Lock()  # the lazy vocabulary build and the cache
+        self._cache: OrderedDict[tuple[str, str], CompiledGrammar] = OrderedDict()
+        self.hits = 0
+        self.misses = 0
+
+    def _xgrammar(self) -> xgr.GrammarCompiler:
+        with self._lock:
+            if self._compiler is None:
+                info = xgr.TokenizerInfo.from_huggingface(self.tokenizer.hf, vocab_size=self.vocab_size)
+                # Our own cache below: one entry per constraint, not per grammar text.
+                self._compiler = xgr.GrammarCompiler(info, max_threads=2, cache_enabled=False)
+            return self._compiler
+
+    def compile(self, spec: StructuredOutputParams) -> CompiledGrammar:
+        """The grammar for `spec` (from the cache when it was compiled
+        before); GrammarError when it does not compile."""
+        key = spec.key()
+        with self._lock:
+            cached = self._cache.get(key)
+            if cached is not None:
+                self._cache.move_to_end(key)
+                self.hits += 1
+                return cached
+        grammar = CompiledGrammar(self._compile(spec, key[0]), key[0])
+        with self._lock:
+            self.misses += 1
+            self._cache[key] = grammar
+            while len(self._cache) > self.cache_size:
+                self._cache.popitem(last=False)
+        return grammar
+
+    async def compile_async(self, spec: StructuredOutputParams) -> CompiledGrammar:
+        return await self.tokenizer.run_async(self.compile, spec)
+
+    def _compile(self, spec: StructuredOutputParams, kind: str) -> xgr.CompiledGrammar:
+        compiler = self._xgrammar()
+        try:
+            if kind == "json":
+                schema = _schema_text(spec.json)
+                return compiler.compile_json_schema(schema, any_whitespace=False)
+            if kind == "json_object":
+                # Not strict: any members, of any JSON type.
+                return compiler.compile_json_schema('{"type": "object"}', any_whitespace=False, strict_mode=False)
+            if kind == "regex":
+                return compiler.compile_regex(spec.regex)
+            if kind == "choice":
+                return compiler.compile_grammar(choice_grammar(spec.choice or []))
+            return compiler.compile_grammar(spec.grammar or "")
+        except (RuntimeError, ValueError, TypeError) as exc:
+            if isinstance(exc, GrammarError):
+                raise
+            raise GrammarError(f"invalid {_WHAT[kind]}: {_clean(str(exc))}", kind) from None
+
+
+_WHAT = {
+    "json": "JSON schema", "json_object": "JSON object grammar", "regex": "regex", "choice": "choice",
+    "grammar": "grammar",
+}
+
+
+def _schema_text(schema: dict[str, Any] | str | None) -> str:
+    if isinstance(schema, str):
+        try:
+            schema = json.loads(schema)
+        except json.JSONDecodeError as exc:
+            raise GrammarError(f"invalid JSON schema: not JSON ({exc})", "json") from None
+    if not isinstance(schema, (dict, bool)):
+        raise GrammarError("invalid JSON schema: a schema is a JSON object", "json")
+    return json.dumps(schema)
+
+
+def choice_grammar(choices: list[str]) -> str:
+    """EBNF whose root is exactly one of `choices` (JSON string escapes are
+    also EBNF string escapes)."""
+    return "root ::= " + " | ".join(json.dumps(choice, ensure_ascii=False) for choice in choices)
+
+
+def _clean(message: str) -> str:
+    first = message.strip().splitlines()[0] if message.strip() else message
+    return _XGRAMMAR_PREFIX.sub("", first).strip()
+
+
+_compilers: "weakref.WeakKeyDictionary[Tokenizer, GrammarCompiler]" = weakref.WeakKeyDictionary()
+_compilers_lock = threading.Lock()
+
+
+def compiler_for(tokenizer: Tokenizer, vocab_size: int) -> GrammarCompiler:
+    """The one compiler (and cache) of a tokenizer; masks are `vocab_size`
+    (the model's) tokens wide."""
+    with _compilers_lock:
+        compiler = _compilers.get(tokenizer)
+        if compiler is None or compiler.vocab_size != vocab_size:
+            compiler = _compilers[tokenizer] = GrammarCompiler(tokenizer, vocab_size)
+        return compiler

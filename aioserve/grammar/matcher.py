@@ -1,0 +1,41 @@
+"""A compiled grammar and its per-request matchers: what the scheduler sees
+as a ConstraintFactory and its TokenConstraints (scheduler/constraint.py)."""
+
+from __future__ import annotations
+
+import torch
+import xgrammar as xgr
+
+
+class GrammarMatcher:
+    """One request's position in its grammar."""
+
+    def __init__(self, compiled: xgr.CompiledGrammar, stop_token_ids: list[int]) -> None:
+        # Without stop tokens (ignore_eos and no stop_token_ids) the output
+        # ends as soon as the grammar is complete.
+        self._matcher = xgr.GrammarMatcher(
+            compiled,
+            override_stop_tokens=stop_token_ids or None,
+            terminate_without_stop_token=not stop_token_ids,
+        )
+
+    def fill_bitmask(self, bitmask: torch.Tensor, row: int) -> None:
+        self._matcher.fill_next_token_bitmask(bitmask, row)
+
+    def accept(self, token_id: int) -> bool:
+        return self._matcher.accept_token(token_id)
+
+    def is_terminated(self) -> bool:
+        return self._matcher.is_terminated()
+
+
+class CompiledGrammar:
+    """A grammar compiled for one vocabulary; shared by every request that asks
+    for the same constraint (each gets its own matcher)."""
+
+    def __init__(self, compiled: xgr.CompiledGrammar, kind: str) -> None:
+        self.compiled = compiled
+        self.kind = kind  # json | json_object | regex | choice | grammar
+
+    def new_constraint(self, stop_token_ids: list[int]) -> GrammarMatcher:
+        return GrammarMatcher(self.compiled, stop_token_ids)

@@ -1,0 +1,96 @@
+"""Llama 3 JSON tool calls: the whole output is `{"name": ..., "parameters": {...}}`
+(several calls separated by `;`), optionally after `<|python_tag|>`.
+
+An output that does not begin with `{` is plain content. Calls go out one
+chunk each once their object closes; an object that is not a call turns the
+rest of the output back into content, as written.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from aioserve.server.content import ContentDelta
+from aioserve.server.tool_parsers.calls import call_chunk, parse_call
+from aioserve.server.tool_parsers.json_scan import JsonEndScanner
+
+PYTHON_TAG = "<|python_tag|>"
+
+
+class Llama3JsonToolParser:
+    def __init__(self) -> None:
+        self._buffer = ""
+        self._mode = "undecided"  # undecided | calls | text
+        self._scanner = JsonEndScanner()
+        self._object = ""  # the call being read
+        self._calls = 0
+
+    def feed(self, text: str) -> ContentDelta:
+        self._buffer += text
+        return self._drain(final=False)
+
+    def finish(self, finish_reason: str) -> tuple[ContentDelta, str]:
+        delta = self._drain(final=True)
+        if self._mode == "calls" and self._object:
+            delta.content += self._object  # an unfinished call is shown as written
+        return delta, "tool_calls" if self._calls and finish_reason == "stop" else finish_reason
+
+    def _drain(self, final: bool) -> ContentDelta:
+        out = ContentDelta()
+        if self._mode == "undecided":
+            head = self._buffer.lstrip()
+            if head.startswith(PYTHON_TAG):
+                head = head[len(PYTHON_TAG) :].lstrip()
+            if not head and not final:
+                return out
+            if (PYTHON_TAG.startswith(head) and head and not final):
+                return out
+            self._mode = "calls" if head.startswith("{") else "text"
+            if self._mode == "calls":
+                self._buffer = head
+        if self._mode == "text":
+            out.content, self._buffer = self._buffer, ""
+            return out
+        while self._buffer:
+            if not self._object:
+                rest = self._buffer.lstrip().lstrip(";").lstrip()
+                if not rest:
+                    self._buffer = ""
+                    break
+                if not rest.startswith("{"):
+                    self._mode = "text"
+                    out.content, self._buffer = rest, ""
+                    break
+                self._buffer = rest
+                self._scanner = JsonEndScanner()
+            end = self._scanner.feed(self._buffer)
+            if end is None:
+                self._object += self._buffer
+                self._buffer = ""
+                break
+            text, self._buffer = self._object + self._buffer[:end], self._buffer[end:]
+            self._object = ""
+            call = parse_call(text)
+            if call is None:
+                self._mode = "text"
+                out.content, self._buffer = text + self._buffer, ""
+                break
+            out.tool_calls.append(call_chunk(self._calls, call))
+            self._calls += 1
+        return out
+
+
+def tools_prompt(tools: list[dict[str, Any]]) -> str:
+    """For a chat template that ignores `tools` (Llama 3.0's): the JSON
+    instructions of Llama 3.1's template."""
+    listing = "\n\n".join(json.dumps(tool, indent=4, ensure_ascii=False) for tool in tools)
+    return (
+        "Given the following functions, please respond with a JSON for a function call with its proper "
+        'arguments that best answers the given prompt.\n\nRespond in the format {"name": function name, '
+        '"parameters": dictionary of argument name and its value}. Do not use variables.\n\n' + listing
+    )
+
+
+def render_call(name: str, arguments: Any) -> str:
+    return json.dumps({"name": name, "parameters": arguments}, ensure_ascii=False)

@@ -1,0 +1,150 @@
+"""Tool-call parsers on hand-written model outputs, whole and streamed in
+small random pieces (which must give the same message), the forced-call
+readers, the template fallback for templates that ignore tools, and the CLI
+choices."""
+
+from __future__ import annotations
+
+import json
+import random
+
+import pytest
+
+from aioserve.config import ServerArgs
+from aioserve.server import tool_parsers
+from aioserve.server.content import ContentDelta, ContentProcessor
+from aioserve.server.reasoning import PARSERS as REASONING_PARSERS
+from aioserve.server.tool_parsers.forced import NamedCall, RequiredCalls
+from aioserve.server.tools import ToolPlan, template_messages
+from conftest import SHARED
+
+
+def run(processor: ContentProcessor, text: str, pieces: int, seed: int = 0, reason: str = "stop") -> tuple[ContentDelta, str]:
+    """Feed `text` in `pieces` random pieces; the merged message and the finish reason."""
+    rng = random.Random(seed)
+    cuts = sorted(rng.sample(range(1, len(text)), min(pieces - 1, len(text) - 1))) if len(text) > 1 else []
+    message = ContentDelta()
+    for start, end in zip([0] + cuts, cuts + [len(text)]):
+        message.merge(processor.feed(text[start:end]))
+    rest, final = processor.finish(reason)
+    message.merge(rest)
+    return message, final
+
+
+def calls(message: ContentDelta) -> list[tuple[str, dict]]:
+    for call in message.tool_calls:
+        assert call["type"] == "function" and call["id"].startswith("call_")
+    return [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in message.tool_calls]
+
+
+def check_everywhere(new_parser, text: str, content: str, expected_calls: list, reason: str) -> None:
+    for pieces in (1, 2, 5, len(text)):
+        for seed in range(3 if 1 < pieces < len(text) else 1):
+            message, final = run(new_parser(), text, pieces, seed)
+            assert message.content == content, (pieces, seed)
+            assert calls(message) == expected_calls, (pieces, seed)
+            assert final == reason
+
+
+HERMES_CASES = [
+    ("Hello there, no tools needed.", "Hello there, no tools needed.", [], "stop"),
+    ('<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "days": 3}}\n</tool_call>',
+     "", [("get_weather", {"city": "Paris", "days": 3})], "tool_calls"),
+    ('<tool_call>\n{"name": "a", "arguments": {}}\n</tool_call>\n<tool_call>\n{"name": "b", "arguments": {"x": "é \\"q\\""}}\n</tool_call>',
+     "", [("a", {}), ("b", {"x": 'é "q"'})], "tool_calls"),
+    ('Let me check.\n<tool_call>\n{"name": "f", "arguments": {"k": [1, {"z": "}"}]}}\n</tool_call>',
+     "Let me check.\n", [("f", {"k": [1, {"z": "}"}]})], "tool_calls"),
+    ('<tool_call>\n{"name": "f", "arguments": {"k": 1</tool_call> oops',
+     '<tool_call>\n{"name": "f", "arguments": {"k": 1</tool_call> oops', [], "stop"),
+    ('<tool_call>{"arguments": {}}</tool_call>', '<tool_call>{"arguments": {}}</tool_call>', [], "stop"),
+    ('a < b <tool <tool_call>\n{"name": "f", "arguments": "{\\"k\\": 2}"}', "a < b <tool ", [("f", {"k": 2})], "tool_calls"),
+]
+
+
+@pytest.mark.parametrize("text,content,expected,reason", HERMES_CASES)
+def test_hermes(text: str, content: str, expected: list, reason: str) -> None:
+    check_everywhere(tool_parsers.FORMATS["hermes"].new_parser, text, content, expected, reason)
+
+
+LLAMA_CASES = [
+    ("The answer is 4.", "The answer is 4.", [], "stop"),
+    ('{"name": "get_weather", "parameters": {"city": "Tokyo"}}', "", [("get_weather", {"city": "Tokyo"})], "tool_calls"),
+    (' <|python_tag|>{"name": "a", "parameters": {"s": "x;y}"}}; {"name": "b", "arguments": {}}', "",
+     [("a", {"s": "x;y}"}), ("b", {})], "tool_calls"),
+    ('{"name": "f", "parameters": {"k": }', '{"name": "f", "parameters": {"k": }', [], "stop"),
+    ('{"value": 3} is JSON', '{"value": 3} is JSON', [], "stop"),
+    ('{"name": "f", "parameters": {"k": 1', '{"name": "f", "parameters": {"k": 1', [], "stop"),
+]
+
+
+@pytest.mark.parametrize("text,content,expected,reason", LLAMA_CASES)
+def test_llama3_json(text: str, content: str, expected: list, reason: str) -> None:
+    check_everywhere(tool_parsers.FORMATS["llama3_json"].new_parser, text, content, expected, reason)
+
+
+def test_a_length_stop_is_reported_as_length() -> None:
+    message, reason = run(tool_parsers.FORMATS["hermes"].new_parser(), '<tool_call>\n{"name": "f", "arg', 3, reason="length")
+    assert reason == "length" and not message.tool_calls
+
+
+def test_forced_calls_stream_their_arguments() -> None:
+    text = '{"city": "Paris", "days": 2}'
+    for pieces in (1, 4, len(text)):
+        processor = NamedCall("get_weather")
+        first = processor.feed(text[:1])
+        assert first.tool_calls[0]["function"]["name"] == "get_weather" and first.tool_calls[0]["id"].startswith("call_")
+        message = ContentDelta()
+        message.merge(first)
+        message2, reason = run(processor, text[1:], pieces)
+        message.merge(message2)
+        assert calls(message) == [("get_weather", {"city": "Paris", "days": 2})] and reason == "tool_calls"
+    array = '[{"name": "a", "parameters": {"s": "]}"}}, {"name": "b", "parameters": {}}]'
+    for pieces in (1, 7, len(array)):
+        message, reason = run(RequiredCalls(), array, pieces, seed=pieces)
+        assert calls(message) == [("a", {"s": "]}"}), ("b", {})] and reason == "tool_calls"
+
+
+def test_detection_from_real_templates() -> None:
+    from transformers import AutoTokenizer
+
+    folder = SHARED / "tokenizers"
+    if not (folder / "qwen3" / "tokenizer_config.json").exists():
+        pytest.skip("shared/tokenizers not found")
+    qwen = AutoTokenizer.from_pretrained(str(folder / "qwen3")).chat_template
+    llama = AutoTokenizer.from_pretrained(str(folder / "llama3-8b-instruct")).chat_template
+    assert tool_parsers.detect(qwen) == "hermes"
+    assert tool_parsers.detect(llama) is None  # Llama 3.0's template knows no tools
+    assert tool_parsers.resolve("llama3", llama).name == "llama3_json"
+    assert tool_parsers.resolve("none", qwen) is None
+
+
+def test_templates_that_ignore_tools_get_them_in_the_system_message() -> None:
+    from transformers import AutoTokenizer
+
+    folder = SHARED / "tokenizers" / "llama3-8b-instruct"
+    if not folder.exists():
+        pytest.skip("shared/tokenizers not found")
+    tokenizer = AutoTokenizer.from_pretrained(str(folder))
+    tool = {"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}
+    plan = ToolPlan("auto", [tool], format=tool_parsers.FORMATS["llama3_json"])
+    messages = [
+        {"role": "user", "content": "Weather in Paris?"},
+        {"role": "assistant", "content": "", "tool_calls": [
+            {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": {"city": "Paris"}}}]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "sunny"},
+    ]
+    prompt = tokenizer.apply_chat_template(
+        template_messages(plan, messages, tokenizer.chat_template), tokenize=False, add_generation_prompt=True
+    )
+    assert '"name": "get_weather"' in prompt and "Given the following functions" in prompt
+    assert '{"name": "get_weather", "parameters": {"city": "Paris"}}' in prompt and "sunny" in prompt
+    # A template that renders tools itself gets the messages unchanged.
+    assert template_messages(plan, messages, "{{ tools }}") is messages
+
+
+def test_cli_choices_match_the_parsers() -> None:
+    import dataclasses
+
+    fields = {f.name: f for f in dataclasses.fields(ServerArgs)}
+    assert set(fields["tool_call_parser"].metadata["choices"]) == set(tool_parsers.CHOICES)
+    assert set(fields["reasoning_parser"].metadata["choices"]) == set(REASONING_PARSERS)
