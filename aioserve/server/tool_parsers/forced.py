@@ -14,7 +14,7 @@ from typing import Any
 
 from aioserve.server.content import ContentDelta
 from aioserve.server.tool_parsers.calls import ParsedCall, call_chunk, new_call_id, parse_call
-from aioserve.server.tool_parsers.json_scan import JsonEndScanner
+from aioserve.server.tool_parsers.json_scan import JsonObjectReader
 
 
 def named_schema(parameters: dict[str, Any] | None) -> dict[str, Any]:
@@ -66,28 +66,24 @@ class NamedCall:
 class RequiredCalls:
     def __init__(self) -> None:
         self._buffer = ""
-        self._object = ""
-        self._scanner: JsonEndScanner | None = None
+        self._reader: JsonObjectReader | None = None  # the call being read
         self._calls = 0
 
     def feed(self, text: str) -> ContentDelta:
         out = ContentDelta()
         self._buffer += text
         while self._buffer:
-            if self._scanner is None:
+            if self._reader is None:
                 start = self._buffer.find("{")
                 if start < 0:
                     self._buffer = ""  # "[", ",", "]" and whitespace between calls
                     break
                 self._buffer = self._buffer[start:]
-                self._scanner = JsonEndScanner()
-            end = self._scanner.feed(self._buffer)
-            if end is None:
-                self._object += self._buffer
-                self._buffer = ""
+                self._reader = JsonObjectReader()
+            text_of_call, self._buffer = self._reader.feed(self._buffer)
+            if text_of_call is None:
                 break
-            text_of_call = self._object + self._buffer[:end]
-            self._buffer, self._object, self._scanner = self._buffer[end:], "", None
+            self._reader = None
             call = parse_call(text_of_call)
             if call is not None:
                 out.tool_calls.append(call_chunk(self._calls, call))

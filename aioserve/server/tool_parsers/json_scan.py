@@ -40,6 +40,23 @@ class JsonEndScanner:
         return None
 
 
+class JsonObjectReader:
+    """One JSON object or array read across pieces: the text read of it so
+    far, and the whole of it once it closes."""
+
+    def __init__(self) -> None:
+        self._scanner = JsonEndScanner()
+        self.text = ""
+
+    def feed(self, piece: str) -> tuple[str | None, str]:
+        """(the whole object, the text after it) once it closes; (None, "") while open."""
+        end = self._scanner.feed(piece)
+        if end is None:
+            self.text += piece
+            return None, ""
+        return self.text + piece[:end], piece[end:]
+
+
 def partial_suffix(text: str, tag: str) -> int:
     """Length of the longest end of `text` that begins `tag` (to hold back:
     the rest of the tag may come with the next piece)."""

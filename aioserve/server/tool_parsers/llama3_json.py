@@ -13,7 +13,7 @@ from typing import Any
 
 from aioserve.server.content import ContentDelta
 from aioserve.server.tool_parsers.calls import call_chunk, parse_call
-from aioserve.server.tool_parsers.json_scan import JsonEndScanner
+from aioserve.server.tool_parsers.json_scan import JsonObjectReader
 
 PYTHON_TAG = "<|python_tag|>"
 
@@ -22,8 +22,7 @@ class Llama3JsonToolParser:
     def __init__(self) -> None:
         self._buffer = ""
         self._mode = "undecided"  # undecided | calls | text
-        self._scanner = JsonEndScanner()
-        self._object = ""  # the call being read
+        self._reader: JsonObjectReader | None = None  # the call being read
         self._calls = 0
 
     def feed(self, text: str) -> ContentDelta:
@@ -32,8 +31,8 @@ class Llama3JsonToolParser:
 
     def finish(self, finish_reason: str) -> tuple[ContentDelta, str]:
         delta = self._drain(final=True)
-        if self._mode == "calls" and self._object:
-            delta.content += self._object  # an unfinished call is shown as written
+        if self._mode == "calls" and self._reader is not None:
+            delta.content += self._reader.text  # an unfinished call is shown as written
         return delta, "tool_calls" if self._calls and finish_reason == "stop" else finish_reason
 
     def _drain(self, final: bool) -> ContentDelta:
@@ -53,7 +52,7 @@ class Llama3JsonToolParser:
             out.content, self._buffer = self._buffer, ""
             return out
         while self._buffer:
-            if not self._object:
+            if self._reader is None:
                 rest = self._buffer.lstrip().lstrip(";").lstrip()
                 if not rest:
                     self._buffer = ""
@@ -63,14 +62,11 @@ class Llama3JsonToolParser:
                     out.content, self._buffer = rest, ""
                     break
                 self._buffer = rest
-                self._scanner = JsonEndScanner()
-            end = self._scanner.feed(self._buffer)
-            if end is None:
-                self._object += self._buffer
-                self._buffer = ""
+                self._reader = JsonObjectReader()
+            text, self._buffer = self._reader.feed(self._buffer)
+            if text is None:
                 break
-            text, self._buffer = self._object + self._buffer[:end], self._buffer[end:]
-            self._object = ""
+            self._reader = None
             call = parse_call(text)
             if call is None:
                 self._mode = "text"
