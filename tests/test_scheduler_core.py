@@ -31,7 +31,7 @@ def run_scheduler(config: EngineConfig, requests: list[tuple[str, list[int], Sam
         scheduler.submit(Request(rid, prompt, params, sink))
     asyncio.run(scheduler.run(until_idle=True))
     scheduler.check_integrity()
-    info = scheduler.info()
+    info = scheduler.info(check_integrity=True)
     scheduler.shutdown()
     return events, info
 

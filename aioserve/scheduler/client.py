@@ -25,7 +25,7 @@ class SchedulerInfo:
     kv_pages_free: int
     kv_pages_cached: int
     kv_pages_evictable: int
-    kv_integrity: str  # "ok", or what the integrity check found
+    kv_integrity: str  # "ok", what the integrity check found, or "not checked"
     stats: dict[str, int] = field(default_factory=dict)
 
     @property
@@ -52,4 +52,6 @@ class SchedulerClient(Protocol):
         """Empty the prefix cache; False while requests run."""
         ...
 
-    def info(self) -> SchedulerInfo: ...
+    def info(self, check_integrity: bool = False) -> SchedulerInfo:
+        """Occupancy and counters; with check_integrity, also the KV bookkeeping check (O(pages))."""
+        ...

@@ -79,7 +79,7 @@ async def flush_cache(request: Request) -> JSONResponse:
 async def server_info(request: Request) -> JSONResponse:
     """Configuration, KV pool occupancy and scheduler counters (for ops and tests)."""
     ctx = _ctx(request)
-    info = ctx.scheduler.info()
+    info = ctx.scheduler.info(check_integrity=True)
     engine = ctx.args.engine
     return JSONResponse(
         {
