@@ -13,6 +13,7 @@ from dataclasses import MISSING, dataclass, field
 from typing import Any, Callable
 
 DEFAULT_CPU_KV_BYTES = 4 << 30
+DEFAULT_MAX_REQUEST_BYTES = 16 << 20
 
 # CLI argument groups, in the order `aioserve serve --help` lists them.
 GROUPS = ("model", "KV cache", "scheduling", "distributed", "HTTP")
@@ -165,6 +166,21 @@ class ServerArgs:
         "(default: $AIOSERVE_API_KEY)",
     )
     tokenizer_workers: int = option(4, help="threads that tokenize requests", group="HTTP")
+    max_request_bytes: int = option(
+        DEFAULT_MAX_REQUEST_BYTES, parse=parse_bytes, group="HTTP",
+        help="larger request bodies get 413 before they are read (a 128K-token prompt is well under 1 MiB "
+        "of text)",
+    )
+    max_waiting_requests: int | None = option(
+        None, group="scheduling", aliases=("--max-queued-requests",),
+        help="past this many requests waiting for admission, new ones get 429 with Retry-After at once "
+        "(default: no bound)",
+    )
+    shutdown_timeout: float = option(
+        30.0, group="HTTP",
+        help="on SIGTERM/SIGINT, seconds running requests get to finish before the rest are aborted "
+        "(new requests get 503 meanwhile; a second signal exits at once)",
+    )
     log_level: str = option("info", choices=("debug", "info", "warning", "error"), help="logging level", group="HTTP")
 
     @property

@@ -84,18 +84,19 @@ class LLM:
         if len(sampling_params) != len(prompts):
             raise ValueError("give one SamplingParams, or one per prompt")
         bar = tqdm(total=len(prompts), desc="generating", disable=not use_tqdm)
-        outputs, rids = [], []
-        for prompt, params in zip(prompts, sampling_params):
-            params.validate(self.engine.vocab_size)
-            ids = self.encode(prompt)
-            output = GenerationOutput(prompt if isinstance(prompt, str) else None, ids)
-            rid = f"offline-{next(self._ids)}"
-            stream = OutputStream(self.tokenizer, ids, params, end_request=partial(self.scheduler.abort, rid, "stop"))
-            request = Request(rid, ids, params, sink=self._sink(stream, output, bar), grammar=self._grammar(params))
-            self.scheduler.submit(request)  # RequestRejected (a ValueError) for impossible prompts
-            outputs.append(output)
-            rids.append(rid)
         try:
+            outputs, requests = self._prepare(prompts, sampling_params, bar)
+        except BaseException:
+            bar.close()
+            raise
+        integrity_failures = len(self.scheduler.integrity_failures)
+        rids = [request.rid for request in requests]
+        try:
+            # Everything is valid: submit it all. (Submitting as we validated
+            # left the earlier prompts of a call queued when a later one was
+            # rejected, and the next call ran them.)
+            for request in requests:
+                self.scheduler.submit(request)
             self._run = self._loop.create_task(self.scheduler.run(until_idle=True))
             self._loop.run_until_complete(self._run)
         except asyncio.CancelledError:
@@ -107,7 +108,30 @@ class LLM:
                 self.scheduler.abort(rid)
             bar.close()
         self._check_tp()
+        if len(self.scheduler.integrity_failures) > integrity_failures:
+            # --debug-integrity found the KV bookkeeping broken (and reset it);
+            # a debugging run must hear of it, not only read it in the log.
+            raise RuntimeError(f"KV integrity check failed: {self.scheduler.integrity_failures[-1]}")
         return outputs
+
+    def _prepare(
+        self, prompts: Sequence[Prompt], sampling_params: Sequence[SamplingParams], bar: tqdm
+    ) -> tuple[list[GenerationOutput], list[Request]]:
+        """Validate and encode every prompt and build its request, submitting
+        none: a ValueError (bad params, a grammar that does not compile,
+        RequestRejected for an impossible prompt) leaves the scheduler untouched."""
+        outputs, requests = [], []
+        for prompt, params in zip(prompts, sampling_params):
+            params.validate(self.engine.vocab_size)
+            ids = self.encode(prompt)
+            self.scheduler.validate(len(ids), params.max_tokens)  # RequestRejected (a ValueError) if impossible
+            output = GenerationOutput(prompt if isinstance(prompt, str) else None, ids)
+            rid = f"offline-{next(self._ids)}"
+            stream = OutputStream(self.tokenizer, ids, params, end_request=partial(self.scheduler.abort, rid, "stop"))
+            request = Request(rid, ids, params, sink=self._sink(stream, output, bar), grammar=self._grammar(params))
+            outputs.append(output)
+            requests.append(request)
+        return outputs, requests
 
     def _on_tp_failure(self, reason: str) -> None:
         """A rank died or a step failed (called from another thread): end the

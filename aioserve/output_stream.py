@@ -82,7 +82,10 @@ class OutputStream:
         text = ""
         if event.token_id is not None:
             self._add_token(event, delta)
-            piece = self._detok.step(event.token_id)
+            # A token that stops the request (EOS, stop_token_ids) is in the
+            # token ids but, as in vLLM, its text is not, unless asked for.
+            stopped_here = event.finish_reason == "stop" and not self.params.include_stop_str_in_output
+            piece = "" if stopped_here else self._detok.step(event.token_id)
             self._detok_text += piece
             text, stop_string_hit = self._stops.feed(piece)
             if stop_string_hit:

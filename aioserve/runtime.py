@@ -1,13 +1,21 @@
 """Per-process bootstrap: one uvloop event loop that runs hypercorn (the
-starlette app), the tokenizer's thread pool and the scheduler coroutine,
-then shuts them down cleanly on SIGINT/SIGTERM.
+starlette app), the tokenizer's thread pool, the scheduler coroutine and the
+loop-lag timer, then shuts them down.
+
+Shutting down, two ways:
+* SIGTERM/SIGINT drains: /health and new requests answer 503 at once,
+  running requests get --shutdown-timeout seconds to finish, the rest are
+  aborted (each stream gets its last event), and the process exits 0.
+  A second signal exits at once.
+* A failure exits 1, so that a restart policy brings the server back: the
+  scheduler loop dying, or (under tensor parallelism) the group breaking (a
+  rank died or a step failed). /health answers 503 at once, the listener
+  closes a moment later; a watchdog exits hard if the orderly path hangs on a
+  collective.
 
 Under tensor parallelism this process is rank 0 (node 0), and building the
 scheduler starts node 0's follower ranks. `aioserve serve --node-rank K`
-(K > 0) runs only that node's follower ranks: no HTTP. When the group breaks
-(a rank died or a step failed), /health answers 503 at once, the listener
-closes a moment later and the process exits with status 1; a watchdog exits
-hard if the orderly path hangs on a collective.
+(K > 0) runs only that node's follower ranks: no HTTP.
 """
 
 from __future__ import annotations
@@ -18,6 +26,7 @@ import os
 import signal
 import sys
 import threading
+from functools import partial
 from typing import Any, Coroutine
 
 from aioserve.config import ServerArgs
@@ -25,7 +34,7 @@ from aioserve.engine.tp_follower import run_node
 from aioserve.engine.tp_world import DistributedInitError, is_distributed
 from aioserve.scheduler.factory import build_scheduler
 from aioserve.server.app import create_app
-from aioserve.server.context import ServingContext
+from aioserve.server.context import InFlight, ServingContext
 from aioserve.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
@@ -34,9 +43,10 @@ FAILURE_GRACE_S = 1.0  # /health answers 503 this long before the listener close
 HARD_EXIT_S = 8.0  # after a failure, exit by force if still running (the issue allows 10 s)
 
 
-class RankFailure:
-    """Rank 0's reaction to a broken tensor-parallel group. Called from any
-    thread (the lifeline watcher, the forward thread)."""
+class FatalFailure:
+    """The reaction to what the server cannot serve on after: a broken
+    tensor-parallel group, a dead scheduler loop. Called from any thread (the
+    lifeline watcher, the forward thread) or from the loop."""
 
     def __init__(self, loop: asyncio.AbstractEventLoop, stop: asyncio.Event) -> None:
         self.loop = loop
@@ -62,31 +72,34 @@ class RankFailure:
 
     def _watchdog(self) -> None:
         threading.Event().wait(HARD_EXIT_S)
-        logger.error("tensor-parallel shutdown did not finish within %.0f s; exiting now", HARD_EXIT_S)
+        logger.error("shutdown after a failure did not finish within %.0f s; exiting now", HARD_EXIT_S)
         logging.shutdown()
         os._exit(1)
 
 
 async def serve(args: ServerArgs) -> str | None:
-    """Serve until a signal (returns None) or a tensor-parallel failure
+    """Serve until a signal (returns None, after draining) or a failure
     (returns its reason)."""
     from hypercorn.asyncio import serve as hypercorn_serve
     from hypercorn.config import Config
 
     loop = asyncio.get_running_loop()
     stop = asyncio.Event()
-    failure = RankFailure(loop, stop)
+    failure = FatalFailure(loop, stop)
     engine, scheduler = build_scheduler(args.engine, on_tp_failure=failure)
     tokenizer = Tokenizer(args.engine.tokenizer or engine.model_path, args.chat_template, args.tokenizer_workers)
     ctx = ServingContext(
         args, scheduler, tokenizer, engine.max_model_len, engine.vocab_size, tp_layout=engine.tp_layout
     )
     ctx.scheduler_task = asyncio.create_task(scheduler.run(), name="scheduler")
-    ctx.scheduler_task.add_done_callback(_report_scheduler_exit)
+    ctx.scheduler_task.add_done_callback(partial(_on_scheduler_exit, failure))
     failure.attach(ctx)
+    assert ctx.metrics is not None
+    lag_timer = asyncio.create_task(ctx.metrics.watch_loop_lag(), name="loop-lag")
 
+    drain = Drain(ctx, stop, args.shutdown_timeout)
     for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, stop.set)
+        loop.add_signal_handler(sig, drain.on_signal, sig)
 
     config = Config()
     config.bind = [f"{args.host}:{args.port}"]
@@ -103,6 +116,7 @@ async def serve(args: ServerArgs) -> str | None:
             await hypercorn_serve(create_app(ctx), config, shutdown_trigger=stop.wait)  # type: ignore[arg-type]
     finally:
         logger.info("shutting down")
+        lag_timer.cancel()
         scheduler.stop()
         if not ctx.scheduler_task.done():
             await asyncio.wait({ctx.scheduler_task}, timeout=30)
@@ -111,9 +125,54 @@ async def serve(args: ServerArgs) -> str | None:
     return failure.reason
 
 
-def _report_scheduler_exit(task: asyncio.Task) -> None:
-    if not task.cancelled() and task.exception() is not None:
+def _on_scheduler_exit(failure: FatalFailure, task: asyncio.Task) -> None:
+    """The scheduler loop ends only when told to stop; anything else is fatal."""
+    if task.cancelled():
+        return
+    if task.exception() is not None:
         logger.error("the scheduler loop died; /health now answers 503", exc_info=task.exception())
+        failure(f"the scheduler loop died: {task.exception()!r}")
+
+
+class Drain:
+    """SIGTERM/SIGINT: stop taking work, let what runs finish, then stop."""
+
+    def __init__(self, ctx: ServingContext, stop: asyncio.Event, timeout: float) -> None:
+        self.ctx = ctx
+        self.stop = stop
+        self.timeout = timeout
+        self.task: asyncio.Task | None = None
+
+    def on_signal(self, signum: int) -> None:
+        if self.task is not None:
+            logger.warning("second %s: exiting now", signal.Signals(signum).name)
+            logging.shutdown()
+            os._exit(128 + signum)
+        logger.info(
+            "%s: draining (new requests get 503; running ones have %.0f s to finish; signal again to exit now)",
+            signal.Signals(signum).name, self.timeout,
+        )
+        self.ctx.draining = True
+        self.task = asyncio.get_running_loop().create_task(self._run(), name="drain")
+
+    async def _run(self) -> None:
+        deadline = asyncio.get_running_loop().time() + self.timeout
+        while self._unfinished() and asyncio.get_running_loop().time() < deadline:
+            await asyncio.sleep(0.05)
+        left = self._unfinished()
+        if left:
+            logger.warning("aborting %d requests still running after %.0f s", len(left), self.timeout)
+            for generation in left:
+                generation.close()  # each stream gets its final (abort) event
+            # Let the handlers write those last events before the listener closes.
+            for _ in range(40):
+                if not self._unfinished():
+                    break
+                await asyncio.sleep(0.05)
+        self.stop.set()
+
+    def _unfinished(self) -> list[InFlight]:
+        return [g for g in list(self.ctx.generations) if not g.finished]
 
 
 def _run_loop(coroutine: Coroutine[Any, Any, Any]) -> Any:

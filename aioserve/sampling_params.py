@@ -112,9 +112,13 @@ class SamplingParams:
         if isinstance(self.stop, str):
             self.stop = [self.stop]
 
+    # Below this a temperature is greedy, as in vLLM: dividing logits by 1e-45
+    # overflows to infinity, and the softmax of that has no mass to sample.
+    MIN_SAMPLING_TEMPERATURE = 1e-5
+
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0.0 or self.top_k == 1
+        return self.temperature < self.MIN_SAMPLING_TEMPERATURE or self.top_k == 1
 
     @property
     def has_penalties(self) -> bool:
@@ -132,8 +136,8 @@ class SamplingParams:
             raise SamplingParamsError("temperature must be in [0, 100]", "temperature")
         if not 0.0 < self.top_p <= 1.0:
             raise SamplingParamsError("top_p must be in (0, 1]", "top_p")
-        if self.top_k < -1:
-            raise SamplingParamsError("top_k must be -1 (off) or a positive integer", "top_k")
+        if not -1 <= self.top_k < 2**31:  # past the vocabulary it is off; past int32 it is a mistake
+            raise SamplingParamsError("top_k must be -1 (off) or a positive integer below 2**31", "top_k")
         if not 0.0 <= self.min_p <= 1.0:
             raise SamplingParamsError("min_p must be in [0, 1]", "min_p")
         if self.min_tokens < 0:

@@ -1,8 +1,8 @@
 """Text in and out: encoding and chat templates on a thread pool, incremental
 detokenization, and stop-string matching.
 
-Encoding runs on the Rust tokenizer directly (`tokenizers` releases the GIL
-and keeps no per-call state, so pool threads can share it); transformers'
+Encoding runs on the Rust tokenizer directly (its batch calls release the
+GIL and keep no per-call state, so pool threads can share it); transformers'
 tokenizer is used only to render chat templates.
 """
 
@@ -10,11 +10,13 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import threading
 from concurrent.futures import ThreadPoolExecutor
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any, TypeVar
 
+from jinja2 import TemplateError
 from tokenizers import Tokenizer as RustTokenizer
 from tokenizers.decoders import DecodeStream
 
@@ -28,7 +30,12 @@ _DECODE_CONTEXT = 6
 
 
 class ChatTemplateError(ValueError):
-    pass
+    """The messages cannot be rendered: a client error (400)."""
+
+    def __init__(self, message: str, param: str | None = None, refused_arguments: bool = False) -> None:
+        super().__init__(message)
+        self.param = param
+        self.refused_arguments = refused_arguments  # transformers refused the call's arguments, not the messages
 
 
 class Tokenizer:
@@ -42,7 +49,8 @@ class Tokenizer:
         self.vocab_size = len(self.hf)
         self._token_texts: dict[int, str] = {}
         self._anchor = self.encode("a", add_special_tokens=False)[-1]
-        self._pool = ThreadPoolExecutor(workers, thread_name_prefix="aioserve-tokenizer")
+        self.max_token_chars = max(len(piece) for piece in self.rust.get_vocab(with_added_tokens=True))
+        self._pool = _started_pool(workers)
 
     @property
     def has_chat_template(self) -> bool:
@@ -50,11 +58,24 @@ class Tokenizer:
 
     # -- synchronous ------------------------------------------------------------
 
+    # The *_batch calls, on one item: unlike encode/decode they release the GIL
+    # while they work, so a long prompt tokenizing on the pool cannot hold the
+    # event loop (a 12 MB prompt held it 13 s through `encode`).
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        return self.rust.encode(text, add_special_tokens=add_special_tokens).ids
+        return self.rust.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
 
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
-        return self.rust.decode(ids, skip_special_tokens=skip_special_tokens)
+        return self.rust.decode_batch([ids], skip_special_tokens=skip_special_tokens)[0]
+
+    def min_tokens_for_chars(self, chars: int) -> int:
+        """A lower bound on the tokens a text of `chars` characters encodes
+        to, without encoding it. No token covers more characters of text than
+        its piece has (byte-level pieces spell bytes, SentencePiece's spell the
+        characters), and no piece is longer than max_token_chars; the factor 4
+        leaves room for normalizers that shrink text (NFC composes up to 3
+        code points into one). Lets a prompt that cannot
+        fit be refused before it is tokenized, and never one that fits."""
+        return chars // (4 * self.max_token_chars)
 
     def token_text(self, token_id: int) -> str:
         """One token's text as it reads mid-sentence (for logprobs listings),
@@ -83,8 +104,12 @@ class Tokenizer:
                 add_generation_prompt=add_generation_prompt,
                 **kwargs,
             )
-        except Exception as exc:  # template code raising on odd input
+        except TemplateError as exc:  # the template refusing the messages (raise_exception), or a bad template
             raise ChatTemplateError(f"the chat template failed on these messages: {exc}") from exc
+        except ValueError as exc:  # transformers refusing the arguments (continue_final_message without one)
+            raise ChatTemplateError(f"cannot render these messages: {exc}", refused_arguments=True) from exc
+        # Anything else (a TypeError inside the template code) is the server's
+        # fault, not the client's: it goes up and becomes this request's 500.
 
     def encode_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True, **kwargs: Any) -> list[int]:
         text = self.render_chat(messages, add_generation_prompt, **kwargs)
@@ -109,6 +134,18 @@ class Tokenizer:
 
     def shutdown(self) -> None:
         self._pool.shutdown(wait=False)
+
+
+def _started_pool(workers: int) -> ThreadPoolExecutor:
+    """A pool whose threads all run already. ThreadPoolExecutor starts a thread
+    at submit time and waits for it to run, which takes the GIL: while another
+    worker holds it (a chat template on a huge conversation), `submit` would
+    stall the event loop."""
+    pool = ThreadPoolExecutor(workers, thread_name_prefix="aioserve-tokenizer")
+    barrier = threading.Barrier(workers)
+    for _ in range(workers):
+        pool.submit(barrier.wait)  # each waits for the others: one thread per task
+    return pool
 
 
 def normalize_message(message: dict[str, Any]) -> dict[str, Any]:

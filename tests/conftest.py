@@ -109,3 +109,43 @@ def wide_server(wide_model: Path):
     )
     yield server
     server.stop()
+
+
+# -- shared by the HTTP test modules: one client per server, and the KV check -------------
+# These were repeated in test_server_api.py, test_openapi_spec.py and
+# test_generate_endpoint.py; session scope, since they wrap session-scoped servers.
+
+
+@pytest.fixture(scope="session")
+def stories_client(stories_server):
+    import openai
+
+    return openai.OpenAI(base_url=stories_server.v1, api_key="unused", max_retries=0, timeout=120)
+
+
+@pytest.fixture(scope="session")
+def stories_model(stories_client) -> str:
+    return stories_client.models.list().data[0].id
+
+
+@pytest.fixture(scope="session")
+def chat_client(chat_server):
+    import openai
+
+    return openai.OpenAI(base_url=chat_server.v1, api_key="unused", max_retries=0, timeout=120)
+
+
+def assert_kv_intact(server) -> None:
+    """Once the server is idle, every KV page is free or an unlocked prefix-cache
+    page again, and the pool's own consistency check passes: a request that
+    leaked or double-freed a page shows up here, right after the test that did it."""
+    info = server.wait_idle(timeout=30.0)  # generous: 2 shared cores can be slow to drain
+    assert info["kv_integrity"] == "ok"
+    assert info["kv_pages_free"] + info["kv_pages_evictable"] == info["kv_pages_total"]
+
+
+@pytest.fixture()
+def stories_kv_intact(stories_server):
+    """Use with `pytestmark = pytest.mark.usefixtures("stories_kv_intact")`."""
+    yield
+    assert_kv_intact(stories_server)

@@ -22,6 +22,7 @@ GUARDED = [
     ("POST", "/detokenize", {"tokens": [1]}),
     ("POST", "/flush_cache", None),
     ("GET", "/server_info", None),
+    ("GET", "/openapi.json", None),
 ]
 OPEN = ["/health", "/metrics", "/"]
 

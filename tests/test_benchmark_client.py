@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterator, Optional
 
+import numpy as np
 import pytest
 from hypercorn.asyncio import serve
 from hypercorn.config import Config as HypercornConfig
@@ -224,11 +225,22 @@ def test_completions_counts_and_latencies(stub: StubServer) -> None:
         assert rec.prompt_tokens == 16
     assert s["total_output_tokens"] == 40 and s["total_input_tokens"] == 128
 
-    # Loose bounds: 2 CPU cores and a shared loop add jitter, not orders of magnitude.
-    assert 40 <= s["ttft_ms"]["p50"] <= 400
-    assert 10 <= s["itl_ms"]["p50"] <= 200
-    assert 10 <= s["tpot_ms"]["p50"] <= 200
-    assert s["e2e_ms"]["p50"] >= (FIRST_DELAY + 4 * TOKEN_DELAY) * 1000 * 0.9
+    # No upper bounds on latencies (a loaded 2-core machine stretches them
+    # without limit). What holds at any speed: each record's stamps are in
+    # order, the stub's sleeps are lower bounds (the clock starts before the
+    # request leaves), and the summary is the percentiles of the records.
+    for rec in result.records:
+        stamps = [rec.send_time, *rec.chunk_times, rec.end_time]
+        assert stamps == sorted(stamps)
+        assert rec.ttft >= FIRST_DELAY * 0.9
+        assert rec.e2e >= (FIRST_DELAY + 4 * TOKEN_DELAY) * 0.9
+    ttfts = [r.ttft * 1000 for r in result.records]
+    itls = [gap * 1000 for r in result.records for gap in r.itls]
+    e2es = [r.e2e * 1000 for r in result.records]
+    tpots = [(r.e2e - r.ttft) / (r.completion_tokens - 1) * 1000 for r in result.records]
+    for name, values in (("ttft_ms", ttfts), ("itl_ms", itls), ("e2e_ms", e2es), ("tpot_ms", tpots)):
+        assert s[name]["p50"] == pytest.approx(float(np.percentile(values, 50)))
+        assert s[name]["mean"] == pytest.approx(float(np.mean(values)))
     assert s["ttft_ms"]["p50"] <= s["ttft_ms"]["p90"] <= s["ttft_ms"]["p99"]
     assert s["output_throughput"] == pytest.approx(40 / s["duration_s"])
     assert s["request_throughput"] == pytest.approx(8 / s["duration_s"])
@@ -244,8 +256,10 @@ def test_chat_endpoint_skips_role_chunk(stub: StubServer) -> None:
     s = result.summary
     assert (s["completed"], s["failed"], s["total_output_tokens"]) == (4, 0, 20)
     assert result.model == "explicit"
-    # The immediate empty role chunk must not count as the first token.
-    assert s["ttft_ms"]["p50"] >= FIRST_DELAY * 1000 * 0.9
+    # The immediate empty role chunk must not count as the first token: every
+    # TTFT includes the stub's sleep before its first token (a lower bound,
+    # so no machine is too slow for it).
+    assert all(r.ttft >= FIRST_DELAY * 0.9 for r in result.records)
     assert all(len(r.chunk_times) == 5 for r in result.records)
     payload = stub.state.payloads[0]
     assert isinstance(payload["messages"][0]["content"], str)
@@ -293,16 +307,24 @@ def test_connection_error_is_a_failure_not_a_crash(stub: StubServer) -> None:
 
 
 def test_request_rate_spreads_sends(stub: StubServer) -> None:
-    n, rate = 20, 40.0
-    result = run(make_config(stub, num_requests=n, request_rate=rate, output_len=2, seed=3))
-    sends = sorted(r.send_time for r in result.records)
-    expected_span = (n - 1) / rate  # first request at t=0
+    n, rate, seed = 20, 40.0, 3
+    result = run(make_config(stub, num_requests=n, request_rate=rate, output_len=2, seed=seed))
     assert result.summary["completed"] == n
-    assert 0.35 * expected_span <= sends[-1] - sends[0] <= 2.5 * expected_span
-    assert len({round(t, 3) for t in sends}) > n // 2  # not a burst
+    # The schedule is the seed's (run_benchmark's second spawned stream), so it
+    # is known exactly; a sleep never ends early, so no request goes out before
+    # its offset, and they go out in schedule order. Lateness is not bounded:
+    # a loaded machine may delay any send.
+    arrival_stream = np.random.SeedSequence(seed).spawn(3)[1]
+    offsets = bench.arrival_offsets(n, rate, np.random.default_rng(arrival_stream))
+    by_index = sorted(result.records, key=lambda r: r.index)
+    assert all(r.send_time >= offset - 1e-3 for r, offset in zip(by_index, offsets))
+    assert [r.send_time for r in by_index] == sorted(r.send_time for r in by_index)
+    assert offsets[-1] > 0.35 * (n - 1) / rate  # the schedule itself is spread out, not a burst
 
-    burst = run(make_config(stub, num_requests=n, output_len=2))  # rate inf
-    assert max(r.send_time for r in burst.records) < 0.25
+    # Rate inf: every request goes out before any answer is back (all tasks
+    # start in one turn of the loop, before it reads a single response).
+    burst = run(make_config(stub, num_requests=n, output_len=2))
+    assert max(r.send_time for r in burst.records) < min(r.chunk_times[0] for r in burst.records)
 
 
 def test_max_concurrency_caps_in_flight(stub: StubServer) -> None:

@@ -11,12 +11,8 @@ import pytest
 PROMPT = "Once upon a time"
 
 
-@pytest.fixture(autouse=True)
-def kv_integrity_after_each_test(stories_server):
-    yield
-    info = stories_server.wait_idle()
-    assert info["kv_integrity"] == "ok"
-    assert info["kv_pages_free"] + info["kv_pages_evictable"] == info["kv_pages_total"]
+# The stories server's KV pool is checked after every test (conftest.stories_kv_intact).
+pytestmark = pytest.mark.usefixtures("stories_kv_intact")
 
 
 def generate(server, body: dict) -> httpx.Response:

@@ -82,22 +82,9 @@ def sse_events(response: httpx.Response) -> list[dict]:
 # -- fixtures ------------------------------------------------------------------------
 
 
-@pytest.fixture(scope="module")
-def client(stories_server) -> openai.OpenAI:
-    return openai.OpenAI(base_url=stories_server.v1, api_key="unused", max_retries=0)
-
-
-@pytest.fixture(scope="module")
-def model(client: openai.OpenAI) -> str:
-    return client.models.list().data[0].id
-
-
-@pytest.fixture(autouse=True)
-def kv_integrity_after_each_test(stories_server):
-    yield
-    info = stories_server.wait_idle()
-    assert info["kv_integrity"] == "ok"
-    assert info["kv_pages_free"] + info["kv_pages_evictable"] == info["kv_pages_total"]
+# The stories server's KV pool is checked after every test (conftest.stories_kv_intact);
+# the openai client and model id are conftest's stories_client and stories_model.
+pytestmark = pytest.mark.usefixtures("stories_kv_intact")
 
 
 def post(server, path: str, body: dict) -> httpx.Response:
@@ -203,17 +190,17 @@ def test_image_content_gets_a_clear_400(chat_server) -> None:
 # -- models and errors -------------------------------------------------------------------
 
 
-def test_models_list_and_retrieve(stories_server, client, model) -> None:
+def test_models_list_and_retrieve(stories_server, stories_client, stories_model) -> None:
     listed = httpx.get(f"{stories_server.v1}/models").json()
     assert_matches(listed, "ListModelsResponse")
-    retrieved = client.models.retrieve(model)  # ids with slashes: a path converter, %2F decoded
-    assert retrieved.id == model and retrieved.object == "model"
-    raw = httpx.get(f"{stories_server.v1}/models/{model}")
+    retrieved = stories_client.models.retrieve(stories_model)  # ids with slashes: a path converter, %2F decoded
+    assert retrieved.id == stories_model and retrieved.object == "model"
+    raw = httpx.get(f"{stories_server.v1}/models/{stories_model}")
     assert raw.status_code == 200 and raw.json() == listed["data"][0]
     assert_matches(raw.json(), "Model")
     for other in ("Qwen/Qwen3-0.6B", "gpt-4"):
         with pytest.raises(openai.NotFoundError) as info:
-            client.models.retrieve(other)
+            stories_client.models.retrieve(other)
         assert info.value.code == "model_not_found"
         response = httpx.get(f"{stories_server.v1}/models/{other}")
         assert response.status_code == 404
@@ -269,9 +256,9 @@ def test_max_tokens_null_or_absent_means_16(stories_server) -> None:
         assert body["usage"]["completion_tokens"] == 16 and body["choices"][0]["finish_reason"] == "length"
 
 
-def test_max_tokens_0_scores_the_prompt(stories_server, client, model) -> None:
-    scored = client.completions.create(model=model, prompt=PROMPT, max_tokens=0, echo=True, logprobs=2)
-    reference = client.completions.create(model=model, prompt=PROMPT, max_tokens=1, echo=True, logprobs=2, temperature=0)
+def test_max_tokens_0_scores_the_prompt(stories_server, stories_client, stories_model) -> None:
+    scored = stories_client.completions.create(model=stories_model, prompt=PROMPT, max_tokens=0, echo=True, logprobs=2)
+    reference = stories_client.completions.create(model=stories_model, prompt=PROMPT, max_tokens=1, echo=True, logprobs=2, temperature=0)
     choice, ref = scored.choices[0], reference.choices[0]
     assert choice.text == PROMPT and choice.finish_reason == "length"
     assert scored.usage.completion_tokens == 0 and scored.usage.prompt_tokens == reference.usage.prompt_tokens

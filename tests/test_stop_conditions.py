@@ -46,6 +46,21 @@ def test_eos_and_ignore_eos(llm: LLM) -> None:
     assert ignored.token_ids == [2] * 10 and ignored.finish_reason == "length"
 
 
+def test_min_tokens_holds_back_an_eos_that_would_win(llm: LLM) -> None:
+    # The bias makes EOS the greedy choice at every step (the test above shows
+    # it ends the request at once); min_tokens N must forbid it for exactly N
+    # tokens, which are then the unbiased greedy ones, and EOS comes next.
+    plain = llm.generate(PROMPT, greedy(max_tokens=8))[0].token_ids
+    for n in (1, 4):
+        out = llm.generate(PROMPT, greedy(max_tokens=8, logit_bias={2: 100.0}, min_tokens=n))[0]
+        assert out.token_ids == plain[:n] + [2] and out.finish_reason == "stop"
+    # Stop token ids are held back the same way (" Once": greedy would not pick it here).
+    stop_at = 403
+    assert stop_at not in plain[:3]
+    out = llm.generate(PROMPT, greedy(max_tokens=8, logit_bias={stop_at: 100.0}, stop_token_ids=[stop_at], min_tokens=2))[0]
+    assert out.token_ids == plain[:2] + [stop_at] and out.finish_reason == "stop"
+
+
 def test_stop_string_across_tokens_is_cut_from_the_text(llm: LLM) -> None:
     full = llm.generate(PROMPT, greedy(max_tokens=32))[0]
     assert "girl named Lily" in full.text

@@ -144,6 +144,19 @@ class Engine:
     def launch(self, plan: BatchPlan) -> StepOutput:
         """Enqueue one step on the current stream; the output stays on the
         device. Followers return only the tokens (what rank 0 sampled)."""
+        try:
+            return self._launch(plan)
+        except Exception:
+            # The scheduler fails this step's requests, but the next plan may
+            # already name its tokens by placeholder (overlap). Stand-in tokens
+            # (0) keep that plan runnable: the rows naming them belong to the
+            # failed requests, whose outputs are dropped, and the requests
+            # admitted with it go on.
+            rows = plan.logits_indices.shape[0] if plan.sampling is not None else 0
+            self.previous.record(plan.step, torch.zeros(rows, dtype=torch.long, device=self.device))
+            raise
+
+    def _launch(self, plan: BatchPlan) -> StepOutput:
         host_plan, plan = plan, plan.to(self.device)
         input_ids = self.previous.resolve(plan.step, plan.input_ids, host_plan.input_ids)
         meta = self.attention.prepare(plan, host_plan)

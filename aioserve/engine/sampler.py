@@ -18,8 +18,8 @@ from aioserve.batch_plan import SamplingTensors
 
 @dataclass
 class SamplerOutput:
-    token_ids: torch.Tensor  # [S]
-    logprobs: torch.Tensor  # [S] of the chosen tokens, from the raw model logits
+    token_ids: torch.Tensor  # [S]; 0 for a row whose logits are not finite
+    logprobs: torch.Tensor  # [S] of the chosen tokens, from the raw model logits; NaN: see below
     top_ids: torch.Tensor | None  # [S, N]
     top_logprobs: torch.Tensor | None  # [S, N]
 
@@ -39,11 +39,18 @@ def adjust_logits(logits: torch.Tensor, st: SamplingTensors) -> torch.Tensor:
         # Repeated (row, id) pairs write the same value, so duplicates are harmless.
         out[rows, ids] = torch.where(values > 0, values / penalty, values * penalty)
     if st.output_rows.numel():
-        vocab = out.shape[1]
-        pairs, counts = (st.output_rows * vocab + st.output_token_ids).unique(return_counts=True)
-        rows, ids = pairs // vocab, pairs % vocab
-        out[rows, ids] -= st.frequency[rows] * counts.to(out.dtype) + st.presence[rows]
-    return out
+        # Static shapes, so no device sync (unique(return_counts=True) had to
+        # wait for the GPU to learn its output's size) and no dense [S, V]
+        # table (151k floats a row for Qwen). Frequency: an accumulating
+        # scatter subtracts it once per occurrence. Presence: once per token,
+        # by writing (value after frequency - presence) for every occurrence;
+        # repeated (row, id) pairs write the same value.
+        rows, ids = st.output_rows, st.output_token_ids
+        out.index_put_((rows, ids), -st.frequency[rows], accumulate=True)
+        out[rows, ids] = out[rows, ids] - st.presence[rows]
+    # A penalty near 0 divides a logit into +inf; the largest float keeps it
+    # first without making the row's softmax NaN. (-inf stays: it is a mask.)
+    return out.clamp_(max=torch.finfo(out.dtype).max)
 
 
 # Byte value -> its 8 bits as additive logit masks (0: allowed, -inf: not).
@@ -99,7 +106,10 @@ def filtered_probs(logits: torch.Tensor, st: SamplingTensors) -> torch.Tensor:
     seeded request's tokens change when a top-p request joined its batch.)
     """
     temperatures = torch.where(st.temperatures > 0, st.temperatures, 1.0)
-    probs = torch.softmax(logits / temperatures[:, None], dim=-1)
+    # Shifted by the row's peak before the division, so that a large logit over
+    # a small temperature cannot overflow to inf (softmax of inf is NaN).
+    peak = logits.max(dim=-1, keepdim=True).values
+    probs = torch.softmax((logits - peak) / temperatures[:, None], dim=-1)
     if st.needs_sort:
         sorted_probs, order = probs.sort(dim=-1, descending=True)
         ranks = torch.arange(probs.shape[1], device=probs.device)
@@ -110,6 +120,7 @@ def filtered_probs(logits: torch.Tensor, st: SamplingTensors) -> torch.Tensor:
         # the top token always stays.
         mass_before = top_k_probs.cumsum(dim=-1) - top_k_probs
         keep_sorted = in_top_k & (mass_before < st.top_ps[:, None])
+        keep_sorted[:, 0] = True  # even where top_p underflows float32 to 0
         filtering = (st.top_ks < probs.shape[1]) | (st.top_ps < 1.0)
         keep_sorted |= ~filtering[:, None]
         probs = probs * torch.empty_like(keep_sorted).scatter_(1, order, keep_sorted)
@@ -130,19 +141,37 @@ def sample_from(probs: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
 
 
 def sample(logits: torch.Tensor, st: SamplingTensors) -> SamplerOutput:
-    """Choose one token per row of float32 `logits` [S, V]."""
+    """Choose one token per row of float32 `logits` [S, V].
+
+    A row that cannot be sampled gets token 0 and logprob NaN, which no good
+    row can have: its raw logits hold a NaN or an infinity (its request's
+    numbers broke down), or its sampling left no token with probability (a
+    penalty or bias overflowing to infinity, a grammar that allows nothing).
+    The flag travels in the logprobs the host copies anyway, so finding it
+    costs no extra device sync, and the token stays a valid id for the next
+    step's placeholders. Every operation here works row by row, so the other
+    rows sample exactly as they would without it."""
     # The grammar mask comes after bias and penalties, so top-k, top-p and
     # min-p choose among the tokens the grammar allows.
     adjusted = apply_grammar(adjust_logits(logits, st), st)
     token_ids = adjusted.argmax(dim=-1)
+    # Greedy rows need a finite best choice (-inf everywhere: nothing allowed).
+    usable = torch.isfinite(logits).all(dim=-1) & adjusted.gather(1, token_ids[:, None]).squeeze(1).isfinite()
     if not st.all_greedy:
-        sampled = sample_from(filtered_probs(adjusted, st), st.uniforms)
-        token_ids = torch.where(st.temperatures > 0, sampled, token_ids)
+        probs = filtered_probs(adjusted, st)
+        sampled = sample_from(probs, st.uniforms)
+        sampling = st.temperatures > 0
+        token_ids = torch.where(sampling, sampled, token_ids)
+        # Sampled rows need mass to sample from (a NaN total fails `> 0` too).
+        mass = probs.sum(dim=-1)
+        usable &= ~sampling | ((mass > 0) & mass.isfinite())
+    token_ids = torch.where(usable, token_ids, 0)
     # Logprobs are reported from the model's raw distribution, like vLLM's default.
     normalizer = torch.logsumexp(logits, dim=-1, keepdim=True)
-    chosen = logits.gather(1, token_ids[:, None]) - normalizer
+    chosen = (logits.gather(1, token_ids[:, None]) - normalizer).squeeze(1)
+    chosen = torch.where(usable, chosen, float("nan"))
     top_ids = top_logprobs = None
     if st.num_top_logprobs:
         top_values, top_ids = logits.topk(st.num_top_logprobs, dim=-1)
         top_logprobs = top_values - normalizer
-    return SamplerOutput(token_ids, chosen.squeeze(1), top_ids, top_logprobs)
+    return SamplerOutput(token_ids, chosen, top_ids, top_logprobs)

@@ -75,6 +75,9 @@ class GrammarCompiler:
                 self.hits += 1
                 return cached
         grammar = CompiledGrammar(self._compile(spec, key[0]), key[0])
+        if not grammar.allows_a_first_token(self.vocab_size):
+            # Else every request with it would fail at its first step.
+            raise GrammarError(f"the {_WHAT[key[0]]} matches no text this vocabulary can spell", key[0])
         with self._lock:
             self.misses += 1
             self._cache[key] = grammar

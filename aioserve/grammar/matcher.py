@@ -39,3 +39,9 @@ class CompiledGrammar:
 
     def new_constraint(self, stop_token_ids: list[int]) -> GrammarMatcher:
         return GrammarMatcher(self.compiled, stop_token_ids)
+
+    def allows_a_first_token(self, vocab_size: int) -> bool:
+        """Whether any token may start the output (EOS counts: the empty text)."""
+        bitmask = xgr.allocate_token_bitmask(1, vocab_size)
+        xgr.GrammarMatcher(self.compiled).fill_next_token_bitmask(bitmask, 0)
+        return bool(bitmask.any())

@@ -8,6 +8,15 @@ boundaries when a match or an insert ends inside them.
 A lock count on a node means a running request reads its pages; locking a
 node locks its ancestors too, so an unlocked node's whole subtree is
 unlocked and can go, leaves first, least recently used first.
+
+Eviction costs what it evicts, not the size of the tree: a heap of
+candidate leaves lives across calls. A node is pushed when it becomes an
+evictable leaf (inserted, unlocked, or its last child evicted); an entry
+that went stale meanwhile (the node got a child, a lock, or was evicted) is
+dropped when it surfaces, and one whose node was used since is pushed
+again with its newer time. Entries only ever hold a time at or before
+their node's, so the first valid entry popped is the least recently used
+evictable leaf.
 """
 
 from __future__ import annotations
@@ -27,6 +36,11 @@ class _Node:
     children: dict[tuple[int, ...], "_Node"] = field(default_factory=dict)
     locks: int = 0
     last_used: int = 0
+    alive: bool = True  # False once evicted (its heap entries are then stale)
+
+    @property
+    def evictable_leaf(self) -> bool:
+        return self.alive and not self.children and self.locks == 0
 
 
 class RadixCache(PrefixCache):
@@ -36,6 +50,10 @@ class RadixCache(PrefixCache):
         self._clock = itertools.count(1)
         self._num_pages = 0
         self._num_locked_pages = 0
+        self._num_nodes = 0
+        # Eviction candidates: (last_used when pushed, tie-break, node); see the module docstring.
+        self._heap: list[tuple[int, int, _Node]] = []
+        self._order = itertools.count()
 
     # -- queries ---------------------------------------------------------
 
@@ -81,6 +99,7 @@ class RadixCache(PrefixCache):
         node.parent.children[node.tokens[:ps]] = head  # type: ignore[union-attr]
         node.tokens, node.pages, node.parent = node.tokens[num_pages * ps :], node.pages[num_pages:], head
         head.children[node.tokens[:ps]] = node
+        self._num_nodes += 1
         return head
 
     def _walk(self, tokens: list[int], limit: int) -> tuple[_Node, int]:
@@ -128,6 +147,8 @@ class RadixCache(PrefixCache):
             node.locks -= 1
             if node.locks == 0:
                 self._num_locked_pages -= len(node.pages)
+                if not node.children:
+                    self._push(node)
             node = node.parent
 
     def insert(self, tokens: list[int], pages: list[int]) -> list[int]:
@@ -146,27 +167,49 @@ class RadixCache(PrefixCache):
             leaf = _Node(tuple(tokens[matched:]), pages[matched // ps :], node, last_used=next(self._clock))
             node.children[leaf.tokens[:ps]] = leaf
             self._num_pages += len(leaf.pages)  # a new leaf is unlocked: evictable at once
+            self._num_nodes += 1
+            self._push(leaf)
         return redundant
 
     def evict(self, num_pages: int) -> list[int]:
-        order = itertools.count()
-        heap = [(n.last_used, next(order), n) for n in self._nodes() if not n.children and n.locks == 0]
-        heapq.heapify(heap)
         freed: list[int] = []
+        heap = self._heap
         while heap and len(freed) < num_pages:
-            _, _, node = heapq.heappop(heap)
+            pushed_at, _, node = heapq.heappop(heap)
+            if not node.evictable_leaf:
+                continue  # stale: evicted, locked or grown since it was pushed
+            if pushed_at != node.last_used:
+                self._push(node)  # used since: it queues again at its newer time
+                continue
             parent = node.parent
-            del parent.children[node.tokens[: self.page_size]]  # type: ignore[union-attr]
+            assert parent is not None
+            del parent.children[node.tokens[: self.page_size]]
+            node.alive = False
             freed += node.pages
             self._num_pages -= len(node.pages)
-            if parent is not self._root and not parent.children and parent.locks == 0:  # type: ignore[union-attr]
-                heapq.heappush(heap, (parent.last_used, next(order), parent))  # type: ignore[union-attr]
+            self._num_nodes -= 1
+            if parent is not self._root and parent.evictable_leaf:
+                self._push(parent)
         return freed
+
+    def _push(self, node: _Node) -> None:
+        """Queue an evictable leaf. Stale entries pile up with lock/unlock
+        cycles; past twice the tree's size (amortised O(1) per push) the heap
+        is rebuilt from the live candidates, one entry each."""
+        heapq.heappush(self._heap, (node.last_used, next(self._order), node))
+        if len(self._heap) > 2 * self._num_nodes + 64:
+            live = {id(n): n for _, _, n in self._heap if n.evictable_leaf}
+            self._heap = [(n.last_used, next(self._order), n) for n in live.values()]
+            heapq.heapify(self._heap)
 
     def reset(self) -> list[int]:
         if self._num_locked_pages:
             raise RuntimeError("cannot flush the prefix cache while requests use it")
         pages = self.all_pages()
+        for node in self._nodes():
+            node.alive = False
         self._root.children.clear()
         self._num_pages = 0
+        self._num_nodes = 0
+        self._heap.clear()
         return pages

@@ -11,12 +11,17 @@
    prompt's metadata); then finish the request or just deliver.
 
 Entries of requests that ended meanwhile (aborted, stop string) only
-settle their pending count.
+settle their pending count. A row the sampler could not sample (logits not
+finite, or no token left by its parameters; marked with a NaN logprob) ends
+its request with an error before anything else: the KV that step wrote for
+it may be broken too, so it is neither counted as computed nor shared with
+the prefix cache.
 """
 
 from __future__ import annotations
 
 import logging
+import math
 from dataclasses import dataclass
 
 from aioserve.batch_plan import StepOutput
@@ -47,6 +52,10 @@ class _HostOutput:
             output.top_logprobs.tolist() if output.top_logprobs is not None else None,
         )
 
+    def sampled(self, row: int) -> bool:
+        """False where the sampler could not sample the row (engine/sampler.py)."""
+        return not math.isnan(self.logprobs[row])
+
     def top(self, row: int, wanted: int | None) -> TopLogprobs | None:
         if not wanted or self.top_ids is None or self.top_logprobs is None:
             return None
@@ -66,6 +75,9 @@ class OutputProcessor:
                 request.pending.landed()
             if request.finished:
                 continue
+            if entry.row is not None and not host.sampled(entry.row):
+                self._fail_unsampled(request)
+                continue
             current = self._settle(request, entry)
             if entry.prompt_logprob_span is not None:
                 self._record_prompt_logprobs(request, entry, output)
@@ -84,6 +96,14 @@ class OutputProcessor:
                 self.table.deliver(request, event)
 
     # -- the phases ----------------------------------------------------------------
+
+    def _fail_unsampled(self, request: Request) -> None:
+        logger.error("request %s: nothing to sample (non-finite logits, or no token left); ending it", request.rid)
+        message = (
+            "sampling failed: the model's logits were not finite, or the sampling parameters "
+            "(penalties, logit_bias, a grammar) left no token to choose"
+        )
+        self.table.finish(request, "error", RequestEvent(finish_reason="error", error=message))
 
     def _settle(self, request: Request, entry: StepEntry) -> bool:
         """Record computed KV; False when the entry belongs to an earlier

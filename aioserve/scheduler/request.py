@@ -63,6 +63,7 @@ class Request:
     params: SamplingParams
     sink: EventSink
     arrival: float = field(default_factory=time.monotonic)
+    admitted_at: float | None = None  # first admission (time.monotonic), for the queue-time metric
     max_new_tokens: int = 0  # set by the scheduler from max_tokens and the context
     status: Status = Status.WAITING
     all_ids: list[int] = field(default_factory=list)

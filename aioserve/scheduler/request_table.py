@@ -10,6 +10,7 @@ only; the scheduler loop never sees the exception.
 from __future__ import annotations
 
 import logging
+import time
 from collections import deque
 from dataclasses import dataclass
 
@@ -54,6 +55,7 @@ class RequestTable:
         request.kv = kv
         request.status = Status.RUNNING
         if request.num_cached_tokens is None:  # first admission: count its prompt once
+            request.admitted_at = time.monotonic()
             request.num_cached_tokens = kv.kv_done
             self.stats.cached_tokens += kv.kv_done
             self.stats.prompt_tokens += request.num_prompt_tokens
@@ -88,6 +90,17 @@ class RequestTable:
         elif reason == "abort":
             self.stats.aborted += 1
         self.deliver(request, event or RequestEvent(finish_reason=reason))
+
+    def drop(self, request: Request, event: RequestEvent) -> None:
+        """End `request` with an error without releasing its KV: for when
+        releasing it failed (the bookkeeping is broken and will be reset).
+        Its consumer still hears the end."""
+        for queue in (self.running, self.waiting):
+            if request in queue:
+                queue.remove(request)
+        self.by_id.pop(request.rid, None)
+        request.status, request.finish_reason, request.kv = Status.FINISHED, "error", None
+        self.deliver(request, event)
 
     def deliver(self, request: Request, event: RequestEvent) -> None:
         """Send `event` to the request's consumer; a consumer that raises

@@ -4,12 +4,21 @@ The random draw of each row is decided here, on the CPU: a seeded request
 gets a draw that depends only on (seed, index of the token), so its tokens
 do not change with the batch around it; unseeded rows draw from the
 scheduler's own generator.
+
+Penalties need each request's history (output tokens with repeats for
+presence/frequency, prompt and output tokens once each for repetition).
+Rebuilding those lists every step cost O(prompt + output) Python work per
+penalised request per step on the loop's thread; `_PenaltyHistory` instead
+folds in only the tokens accepted since the last step, into `array`s the
+step's tensors are concatenated from at C speed.
 """
 
 from __future__ import annotations
 
 import random
-from dataclasses import dataclass
+import weakref
+from array import array
+from dataclasses import dataclass, field
 
 import torch
 
@@ -34,6 +43,59 @@ def seeded_uniform(seed: int, index: int) -> float:
 
 
 @dataclass
+class _PenaltyHistory:
+    """One request's penalty history, brought up to date incrementally."""
+
+    output: array = field(default_factory=lambda: array("q"))  # every output token, in order
+    seen: array = field(default_factory=lambda: array("q"))  # prompt and output tokens, once each
+    seen_set: set[int] = field(default_factory=set)
+    num_synced: int = 0  # output tokens folded in so far
+
+    @classmethod
+    def of_prompt(cls, prompt_ids: list[int]) -> "_PenaltyHistory":
+        history = cls()
+        history.seen_set = set(prompt_ids)
+        history.seen = array("q", history.seen_set)
+        return history
+
+    def sync(self, request: Request) -> None:
+        """Fold in the output tokens accepted since the last call (usually one)."""
+        start = request.num_prompt_tokens + self.num_synced
+        new = request.all_ids[start:]
+        self.output.extend(new)
+        for token in new:
+            if token not in self.seen_set:
+                self.seen_set.add(token)
+                self.seen.append(token)
+        self.num_synced += len(new)
+
+
+class _PenaltyLists:
+    """The (row, token) lists of one step's penalised rows, as flat arrays."""
+
+    def __init__(self) -> None:
+        self.rows: list[int] = []
+        self.lengths: list[int] = []
+        self.ids = array("q")
+
+    def add(self, row: int, tokens: array, pending: int | None) -> None:
+        self.ids.extend(tokens)  # array from array: a memcpy
+        if pending is not None:
+            self.ids.append(pending)
+        self.rows.append(row)
+        self.lengths.append(len(tokens) + (pending is not None))
+
+    def tensors(self) -> tuple[torch.Tensor, torch.Tensor]:
+        if not self.ids:
+            empty = torch.zeros(0, dtype=torch.long)
+            return empty, empty
+        rows = torch.repeat_interleave(torch.tensor(self.rows, dtype=torch.long), torch.tensor(self.lengths))
+        # frombuffer shares the array's memory (kept alive by the tensor); the
+        # array is this step's own and never changes again.
+        return rows, torch.frombuffer(self.ids, dtype=torch.long)
+
+
+@dataclass
 class SampleRow:
     request: Request
     token_index: int  # which output token this row samples (0 = the first)
@@ -45,12 +107,21 @@ class SamplingBatchBuilder:
         self.vocab_size = vocab_size
         self.eos_token_ids = eos_token_ids
         self.rng = random.Random(seed)
+        # Weak keys: a finished request's history goes when the request does.
+        self._histories: weakref.WeakKeyDictionary[Request, _PenaltyHistory] = weakref.WeakKeyDictionary()
+
+    def _history(self, request: Request) -> _PenaltyHistory:
+        history = self._histories.get(request)
+        if history is None or history.num_synced > request.num_output_tokens:
+            history = self._histories[request] = _PenaltyHistory.of_prompt(request.prompt_ids)
+        history.sync(request)
+        return history
 
     def build(self, rows: list[SampleRow]) -> SamplingTensors:
         temps, top_ks, top_ps, min_ps, uniforms = [], [], [], [], []
         presence, frequency, repetition = [], [], []
         bias_rows, bias_ids, bias_values = [], [], []
-        out_rows, out_ids, seen_rows, seen_ids = [], [], [], []
+        outputs, seen = _PenaltyLists(), _PenaltyLists()
         num_top = 0
         grammar_rows = [i for i, row in enumerate(rows) if row.request.constraint is not None]
         bitmask = self._grammar_bitmask(rows, grammar_rows)
@@ -58,7 +129,7 @@ class SamplingBatchBuilder:
             p = row.request.params
             greedy = p.greedy
             temps.append(0.0 if greedy else p.temperature)
-            top_ks.append(p.top_k if p.top_k > 0 else self.vocab_size)
+            top_ks.append(min(p.top_k, self.vocab_size) if p.top_k > 0 else self.vocab_size)
             top_ps.append(p.top_p)
             min_ps.append(0.0 if greedy else p.min_p)
             uniforms.append(seeded_uniform(p.seed, row.token_index) if p.seed is not None else self.rng.random())
@@ -77,17 +148,16 @@ class SamplingBatchBuilder:
             frequency.append(p.frequency_penalty)
             repetition.append(p.repetition_penalty)
             if p.has_penalties:
-                history = row.request.output_ids
-                if row.pending_placeholder is not None:
-                    history = history + [row.pending_placeholder]
+                # The token in flight (a placeholder) belongs to the history
+                # too; listed in `seen` it may repeat a token, which is harmless.
+                history = self._history(row.request)
                 if p.presence_penalty or p.frequency_penalty:
-                    out_rows += [i] * len(history)
-                    out_ids += history
+                    outputs.add(i, history.output, row.pending_placeholder)
                 if p.repetition_penalty != 1.0:
-                    seen = set(row.request.prompt_ids) | set(history)
-                    seen_rows += [i] * len(seen)
-                    seen_ids += list(seen)
+                    seen.add(i, history.seen, row.pending_placeholder)
         sampled = [t > 0 for t in temps]
+        out_rows, out_ids = outputs.tensors()
+        seen_rows, seen_ids = seen.tensors()
         return SamplingTensors(
             temperatures=torch.tensor(temps, dtype=torch.float32),
             top_ks=torch.tensor(top_ks, dtype=torch.long),
@@ -104,10 +174,10 @@ class SamplingBatchBuilder:
             presence=torch.tensor(presence, dtype=torch.float32),
             frequency=torch.tensor(frequency, dtype=torch.float32),
             repetition=torch.tensor(repetition, dtype=torch.float32),
-            output_rows=torch.tensor(out_rows, dtype=torch.long),
-            output_token_ids=torch.tensor(out_ids, dtype=torch.long),
-            seen_rows=torch.tensor(seen_rows, dtype=torch.long),
-            seen_token_ids=torch.tensor(seen_ids, dtype=torch.long),
+            output_rows=out_rows,
+            output_token_ids=out_ids,
+            seen_rows=seen_rows,
+            seen_token_ids=seen_ids,
             grammar_rows=torch.tensor(grammar_rows, dtype=torch.long),
             grammar_bitmask=bitmask,
         )

@@ -7,6 +7,12 @@ while N+1 runs; plans refer to not-yet-known tokens by placeholder
 (aioserve/placeholders.py). Where requests are and how they move lives in
 request_table.py, KV memory in kvcache/manager.py. Everything here runs on
 the event loop's thread: submit and abort are plain calls.
+
+Faults end requests, never the loop: a forward that raises fails the
+requests of its step; a bug while planning or processing fails every
+request; a failed KV integrity check (`--debug-integrity` when idle, or
+after such a bug) fails the running requests and starts the KV bookkeeping
+afresh, so the server keeps serving and no consumer waits forever.
 """
 
 from __future__ import annotations
@@ -24,7 +30,7 @@ from aioserve.scheduler.client import SchedulerInfo
 from aioserve.scheduler.output_processor import OutputProcessor
 from aioserve.scheduler.plan_builder import ScheduledStep
 from aioserve.scheduler.planner import StepPlanner
-from aioserve.scheduler.request import Request, RequestEvent, RequestRejected
+from aioserve.scheduler.request import Request, RequestEvent, RequestRejected, Status
 from aioserve.scheduler.request_table import RequestTable, SchedulerStats
 from aioserve.scheduler.sampling_batch import SamplingBatchBuilder
 
@@ -49,13 +55,7 @@ class Scheduler:
         self.config = config
         self.facts = facts
         self.executor = executor
-        self.kv = KVManager(
-            facts.num_pages,
-            facts.page_size,
-            config.max_running_requests,
-            -(-facts.max_model_len // facts.page_size),
-            config.cache,
-        )
+        self.kv = self._new_kv()
         self.table = RequestTable(self.kv)
         sampling = SamplingBatchBuilder(facts.vocab_size, facts.eos_token_ids, config.seed)
         self.planner = StepPlanner(config, self.table, self.kv, sampling)
@@ -63,6 +63,19 @@ class Scheduler:
         self._next_step = 0
         self._wake: asyncio.Event | None = None
         self._stopping = False
+        # Integrity checks that failed (each followed by a reset of the KV
+        # bookkeeping); /server_info keeps reporting the last one.
+        self.integrity_failures: list[str] = []
+
+    def _new_kv(self) -> KVManager:
+        facts, config = self.facts, self.config
+        return KVManager(
+            facts.num_pages,
+            facts.page_size,
+            config.max_running_requests,
+            -(-facts.max_model_len // facts.page_size),
+            config.cache,
+        )
 
     @property
     def stats(self) -> SchedulerStats:
@@ -159,6 +172,8 @@ class Scheduler:
                 integrity = "ok"
             except AssertionError as exc:
                 integrity = str(exc)
+            if integrity == "ok" and self.integrity_failures:
+                integrity = f"reset after a failed check: {self.integrity_failures[-1]}"
         return SchedulerInfo(
             running=len(self.running),
             waiting=len(self.waiting),
@@ -213,8 +228,8 @@ class Scheduler:
             if step is None and previous is None:
                 # Nothing ran and nothing could start: sleep until a submit or abort.
                 if not self.has_work:
-                    if self.config.debug_integrity:
-                        self.check_integrity()
+                    if self.config.debug_integrity:  # O(pages): when idle, not per step
+                        self._check_integrity_or_reset()
                     if until_idle:
                         break
                 await self._wake.wait()
@@ -228,8 +243,7 @@ class Scheduler:
             logger.exception("step %d failed", step.plan.step)
             for entry in step.entries:
                 if not entry.request.finished:
-                    error = RequestEvent(finish_reason="error", error=f"forward failed: {exc}")
-                    self.table.finish(entry.request, "error", error)
+                    self._fail(entry.request, f"forward failed: {exc}")
             return
         try:
             self.outputs.process(step, output)
@@ -238,8 +252,41 @@ class Scheduler:
             self._fail_all("internal scheduler error")
 
     def _fail_all(self, message: str) -> None:
+        """End every request with an error. A bug may have left the KV
+        bookkeeping inconsistent: if the check then fails, it starts afresh."""
         for request in list(self.running) + list(self.waiting):
-            self.table.finish(request, "error", RequestEvent(finish_reason="error", error=message))
+            self._fail(request, message)
+        self._check_integrity_or_reset()
+
+    def _fail(self, request: Request, message: str) -> None:
+        event = RequestEvent(finish_reason="error", error=message)
+        try:
+            self.table.finish(request, "error", event)
+            return
+        except Exception:  # releasing its KV failed: the bookkeeping is broken
+            logger.exception("ending request %s failed; dropping it", request.rid)
+        # The KV it held is reclaimed by the reset that follows a failed check.
+        self.table.drop(request, event)
+
+    def _check_integrity_or_reset(self) -> None:
+        """Check the KV bookkeeping; when it is broken, end every running
+        request with an error and replace the bookkeeping with a fresh one
+        (every page free, the prefix cache empty, every slot free), so later
+        requests are served correctly. A step still in flight may write into
+        pages the fresh pool hands out; only steps after it can use them, and
+        steps run in order."""
+        try:
+            self.check_integrity()
+            return
+        except Exception as exc:  # AssertionError, or whatever broken structures raise
+            message = str(exc) or type(exc).__name__
+        logger.error("KV integrity check failed (%s): failing the running requests and resetting the KV state", message)
+        self.integrity_failures.append(message)
+        # Running requests hold KV of the broken state; waiting ones hold none
+        # and are served from the fresh one.
+        for request in list(self.running):
+            self._fail(request, f"KV integrity check failed: {message}")
+        self.kv = self.table.kv = self.planner.kv = self._new_kv()
 
     def _notify(self) -> None:
         if self._wake is not None:

@@ -18,11 +18,13 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 from aioserve.server import misc_routes
 from aioserve.server.chat import create_chat_completion
 from aioserve.server.completions import create_completion
-from aioserve.server.context import ServingContext
+from aioserve.server.context import RETRY_AFTER_S, ServingContext
 from aioserve.server.errors import APIError, api_error_handler, unexpected_error_handler
 from aioserve.server.generate import generate
 from aioserve.server.metrics import metrics_endpoint
+from aioserve.server.openapi import openapi_json
 from aioserve.server.page import page_routes
+from aioserve.server.request_metrics import stamp_arrival
 
 logger = logging.getLogger(__name__)
 
@@ -59,6 +61,30 @@ class APIKeyCheck:
         await self.app(scope, receive, send)
 
 
+class ServingGate:
+    """Outermost: stamps each request's arrival (for time to first token) and,
+    while the server drains after SIGTERM, answers 503 to everything but the
+    open routes (/health itself says 503) so that a load balancer moves on."""
+
+    def __init__(self, app: ASGIApp, ctx: ServingContext) -> None:
+        self.app = app
+        self.ctx = ctx
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http":
+            stamp_arrival(scope)
+            if self.ctx.draining and not _is_open(scope["path"]):
+                error = APIError(
+                    "the server is shutting down", status=503, type="service_unavailable", code="shutting_down",
+                    headers={"Retry-After": str(RETRY_AFTER_S)},
+                )
+                assert self.ctx.metrics is not None
+                self.ctx.metrics.error(error.type, error.status)
+                await error.response()(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+
+
 def _is_preflight(scope: Scope) -> bool:
     headers = scope["headers"]
     return scope["method"] == "OPTIONS" and any(name == b"access-control-request-method" for name, _ in headers)
@@ -69,10 +95,12 @@ def parse_origins(allowed: str | None) -> list[str]:
     return [origin.strip().rstrip("/") for origin in (allowed or "").split(",") if origin.strip()]
 
 
-def build_middleware(allowed_origins: str | None, api_key: str | None) -> list[Middleware]:
+def build_middleware(
+    allowed_origins: str | None, api_key: str | None, ctx: ServingContext | None = None
+) -> list[Middleware]:
     """Outermost first. CORS wraps the key check so that its headers are on
     a 401 too (else the page sees an opaque network error, not "bad key")."""
-    middleware = []
+    middleware = [Middleware(ServingGate, ctx=ctx)] if ctx is not None else []
     origins = parse_origins(allowed_origins)
     if origins:
         logger.info("CORS allowed for %s", ", ".join(origins))
@@ -110,11 +138,14 @@ def create_app(ctx: ServingContext) -> Starlette:
         Route("/flush_cache", misc_routes.flush_cache, methods=["POST"]),
         Route("/server_info", misc_routes.server_info, methods=["GET"]),
         Route("/metrics", metrics_endpoint(ctx), methods=["GET"]),
+        Route("/openapi.json", openapi_json, methods=["GET"]),
         *page_routes(),
     ]
     app = Starlette(
         routes=routes,
-        middleware=build_middleware(ctx.args.allowed_origins, ctx.args.api_key or os.environ.get("AIOSERVE_API_KEY")),
+        middleware=build_middleware(
+            ctx.args.allowed_origins, ctx.args.api_key or os.environ.get("AIOSERVE_API_KEY"), ctx
+        ),
         exception_handlers={
             APIError: api_error_handler,
             HTTPException: http_error_handler,

@@ -131,17 +131,25 @@ async def _events(assembly: Assembly, builder: ResponseBuilder, include_usage: b
     or anything fails, every unfinished choice is aborted."""
     generation = assembly.generation
     try:
-        for body in builder.opening(generation.choices):
-            yield sse.event(body)
-        async for updates in assembly.updates():
-            for body in builder.chunk(updates):
+        try:
+            for body in builder.opening(generation.choices):
                 yield sse.event(body)
-        if include_usage:
-            for body in builder.usage_chunk(generation.usage()):
-                yield sse.event(body)
-        error = generation.error()
+            async for updates in assembly.updates():
+                for body in builder.chunk(updates):
+                    yield sse.event(body)
+            if include_usage:
+                for body in builder.usage_chunk(generation.usage()):
+                    yield sse.event(body)
+            error = generation.error()
+        except Exception as exc:  # headers are sent: the error can only be an event
+            logger.exception("stream %s failed", generation.request_id)
+            error = f"internal error: {exc}"
         if error:
-            yield sse.event(APIError(error, status=500, type="internal_server_error").body())
+            failure = APIError(error, status=500, type="internal_server_error")
+            metrics = generation.ctx.metrics
+            if metrics is not None:
+                metrics.error(failure.type, failure.status)
+            yield sse.event(failure.body())
         yield sse.DONE
     finally:
         generation.close()

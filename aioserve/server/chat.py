@@ -16,6 +16,7 @@ from aioserve.server.generation import Choice, Generation, new_id
 from aioserve.server.logprobs import chat_logprobs
 from aioserve.server.protocol import ChatCompletionRequest
 from aioserve.server.request_body import parse_body
+from aioserve.server.request_metrics import arrival_time
 from aioserve.server.responses import (
     ChatChoice,
     ChatChunkChoice,
@@ -32,24 +33,37 @@ from aioserve.server.wire import WireModel
 from aioserve.tokenizer import ChatTemplateError
 
 
+# apply_chat_template's own arguments, which chat_template_kwargs must not
+# override (tokenize=True would hand the template ids instead of text).
+TEMPLATE_CALL_ARGUMENTS = frozenset({
+    "conversation", "messages", "tools", "documents", "chat_template", "tokenize", "padding", "truncation", "max_length",
+    "return_tensors", "return_dict", "return_assistant_tokens_mask", "tokenizer_kwargs",
+})
+
+
 async def encode_messages(ctx: ServingContext, body: ChatCompletionRequest, tools: ToolPlan) -> list[int]:
+    ctx.check_prompt_chars(sum(m.kept_chars() for m in body.messages), "messages")
     template = ctx.tokenizer.hf.chat_template
     messages = template_messages(tools, [m.template_dict() for m in body.messages], template)
+    # One dict, so that chat_template_kwargs may set add_generation_prompt too
+    # (as vLLM lets it) instead of colliding with the field of that name.
+    kwargs = {"add_generation_prompt": body.add_generation_prompt, **tools.template_kwargs()}
+    extra = body.chat_template_kwargs or {}
+    if reserved := sorted(TEMPLATE_CALL_ARGUMENTS & extra.keys()):
+        raise APIError(f"chat_template_kwargs may not set {', '.join(reserved)}", param="chat_template_kwargs")
+    kwargs.update(extra)
     try:
-        return await ctx.tokenizer.encode_chat_async(
-            messages,
-            add_generation_prompt=body.add_generation_prompt,
-            **tools.template_kwargs(),
-            **(body.chat_template_kwargs or {}),
-        )
+        return await ctx.tokenizer.encode_chat_async(messages, **kwargs)
     except ChatTemplateError as exc:
-        raise APIError(str(exc), param="messages") from None
+        blamed = "chat_template_kwargs" if exc.refused_arguments and extra else "messages"
+        raise APIError(str(exc), param=exc.param or blamed) from None
 
 
 async def create_chat_completion(request: Request) -> Response:
     ctx: ServingContext = request.app.state.ctx
     body = await parse_body(request, ChatCompletionRequest)
     ctx.check_model(body.model)
+    ctx.check_capacity(body.n)
     if body.top_logprobs and not body.logprobs:
         raise APIError("top_logprobs needs logprobs: true", param="top_logprobs")
     tools = plan_tools(ctx, body)
@@ -63,8 +77,13 @@ async def create_chat_completion(request: Request) -> Response:
     logprobs = (body.top_logprobs or 0) if body.logprobs else None
     params = body.sampling_params(body.token_limit, logprobs, None)
     params.structured_outputs = constraint.spec if constraint else None
-    generation = Generation(ctx, new_id("chatcmpl"))
-    generation.start([prompt_ids], params, body.n, grammar)
+    generation = Generation(ctx, new_id("chatcmpl"), arrival_time(request))
+    try:
+        generation.start([prompt_ids], params, body.n, grammar)
+    except APIError as exc:  # the prompt is the rendered messages
+        if exc.param == "prompt":
+            exc.param = "messages"
+        raise
     builder = ChatBuilder(ctx, body, generation.request_id)
     return await respond(
         request, generation, builder, stream=body.stream, include_usage=body.include_usage,

@@ -17,6 +17,7 @@ from aioserve.server.generation import Choice, Generation, new_id
 from aioserve.server.logprobs import completion_logprobs, prompt_text_offsets
 from aioserve.server.protocol import CompletionRequest
 from aioserve.server.request_body import parse_body
+from aioserve.server.request_metrics import arrival_time
 from aioserve.server.responses import Completion, CompletionChoice, CompletionLogprobs, Usage
 from aioserve.server.structured import compile_grammar, structured_request
 from aioserve.server.wire import WireModel
@@ -26,6 +27,7 @@ from aioserve.server.wire import WireModel
 class Prompt:
     text: str | None  # None for token ids: decoded only if echoed
     ids: list[int]
+    text_offsets: list[int] | None = None  # where each token's text starts: only if echoed with logprobs
 
 
 async def prompt_list(ctx: ServingContext, prompt: Any) -> list[Prompt]:
@@ -34,8 +36,11 @@ async def prompt_list(ctx: ServingContext, prompt: Any) -> list[Prompt]:
         prompt = [prompt]
     if not prompt:
         raise APIError("prompt must not be empty", param="prompt")
+    for item in prompt:  # every text checked before any is tokenized
+        if isinstance(item, str):
+            ctx.check_prompt_chars(len(item), "prompt")
     return [
-        Prompt(item, await ctx.tokenizer.encode_async(item)) if isinstance(item, str) else Prompt(None, list(item))
+        Prompt(item, await ctx.encode_prompt(item, "prompt")) if isinstance(item, str) else Prompt(None, list(item))
         for item in prompt
     ]
 
@@ -44,6 +49,7 @@ async def create_completion(request: Request) -> Response:
     ctx: ServingContext = request.app.state.ctx
     body = await parse_body(request, CompletionRequest)
     ctx.check_model(body.model)
+    ctx.check_capacity(body.n)
     if body.best_of is not None and body.best_of != body.n:
         raise APIError("best_of is not supported (only best_of == n)", param="best_of")
     if body.suffix:
@@ -54,7 +60,13 @@ async def create_completion(request: Request) -> Response:
     echo_logprobs = body.logprobs if body.echo and body.logprobs is not None else None
     params = body.sampling_params(body.max_tokens, body.logprobs, echo_logprobs)
     params.structured_outputs = constraint.spec if constraint else None
-    generation = Generation(ctx, new_id("cmpl"))
+    if body.echo:  # token-id prompts are decoded only to be echoed; both off the loop
+        for p in prompts:
+            if p.text is None:
+                p.text = await ctx.tokenizer.decode_async(p.ids)
+            if body.logprobs is not None:
+                p.text_offsets = await ctx.tokenizer.run_async(prompt_text_offsets, ctx.tokenizer, p.ids)
+    generation = Generation(ctx, new_id("cmpl"), arrival_time(request))
     generation.start([p.ids for p in prompts], params, body.n, grammar)
     builder = CompletionBuilder(ctx, body, generation.request_id, prompts)
     return await respond(request, generation, builder, stream=body.stream, include_usage=body.include_usage)
@@ -70,6 +82,7 @@ class CompletionBuilder:
         self.body = body
         self.request_id = request_id
         self.created = int(time.time())
+        self._prompts = prompts
         self._echo_texts = [self._echo_text(p) for p in prompts] if body.echo else []
         self._echoed: set[int] = set()
 
@@ -99,7 +112,8 @@ class CompletionBuilder:
         )
 
     def _echo_text(self, prompt: Prompt) -> str:
-        return prompt.text if prompt.text is not None else self.ctx.tokenizer.decode(prompt.ids)
+        assert prompt.text is not None, "create_completion decodes the prompts it echoes"
+        return prompt.text
 
     def _choice(self, update: ChoiceUpdate, echo: bool) -> CompletionChoice:
         prompt_text = self._echo_texts[update.choice.prompt_index] if echo else ""
@@ -122,7 +136,9 @@ class CompletionBuilder:
             prompt_ids = update.choice.prompt_ids
             prompt_lps, prompt_tops = _prompt_logprobs(update.choice)
             ids, logprobs, tops = prompt_ids + ids, prompt_lps + logprobs, prompt_tops + tops
-            offsets = prompt_text_offsets(self.ctx.tokenizer, prompt_ids) + offsets
+            prompt_offsets = self._prompts[update.choice.prompt_index].text_offsets
+            assert prompt_offsets is not None, "create_completion finds them for an echo with logprobs"
+            offsets = prompt_offsets + offsets
         return completion_logprobs(self.ctx.tokenizer, ids, logprobs, tops, offsets)
 
 

@@ -1,16 +1,30 @@
-"""What every handler needs: the scheduler, the tokenizer, the served name."""
+"""What every handler needs: the scheduler, the tokenizer, the served name,
+the request metrics, and the server's state (serving, draining, failed)."""
 
 from __future__ import annotations
 
 import asyncio
 import time
+import weakref
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 from aioserve.config import ServerArgs
 from aioserve.scheduler import SchedulerClient
 from aioserve.server.errors import APIError
+from aioserve.server.request_metrics import RequestMetrics
 from aioserve.tokenizer import Tokenizer
+
+RETRY_AFTER_S = 1  # what a 429 (queue full) or 503 (draining) tells the client to wait
+
+
+class InFlight(Protocol):
+    """A running generation, as the drain on shutdown sees it."""
+
+    @property
+    def finished(self) -> bool: ...
+
+    def close(self) -> None: ...
 
 
 @dataclass
@@ -24,6 +38,16 @@ class ServingContext:
     started_at: int = field(default_factory=lambda: int(time.time()))
     # What each tensor-parallel rank holds (engine/tp_layout.py), for /server_info.
     tp_layout: list[dict[str, Any]] = field(default_factory=list)
+    metrics: RequestMetrics | None = None
+    # Set on SIGTERM/SIGINT: /health and new requests answer 503 while running ones finish.
+    draining: bool = False
+    # Generations not yet finished, for the drain to wait on (weak: one a
+    # failed handler dropped cannot keep the drain waiting).
+    generations: weakref.WeakSet[InFlight] = field(default_factory=weakref.WeakSet)
+
+    def __post_init__(self) -> None:
+        if self.metrics is None:
+            self.metrics = RequestMetrics(self.model_name)
 
     @property
     def model_name(self) -> str:
@@ -40,6 +64,40 @@ class ServingContext:
                 code="model_not_found",
             )
 
+    def check_capacity(self, new_requests: int = 1) -> None:
+        """--max-waiting-requests: refuse at once, before any tokenizing, when
+        the queue is full, so that a load balancer can send the work elsewhere."""
+        bound = self.args.max_waiting_requests
+        if bound is None:
+            return
+        waiting = self.scheduler.info().waiting
+        if waiting + new_requests > bound:
+            raise APIError(
+                f"the server is at capacity: {waiting} requests are waiting for admission "
+                f"(--max-waiting-requests {bound}); retry later",
+                status=429,
+                type="rate_limit_exceeded",
+                code="queue_full",
+                headers={"Retry-After": str(RETRY_AFTER_S)},
+            )
+
+    def check_prompt_chars(self, chars: int, param: str) -> None:
+        """A prompt whose character count alone proves that it cannot fit the
+        context gets its 400 without being tokenized (which, for megabytes of
+        text, would take the CPU for seconds to a minute)."""
+        at_least = self.tokenizer.min_tokens_for_chars(chars)
+        if at_least > self.max_model_len:
+            raise APIError(
+                f"the prompt is too long: its {chars} characters make at least {at_least} tokens, "
+                f"and this model's context is {self.max_model_len} tokens",
+                param=param,
+                code="context_length_exceeded",
+            )
+
+    async def encode_prompt(self, text: str, param: str) -> list[int]:
+        self.check_prompt_chars(len(text), param)
+        return await self.tokenizer.encode_async(text)
+
     @property
     def healthy(self) -> bool:
-        return self.scheduler_task is None or not self.scheduler_task.done()
+        return not self.draining and (self.scheduler_task is None or not self.scheduler_task.done())

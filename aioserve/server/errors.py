@@ -26,22 +26,41 @@ class APIError(Exception):
         type: str = "invalid_request_error",
         param: str | None = None,
         code: str | None = None,
+        headers: dict[str, str] | None = None,
     ) -> None:
         super().__init__(message)
         self.message, self.status, self.type, self.param, self.code = message, status, type, param, code
+        self.headers = headers or {}
 
     def body(self) -> ErrorResponse:
         return ErrorResponse(error=ErrorDetail(message=self.message, type=self.type, param=self.param, code=self.code))
 
     def response(self) -> Response:
-        return json_response(self.body(), self.status)
+        response = json_response(self.body(), self.status)
+        response.headers.update(self.headers)
+        return response
 
 
 def from_validation_error(exc: ValidationError) -> APIError:
     errors = exc.errors()
-    param = ".".join(str(part) for part in errors[0]["loc"]) or None
-    message = "; ".join(f"{'.'.join(map(str, e['loc'])) or 'body'}: {_reason(e['msg'])}" for e in errors[:5])
+    param = _field_path(errors[0]["loc"]) or None
+    message = "; ".join(f"{_field_path(e['loc']) or 'body'}: {_reason(e['msg'])}" for e in errors[:5])
     return APIError(message, param=param)
+
+
+def _field_path(loc: tuple) -> str:
+    """`messages.0.content`, without the union members pydantic names in
+    `loc` ("str", "list[int]", "function-after[...]", a model's class name):
+    the client's field is the same whichever member failed. Field names are
+    snake_case, so a part with a bracket, a hyphen or a capital is a member."""
+    parts = [
+        str(part) for part in loc
+        if isinstance(part, int) or not (part in _TYPE_NAMES or any(c in part for c in "[-") or part[:1].isupper())
+    ]
+    return ".".join(parts)
+
+
+_TYPE_NAMES = frozenset({"str", "int", "float", "bool", "dict", "list", "none", "literal", "tuple", "set"})
 
 
 def _reason(message: str) -> str:
@@ -51,9 +70,19 @@ def _reason(message: str) -> str:
 
 async def api_error_handler(request: Request, exc: Exception) -> Response:
     assert isinstance(exc, APIError)
+    count_error(request, exc)
     return exc.response()
 
 
 async def unexpected_error_handler(request: Request, exc: Exception) -> Response:
     logger.exception("unexpected error on %s %s", request.method, request.url.path)
-    return APIError(f"internal error: {exc}", status=500, type="internal_server_error").response()
+    error = APIError(f"internal error: {exc}", status=500, type="internal_server_error")
+    count_error(request, error)
+    return error.response()
+
+
+def count_error(request: Request, error: APIError) -> None:
+    """aioserve:request_errors, by type and status."""
+    ctx = getattr(request.app.state, "ctx", None)
+    if ctx is not None and ctx.metrics is not None:
+        ctx.metrics.error(error.type, error.status)

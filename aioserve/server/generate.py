@@ -25,6 +25,7 @@ from aioserve.server.generate_protocol import (
 )
 from aioserve.server.generation import Choice, Generation
 from aioserve.server.request_body import parse_body
+from aioserve.server.request_metrics import arrival_time
 from aioserve.server.responses import Usage
 from aioserve.server.structured import compile_grammar
 from aioserve.server.wire import WireModel
@@ -38,9 +39,11 @@ async def _prompts(ctx: ServingContext, body: GenerateRequest) -> tuple[list[lis
         texts = [body.text] if isinstance(body.text, str) else body.text
         if not texts:
             raise APIError("text must not be empty", param="text")
-        return [await ctx.tokenizer.encode_async(t) for t in texts], not isinstance(body.text, str)
+        for text in texts:  # every text checked before any is tokenized
+            ctx.check_prompt_chars(len(text), "text")
+        return [await ctx.encode_prompt(t, "text") for t in texts], not isinstance(body.text, str)
     ids = body.input_ids or []
-    if not ids or not all(ids):
+    if not ids or any(isinstance(p, list) and not p for p in ids):  # token id 0 is not empty
         raise APIError("input_ids must not be empty", param="input_ids")
     if isinstance(ids[0], int):
         return [list(ids)], False  # type: ignore[arg-type]
@@ -59,11 +62,12 @@ def _request_ids(body: GenerateRequest, num_prompts: int) -> list[str]:
 async def generate(request: Request) -> Response:
     ctx: ServingContext = request.app.state.ctx
     body = await parse_body(request, GenerateRequest)
+    ctx.check_capacity(body.sampling_params.n)
     prompts, batch = await _prompts(ctx, body)
     rids = _request_ids(body, len(prompts))
     n = body.sampling_params.n
     grammar = await compile_grammar(ctx, body.sampling_params.structured())
-    generation = Generation(ctx, f"generate-{rids[0]}")
+    generation = Generation(ctx, f"generate-{rids[0]}", arrival_time(request))
     try:
         generation.start(prompts, body.to_sampling_params(), n, grammar)
     except APIError as exc:  # named as OpenAI's fields are; say SGLang's names

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import time
 import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, replace
@@ -37,12 +38,17 @@ class Choice:
     rid: str
     prompt_ids: list[int]
     stream: OutputStream
+    request: Request  # the scheduler's, read for its admission time
+    last_token_at: float | None = None
 
 
 class Generation:
-    def __init__(self, ctx: ServingContext, request_id: str) -> None:
+    def __init__(self, ctx: ServingContext, request_id: str, arrival: float | None = None) -> None:
+        """`arrival`: when the HTTP request came in (time.monotonic), so that
+        time to first token counts reading and tokenizing it too."""
         self.ctx = ctx
         self.request_id = request_id
+        self.arrival = arrival if arrival is not None else time.monotonic()
         self.choices: list[Choice] = []
         self._queue: asyncio.Queue[tuple[Choice, RequestEvent]] = asyncio.Queue()
 
@@ -54,6 +60,7 @@ class Generation:
         from params.structured_outputs) gives each choice its own matcher."""
         for prompt_ids in prompts:
             self._validate(params, prompt_ids)
+        self.ctx.generations.add(self)
         for p, prompt_ids in enumerate(prompts):
             for j in range(n):
                 self._add(p * n + j, p, prompt_ids, _choice_params(params, j), grammar)
@@ -74,9 +81,9 @@ class Generation:
         scheduler = self.ctx.scheduler
         rid = f"{self.request_id}-{index}-{next(_counter)}"
         stream = OutputStream(self.ctx.tokenizer, prompt_ids, params, end_request=partial(scheduler.abort, rid, "stop"))
-        choice = Choice(index, prompt_index, rid, prompt_ids, stream)
         queue = self._queue
         request = Request(rid, prompt_ids, params, sink=lambda event: queue.put_nowait((choice, event)), grammar=grammar)
+        choice = Choice(index, prompt_index, rid, prompt_ids, stream, request)
         try:
             scheduler.submit(request)
         except RequestRejected as exc:
@@ -97,8 +104,26 @@ class Generation:
                 items.append(self._queue.get_nowait())
             grouped: dict[Choice, OutputDelta] = {}
             for choice, event in items:
+                self._observe(choice, event)
                 grouped[choice] = choice.stream.add(event, grouped.get(choice))
             yield [(c, d) for c, d in grouped.items() if d.changed]
+
+    def _observe(self, choice: Choice, event: RequestEvent) -> None:
+        """Latency metrics, as this handler sees the events arrive."""
+        metrics = self.ctx.metrics
+        assert metrics is not None
+        now = time.monotonic()
+        if event.token_id is not None:
+            if choice.last_token_at is None:
+                metrics.time_to_first_token.observe(now - self.arrival)
+                if choice.request.admitted_at is not None:
+                    metrics.request_queue_time.observe(choice.request.admitted_at - choice.request.arrival)
+            else:
+                metrics.inter_token_latency.observe(now - choice.last_token_at)
+            choice.last_token_at = now
+        if event.finish_reason is not None and not choice.stream.finished:
+            metrics.finished(event.finish_reason)
+            metrics.e2e_request_latency.observe(now - self.arrival)
 
     def close(self) -> None:
         """Abort whatever still runs (the client left, or an error)."""

@@ -18,9 +18,21 @@ def completion_logprobs(
     return CompletionLogprobs(
         tokens=[tokenizer.token_text(t) for t in token_ids],
         token_logprobs=logprobs,
-        top_logprobs=[None if top is None else {tokenizer.token_text(t): lp for t, lp in top} for top in tops],
+        top_logprobs=[_top_dict(tokenizer, *position) for position in zip(token_ids, logprobs, tops)],
         text_offset=text_offsets,
     )
+
+
+def _top_dict(tokenizer: Tokenizer, chosen: int, logprob: float | None, top: TopLogprobs | None) -> dict | None:
+    """The N most likely tokens, and the chosen one when it is not among
+    them: OpenAI's legacy logprobs "always return the logprob of the sampled
+    token, so there may be up to logprobs+1 elements"."""
+    if top is None:
+        return None
+    entries = {tokenizer.token_text(t): lp for t, lp in top}
+    if logprob is not None and all(t != chosen for t, _ in top):
+        entries.setdefault(tokenizer.token_text(chosen), logprob)
+    return entries
 
 
 def prompt_text_offsets(tokenizer: Tokenizer, prompt_ids: list[int]) -> list[int]:

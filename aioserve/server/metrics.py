@@ -1,14 +1,16 @@
 """GET /metrics in Prometheus text format.
 
-Values are read from the scheduler when Prometheus scrapes, so counting
-costs nothing on the hot path. Names follow vLLM's where one exists.
+Two sources in one registry: the scheduler's gauges and counters, read when
+Prometheus scrapes (so counting costs nothing on the hot path), and the
+latency histograms and labelled counters the HTTP side observes
+(request_metrics.py). Names follow vLLM's where one exists.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterator
 
-from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client import generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from starlette.requests import Request
 from starlette.responses import Response
@@ -42,14 +44,19 @@ class SchedulerCollector:
         yield counter(
             "aioserve:prefix_cache_hit_tokens", "Prompt tokens served by the prefix cache.", stats["cached_tokens"]
         )
+        # vLLM's pair: hits / queries is the cache's hit rate, in tokens.
+        yield counter(
+            "aioserve:prefix_cache_queries", "Prompt tokens looked up in the prefix cache.", stats["prompt_tokens"]
+        )
+        yield counter("aioserve:prefix_cache_hits", "Prompt tokens found in the prefix cache.", stats["cached_tokens"])
         yield counter("aioserve:generation_tokens", "Tokens generated.", stats["generated_tokens"])
         yield counter("aioserve:num_preemptions", "Requests preempted to free KV pages.", stats["preemptions"])
-        yield counter("aioserve:request_success", "Requests finished (stop or length).", stats["finished"])
         yield counter("aioserve:request_aborted", "Requests aborted.", stats["aborted"])
         yield counter("aioserve:engine_steps", "Forward steps run.", stats["steps"])
 
 def metrics_endpoint(ctx: ServingContext):
-    registry = CollectorRegistry()
+    assert ctx.metrics is not None
+    registry = ctx.metrics.registry
     registry.register(SchedulerCollector(ctx))  # type: ignore[arg-type]
 
     async def metrics(request: Request) -> Response:

@@ -3,12 +3,13 @@ server info."""
 
 from __future__ import annotations
 
+from pydantic import ValidationError
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from aioserve.server.chat import encode_messages
 from aioserve.server.context import ServingContext
-from aioserve.server.errors import APIError
+from aioserve.server.errors import APIError, from_validation_error
 from aioserve.server.protocol import ChatCompletionRequest, DetokenizeRequest, TokenizeRequest
 from aioserve.server.request_body import parse_body
 from aioserve.server.responses import ModelCard, ModelList
@@ -52,9 +53,12 @@ async def tokenize(request: Request) -> JSONResponse:
     if (body.prompt is None) == (body.messages is None):
         raise APIError("give exactly one of prompt and messages", param="prompt")
     if body.messages is not None:
-        chat = ChatCompletionRequest(
-            messages=body.messages, tools=body.tools, add_generation_prompt=body.add_generation_prompt
-        )
+        try:
+            chat = ChatCompletionRequest(
+                messages=body.messages, tools=body.tools, add_generation_prompt=body.add_generation_prompt
+            )
+        except ValidationError as exc:
+            raise from_validation_error(exc) from None
         tokens = await encode_messages(ctx, chat, plan_tools(ctx, chat))
     else:
         tokens = await ctx.tokenizer.encode_async(body.prompt, body.add_special_tokens)  # type: ignore[arg-type]

@@ -10,6 +10,8 @@ and SDKs send `"n": null` and the like).
 
 from __future__ import annotations
 
+import re
+
 import json
 from typing import Any, Literal
 
@@ -21,7 +23,8 @@ from aioserve.sampling_params import SamplingParams
 def check_logit_bias_keys(value: dict[str, float] | None) -> dict[str, float] | None:
     """JSON object keys are strings; logit_bias keys must spell token ids."""
     for key in value or {}:
-        if not key.lstrip("-").isdigit():
+        # ASCII digits only: str.isdigit() also takes "²" (int() fails) and "٣" (int() reads 3).
+        if not re.fullmatch(r"-?[0-9]+", key):
             raise ValueError(f"logit_bias keys must be token ids, got {key!r}")
     return value
 
@@ -194,6 +197,16 @@ class ChatMessage(RequestModel):
                     "and only 'text' parts are supported"
                 )
         return value
+
+    def kept_chars(self) -> int:
+        """Characters of content every chat template writes out whole: a
+        system, user or tool message's. (Templates may cut an assistant turn:
+        Qwen3's drops earlier thinking.) For the prompt-length bound."""
+        if self.role == "assistant":
+            return 0
+        if isinstance(self.content, list):
+            return sum(len(part.text) for part in self.content)
+        return len(self.content or "")
 
     def template_dict(self) -> dict[str, Any]:
         message: dict[str, Any] = {"role": "system" if self.role == "developer" else self.role}
