@@ -5,14 +5,22 @@ from __future__ import annotations
 
 from pydantic import ValidationError
 from starlette.requests import Request
-from starlette.responses import JSONResponse, Response
+from starlette.responses import Response
 
 from aioserve.server.chat import encode_messages
 from aioserve.server.context import ServingContext
 from aioserve.server.errors import APIError, from_validation_error
 from aioserve.server.protocol import ChatCompletionRequest, DetokenizeRequest, TokenizeRequest
 from aioserve.server.request_body import parse_body
-from aioserve.server.responses import ModelCard, ModelList
+from aioserve.server.responses import (
+    DetokenizeResponse,
+    FlushCacheResponse,
+    ModelCard,
+    ModelList,
+    ServerInfo,
+    TensorParallelInfo,
+    TokenizeResponse,
+)
 from aioserve.server.tools import plan_tools
 from aioserve.server.wire import json_response
 
@@ -46,7 +54,7 @@ async def health(request: Request) -> Response:
     return Response(status_code=200 if _ctx(request).healthy else 503)
 
 
-async def tokenize(request: Request) -> JSONResponse:
+async def tokenize(request: Request) -> Response:
     ctx = _ctx(request)
     body = await parse_body(request, TokenizeRequest)
     ctx.check_model(body.model)
@@ -62,49 +70,37 @@ async def tokenize(request: Request) -> JSONResponse:
         tokens = await encode_messages(ctx, chat, plan_tools(ctx, chat))
     else:
         tokens = await ctx.tokenizer.encode_async(body.prompt, body.add_special_tokens)  # type: ignore[arg-type]
-    return JSONResponse({"tokens": tokens, "count": len(tokens), "max_model_len": ctx.max_model_len})
+    return json_response(TokenizeResponse(tokens=tokens, count=len(tokens), max_model_len=ctx.max_model_len))
 
 
-async def detokenize(request: Request) -> JSONResponse:
+async def detokenize(request: Request) -> Response:
     ctx = _ctx(request)
     body = await parse_body(request, DetokenizeRequest)
     ctx.check_model(body.model)
     if any(not 0 <= t < ctx.vocab_size for t in body.tokens):
         raise APIError(f"token ids must be in [0, {ctx.vocab_size})", param="tokens")
-    return JSONResponse({"prompt": await ctx.tokenizer.decode_async(body.tokens)})
+    return json_response(DetokenizeResponse(prompt=await ctx.tokenizer.decode_async(body.tokens)))
 
 
-async def flush_cache(request: Request) -> JSONResponse:
+async def flush_cache(request: Request) -> Response:
     if not _ctx(request).scheduler.flush_cache():
         raise APIError("cannot flush the prefix cache while requests are running", status=400)
-    return JSONResponse({"flushed": True})
+    return json_response(FlushCacheResponse(flushed=True))
 
 
-async def server_info(request: Request) -> JSONResponse:
+async def server_info(request: Request) -> Response:
     """Configuration, KV pool occupancy and scheduler counters (for ops and tests)."""
     ctx = _ctx(request)
     info = ctx.scheduler.info(check_integrity=True)
     engine = ctx.args.engine
-    return JSONResponse(
-        {
-            "model": ctx.model_name,
-            "max_model_len": ctx.max_model_len,
-            "page_size": info.page_size,
-            "kv_pages_total": info.kv_pages_total,
-            "kv_pages_free": info.kv_pages_free,
-            "kv_pages_cached": info.kv_pages_cached,
-            "kv_pages_evictable": info.kv_pages_evictable,
-            "kv_integrity": info.kv_integrity,
-            "running": info.running,
-            "waiting": info.waiting,
-            "overlap": engine.overlap,
-            "cache": engine.cache,
-            "max_prefill_tokens": engine.max_prefill_tokens,
-            "stats": info.stats,
-            "tensor_parallel": {
-                "tp_size": engine.tp_size,
-                "nnodes": engine.nnodes,
-                "ranks": ctx.tp_layout,  # per rank: heads, KV heads, MLP columns, vocab rows, KV pool
-            },
-        }
+    return json_response(
+        ServerInfo(
+            model=ctx.model_name,
+            max_model_len=ctx.max_model_len,
+            overlap=engine.overlap,
+            cache=engine.cache,
+            max_prefill_tokens=engine.max_prefill_tokens,
+            tensor_parallel=TensorParallelInfo(tp_size=engine.tp_size, nnodes=engine.nnodes, ranks=ctx.tp_layout),
+            **vars(info),  # the SchedulerInfo dataclass's fields, flattened
+        )
     )

@@ -40,58 +40,19 @@ from aioserve.server.responses import (
     ChatCompletion,
     ChatCompletionChunk,
     Completion,
+    DetokenizeResponse,
     ErrorResponse,
+    FlushCacheResponse,
     ModelCard,
     ModelList,
+    ServerInfo,
+    TokenizeResponse,
 )
 from aioserve.server.wire import WireModel
 
 OPENAPI_VERSION = "3.1.0"
 REF_TEMPLATE = "#/components/schemas/{model}"
 JsonDict = dict[str, Any]
-
-
-# -- bodies the small endpoints answer as plain dicts (misc_routes.py) ------------------
-# Described here so that the document has their shape; tests check the real
-# responses against these schemas.
-
-
-class TokenizeResponse(BaseModel):
-    tokens: list[int]
-    count: int
-    max_model_len: int
-
-
-class DetokenizeResponse(BaseModel):
-    prompt: str
-
-
-class FlushCacheResponse(BaseModel):
-    flushed: bool
-
-
-class TensorParallelInfo(BaseModel):
-    tp_size: int
-    nnodes: int
-    ranks: list[dict[str, Any]]  # per rank: heads, KV heads, MLP columns, vocab rows, KV pool
-
-
-class ServerInfo(BaseModel):
-    model: str
-    max_model_len: int
-    page_size: int
-    kv_pages_total: int
-    kv_pages_free: int
-    kv_pages_cached: int
-    kv_pages_evictable: int
-    kv_integrity: str  # "ok", what the integrity check found, or "not checked"
-    running: int
-    waiting: int
-    overlap: bool
-    cache: str
-    max_prefill_tokens: int
-    stats: dict[str, float]
-    tensor_parallel: TensorParallelInfo
 
 
 REQUEST_MODELS: tuple[type[BaseModel], ...] = (

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
+from pydantic import BaseModel
+
 from aioserve.server.wire import WireModel
 
 # Ours are stop | length | abort | error; OpenAI's spec adds tool_calls and
@@ -161,3 +163,47 @@ class ErrorDetail(WireModel):
 
 class ErrorResponse(WireModel):
     error: ErrorDetail
+
+
+# -- the small endpoints (misc_routes.py) ------------------------------------------------
+
+
+class TokenizeResponse(BaseModel):
+    tokens: list[int]
+    count: int
+    max_model_len: int
+
+
+class DetokenizeResponse(BaseModel):
+    prompt: str
+
+
+class FlushCacheResponse(BaseModel):
+    flushed: bool
+
+
+class TensorParallelInfo(BaseModel):
+    tp_size: int
+    nnodes: int
+    ranks: list[dict[str, Any]]  # per rank: heads, KV heads, MLP columns, vocab rows, KV pool
+
+
+class ServerInfo(BaseModel):
+    """GET /server_info: the scheduler's snapshot (scheduler/client.py
+    SchedulerInfo, flattened) with the configuration around it."""
+
+    model: str
+    max_model_len: int
+    page_size: int
+    kv_pages_total: int
+    kv_pages_free: int
+    kv_pages_cached: int
+    kv_pages_evictable: int
+    kv_integrity: str  # "ok", what the integrity check found, or "not checked"
+    running: int
+    waiting: int
+    overlap: bool
+    cache: str
+    max_prefill_tokens: int
+    stats: dict[str, int]
+    tensor_parallel: TensorParallelInfo
