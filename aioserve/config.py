@@ -88,6 +88,12 @@ class EngineConfig:
     )
     seed: int = option(0, help="for dummy weights and unseeded sampling", group="model")
 
+    cpu_matmul_tuning: bool = option(
+        True, group="model",
+        help="on CPU, time each weight shape's matmul forms and storage orders at load and use the fastest "
+        "(about a second; --disable-cpu-matmul-tuning keeps one fixed form)",
+    )
+
     page_size: int = option(16, help="tokens per KV page", group="KV cache")
     num_pages: int | None = option(None, help="KV pool size in pages (overrides the memory budget)", group="KV cache")
     kv_cache_memory: int | None = option(

@@ -7,6 +7,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from aioserve.distributed import all_gather_last_dim, all_reduce, get_tp_group
+from aioserve.layers.cpu_matmul import MatmulChoice
 from aioserve.layers.linear import linear
 
 
@@ -23,6 +24,7 @@ class VocabParallelEmbedding(nn.Module):
         self.vocab_start = min(vocab_size, tp.rank * per_rank)
         self.vocab_end = min(vocab_size, self.vocab_start + per_rank)
         self.weight = nn.Parameter(torch.zeros(per_rank, hidden), requires_grad=False)
+        self.matmul_choice: MatmulChoice | None = None  # as an LM head (cpu_matmul.py)
 
     def load_weight(self, name: str, loaded: torch.Tensor, shard: object = None) -> None:
         rows = self.vocab_end - self.vocab_start
@@ -48,5 +50,5 @@ class ParallelLMHead(VocabParallelEmbedding):
         self.weight = embedding.weight
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
-        logits = all_gather_last_dim(linear(hidden, self.weight))
+        logits = all_gather_last_dim(linear(hidden, self.weight, choice=self.matmul_choice))
         return logits[..., : self.vocab_size]

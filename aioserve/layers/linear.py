@@ -16,15 +16,16 @@ import torch.nn.functional as F
 from torch import nn
 
 from aioserve.distributed import all_reduce, get_tp_group, kv_heads_per_rank, shard_range
+from aioserve.layers.cpu_matmul import MatmulChoice, cpu_matmul
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """x W^T (+ b). On CPU computed as (W x^T)^T: oneDNN/MKL pick a far better
-    kernel for a tall weight times a thin activation (measured 1.3-3x faster
-    for 2-64 tokens on an AVX2 EPYC, equal for long prefills)."""
+def linear(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, choice: MatmulChoice | None = None
+) -> torch.Tensor:
+    """x W^T (+ b). On CPU by the form tuned for this weight (cpu_matmul.py)."""
     if x.device.type != "cpu" or x.dim() != 2:
         return F.linear(x, weight, bias)
-    out = torch.mm(weight, x.t()).t()
+    out = cpu_matmul(x, weight, choice)
     return out + bias if bias is not None else out
 
 
@@ -51,6 +52,7 @@ class ColumnParallelLinear(nn.Module):
         self.out_start, out_end = shard_range(out_features)
         self.weight = nn.Parameter(torch.empty(out_end - self.out_start, in_features), requires_grad=False)
         self.bias = nn.Parameter(torch.empty(out_end - self.out_start), requires_grad=False) if bias else None
+        self.matmul_choice: MatmulChoice | None = None  # set by tune_cpu_matmuls
 
     def load_weight(self, name: str, loaded: torch.Tensor, shard: object = None) -> None:
         target = self.weight if name == "weight" else self.bias
@@ -59,7 +61,7 @@ class ColumnParallelLinear(nn.Module):
         _copy_checked(target, loaded[self.out_start : self.out_start + rows], name)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return linear(x, self.weight, self.bias)
+        return linear(x, self.weight, self.bias, self.matmul_choice)
 
 
 class MergedColumnParallelLinear(ColumnParallelLinear):
@@ -111,6 +113,7 @@ class QKVParallelLinear(ColumnParallelLinear):
         self.q_head_start = tp.rank * self.num_heads
         self.weight = nn.Parameter(torch.empty(out, hidden), requires_grad=False)
         self.bias = nn.Parameter(torch.empty(out), requires_grad=False) if bias else None
+        self.matmul_choice: MatmulChoice | None = None
 
     @property
     def q_size(self) -> int:
@@ -144,6 +147,7 @@ class RowParallelLinear(nn.Module):
         self.in_start, in_end = shard_range(in_features)
         self.weight = nn.Parameter(torch.empty(out_features, in_end - self.in_start), requires_grad=False)
         self.bias = nn.Parameter(torch.empty(out_features), requires_grad=False) if bias else None
+        self.matmul_choice: MatmulChoice | None = None
 
     def load_weight(self, name: str, loaded: torch.Tensor, shard: object = None) -> None:
         if name == "bias":
@@ -154,5 +158,5 @@ class RowParallelLinear(nn.Module):
         _copy_checked(self.weight, loaded[:, self.in_start : self.in_start + cols], name)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = all_reduce(linear(x, self.weight))
+        y = all_reduce(linear(x, self.weight, choice=self.matmul_choice))
         return y + self.bias if self.bias is not None else y
