@@ -35,7 +35,10 @@ NATIVE_DIR = Path(__file__).resolve().parents[1] / "native"
 SOURCE = NATIVE_DIR / "cpu_kernels.cpp"
 # Built on the machine that runs it, so native instructions are safe; the
 # CPU's flags are part of the cache key in case the cache is shared.
-CFLAGS = ["-O3", "-march=native", "-fopenmp-simd"]
+# -fopenmp, not only -fopenmp-simd: at::parallel_for is a header template whose
+# `omp parallel` is compiled here; without it every kernel ran on one thread.
+CFLAGS = ["-O3", "-march=native", "-fopenmp"]
+LDFLAGS = ["-fopenmp"]
 
 
 def cache_root() -> Path:
@@ -57,7 +60,7 @@ def build_key(source: bytes) -> str:
     import torch
 
     parts = [source, torch.__version__.encode(), sys.version.encode(), str(sysconfig.get_config_var("EXT_SUFFIX")).encode(),
-             " ".join(CFLAGS).encode(), platform.machine().encode(), _cpu_flags().encode()]
+             " ".join(CFLAGS + LDFLAGS).encode(), platform.machine().encode(), _cpu_flags().encode()]
     digest = hashlib.sha256()
     for part in parts:
         digest.update(part + b"\0")
@@ -132,7 +135,10 @@ def load_or_build() -> ModuleType:
         from torch.utils.cpp_extension import load
 
         logger.info("building native CPU kernels into %s", folder)
-        return load(name=name, sources=[str(SOURCE)], extra_cflags=CFLAGS, build_directory=str(folder), verbose=False)
+        return load(
+            name=name, sources=[str(SOURCE)], extra_cflags=CFLAGS, extra_ldflags=LDFLAGS,
+            build_directory=str(folder), verbose=False,
+        )
 
 
 class _Kernels:
