@@ -56,3 +56,24 @@ def test_tuning_reorders_weights_in_place_and_layers_agree() -> None:
     after = (embed(ids), head(x), mlp_up(x), down(h))
     for a, b in zip(before, after):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+
+
+def test_choices_are_kept_between_starts(tmp_path, monkeypatch) -> None:
+    import aioserve.layers.cpu_matmul as cpu_matmul_module
+
+    path = tmp_path / "choices.json"
+    monkeypatch.setenv("AIOSERVE_MATMUL_CACHE", str(path))
+    path.write_text("{not json")  # a damaged file is ignored and replaced
+    first = RowParallelLinear(64, 48)
+    first.weight.data.normal_()
+    chosen = tune_cpu_matmuls([first])
+    assert path.exists() and len(chosen) == 1
+
+    def no_timing(weight):
+        raise AssertionError("a cached shape must not be timed again")
+
+    monkeypatch.setattr(cpu_matmul_module, "choose", no_timing)
+    second = RowParallelLinear(64, 48)
+    second.weight.data.normal_()
+    again = tune_cpu_matmuls([second])
+    assert again == chosen and second.matmul_choice == first.matmul_choice
