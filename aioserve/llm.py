@@ -164,7 +164,8 @@ class LLM:
             if stream.finished:
                 output.text = stream.text
                 output.token_ids = stream.token_ids
-                output.logprobs = stream.logprobs
+                # Asked for or not at all: unasked, the sampler computes none (0 stands in).
+                output.logprobs = stream.logprobs if stream.params.logprobs is not None else []
                 output.top_logprobs = stream.top_logprobs
                 output.prompt_logprobs = stream.prompt_logprobs
                 output.finish_reason = stream.finish_reason

@@ -32,6 +32,7 @@ def tensors(rows: int, temperature: float = 1.0, top_k: int = 0, top_p: float = 
         needs_sort=top_k > 0 or top_p < 1,
         needs_min_p=min_p > 0,
         num_top_logprobs=0,
+        wants_logprobs=True,
         bias_rows=empty, bias_token_ids=empty, bias_values=torch.zeros(0),
         presence=torch.zeros(rows), frequency=torch.zeros(rows), repetition=torch.ones(rows),
         output_rows=empty, output_token_ids=empty, seen_rows=empty, seen_token_ids=empty,
@@ -157,3 +158,12 @@ def test_a_row_samples_the_same_token_whether_or_not_its_batch_sorts() -> None:
         # And the top-p row itself does not depend on which rows share its batch.
         with_top_p = tensors(1, top_p=0.5, uniforms=u[None])
         assert sample(LOGITS[None], with_top_p).token_ids.item() == sample(logits, pair).token_ids[1].item()
+
+
+def test_without_logprobs_wanted_none_are_computed_but_bad_rows_are_still_flagged() -> None:
+    logits = torch.stack([LOGITS, LOGITS, LOGITS.clone().index_fill_(0, torch.tensor([3]), float("nan"))])
+    logits[1, 5] = float("inf")
+    out = sample(logits, tensors(3, temperature=0, wants_logprobs=False))
+    assert out.token_ids.tolist() == [0, 0, 0]  # the good row's argmax; the bad rows get the stand-in 0
+    assert out.logprobs[0].item() == 0.0  # not computed: never reported
+    assert torch.isnan(out.logprobs[1:]).all()  # +inf and NaN logits both flag their row

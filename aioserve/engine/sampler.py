@@ -155,8 +155,16 @@ def sample(logits: torch.Tensor, st: SamplingTensors) -> SamplerOutput:
     # min-p choose among the tokens the grammar allows.
     adjusted = apply_grammar(adjust_logits(logits, st), st)
     token_ids = adjusted.argmax(dim=-1)
+    # One reduction over the raw logits is needed anyway; it also says whether
+    # they are finite (a NaN or a +inf makes it NaN or inf; a -inf logit is
+    # just a token that cannot be chosen). Without logprobs wanted, the max
+    # does for it, at a fraction of logsumexp's cost.
+    if st.wants_logprobs or st.num_top_logprobs:
+        normalizer = torch.logsumexp(logits, dim=-1, keepdim=True)
+    else:
+        normalizer = logits.amax(dim=-1, keepdim=True)
     # Greedy rows need a finite best choice (-inf everywhere: nothing allowed).
-    usable = torch.isfinite(logits).all(dim=-1) & adjusted.gather(1, token_ids[:, None]).squeeze(1).isfinite()
+    usable = normalizer.squeeze(1).isfinite() & adjusted.gather(1, token_ids[:, None]).squeeze(1).isfinite()
     if not st.all_greedy:
         probs = filtered_probs(adjusted, st)
         sampled = sample_from(probs, st.uniforms)
@@ -166,9 +174,12 @@ def sample(logits: torch.Tensor, st: SamplingTensors) -> SamplerOutput:
         mass = probs.sum(dim=-1)
         usable &= ~sampling | ((mass > 0) & mass.isfinite())
     token_ids = torch.where(usable, token_ids, 0)
-    # Logprobs are reported from the model's raw distribution, like vLLM's default.
-    normalizer = torch.logsumexp(logits, dim=-1, keepdim=True)
-    chosen = (logits.gather(1, token_ids[:, None]) - normalizer).squeeze(1)
+    # Logprobs are reported from the model's raw distribution, like vLLM's
+    # default; when no row wants them, 0 stands in (never reported).
+    if st.wants_logprobs or st.num_top_logprobs:
+        chosen = (logits.gather(1, token_ids[:, None]) - normalizer).squeeze(1)
+    else:
+        chosen = torch.zeros_like(normalizer.squeeze(1))
     chosen = torch.where(usable, chosen, float("nan"))
     top_ids = top_logprobs = None
     if st.num_top_logprobs:

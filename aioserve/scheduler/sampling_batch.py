@@ -123,6 +123,7 @@ class SamplingBatchBuilder:
         bias_rows, bias_ids, bias_values = [], [], []
         outputs, seen = _PenaltyLists(), _PenaltyLists()
         num_top = 0
+        wants_logprobs = False
         grammar_rows = [i for i, row in enumerate(rows) if row.request.constraint is not None]
         bitmask = self._grammar_bitmask(rows, grammar_rows)
         for i, row in enumerate(rows):
@@ -134,6 +135,7 @@ class SamplingBatchBuilder:
             min_ps.append(0.0 if greedy else p.min_p)
             uniforms.append(seeded_uniform(p.seed, row.token_index) if p.seed is not None else self.rng.random())
             num_top = max(num_top, p.logprobs or 0)
+            wants_logprobs |= p.logprobs is not None
             for token, value in p.logit_bias.items():
                 bias_rows.append(i)
                 bias_ids.append(token)
@@ -168,6 +170,7 @@ class SamplingBatchBuilder:
             needs_sort=any(s and (k < self.vocab_size or q < 1.0) for s, k, q in zip(sampled, top_ks, top_ps)),
             needs_min_p=any(s and m > 0 for s, m in zip(sampled, min_ps)),
             num_top_logprobs=num_top,
+            wants_logprobs=wants_logprobs,
             bias_rows=torch.tensor(bias_rows, dtype=torch.long),
             bias_token_ids=torch.tensor(bias_ids, dtype=torch.long),
             bias_values=torch.tensor(bias_values, dtype=torch.float32),
