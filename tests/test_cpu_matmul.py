@@ -77,3 +77,12 @@ def test_choices_are_kept_between_starts(tmp_path, monkeypatch) -> None:
     second.weight.data.normal_()
     again = tune_cpu_matmuls([second])
     assert again == chosen and second.matmul_choice == first.matmul_choice
+
+
+def test_a_very_large_weight_keeps_its_order(monkeypatch) -> None:
+    """Past LARGE_WEIGHT_BYTES only the stored (row-major) order is timed."""
+    import aioserve.layers.cpu_matmul as cpu_matmul_module
+
+    monkeypatch.setattr(cpu_matmul_module, "LARGE_WEIGHT_BYTES", 1024)
+    choice = choose(torch.randn(64, 32))  # 8 KiB: "very large" here
+    assert choice.column_major is False and set(choice.forms) == set(ROW_BUCKETS)

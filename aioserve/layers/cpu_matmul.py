@@ -32,6 +32,7 @@ logger = logging.getLogger(__name__)
 
 ROW_BUCKETS = (1, 4, 16, 64)  # row counts timed; a batch uses the nearest one at or above it
 MAX_TUNED_ROWS = 96  # past this, prefill-sized: the untuned form
+LARGE_WEIGHT_BYTES = 64 << 20  # past this, only the stored order is timed (see choose)
 TIME_PER_CASE_S = 0.01  # timing budget of one (storage, form, rows) case, after a warm-up call
 
 
@@ -81,7 +82,10 @@ def cpu_matmul(x: torch.Tensor, weight: torch.Tensor, choice: MatmulChoice | Non
     return FORMS[form or "w_xt"](x, weight)
 
 
-def _seconds(fn, x: torch.Tensor, weight: torch.Tensor) -> float:
+def _seconds(fn, x: torch.Tensor, weight: torch.Tensor, to_beat: float) -> float:
+    """The fastest of a few timed calls. A large weight gets fewer calls, and a
+    form clearly slower than `to_beat` (the best so far) is dropped after
+    one: timing is what a first start waits for."""
     fn(x, weight)  # warm-up: first-call allocations and packing
     best, spent, calls = float("inf"), 0.0, 0
     while calls < 5 or spent < TIME_PER_CASE_S:
@@ -89,32 +93,39 @@ def _seconds(fn, x: torch.Tensor, weight: torch.Tensor) -> float:
         fn(x, weight)
         took = time.perf_counter() - start
         best, spent, calls = min(best, took), spent + took, calls + 1
-        if calls >= 50:
+        if calls >= 50 or took > 2 * to_beat or (calls >= 2 and spent > 10 * TIME_PER_CASE_S):
             break
     return best  # the least disturbed run: the machine's other load only adds
 
 
 def choose(weight: torch.Tensor) -> MatmulChoice:
-    """Time every (storage order, form, row bucket) for this weight."""
-    storages = {False: weight.contiguous(), True: weight.t().contiguous().t()}
+    """Time every (storage order, form, row bucket) for this weight. A very
+    large one (an LM head over a big vocabulary) is read at memory speed
+    whichever order it has (Qwen3's [151936, 1024]: 19-21 ms a row in every
+    form), so only its stored order is timed: the other would cost a copy of
+    it and seconds of a first start for nothing."""
+    storages = {False: weight.contiguous()}
+    if weight.numel() * weight.element_size() <= LARGE_WEIGHT_BYTES:
+        storages[True] = weight.t().contiguous().t()
     results: dict[bool, dict[int, tuple[float, str]]] = {}
     for column_major, stored in storages.items():
         per_bucket = {}
         for rows in ROW_BUCKETS:
             x = torch.randn(rows, weight.shape[1], dtype=weight.dtype)
-            timed = {name: _seconds(fn, x, stored) for name, fn in FORMS.items()}
-            name = min(timed, key=timed.__getitem__)
-            per_bucket[rows] = (timed[name], name)
+            best = (float("inf"), "")
+            for name, fn in FORMS.items():
+                best = min(best, (_seconds(fn, x, stored, best[0]), name))
+            per_bucket[rows] = best
         results[column_major] = per_bucket
     # Decode batches spread over the buckets; each counts alike, as its time
     # relative to the better order (absolute sums would let 64 rows decide).
     def slowdown(column_major: bool) -> float:
         return sum(
-            results[column_major][rows][0] / min(results[True][rows][0], results[False][rows][0])
+            results[column_major][rows][0] / min(timed[rows][0] for timed in results.values())
             for rows in ROW_BUCKETS
         )
 
-    column_major = slowdown(True) < slowdown(False)
+    column_major = min(results, key=slowdown)
     return MatmulChoice(column_major, {rows: name for rows, (_, name) in results[column_major].items()})
 
 
