@@ -29,6 +29,8 @@ import threading
 from pathlib import Path
 from types import ModuleType
 
+from aioserve.cpu_info import cpu_flags_line
+
 logger = logging.getLogger(__name__)
 
 NATIVE_DIR = Path(__file__).resolve().parents[1] / "native"
@@ -46,21 +48,11 @@ def cache_root() -> Path:
     return Path(configured) if configured else Path.home() / ".cache" / "aioserve" / "native"
 
 
-def _cpu_flags() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith(("flags", "Features")):
-                return line
-    except OSError:
-        pass
-    return platform.processor()
-
-
 def build_key(source: bytes) -> str:
     import torch
 
     parts = [source, torch.__version__.encode(), sys.version.encode(), str(sysconfig.get_config_var("EXT_SUFFIX")).encode(),
-             " ".join(CFLAGS + LDFLAGS).encode(), platform.machine().encode(), _cpu_flags().encode()]
+             " ".join(CFLAGS + LDFLAGS).encode(), platform.machine().encode(), cpu_flags_line().encode()]
     digest = hashlib.sha256()
     for part in parts:
         digest.update(part + b"\0")

@@ -18,10 +18,10 @@ from aioserve.engine.dtypes import compute_dtype, resolve_dtype
 def test_dtype_resolution(monkeypatch: pytest.MonkeyPatch) -> None:
     cpu, cuda = torch.device("cpu"), torch.device("cuda")
     # Decided by what the CPU has, never assumed: try both kinds of machine.
-    monkeypatch.setattr(dtypes, "_cpu_flags", lambda: frozenset({"avx2", "fma"}))
+    monkeypatch.setattr(dtypes, "cpu_flags", lambda: frozenset({"avx2", "fma"}))
     assert resolve_dtype("auto", "bfloat16", cpu) == torch.float32  # emulated half on CPU: float32 unless asked
     assert resolve_dtype("auto", "float16", cpu) == torch.float32
-    monkeypatch.setattr(dtypes, "_cpu_flags", lambda: frozenset({"avx2", "avx512f", "avx512_bf16"}))
+    monkeypatch.setattr(dtypes, "cpu_flags", lambda: frozenset({"avx2", "avx512f", "avx512_bf16"}))
     assert resolve_dtype("auto", "bfloat16", cpu) == torch.bfloat16  # native bf16 units: keep it
     assert compute_dtype(torch.bfloat16, cpu, "auto") == torch.bfloat16
     assert resolve_dtype("auto", "float16", cpu) == torch.float32  # no fp16 units

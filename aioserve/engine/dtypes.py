@@ -20,9 +20,10 @@ from __future__ import annotations
 
 import functools
 import logging
-from pathlib import Path
 
 import torch
+
+from aioserve.cpu_info import cpu_flags
 
 logger = logging.getLogger(__name__)
 
@@ -47,19 +48,8 @@ def resolve_dtype(name: str, checkpoint_dtype: str | None, device: torch.device)
 
 
 @functools.lru_cache(maxsize=1)
-def _cpu_flags() -> frozenset[str]:
-    try:
-        text = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return frozenset()
-    for line in text.splitlines():
-        if line.startswith("flags"):
-            return frozenset(line.split(":", 1)[1].split())
-    return frozenset()
-
-
 def cpu_has_native(dtype: torch.dtype) -> bool:
-    return dtype == torch.float32 or bool(_NATIVE_FLAGS.get(dtype, set()) & _cpu_flags())
+    return dtype == torch.float32 or bool(_NATIVE_FLAGS.get(dtype, set()) & cpu_flags())
 
 
 def compute_dtype(dtype: torch.dtype, device: torch.device, cpu_half_compute: str = "auto") -> torch.dtype:

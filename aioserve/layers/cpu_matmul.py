@@ -20,13 +20,14 @@ import hashlib
 import json
 import logging
 import os
-import platform
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
+
+from aioserve.cpu_info import cpu_flags_line
 
 logger = logging.getLogger(__name__)
 
@@ -138,14 +139,7 @@ def cache_path() -> Path:
 
 
 def _machine_key() -> str:
-    try:
-        cpu = next(
-            (line for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith(("flags", "model name"))),
-            "",
-        )
-    except OSError:
-        cpu = ""
-    text = f"{platform.processor()}|{cpu}|{torch.__version__}|{torch.get_num_threads()}|{sorted(FORMS)}"
+    text = f"{cpu_flags_line()}|{torch.__version__}|{torch.get_num_threads()}|{sorted(FORMS)}"
     return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
