@@ -41,7 +41,7 @@ class SamplingTensors:
     needs_sort: bool  # some row uses top_k or top_p
     needs_min_p: bool  # some row uses min_p (a plain flag: no device sync to find out)
     num_top_logprobs: int  # top-N logprobs to return per row (0 = none)
-    wants_logprobs: bool  # some row reports its chosen token's logprob (else none is computed)
+    wants_logprobs: bool  # some row reports its chosen token's logprob (always, with top-N); else none is computed
     # Additive logit changes: logit_bias, and -inf for EOS under min_tokens.
     bias_rows: torch.Tensor  # [K] int64
     bias_token_ids: torch.Tensor  # [K] int64

@@ -40,6 +40,7 @@ from aioserve.tokenizer import Tokenizer
 logger = logging.getLogger(__name__)
 
 FAILURE_GRACE_S = 1.0  # /health answers 503 this long before the listener closes
+LAST_EVENTS_S = 2.0  # after aborting what outlived --shutdown-timeout, for their final events to go out
 HARD_EXIT_S = 8.0  # after a failure, exit by force if still running (the issue allows 10 s)
 
 
@@ -94,7 +95,6 @@ async def serve(args: ServerArgs) -> str | None:
     ctx.scheduler_task = asyncio.create_task(scheduler.run(), name="scheduler")
     ctx.scheduler_task.add_done_callback(partial(_on_scheduler_exit, failure))
     failure.attach(ctx)
-    assert ctx.metrics is not None
     lag_timer = asyncio.create_task(ctx.metrics.watch_loop_lag(), name="loop-lag")
 
     drain = Drain(ctx, stop, args.shutdown_timeout)
@@ -156,20 +156,22 @@ class Drain:
         self.task = asyncio.get_running_loop().create_task(self._run(), name="drain")
 
     async def _run(self) -> None:
-        deadline = asyncio.get_running_loop().time() + self.timeout
-        while self._unfinished() and asyncio.get_running_loop().time() < deadline:
-            await asyncio.sleep(0.05)
-        left = self._unfinished()
-        if left:
+        if not await self._all_finished_within(self.timeout):
+            left = self._unfinished()
             logger.warning("aborting %d requests still running after %.0f s", len(left), self.timeout)
             for generation in left:
                 generation.close()  # each stream gets its final (abort) event
             # Let the handlers write those last events before the listener closes.
-            for _ in range(40):
-                if not self._unfinished():
-                    break
-                await asyncio.sleep(0.05)
+            await self._all_finished_within(LAST_EVENTS_S)
         self.stop.set()
+
+    async def _all_finished_within(self, seconds: float) -> bool:
+        deadline = asyncio.get_running_loop().time() + seconds
+        while self._unfinished():
+            if asyncio.get_running_loop().time() >= deadline:
+                return False
+            await asyncio.sleep(0.05)
+        return True
 
     def _unfinished(self) -> list[InFlight]:
         return [g for g in list(self.ctx.generations) if not g.finished]

@@ -32,9 +32,8 @@ _DECODE_CONTEXT = 6
 class ChatTemplateError(ValueError):
     """The messages cannot be rendered: a client error (400)."""
 
-    def __init__(self, message: str, param: str | None = None, refused_arguments: bool = False) -> None:
+    def __init__(self, message: str, refused_arguments: bool = False) -> None:
         super().__init__(message)
-        self.param = param
         self.refused_arguments = refused_arguments  # transformers refused the call's arguments, not the messages
 
 

@@ -159,7 +159,7 @@ def sample(logits: torch.Tensor, st: SamplingTensors) -> SamplerOutput:
     # they are finite (a NaN or a +inf makes it NaN or inf; a -inf logit is
     # just a token that cannot be chosen). Without logprobs wanted, the max
     # does for it, at a fraction of logsumexp's cost.
-    if st.wants_logprobs or st.num_top_logprobs:
+    if st.wants_logprobs:
         normalizer = torch.logsumexp(logits, dim=-1, keepdim=True)
     else:
         normalizer = logits.amax(dim=-1, keepdim=True)
@@ -176,7 +176,7 @@ def sample(logits: torch.Tensor, st: SamplingTensors) -> SamplerOutput:
     token_ids = torch.where(usable, token_ids, 0)
     # Logprobs are reported from the model's raw distribution, like vLLM's
     # default; when no row wants them, 0 stands in (never reported).
-    if st.wants_logprobs or st.num_top_logprobs:
+    if st.wants_logprobs:
         chosen = (logits.gather(1, token_ids[:, None]) - normalizer).squeeze(1)
     else:
         chosen = torch.zeros_like(normalizer.squeeze(1))

@@ -30,7 +30,7 @@ from aioserve.scheduler.client import SchedulerInfo
 from aioserve.scheduler.output_processor import OutputProcessor
 from aioserve.scheduler.plan_builder import ScheduledStep
 from aioserve.scheduler.planner import StepPlanner
-from aioserve.scheduler.request import Request, RequestEvent, RequestRejected, Status
+from aioserve.scheduler.request import Request, RequestEvent, RequestRejected
 from aioserve.scheduler.request_table import RequestTable, SchedulerStats
 from aioserve.scheduler.sampling_batch import SamplingBatchBuilder
 

@@ -78,7 +78,6 @@ class ServingGate:
                     "the server is shutting down", status=503, type="service_unavailable", code="shutting_down",
                     headers={"Retry-After": str(RETRY_AFTER_S)},
                 )
-                assert self.ctx.metrics is not None
                 self.ctx.metrics.error(error.type, error.status)
                 await error.response()(scope, receive, send)
                 return

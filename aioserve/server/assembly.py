@@ -146,9 +146,7 @@ async def _events(assembly: Assembly, builder: ResponseBuilder, include_usage: b
             error = f"internal error: {exc}"
         if error:
             failure = APIError(error, status=500, type="internal_server_error")
-            metrics = generation.ctx.metrics
-            if metrics is not None:
-                metrics.error(failure.type, failure.status)
+            generation.ctx.metrics.error(failure.type, failure.status)
             yield sse.event(failure.body())
         yield sse.DONE
     finally:

@@ -56,7 +56,7 @@ async def encode_messages(ctx: ServingContext, body: ChatCompletionRequest, tool
         return await ctx.tokenizer.encode_chat_async(messages, **kwargs)
     except ChatTemplateError as exc:
         blamed = "chat_template_kwargs" if exc.refused_arguments and extra else "messages"
-        raise APIError(str(exc), param=exc.param or blamed) from None
+        raise APIError(str(exc), param=blamed) from None
 
 
 async def create_chat_completion(request: Request) -> Response:

@@ -36,13 +36,8 @@ async def prompt_list(ctx: ServingContext, prompt: Any) -> list[Prompt]:
         prompt = [prompt]
     if not prompt:
         raise APIError("prompt must not be empty", param="prompt")
-    for item in prompt:  # every text checked before any is tokenized
-        if isinstance(item, str):
-            ctx.check_prompt_chars(len(item), "prompt")
-    return [
-        Prompt(item, await ctx.encode_prompt(item, "prompt")) if isinstance(item, str) else Prompt(None, list(item))
-        for item in prompt
-    ]
+    encoded = iter(await ctx.encode_prompts([item for item in prompt if isinstance(item, str)], "prompt"))
+    return [Prompt(item, next(encoded)) if isinstance(item, str) else Prompt(None, list(item)) for item in prompt]
 
 
 async def create_completion(request: Request) -> Response:

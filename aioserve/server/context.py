@@ -38,7 +38,7 @@ class ServingContext:
     started_at: int = field(default_factory=lambda: int(time.time()))
     # What each tensor-parallel rank holds (engine/tp_layout.py), for /server_info.
     tp_layout: list[dict[str, Any]] = field(default_factory=list)
-    metrics: RequestMetrics | None = None
+    metrics: RequestMetrics = field(init=False)  # made from the served name
     # Set on SIGTERM/SIGINT: /health and new requests answer 503 while running ones finish.
     draining: bool = False
     # Generations not yet finished, for the drain to wait on (weak: one a
@@ -46,8 +46,7 @@ class ServingContext:
     generations: weakref.WeakSet[InFlight] = field(default_factory=weakref.WeakSet)
 
     def __post_init__(self) -> None:
-        if self.metrics is None:
-            self.metrics = RequestMetrics(self.model_name)
+        self.metrics = RequestMetrics(self.model_name)
 
     @property
     def model_name(self) -> str:
@@ -94,9 +93,11 @@ class ServingContext:
                 code="context_length_exceeded",
             )
 
-    async def encode_prompt(self, text: str, param: str) -> list[int]:
-        self.check_prompt_chars(len(text), param)
-        return await self.tokenizer.encode_async(text)
+    async def encode_prompts(self, texts: list[str], param: str) -> list[list[int]]:
+        """Every text checked by its length before any is tokenized."""
+        for text in texts:
+            self.check_prompt_chars(len(text), param)
+        return [await self.tokenizer.encode_async(text) for text in texts]
 
     @property
     def healthy(self) -> bool:

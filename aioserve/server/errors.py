@@ -84,5 +84,5 @@ async def unexpected_error_handler(request: Request, exc: Exception) -> Response
 def count_error(request: Request, error: APIError) -> None:
     """aioserve:request_errors, by type and status."""
     ctx = getattr(request.app.state, "ctx", None)
-    if ctx is not None and ctx.metrics is not None:
+    if ctx is not None:
         ctx.metrics.error(error.type, error.status)

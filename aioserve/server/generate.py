@@ -39,9 +39,7 @@ async def _prompts(ctx: ServingContext, body: GenerateRequest) -> tuple[list[lis
         texts = [body.text] if isinstance(body.text, str) else body.text
         if not texts:
             raise APIError("text must not be empty", param="text")
-        for text in texts:  # every text checked before any is tokenized
-            ctx.check_prompt_chars(len(text), "text")
-        return [await ctx.encode_prompt(t, "text") for t in texts], not isinstance(body.text, str)
+        return await ctx.encode_prompts(texts, "text"), not isinstance(body.text, str)
     ids = body.input_ids or []
     if not ids or any(isinstance(p, list) and not p for p in ids):  # token id 0 is not empty
         raise APIError("input_ids must not be empty", param="input_ids")

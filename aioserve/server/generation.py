@@ -111,7 +111,6 @@ class Generation:
     def _observe(self, choice: Choice, event: RequestEvent) -> None:
         """Latency metrics, as this handler sees the events arrive."""
         metrics = self.ctx.metrics
-        assert metrics is not None
         now = time.monotonic()
         if event.token_id is not None:
             if choice.last_token_at is None:

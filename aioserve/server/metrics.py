@@ -55,7 +55,6 @@ class SchedulerCollector:
         yield counter("aioserve:engine_steps", "Forward steps run.", stats["steps"])
 
 def metrics_endpoint(ctx: ServingContext):
-    assert ctx.metrics is not None
     registry = ctx.metrics.registry
     registry.register(SchedulerCollector(ctx))  # type: ignore[arg-type]
 
