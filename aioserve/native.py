@@ -34,7 +34,8 @@ from aioserve.cpu_info import cpu_flags_line
 logger = logging.getLogger(__name__)
 
 NATIVE_DIR = Path(__file__).resolve().parents[1] / "native"
-SOURCE = NATIVE_DIR / "cpu_kernels.cpp"
+# One module from every source here; module.cpp binds what the others define.
+SOURCES = sorted(NATIVE_DIR.glob("*.cpp"))
 # Built on the machine that runs it, so native instructions are safe; the
 # CPU's flags are part of the cache key in case the cache is shared.
 # -fopenmp, not only -fopenmp-simd: at::parallel_for is a header template whose
@@ -46,6 +47,11 @@ LDFLAGS = ["-fopenmp"]
 def cache_root() -> Path:
     configured = os.environ.get("AIOSERVE_NATIVE_CACHE")
     return Path(configured) if configured else Path.home() / ".cache" / "aioserve" / "native"
+
+
+def sources_bytes() -> bytes:
+    """Every source's name and text: what the build's key depends on."""
+    return b"".join(path.name.encode() + b"\0" + path.read_bytes() for path in SOURCES)
 
 
 def build_key(source: bytes) -> str:
@@ -91,7 +97,7 @@ class _BuildLock:
 
 def _locate() -> tuple[str, Path, Path]:
     """The module name, build folder and binary of this source and environment."""
-    key = build_key(SOURCE.read_bytes())
+    key = build_key(sources_bytes())
     name = f"aioserve_cpu_kernels_{key}"
     folder = cache_root() / key
     return name, folder, folder / f"{name}.so"
@@ -128,7 +134,7 @@ def load_or_build() -> ModuleType:
 
         logger.info("building native CPU kernels into %s", folder)
         return load(
-            name=name, sources=[str(SOURCE)], extra_cflags=CFLAGS, extra_ldflags=LDFLAGS,
+            name=name, sources=[str(path) for path in SOURCES], extra_cflags=CFLAGS, extra_ldflags=LDFLAGS,
             build_directory=str(folder), verbose=False,
         )
 
@@ -154,7 +160,7 @@ class _Kernels:
     def get(self, wait: bool) -> ModuleType | None:
         if self._done.is_set():
             return self.module
-        if os.environ.get("AIOSERVE_NATIVE", "1") == "0" or not SOURCE.exists():
+        if os.environ.get("AIOSERVE_NATIVE", "1") == "0" or not SOURCES:
             return None
         with self._lock:
             if self._thread is None and not self._done.is_set():

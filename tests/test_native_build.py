@@ -53,7 +53,7 @@ def test_a_build_killed_midway_does_not_block_the_next(tmp_path: Path) -> None:
 
 
 def test_the_cache_key_follows_the_source_and_flags(monkeypatch: pytest.MonkeyPatch) -> None:
-    source = native.SOURCE.read_bytes()
+    source = native.sources_bytes()
     key = native.build_key(source)
     assert native.build_key(source) == key  # stable
     assert native.build_key(source + b"// changed\n") != key

@@ -1,8 +1,3 @@
-// CPU kernels for aioserve, JIT-built by aioserve/native.py with
-// torch.utils.cpp_extension (-O3 -march=native: built on the machine that runs it).
-// Each has a pure-torch twin in the package, and tests/test_native.py checks
-// that both agree.
-//
 // paged_decode_attention: one query token per request against its KV pages,
 //   read in place (no gather copy), GQA by grouping query heads under their
 //   KV head, optional sliding window; the cache may be half precision under
@@ -125,6 +120,6 @@ torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_cache, tor
   return out;
 }
 
-PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+void bind_attention(pybind11::module_& m) {
   m.def("paged_decode_attention", &paged_decode_attention, "decode attention over paged KV (CPU)");
 }
