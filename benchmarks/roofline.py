@@ -78,7 +78,7 @@ def step_cost(engine: Engine, batch: int, context: int) -> tuple[float, float]:
     """(bytes read, FLOPs) of one decode step of `batch` requests at `context`."""
     cfg = engine.model_config
     weights = sum(p.numel() * p.element_size() for p in engine.model.parameters())
-    matmul_params = sum(p.numel() for p in engine.model.parameters() if p.dim() == 2)
+    matmul_params = sum(p.numel() for p in engine.model.parameters() if p.dim() >= 2)  # packed: 3-D
     tied = bool(getattr(cfg, "tie_word_embeddings", False))
     if not tied:  # the input embedding is a lookup, not a matmul
         matmul_params -= cfg.vocab_size * cfg.hidden_size

@@ -18,8 +18,8 @@ RANKS: dict[str, float] = {
     "scheduler": 6,
     "engine": 5,
     "models": 4.5, "attention": 4,  # a model's forward takes the attention backend's metadata
-    "kvcache": 3, "native": 3,
-    "layers": 2,
+    "kvcache": 3,
+    "layers": 2, "native": 1.5,
     "distributed": 1,
     "config": 0, "cpu_info": 0, "sampling_params": 0, "batch_plan": 0, "placeholders": 0,
 }

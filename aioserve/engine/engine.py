@@ -21,7 +21,7 @@ from aioserve.batch_plan import BatchPlan, StepOutput
 from aioserve.config import DEFAULT_CPU_KV_BYTES, EngineConfig
 from aioserve.distributed import broadcast_from_leader, get_tp_group, min_over_ranks
 from aioserve.engine.dtypes import compute_dtype, resolve_dtype
-from aioserve.layers.cpu_matmul import tune_cpu_matmuls
+from aioserve.layers.cpu_matmul import pack_cpu_weights, tune_cpu_matmuls
 from aioserve.engine.sampler import sample
 from aioserve.engine.tp_layout import gather_layout, layout_lines
 from aioserve.kvcache.kv_pool import RESERVED_PAGES, KVPool
@@ -65,8 +65,12 @@ class Engine:
             self.model_config, self.model_path, self.dtype, self.device, config.load_format, config.seed,
             round_to=self.weight_dtype,
         )
-        if self.device.type == "cpu" and config.cpu_matmul_tuning:
-            tune_cpu_matmuls(m for m in self.model.modules() if hasattr(m, "matmul_choice"))
+        if self.device.type == "cpu":
+            # The native kernel when it is built (a first start is still
+            # building it: BLAS, tuned, serves that one).
+            matmuls = [m for m in self.model.modules() if hasattr(m, "matmul_choice")]
+            if not pack_cpu_weights(matmuls, self.weight_dtype) and config.cpu_matmul_tuning:
+                tune_cpu_matmuls(matmuls)
         self.page_size = config.page_size
         # Free memory differs between ranks: every rank takes the smallest
         # pool any of them can hold, so one page id means one page everywhere.

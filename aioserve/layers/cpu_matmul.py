@@ -12,6 +12,14 @@ counts, keeps the storage order that wins overall (the weight is stored once,
 in that order; its logical shape stays [out, in], so everything else that
 reads it, a tied embedding included, is unchanged) and, per row count, the
 faster form. Larger batches (prefill) use the untuned form.
+
+When the native kernels are built (aioserve/native.py), none of that is
+needed: every weight is packed once into column blocks (native/gemm.cpp) and
+multiplied by one kernel at every row count, 1.3-3x faster than the best
+BLAS form for 1-16 rows in a decode step and within 10% of it for prefill.
+The packed tensor replaces the weight's data ([blocks, in, block], see
+`packed_rows` for a tied embedding's lookups), in the checkpoint's width:
+bf16 weights computed in float32 are read as bf16 and widened in registers.
 """
 
 from __future__ import annotations
@@ -28,6 +36,7 @@ from pathlib import Path
 import torch
 
 from aioserve.cpu_info import cpu_flags_line
+from aioserve.native import cpu_kernels
 
 logger = logging.getLogger(__name__)
 
@@ -67,6 +76,7 @@ class MatmulChoice:
 
     column_major: bool  # store W^T contiguous (W itself is then a transposed view)
     forms: dict[int, str] = field(default_factory=dict)  # row bucket -> form name
+    packed_features: int | None = None  # packed for the native kernel: W's true row count
 
     def form_for(self, rows: int) -> str | None:
         if rows > MAX_TUNED_ROWS:
@@ -75,8 +85,27 @@ class MatmulChoice:
         return self.forms.get(bucket)
 
 
-def cpu_matmul(x: torch.Tensor, weight: torch.Tensor, choice: MatmulChoice | None) -> torch.Tensor:
-    """x W^T for a 2-D CPU activation, by the tuned form when there is one."""
+def is_packed(weight: torch.Tensor) -> bool:
+    return weight.dim() == 3
+
+
+def packed_rows(weight: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """Rows `ids` of a packed weight, [len(ids), in]: a tied embedding's lookup."""
+    block = weight.shape[2]
+    return weight[ids // block, :, ids % block]
+
+
+def cpu_matmul(
+    x: torch.Tensor, weight: torch.Tensor, choice: MatmulChoice | None, bias: torch.Tensor | None = None
+) -> torch.Tensor:
+    """x W^T (+ b) for a 2-D CPU activation, by the tuned form when there is one."""
+    if choice is not None and choice.packed_features is not None:
+        return cpu_kernels().packed_linear(x, weight, bias, choice.packed_features)  # type: ignore[union-attr]
+    out = _unpacked_matmul(x, weight, choice)
+    return out + bias if bias is not None else out
+
+
+def _unpacked_matmul(x: torch.Tensor, weight: torch.Tensor, choice: MatmulChoice | None) -> torch.Tensor:
     form = choice.form_for(x.shape[0]) if choice is not None else None
     # Untuned: (W x^T)^T, measured 1.3-3x faster than x W^T for 2-64 rows on an
     # AVX2 EPYC and equal for long prefills.
@@ -182,6 +211,31 @@ class ChoiceCache:
             temporary.replace(self.path)  # atomic: ranks tuning at once never see half a file
         except OSError as exc:
             logger.warning("cannot keep the matmul choices in %s: %s", self.path, exc)
+
+
+def pack_cpu_weights(modules: Iterable[torch.nn.Module], storage_dtype: torch.dtype | None = None) -> bool:
+    """Pack every module's weight for the native kernel and set its choice;
+    False (nothing done) when the kernels are not built: the caller tunes
+    instead. `storage_dtype`, when narrower than the weights, is what their
+    values were rounded to: they are packed in it, exactly, and read at its
+    width. A weight shared by two modules is packed once."""
+    kernels = cpu_kernels(wait=False)
+    if kernels is None:
+        return False
+    started = time.perf_counter()
+    features: dict[int, int] = {}  # id(weight) -> its row count before packing
+    with torch.inference_mode():
+        for module in modules:
+            weight = module.weight
+            if id(weight) not in features:
+                features[id(weight)] = weight.shape[0]
+                data = weight.data
+                if storage_dtype is not None and storage_dtype.itemsize < data.dtype.itemsize:
+                    data = data.to(storage_dtype)
+                weight.data = kernels.pack_linear_weight(data)
+            module.matmul_choice = MatmulChoice(False, packed_features=features[id(weight)])
+    logger.info("CPU weights packed for the native matmul in %.2f s", time.perf_counter() - started)
+    return True
 
 
 def tune_cpu_matmuls(modules: Iterable[torch.nn.Module]) -> dict[tuple[int, ...], MatmulChoice]:

@@ -7,7 +7,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from aioserve.distributed import all_gather_last_dim, all_reduce, get_tp_group
-from aioserve.layers.cpu_matmul import MatmulChoice
+from aioserve.layers.cpu_matmul import MatmulChoice, is_packed, packed_rows
 from aioserve.layers.linear import linear
 
 
@@ -24,7 +24,7 @@ class VocabParallelEmbedding(nn.Module):
         self.vocab_start = min(vocab_size, tp.rank * per_rank)
         self.vocab_end = min(vocab_size, self.vocab_start + per_rank)
         self.weight = nn.Parameter(torch.zeros(per_rank, hidden), requires_grad=False)
-        self.matmul_choice: MatmulChoice | None = None  # as an LM head (cpu_matmul.py)
+        self.dtype = self.weight.dtype  # of the embeddings, whatever a tied LM head packs the weight in
 
     def load_weight(self, name: str, loaded: torch.Tensor, shard: object = None) -> None:
         rows = self.vocab_end - self.vocab_start
@@ -32,12 +32,17 @@ class VocabParallelEmbedding(nn.Module):
             raise ValueError(f"embedding: checkpoint shape {tuple(loaded.shape)} does not match the config")
         self.weight.data[:rows].copy_(loaded[self.vocab_start : self.vocab_end])
 
+    def _rows(self, ids: torch.Tensor) -> torch.Tensor:
+        if is_packed(self.weight):  # tied to an LM head packed for the native matmul
+            return packed_rows(self.weight, ids).to(self.dtype)
+        return F.embedding(ids, self.weight)
+
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         if get_tp_group().size == 1:
-            return F.embedding(ids, self.weight)
+            return self._rows(ids)
         local = ids - self.vocab_start
         outside = (local < 0) | (ids >= self.vocab_end)
-        out = F.embedding(local.masked_fill(outside, 0), self.weight)
+        out = self._rows(local.masked_fill(outside, 0))
         out.masked_fill_(outside.unsqueeze(-1), 0.0)
         return all_reduce(out)
 
@@ -45,6 +50,10 @@ class VocabParallelEmbedding(nn.Module):
 class ParallelLMHead(VocabParallelEmbedding):
     """hidden -> logits over the vocabulary; may share its weight with the
     embedding (tied checkpoints have no lm_head tensor)."""
+
+    def __init__(self, vocab_size: int, hidden: int) -> None:
+        super().__init__(vocab_size, hidden)
+        self.matmul_choice: MatmulChoice | None = None  # set by tune_cpu_matmuls or pack_cpu_weights
 
     def tie_to(self, embedding: VocabParallelEmbedding) -> None:
         self.weight = embedding.weight

@@ -22,11 +22,13 @@ from aioserve.layers.cpu_matmul import MatmulChoice, cpu_matmul
 def linear(
     x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, choice: MatmulChoice | None = None
 ) -> torch.Tensor:
-    """x W^T (+ b). On CPU by the form tuned for this weight (cpu_matmul.py)."""
-    if x.device.type != "cpu" or x.dim() != 2:
+    """x W^T (+ b). On CPU by the form tuned for this weight, or its packed
+    kernel (cpu_matmul.py)."""
+    if x.device.type != "cpu":
         return F.linear(x, weight, bias)
-    out = cpu_matmul(x, weight, choice)
-    return out + bias if bias is not None else out
+    if x.dim() != 2:
+        return linear(x.reshape(-1, x.shape[-1]), weight, bias, choice).view(*x.shape[:-1], -1)
+    return cpu_matmul(x, weight, choice, bias)
 
 
 def _check_full(loaded: torch.Tensor, dim: int, expected: int, what: str) -> None:
@@ -52,7 +54,7 @@ class ColumnParallelLinear(nn.Module):
         self.out_start, out_end = shard_range(out_features)
         self.weight = nn.Parameter(torch.empty(out_end - self.out_start, in_features), requires_grad=False)
         self.bias = nn.Parameter(torch.empty(out_end - self.out_start), requires_grad=False) if bias else None
-        self.matmul_choice: MatmulChoice | None = None  # set by tune_cpu_matmuls
+        self.matmul_choice: MatmulChoice | None = None  # set by tune_cpu_matmuls or pack_cpu_weights
 
     def load_weight(self, name: str, loaded: torch.Tensor, shard: object = None) -> None:
         target = self.weight if name == "weight" else self.bias

@@ -1,0 +1,115 @@
+"""The packed native matmul (native/gemm.cpp) agrees with torch's, packing
+keeps tied embeddings and every layer computing the same values, and greedy
+outputs are the same with the weights packed or left to BLAS."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import aioserve.layers.cpu_matmul as cpu_matmul_module
+from aioserve import LLM, SamplingParams
+from aioserve.layers.cpu_matmul import is_packed, pack_cpu_weights, packed_rows
+from aioserve.layers.embedding import ParallelLMHead, VocabParallelEmbedding
+from aioserve.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
+from aioserve.native import cpu_kernels
+
+pytestmark = pytest.mark.skipif(cpu_kernels() is None, reason="native kernels could not be built here")
+
+HALF = (torch.bfloat16, torch.float16)
+
+
+@pytest.mark.parametrize("x_dtype,w_dtype", [(torch.float32, torch.float32), (torch.float32, torch.bfloat16),
+                                             (torch.float32, torch.float16), (torch.bfloat16, torch.bfloat16)])
+@pytest.mark.parametrize("n,k", [(1, 1), (33, 17), (64, 96), (300, 130)])
+@pytest.mark.parametrize("rows", [0, 1, 5, 16, 77])
+def test_packed_linear_matches_torch(x_dtype, w_dtype, n, k, rows) -> None:
+    kernels = cpu_kernels()
+    generator = torch.Generator().manual_seed(n * 1000 + k + rows)
+    weight = torch.randn(n, k, generator=generator).to(w_dtype)
+    bias = torch.randn(n, generator=generator)
+    x = torch.randn(rows, k, generator=generator).to(x_dtype)
+    packed = kernels.pack_linear_weight(weight)
+    assert packed.dtype == w_dtype  # half weights stay half in memory
+    # The reference: float32 math on the same (exactly widened) values.
+    expected = F.linear(x.float(), weight.float(), bias)
+    out = kernels.packed_linear(x, packed, bias, n)
+    assert out.dtype == x_dtype and out.shape == (rows, n)
+    tolerance = 1e-5 if x_dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(out.float(), expected, rtol=tolerance, atol=tolerance * max(1.0, k**0.5))
+    torch.testing.assert_close(kernels.packed_linear(x, packed, None, n).float(), expected - bias,
+                               rtol=tolerance, atol=tolerance * max(1.0, k**0.5))
+
+
+def test_a_row_does_not_depend_on_its_batch() -> None:
+    kernels = cpu_kernels()
+    weight, x = torch.randn(200, 64), torch.randn(40, 64)
+    packed = kernels.pack_linear_weight(weight)
+    together = kernels.packed_linear(x, packed, None, 200)
+    for i in (0, 7, 39):
+        assert torch.equal(kernels.packed_linear(x[i : i + 1], packed, None, 200)[0], together[i])
+
+
+def test_bad_arguments_are_refused() -> None:
+    kernels = cpu_kernels()
+    packed = kernels.pack_linear_weight(torch.randn(40, 8))
+    with pytest.raises(RuntimeError, match="features"):
+        kernels.packed_linear(torch.randn(2, 9), packed, None, 40)
+    with pytest.raises(RuntimeError, match="bad N"):
+        kernels.packed_linear(torch.randn(2, 8), packed, None, 4000)
+    with pytest.raises(RuntimeError, match="pack_linear_weight"):
+        kernels.packed_linear(torch.randn(2, 8), torch.randn(40, 8), None, 40)
+
+
+def test_packing_keeps_every_layer_and_a_tied_embedding_equal() -> None:
+    torch.manual_seed(1)
+    embed = VocabParallelEmbedding(500, 64)
+    embed.weight.data.normal_()
+    head = ParallelLMHead(500, 64)
+    head.tie_to(embed)
+    qkv = QKVParallelLinear(64, 16, 4, 2, bias=True)
+    up = MergedColumnParallelLinear(64, [96, 96])
+    down = RowParallelLinear(192, 64)
+    for module in (qkv, up, down):
+        module.weight.data.normal_()
+    qkv.bias.data.normal_()
+    ids = torch.tensor([3, 499, 0, 42, 33])
+    x, h = torch.randn(5, 64), torch.randn(5, 192)
+    before = (embed(ids), head(x), qkv(x), up(x), down(h), up(x[None]))
+    assert pack_cpu_weights([head, qkv, up, down])
+    assert head.weight is embed.weight and is_packed(head.weight)  # still one tensor, packed once
+    after = (embed(ids), head(x), qkv(x), up(x), down(h), up(x[None]))
+    assert torch.equal(before[0], after[0])  # lookups read the packed rows exactly
+    for a, b in zip(before[1:], after[1:]):
+        assert a.shape == b.shape
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-4)
+
+
+def test_half_storage_packs_rounded_weights_exactly() -> None:
+    layer = RowParallelLinear(48, 40)
+    layer.weight.data.copy_(torch.randn(40, 48).to(torch.bfloat16))  # float32 holding bf16 values
+    weight, x = layer.weight.data.clone(), torch.randn(3, 48)
+    before = layer(x)
+    assert pack_cpu_weights([layer], torch.bfloat16)
+    assert layer.weight.dtype == torch.bfloat16  # half the bytes to read
+    assert torch.equal(packed_rows(layer.weight, torch.arange(40)).float(), weight)
+    torch.testing.assert_close(layer(x), before, rtol=1e-5, atol=1e-4)
+
+
+def test_greedy_outputs_equal_packed_or_blas(tiny_checkpoints: dict[str, Path], monkeypatch) -> None:
+    params = SamplingParams(max_tokens=30, temperature=0, ignore_eos=True)
+    prompts = ["Once upon a time there was a little robot", "The quick brown fox", "a"]
+    for arch in ("llama", "qwen3"):  # qwen3's tiny checkpoint ties its embeddings
+        packed = LLM(str(tiny_checkpoints[arch]), page_size=4, device="cpu")
+        assert is_packed(packed.engine.model.lm_head.weight)
+        packed_out = [o.token_ids for o in packed.generate(prompts, params)]
+        packed.close()
+        with monkeypatch.context() as patch:
+            patch.setattr(cpu_matmul_module, "cpu_kernels", lambda wait=True: None)
+            blas = LLM(str(tiny_checkpoints[arch]), page_size=4, device="cpu")
+        assert not is_packed(blas.engine.model.lm_head.weight)
+        assert [o.token_ids for o in blas.generate(prompts, params)] == packed_out
+        blas.close()
