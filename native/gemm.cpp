@@ -13,6 +13,12 @@
 //
 // Every output is a float32 sum over k in increasing order, whatever the
 // batch: a row's result does not depend on the rows beside it.
+//
+// On CPUs with AVX512-BF16, bf16 weights are packed in pairs along k
+// ([N / NB][K / 2][NB][2]): bf16 activations (bf16 compute) then multiply
+// two k at a time with the dot-product instruction (vdpbf16ps, twice the
+// FMA rate), and float32 activations split each pair back into two float32
+// vectors with a shift and a mask, keeping the one-k-at-a-time sum.
 
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
@@ -90,10 +96,81 @@ inline void tile(const float* __restrict x, int64_t k, const W* __restrict block
   }
 }
 
-template <typename W>
-void tile_rows(int rows, const float* x, int64_t k, const W* block, float* out) {
+#if defined(__AVX512BF16__)
+constexpr bool kPairs = true;
+
+// bf16 x (rows of k / 2 pairs, read as 32-bit words) against a pair-packed
+// block [k / 2][kBlock][2]: each instruction adds x[2i] w[2i] + x[2i+1] w[2i+1].
+template <int Rows>
+inline void tile_dot_pairs(const uint32_t* __restrict x, int64_t pairs, const at::BFloat16* __restrict block,
+                           float* __restrict out) {
+  __m512 acc[Rows][2];
+  for (int r = 0; r < Rows; ++r) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
+  for (int64_t i = 0; i < pairs; ++i) {
+    const __m512bh w0 = (__m512bh)_mm512_loadu_si512(block + i * 2 * kBlock);
+    const __m512bh w1 = (__m512bh)_mm512_loadu_si512(block + i * 2 * kBlock + 2 * kVec);
+    for (int r = 0; r < Rows; ++r) {
+      const __m512bh b = (__m512bh)_mm512_set1_epi32(static_cast<int>(x[r * pairs + i]));
+      acc[r][0] = _mm512_dpbf16_ps(acc[r][0], b, w0);
+      acc[r][1] = _mm512_dpbf16_ps(acc[r][1], b, w1);
+    }
+  }
+  for (int r = 0; r < Rows; ++r) {
+    _mm512_storeu_ps(out + r * kBlock, acc[r][0]);
+    _mm512_storeu_ps(out + r * kBlock + kVec, acc[r][1]);
+  }
+}
+
+// float32 x against a pair-packed bf16 block: the low and high halves of each
+// 32-bit word are the weights of k = 2i and 2i + 1, widened by shift and mask.
+template <int Rows>
+inline void tile_split_pairs(const float* __restrict x, int64_t k, const at::BFloat16* __restrict block,
+                             float* __restrict out) {
+  const __m512i high = _mm512_set1_epi32(static_cast<int>(0xFFFF0000u));
+  __m512 acc[Rows][2];
+  for (int r = 0; r < Rows; ++r) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
+  for (int64_t i = 0; i < k / 2; ++i) {
+    const __m512i p0 = _mm512_loadu_si512(block + i * 2 * kBlock);
+    const __m512i p1 = _mm512_loadu_si512(block + i * 2 * kBlock + 2 * kVec);
+    const __m512 even0 = _mm512_castsi512_ps(_mm512_slli_epi32(p0, 16)), odd0 = _mm512_castsi512_ps(_mm512_and_si512(p0, high));
+    const __m512 even1 = _mm512_castsi512_ps(_mm512_slli_epi32(p1, 16)), odd1 = _mm512_castsi512_ps(_mm512_and_si512(p1, high));
+    for (int r = 0; r < Rows; ++r) {
+      const __m512 a = _mm512_set1_ps(x[r * k + 2 * i]), b = _mm512_set1_ps(x[r * k + 2 * i + 1]);
+      acc[r][0] = _mm512_fmadd_ps(b, odd0, _mm512_fmadd_ps(a, even0, acc[r][0]));
+      acc[r][1] = _mm512_fmadd_ps(b, odd1, _mm512_fmadd_ps(a, even1, acc[r][1]));
+    }
+  }
+  for (int r = 0; r < Rows; ++r) {
+    _mm512_storeu_ps(out + r * kBlock, acc[r][0]);
+    _mm512_storeu_ps(out + r * kBlock + kVec, acc[r][1]);
+  }
+}
+#else
+constexpr bool kPairs = false;
+#endif
+
+// How x meets a block: plain float32 rows, or one of the pair forms.
+enum class Form { kPlain, kDotPairs, kSplitPairs };
+
+template <Form F, int Rows, typename W>
+inline void tile_form(const void* x, int64_t k, const W* block, float* out) {
+  if constexpr (F == Form::kPlain) {
+    tile<Rows>(static_cast<const float*>(x), k, block, out);
+  }
+#if defined(__AVX512BF16__)
+  if constexpr (std::is_same_v<W, at::BFloat16> && F == Form::kDotPairs) {
+    tile_dot_pairs<Rows>(static_cast<const uint32_t*>(x), k / 2, block, out);
+  }
+  if constexpr (std::is_same_v<W, at::BFloat16> && F == Form::kSplitPairs) {
+    tile_split_pairs<Rows>(static_cast<const float*>(x), k, block, out);
+  }
+#endif
+}
+
+template <Form F, typename W>
+void tile_rows(int rows, const void* x, int64_t k, const W* block, float* out) {
   switch (rows) {
-#define AIOSERVE_TILE(R) case R: if constexpr (R <= kMaxRows) { tile<R>(x, k, block, out); return; } break;
+#define AIOSERVE_TILE(R) case R: if constexpr (R <= kMaxRows) { tile_form<F, R>(x, k, block, out); return; } break;
     AIOSERVE_TILE(1) AIOSERVE_TILE(2) AIOSERVE_TILE(3) AIOSERVE_TILE(4) AIOSERVE_TILE(5) AIOSERVE_TILE(6)
     AIOSERVE_TILE(7) AIOSERVE_TILE(8) AIOSERVE_TILE(9) AIOSERVE_TILE(10) AIOSERVE_TILE(11) AIOSERVE_TILE(12)
 #undef AIOSERVE_TILE
@@ -101,21 +178,24 @@ void tile_rows(int rows, const float* x, int64_t k, const W* block, float* out) 
   TORCH_CHECK(false, "packed_linear: bad tile height ", rows);
 }
 
-template <typename X, typename W>
+template <Form F, typename X, typename W>
 void packed_linear_impl(const X* x, int64_t m, int64_t k, const W* packed, int64_t n, const float* bias, X* y) {
   const int64_t blocks = (n + kBlock - 1) / kBlock;
   const int64_t chunk_rows = std::max<int64_t>(kMaxRows, kChunkBytes / (k * 4) / kMaxRows * kMaxRows);
+  // Row r of the tile source starts x_stride 4-byte elements (floats, or bf16 pairs) after row r - 1.
+  const int64_t x_stride = F == Form::kDotPairs ? k / 2 : k;
   std::vector<float> x32;
   for (int64_t row0 = 0; row0 < m; row0 += chunk_rows) {
     const int64_t rows = std::min(chunk_rows, m - row0);
-    const float* xs;
-    if constexpr (std::is_same_v<X, float>) {
-      xs = x + row0 * k;
+    const void* xs;
+    if constexpr (F == Form::kDotPairs || std::is_same_v<X, float>) {
+      xs = x + row0 * k;  // bf16 rows read as 32-bit pairs, or float32 rows: as they are
     } else {
       x32.resize(rows * k);
       for (int64_t i = 0; i < rows * k; ++i) x32[i] = static_cast<float>(x[row0 * k + i]);
       xs = x32.data();
     }
+    const char* x_bytes = static_cast<const char*>(xs);
     // Threads take contiguous runs of blocks: each streams its own part of W.
     at::parallel_for(0, blocks, 1, [&](int64_t first, int64_t last) {
       alignas(64) float out[kMaxRows * kBlock];
@@ -124,7 +204,7 @@ void packed_linear_impl(const X* x, int64_t m, int64_t k, const W* packed, int64
         const int64_t col0 = b * kBlock, cols = std::min<int64_t>(kBlock, n - col0);
         for (int64_t r0 = 0; r0 < rows; r0 += kMaxRows) {
           const int tile_h = static_cast<int>(std::min<int64_t>(kMaxRows, rows - r0));
-          tile_rows(tile_h, xs + r0 * k, k, block, out);
+          tile_rows<F>(tile_h, x_bytes + r0 * x_stride * 4, k, block, out);
           for (int r = 0; r < tile_h; ++r) {
             X* dst = y + (row0 + r0 + r) * n + col0;
             const float* src = out + r * kBlock;
@@ -144,22 +224,28 @@ void packed_linear_impl(const X* x, int64_t m, int64_t k, const W* packed, int64
 
 int64_t gemm_block_width() { return kBlock; }
 
-// W [N, K] (any strides) -> [ceil(N / NB), K, NB] in W's dtype, zero-padded past N.
+// W [N, K] (any strides) -> [ceil(N / NB), K, NB] in W's dtype, zero-padded
+// past N; bf16 with an even K on AVX512-BF16: [ceil(N / NB), K / 2, NB, 2].
 torch::Tensor pack_linear_weight(const torch::Tensor& weight) {
   TORCH_CHECK(weight.dim() == 2, "pack_linear_weight: W must be [N, K]");
   const int64_t n = weight.size(0), k = weight.size(1), blocks = (n + kBlock - 1) / kBlock;
   auto padded = torch::zeros({blocks * kBlock, k}, weight.options());
   padded.narrow(0, 0, n).copy_(weight);
+  if (kPairs && weight.scalar_type() == at::kBFloat16 && k % 2 == 0) {
+    return padded.view({blocks, kBlock, k / 2, 2}).transpose(1, 2).contiguous();
+  }
   return padded.view({blocks, kBlock, k}).transpose(1, 2).contiguous();
 }
 
 torch::Tensor packed_linear(torch::Tensor x, const torch::Tensor& packed, const c10::optional<torch::Tensor>& bias,
                             int64_t n) {
   TORCH_CHECK(x.dim() == 2, "packed_linear: x must be [M, K]");
-  TORCH_CHECK(packed.dim() == 3 && packed.size(2) == kBlock && packed.is_contiguous(),
+  const bool pairs = packed.dim() == 4;
+  TORCH_CHECK((packed.dim() == 3 || (pairs && kPairs && packed.size(3) == 2 && packed.scalar_type() == at::kBFloat16)) &&
+                  packed.size(2) == kBlock && packed.is_contiguous(),
               "packed_linear: the weight must come from pack_linear_weight");
-  const int64_t m = x.size(0), k = x.size(1);
-  TORCH_CHECK(packed.size(1) == k, "packed_linear: x has ", k, " features, the weight ", packed.size(1));
+  const int64_t m = x.size(0), k = x.size(1), packed_k = pairs ? 2 * packed.size(1) : packed.size(1);
+  TORCH_CHECK(packed_k == k, "packed_linear: x has ", k, " features, the weight ", packed_k);
   TORCH_CHECK(n > 0 && n <= packed.size(0) * kBlock && n > (packed.size(0) - 1) * kBlock, "packed_linear: bad N");
   x = x.contiguous();
   auto y = torch::empty({m, n}, x.options());
@@ -173,10 +259,17 @@ torch::Tensor packed_linear(torch::Tensor x, const torch::Tensor& packed, const 
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "packed_linear_x", [&] {
     using X = scalar_t;
     AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, packed.scalar_type(), "packed_linear_w", [&] {
-      if constexpr (std::is_same_v<scalar_t, double> || std::is_same_v<X, double>) {
+      using W = scalar_t;
+      if constexpr (std::is_same_v<W, double> || std::is_same_v<X, double>) {
         TORCH_CHECK(false, "packed_linear: float64 is not supported");
-      } else {
-        packed_linear_impl<X, scalar_t>(x.data_ptr<X>(), m, k, packed.data_ptr<scalar_t>(), n, b, y.data_ptr<X>());
+      } else if (!pairs) {
+        packed_linear_impl<Form::kPlain, X, W>(x.data_ptr<X>(), m, k, packed.data_ptr<W>(), n, b, y.data_ptr<X>());
+      } else if constexpr (std::is_same_v<W, at::BFloat16>) {
+        if constexpr (std::is_same_v<X, at::BFloat16>) {
+          packed_linear_impl<Form::kDotPairs, X, W>(x.data_ptr<X>(), m, k, packed.data_ptr<W>(), n, b, y.data_ptr<X>());
+        } else {
+          packed_linear_impl<Form::kSplitPairs, X, W>(x.data_ptr<X>(), m, k, packed.data_ptr<W>(), n, b, y.data_ptr<X>());
+        }
       }
     });
   });

@@ -17,7 +17,7 @@ When the native kernels are built (aioserve/native.py), none of that is
 needed: every weight is packed once into column blocks (native/gemm.cpp) and
 multiplied by one kernel at every row count, 1.3-3x faster than the best
 BLAS form for 1-16 rows in a decode step and within 10% of it for prefill.
-The packed tensor replaces the weight's data ([blocks, in, block], see
+The packed tensor replaces the weight's data (see `is_packed`, and
 `packed_rows` for a tied embedding's lookups), in the checkpoint's width:
 bf16 weights computed in float32 are read as bf16 and widened in registers.
 """
@@ -35,7 +35,7 @@ from pathlib import Path
 
 import torch
 
-from aioserve.cpu_info import cpu_flags_line
+from aioserve.cpu_info import cpu_flags, cpu_flags_line
 from aioserve.native import cpu_kernels
 
 logger = logging.getLogger(__name__)
@@ -44,6 +44,9 @@ ROW_BUCKETS = (1, 4, 16, 64)  # row counts timed; a batch uses the nearest one a
 MAX_TUNED_ROWS = 96  # past this, prefill-sized: the untuned form
 LARGE_WEIGHT_BYTES = 64 << 20  # past this, only the stored order is timed (see choose)
 TIME_PER_CASE_S = 0.01  # timing budget of one (storage, form, rows) case, after a warm-up call
+
+
+AMX_FLAGS = frozenset({"amx_bf16", "amx_fp16"})
 
 
 def times_weight_t(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
@@ -86,13 +89,14 @@ class MatmulChoice:
 
 
 def is_packed(weight: torch.Tensor) -> bool:
-    return weight.dim() == 3
+    """[blocks, in, block], or [blocks, in / 2, block, 2] (bf16 in k pairs)."""
+    return weight.dim() >= 3
 
 
 def packed_rows(weight: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
     """Rows `ids` of a packed weight, [len(ids), in]: a tied embedding's lookup."""
     block = weight.shape[2]
-    return weight[ids // block, :, ids % block]
+    return weight[ids // block, :, ids % block].reshape(*ids.shape, -1)
 
 
 def cpu_matmul(
@@ -220,8 +224,11 @@ def pack_cpu_weights(modules: Iterable[torch.nn.Module], storage_dtype: torch.dt
     values were rounded to: they are packed in it, exactly, and read at its
     width. A weight shared by two modules is packed once."""
     kernels = cpu_kernels(wait=False)
-    if kernels is None:
+    modules = list(modules)
+    if kernels is None or not modules:
         return False
+    if modules[0].weight.dtype != torch.float32 and AMX_FLAGS & cpu_flags():
+        return False  # half math on AMX tiles: oneDNN's kernels are far faster than these
     started = time.perf_counter()
     features: dict[int, int] = {}  # id(weight) -> its row count before packing
     with torch.inference_mode():
