@@ -30,13 +30,49 @@ inline void axpy(float w, const T* __restrict x, float* __restrict y, int64_t n)
   for (int64_t i = 0; i < n; ++i) y[i] += w * to_float(x[i]);
 }
 
+// One request's positions [begin, end) against all its query heads. Each
+// position's keys (then values) for every head are one contiguous row of the
+// cache, read once: walking head by head re-read each row's cache lines from
+// memory once per head, and a step's KV (not in cache: the weights pass
+// through it between layers) came in at a fifth of the memory bandwidth.
+// Leaves, per head, the running max, the sum of exp(score - max) and the
+// unnormalized sum of weighted values, so that chunks of one sequence can be
+// merged.
+template <typename KV>
+void attend_span(const float* q, const KV* kp, const KV* vp, const int32_t* pages, int64_t page_size, int64_t begin,
+                 int64_t end, int64_t num_heads, int64_t num_kv_heads, int64_t dim, float* maxes, float* sums,
+                 float* acc, std::vector<float>& scores) {
+  const int64_t group = num_heads / num_kv_heads, kv_stride = num_kv_heads * dim, n = end - begin;
+  scores.resize(n * num_heads);
+  std::fill(maxes, maxes + num_heads, -std::numeric_limits<float>::infinity());
+  for (int64_t j = 0; j < n; ++j) {
+    const int64_t pos = begin + j;
+    const KV* keys = kp + (static_cast<int64_t>(pages[pos / page_size]) * page_size + pos % page_size) * kv_stride;
+    for (int64_t h = 0; h < num_heads; ++h) {
+      const float s = dot(q + h * dim, keys + (h / group) * dim, dim);
+      scores[j * num_heads + h] = s;
+      maxes[h] = std::max(maxes[h], s);
+    }
+  }
+  std::fill(sums, sums + num_heads, 0.f);
+  std::fill(acc, acc + num_heads * dim, 0.f);
+  for (int64_t j = 0; j < n; ++j) {
+    const int64_t pos = begin + j;
+    const KV* values = vp + (static_cast<int64_t>(pages[pos / page_size]) * page_size + pos % page_size) * kv_stride;
+    for (int64_t h = 0; h < num_heads; ++h) {
+      const float w = std::exp(scores[j * num_heads + h] - maxes[h]);
+      sums[h] += w;
+      axpy(w, values + (h / group) * dim, acc + h * dim, dim);
+    }
+  }
+}
+
 template <typename T, typename KV>
 void decode_attention_impl(const torch::Tensor& q, const torch::Tensor& k_cache, const torch::Tensor& v_cache,
                            const torch::Tensor& page_table, const torch::Tensor& seq_lens, int64_t page_size,
                            double scale, int64_t window, torch::Tensor& out) {
   const int64_t batch = q.size(0), num_heads = q.size(1), dim = q.size(2);
   const int64_t num_kv_heads = k_cache.size(1);
-  const int64_t group = num_heads / num_kv_heads;
   const int64_t pages_per_row = page_table.size(1);
   const T* qp = q.data_ptr<T>();
   const KV* kp = k_cache.data_ptr<KV>();
@@ -44,49 +80,58 @@ void decode_attention_impl(const torch::Tensor& q, const torch::Tensor& k_cache,
   const int32_t* pt = page_table.data_ptr<int32_t>();
   const int64_t* lens = seq_lens.data_ptr<int64_t>();
   T* op = out.data_ptr<T>();
-  const int64_t kv_stride = num_kv_heads * dim;  // between consecutive slots
 
-  at::parallel_for(0, batch * num_kv_heads, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> qf(group * dim), acc(group * dim), scores, maxes(group), sums(group);
-    for (int64_t task = begin; task < end; ++task) {
-      const int64_t b = task / num_kv_heads, h = task % num_kv_heads;
+  // Few requests would leave threads idle: split each sequence into chunks
+  // (at least kMinChunk positions each) and merge their partial softmaxes.
+  constexpr int64_t kMinChunk = 64;
+  const int64_t threads = at::get_num_threads();
+  int64_t longest = 0;
+  for (int64_t b = 0; b < batch; ++b) longest = std::max(longest, lens[b]);
+  const int64_t wanted = batch >= 2 * threads ? 1 : (2 * threads + batch - 1) / batch;
+  const int64_t splits = std::max<int64_t>(1, std::min(wanted, longest / kMinChunk));
+  const int64_t row = num_heads * (dim + 2);  // one chunk's partial result: acc, max, sum per head
+  std::vector<float> partials(batch * splits * row);
+
+  at::parallel_for(0, batch * splits, 1, [&](int64_t first_task, int64_t last_task) {
+    std::vector<float> qf(num_heads * dim), scores;
+    for (int64_t task = first_task; task < last_task; ++task) {
+      const int64_t b = task / splits, split = task % splits;
       const int64_t len = lens[b];
       const int64_t first = window > 0 ? std::max<int64_t>(0, len - window) : 0;
-      const int64_t n = len - first;
-      for (int64_t g = 0; g < group; ++g)
-        for (int64_t d = 0; d < dim; ++d)
-          qf[g * dim + d] = to_float(qp[(b * num_heads + h * group + g) * dim + d]) * static_cast<float>(scale);
-      scores.assign(n * group, 0.f);
-      std::fill(maxes.begin(), maxes.end(), -std::numeric_limits<float>::infinity());
-      for (int64_t j = 0; j < n; ++j) {
-        const int64_t pos = first + j;
-        const int64_t slot = static_cast<int64_t>(pt[b * pages_per_row + pos / page_size]) * page_size + pos % page_size;
-        const KV* key = kp + slot * kv_stride + h * dim;
-        for (int64_t g = 0; g < group; ++g) {
-          const float s = dot(&qf[g * dim], key, dim);
-          scores[j * group + g] = s;
-          maxes[g] = std::max(maxes[g], s);
-        }
+      const int64_t per = (len - first + splits - 1) / splits;
+      const int64_t begin = std::min(len, first + split * per), end = std::min(len, begin + per);
+      float* part = partials.data() + task * row;
+      float *acc = part, *maxes = part + num_heads * dim, *sums = maxes + num_heads;
+      if (begin >= end) {  // an empty chunk: contributes nothing to the merge
+        std::fill(maxes, maxes + num_heads, -std::numeric_limits<float>::infinity());
+        std::fill(sums, sums + num_heads, 0.f);
+        std::fill(acc, acc + num_heads * dim, 0.f);
+        continue;
       }
-      std::fill(sums.begin(), sums.end(), 0.f);
-      for (int64_t j = 0; j < n; ++j)
-        for (int64_t g = 0; g < group; ++g) {
-          const float w = std::exp(scores[j * group + g] - maxes[g]);
-          scores[j * group + g] = w;
-          sums[g] += w;
-        }
-      std::fill(acc.begin(), acc.end(), 0.f);
-      for (int64_t j = 0; j < n; ++j) {
-        const int64_t pos = first + j;
-        const int64_t slot = static_cast<int64_t>(pt[b * pages_per_row + pos / page_size]) * page_size + pos % page_size;
-        const KV* value = vp + slot * kv_stride + h * dim;
-        for (int64_t g = 0; g < group; ++g) axpy(scores[j * group + g], value, &acc[g * dim], dim);
+      for (int64_t i = 0; i < num_heads * dim; ++i) qf[i] = to_float(qp[b * num_heads * dim + i]) * static_cast<float>(scale);
+      attend_span(qf.data(), kp, vp, pt + b * pages_per_row, page_size, begin, end, num_heads, num_kv_heads, dim, maxes,
+                  sums, acc, scores);
+    }
+  });
+  // Merge each request's chunks: rescale every chunk to the overall max.
+  at::parallel_for(0, batch * num_heads, 16, [&](int64_t first, int64_t last) {
+    std::vector<float> merged(dim);
+    for (int64_t task = first; task < last; ++task) {
+      const int64_t b = task / num_heads, h = task % num_heads;
+      float top = -std::numeric_limits<float>::infinity();
+      for (int64_t s = 0; s < splits; ++s) top = std::max(top, partials[(b * splits + s) * row + num_heads * dim + h]);
+      float total = 0.f;
+      std::fill(merged.begin(), merged.end(), 0.f);
+      for (int64_t s = 0; s < splits; ++s) {
+        const float* part = partials.data() + (b * splits + s) * row;
+        const float chunk_max = part[num_heads * dim + h];
+        if (chunk_max == -std::numeric_limits<float>::infinity()) continue;
+        const float factor = splits == 1 ? 1.f : std::exp(chunk_max - top);
+        total += part[num_heads * dim + num_heads + h] * factor;
+        axpy(factor, part + h * dim, merged.data(), dim);
       }
-      for (int64_t g = 0; g < group; ++g) {
-        const float inv = 1.f / sums[g];
-        T* dst = op + (b * num_heads + h * group + g) * dim;
-        for (int64_t d = 0; d < dim; ++d) dst[d] = static_cast<T>(acc[g * dim + d] * inv);
-      }
+      T* dst = op + (b * num_heads + h) * dim;
+      for (int64_t d = 0; d < dim; ++d) dst[d] = static_cast<T>(merged[d] / total);
     }
   });
 }

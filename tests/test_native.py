@@ -48,6 +48,27 @@ def test_kernel_matches_torch(dtype, kv_dtype, heads, kv_heads, page_size, windo
     torch.testing.assert_close(native, reference, atol=tolerance, rtol=tolerance)
 
 
+@pytest.mark.parametrize("lens,window", [([300], None), ([1000], 200), ([129, 64, 1], None), ([700, 3], 500)])
+def test_kernel_splits_few_long_sequences(lens, window) -> None:
+    """Fewer requests than threads x 2: each sequence is cut into chunks whose
+    partial softmaxes are merged; the result is the same attention."""
+    generator = torch.Generator().manual_seed(len(lens))
+    page_size, heads, kv_heads, dim = 16, 8, 2, 32
+    pool = KVPool(1, 200, page_size, kv_heads, dim, torch.float32, torch.device("cpu"))
+    pool.buffer[:, :, page_size:].normal_(generator=generator)
+    plan = decode_plan(lens, page_size, 200, generator)
+    q = torch.randn(len(lens), heads, dim, generator=generator)
+    k, v = torch.randn(2, len(lens), kv_heads, dim, generator=generator)
+    previous = torch.get_num_threads()
+    torch.set_num_threads(4)  # splits follow the thread count
+    try:
+        native = TorchNativeBackend(pool, use_native=True).prepare(plan, plan).attend(0, q, k, v, dim**-0.5, window)
+    finally:
+        torch.set_num_threads(previous)
+    reference = TorchNativeBackend(pool, use_native=False).prepare(plan, plan).attend(0, q, k, v, dim**-0.5, window)
+    torch.testing.assert_close(native, reference, atol=1e-5, rtol=1e-5)
+
+
 def test_greedy_outputs_equal_with_and_without_the_kernel(tiny_checkpoints: dict[str, Path]) -> None:
     path = tiny_checkpoints["mistral"]  # sliding window on every layer
     params = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)

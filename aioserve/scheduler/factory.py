@@ -12,7 +12,7 @@ from collections.abc import Callable
 
 from aioserve.config import EngineConfig
 from aioserve.engine.engine import Engine
-from aioserve.engine.executor import create_executor
+from aioserve.engine.executor import start_executor
 from aioserve.engine.tp_leader import TPLeader
 from aioserve.engine.tp_world import is_distributed
 from aioserve.scheduler.scheduler import ModelFacts, Scheduler
@@ -34,12 +34,12 @@ def build_scheduler(
     """`on_tp_failure(reason)` is called (from another thread) when a
     tensor-parallel rank dies or a step fails: the group cannot go on."""
     if not is_distributed(config):
-        engine = Engine(config)
-        return engine, Scheduler(config, model_facts(engine), create_executor(engine))
+        engine, executor = start_executor(config)
+        return engine, Scheduler(config, model_facts(engine), executor)
     leader = TPLeader(config, on_tp_failure)
     try:
-        engine = Engine(leader.rank_config)
+        engine, executor = start_executor(leader.rank_config, leader)
     except BaseException:
         leader.close()
         raise
-    return engine, Scheduler(config, model_facts(engine), create_executor(engine, leader))
+    return engine, Scheduler(config, model_facts(engine), executor)
