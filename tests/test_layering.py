@@ -21,7 +21,7 @@ RANKS: dict[str, float] = {
     "kvcache": 3,
     "layers": 2, "native": 1.5,
     "distributed": 1,
-    "config": 0, "cpu_info": 0, "sampling_params": 0, "batch_plan": 0, "placeholders": 0,
+    "config": 0, "cpu_info": 0, "openmp": 0, "sampling_params": 0, "batch_plan": 0, "placeholders": 0,
 }
 
 

@@ -8,11 +8,9 @@ next plan at once.
 * CPU: one dedicated forward thread. torch ops release the GIL, so the loop
   keeps serving HTTP and preparing the next plan meanwhile. The engine is
   built on that thread too (`start_executor`), so that it is the only thread
-  with an OpenMP team: libgomp counts every team's threads, and once they
-  outnumber the cores (the loading thread's team kept alive beside the
-  forward thread's) its idle workers stop spinning and sleep, and each
-  parallel region waits for a wake-up. That made a tiny-llama decode step
-  at 16 requests 11 ms instead of 7 on 2 cores.
+  with an OpenMP team (see aioserve/openmp.py: the loading thread's team,
+  left alive beside the forward thread's, made a tiny-llama decode step at
+  16 requests 11 ms instead of 7 on 2 cores).
 * CUDA: a launcher thread enqueues each step on the engine's own stream and
   records an event after the device-to-host copies; a waiter thread blocks
   on that event. Launching step N+1 does not wait for step N to finish.

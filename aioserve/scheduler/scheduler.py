@@ -18,18 +18,15 @@ afresh, so the server keeps serving and no consumer waits forever.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 from collections import deque
-from collections.abc import Iterator
 from dataclasses import dataclass
-
-import torch
 
 from aioserve.batch_plan import StepOutput
 from aioserve.config import EngineConfig
 from aioserve.engine.executor import StepExecutor
 from aioserve.kvcache.manager import KVManager
+from aioserve.openmp import this_thread_single_threaded
 from aioserve.scheduler.client import SchedulerInfo
 from aioserve.scheduler.output_processor import OutputProcessor
 from aioserve.scheduler.plan_builder import ScheduledStep
@@ -207,7 +204,7 @@ class Scheduler:
     async def run(self, until_idle: bool = False) -> None:
         """Schedule and execute steps until stop() (or, with until_idle, until
         nothing is left to do)."""
-        with _torch_on_one_thread():
+        with this_thread_single_threaded():  # the loop's thread: see aioserve/openmp.py
             await self._run(until_idle)
 
     async def _run(self, until_idle: bool) -> None:
@@ -314,19 +311,3 @@ class Scheduler:
             stats.last_prefill_tokens = step.num_prefill_tokens
         return step
 
-
-@contextlib.contextmanager
-def _torch_on_one_thread() -> Iterator[None]:
-    """The loop thread's own torch ops (building plans) run on one thread.
-    A parallel op there (repeat_interleave over a plan's rows was one) gave
-    this thread an OpenMP team beside the forward thread's, and once libgomp's
-    threads outnumber the cores its idle workers sleep instead of spinning:
-    every parallel region of a step then waits for a wake-up (tiny-llama, 16
-    requests, 2 cores: 7 -> 13 ms a step). The forward thread set its own
-    count when it built the engine and keeps it."""
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(previous)

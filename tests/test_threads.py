@@ -1,0 +1,47 @@
+"""The forward thread keeps its thread count while the event loop's thread
+runs its own torch ops on one thread, and serving leaves no OpenMP team on
+the loop's thread (see aioserve/openmp.py for why either would cost a CPU
+step half its speed)."""
+
+from __future__ import annotations
+
+import os
+import threading
+from pathlib import Path
+
+import torch
+
+from aioserve import LLM, SamplingParams
+from aioserve.openmp import this_thread_single_threaded
+
+
+def _threads() -> int:
+    return len(os.listdir("/proc/self/task"))
+
+
+def test_the_loop_thread_is_single_threaded_only_for_itself() -> None:
+    before = torch.get_num_threads()
+    seen: list[int] = []
+    with this_thread_single_threaded():
+        inside = torch.get_num_threads()
+        worker = threading.Thread(target=lambda: seen.append(torch.get_num_threads()))
+        worker.start()
+        worker.join()
+    assert torch.get_num_threads() == before
+    if before > 1 and inside == 1:  # an OpenMP runtime was found (Linux builds of torch)
+        assert seen == [before]  # another thread is untouched
+
+
+def test_serving_keeps_the_forward_threads_count(tiny_checkpoints: dict[str, Path]) -> None:
+    wanted = torch.get_num_threads()
+    llm = LLM(str(tiny_checkpoints["llama"]), page_size=4, device="cpu")
+    forward = llm.scheduler.executor._thread  # the thread every step runs on
+    prompts = [[5 + i] * 40 for i in range(24)]  # enough rows for ops that go parallel
+    llm.generate(prompts, SamplingParams(max_tokens=4, ignore_eos=True))
+    threads = _threads()
+    for _ in range(2):
+        llm.generate(prompts, SamplingParams(max_tokens=4, ignore_eos=True))
+    assert forward.submit(torch.get_num_threads).result() == wanted
+    assert torch.get_num_threads() == wanted  # the caller's setting is given back
+    assert _threads() == threads  # no new OpenMP team anywhere
+    llm.close()
