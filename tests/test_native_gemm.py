@@ -10,6 +10,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+import aioserve.engine.engine as engine_module
 import aioserve.layers.cpu_matmul as cpu_matmul_module
 from aioserve import LLM, SamplingParams
 from aioserve.layers.cpu_matmul import is_packed, pack_cpu_weights, packed_rows
@@ -113,3 +114,22 @@ def test_greedy_outputs_equal_packed_or_blas(tiny_checkpoints: dict[str, Path], 
         assert not is_packed(blas.engine.model.lm_head.weight)
         assert [o.token_ids for o in blas.generate(prompts, params)] == packed_out
         blas.close()
+
+
+def test_a_start_before_the_kernels_are_built_packs_once_they_are(tiny_checkpoints: dict[str, Path], monkeypatch) -> None:
+    """A first start serves with BLAS while the kernels build in the
+    background, then packs its weights between two steps."""
+    params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+    prompts = ["Once upon a time", "The quick brown fox"]
+    building = lambda wait=True: None  # noqa: E731
+    monkeypatch.setattr(cpu_matmul_module, "cpu_kernels", building)
+    monkeypatch.setattr(engine_module, "cpu_kernels", building)
+    llm = LLM(str(tiny_checkpoints["qwen3"]), page_size=4, device="cpu")
+    head = llm.engine.model.lm_head
+    blas = [o.token_ids for o in llm.generate(prompts, params)]
+    assert not is_packed(head.weight)
+    monkeypatch.setattr(cpu_matmul_module, "cpu_kernels", cpu_kernels)
+    monkeypatch.setattr(engine_module, "cpu_kernels", cpu_kernels)  # the build is done
+    assert [o.token_ids for o in llm.generate(prompts, params)] == blas
+    assert is_packed(head.weight) and head.matmul_choice.packed_features is not None
+    llm.close()

@@ -28,6 +28,7 @@ from aioserve.kvcache.kv_pool import RESERVED_PAGES, KVPool
 from aioserve.models.model_config import ModelConfig
 from aioserve.models.source import resolve_model_path
 from aioserve.models.weight_loader import build_model
+from aioserve.native import cpu_kernels
 from aioserve.placeholders import PreviousStepTokens
 
 logger = logging.getLogger(__name__)
@@ -65,12 +66,16 @@ class Engine:
             self.model_config, self.model_path, self.dtype, self.device, config.load_format, config.seed,
             round_to=self.weight_dtype,
         )
+        # CPU weights waiting to be packed for the native matmul: a first
+        # start serves with BLAS (tuned) while the kernels build, and packs
+        # them at the first step after they are in.
+        self._unpacked: list[torch.nn.Module] = []
         if self.device.type == "cpu":
-            # The native kernel when it is built (a first start is still
-            # building it: BLAS, tuned, serves that one).
             matmuls = [m for m in self.model.modules() if hasattr(m, "matmul_choice")]
-            if not pack_cpu_weights(matmuls, self.weight_dtype) and config.cpu_matmul_tuning:
-                tune_cpu_matmuls(matmuls)
+            if not pack_cpu_weights(matmuls, self.weight_dtype):
+                self._unpacked = matmuls
+                if config.cpu_matmul_tuning:
+                    tune_cpu_matmuls(matmuls)
         self.page_size = config.page_size
         # Free memory differs between ranks: every rank takes the smallest
         # pool any of them can hold, so one page id means one page everywhere.
@@ -164,6 +169,10 @@ class Engine:
             raise
 
     def _launch(self, plan: BatchPlan) -> StepOutput:
+        # Between steps, on the thread that runs them: nothing else reads the weights.
+        if self._unpacked and cpu_kernels(wait=False) is not None:
+            pack_cpu_weights(self._unpacked, self.weight_dtype)
+            self._unpacked = []
         host_plan, plan = plan, plan.to(self.device)
         input_ids = self.previous.resolve(plan.step, plan.input_ids, host_plan.input_ids)
         meta = self.attention.prepare(plan, host_plan)
