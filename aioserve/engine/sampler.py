@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import torch
 
 from aioserve.batch_plan import SamplingTensors
+from aioserve.layers.native_elementwise import elementwise_kernels
 
 
 @dataclass
@@ -154,15 +155,22 @@ def sample(logits: torch.Tensor, st: SamplingTensors) -> SamplerOutput:
     # The grammar mask comes after bias and penalties, so top-k, top-p and
     # min-p choose among the tokens the grammar allows.
     adjusted = apply_grammar(adjust_logits(logits, st), st)
-    token_ids = adjusted.argmax(dim=-1)
     # One reduction over the raw logits is needed anyway; it also says whether
     # they are finite (a NaN or a +inf makes it NaN or inf; a -inf logit is
     # just a token that cannot be chosen). Without logprobs wanted, the max
     # does for it, at a fraction of logsumexp's cost.
-    if st.wants_logprobs:
-        normalizer = torch.logsumexp(logits, dim=-1, keepdim=True)
+    kernels = elementwise_kernels() if logits.is_cpu else None
+    if kernels is not None and adjusted is logits and not st.wants_logprobs:
+        # The max and the argmax of unadjusted logits in one native pass
+        # (torch's CPU argmax alone took 4x the amax).
+        normalizer, token_ids = kernels.row_max_argmax(logits)
+        normalizer = normalizer[:, None]
     else:
-        normalizer = logits.amax(dim=-1, keepdim=True)
+        token_ids = adjusted.argmax(dim=-1)
+        if st.wants_logprobs:
+            normalizer = torch.logsumexp(logits, dim=-1, keepdim=True)
+        else:
+            normalizer = logits.amax(dim=-1, keepdim=True)
     # Greedy rows need a finite best choice (-inf everywhere: nothing allowed).
     usable = normalizer.squeeze(1).isfinite() & adjusted.gather(1, token_ids[:, None]).squeeze(1).isfinite()
     if not st.all_greedy:

@@ -5,7 +5,12 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from aioserve.layers.native_elementwise import elementwise_kernels
+
 
 def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    kernels = elementwise_kernels() if gate_up.is_cpu else None
+    if kernels is not None:
+        return kernels.silu_and_mul(gate_up)
     gate, up = gate_up.chunk(2, dim=-1)
     return F.silu(gate) * up

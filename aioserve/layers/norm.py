@@ -1,11 +1,13 @@
 """RMSNorm, computed in float32 like Hugging Face's, optionally fused with
-the residual add that precedes it."""
+the residual add that precedes it. On CPU, one native kernel does both."""
 
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from aioserve.layers.native_elementwise import elementwise_kernels
 
 
 class RMSNorm(nn.Module):
@@ -30,7 +32,13 @@ class RMSNorm(nn.Module):
     def forward(
         self, x: torch.Tensor, residual: torch.Tensor | None = None
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-        """norm(x), or with a residual: (norm(x + residual), x + residual)."""
+        """norm(x), or with a residual: (norm(x + residual), x + residual).
+        On CPU with the native kernels, x + residual is written into
+        `residual` itself (the caller's old residual is not needed again)."""
+        kernels = elementwise_kernels() if x.is_cpu else None
+        if kernels is not None:
+            out = kernels.rms_norm(x, residual, self.weight, self.eps)
+            return out if residual is None else (out, residual)
         if residual is None:
             return self._norm(x)
         summed = x + residual

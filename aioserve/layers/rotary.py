@@ -13,6 +13,8 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
+from aioserve.layers.native_elementwise import elementwise_kernels
+
 
 @dataclass
 class RopeScaling:
@@ -106,7 +108,12 @@ class RotaryEmbedding(nn.Module):
     def forward(
         self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Rotate q [T, Hq, D] and k [T, Hk, D] by their token's position."""
+        """Rotate q [T, Hq, D] and k [T, Hk, D] by their token's position.
+        On CPU with the native kernels, in place: q and k are returned rotated."""
+        kernels = elementwise_kernels() if q.is_cpu else None
+        if kernels is not None:
+            kernels.rotary_embedding(positions, q, k, self.cos_cache, self.sin_cache)
+            return q, k
         cos, sin = self._cos_sin(positions, q.dtype)
         return q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin
 

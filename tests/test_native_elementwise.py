@@ -1,0 +1,198 @@
+"""The native elementwise kernels (native/elementwise.cpp) agree with their
+torch twins, and greedy outputs are the same with and without them."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from aioserve import LLM, SamplingParams
+from aioserve.engine.sampler import sample
+from aioserve.kvcache.kv_pool import KVPool
+from aioserve.layers import native_elementwise
+from aioserve.layers.activation import silu_and_mul
+from aioserve.layers.norm import RMSNorm
+from aioserve.layers.rotary import RopeScaling, RotaryEmbedding
+from aioserve.native import cpu_kernels
+from test_sampler import tensors
+
+pytestmark = pytest.mark.skipif(cpu_kernels() is None, reason="native kernels could not be built here")
+
+HALF = [torch.bfloat16, torch.float16]
+DTYPES = [torch.float32, *HALF]
+
+
+@pytest.fixture
+def twin(monkeypatch: pytest.MonkeyPatch):
+    """Calls a function with the native elementwise kernels switched off."""
+
+    def call(fn, *args):
+        with monkeypatch.context() as patch:
+            patch.setattr(native_elementwise, "ENABLED", False)
+            return fn(*args)
+
+    return call
+
+
+def assert_matches(native: torch.Tensor, reference: torch.Tensor, rounded_to: torch.dtype | None = None) -> None:
+    """float32 to float32 rounding; what was rounded to half precision on the
+    way (`rounded_to`, by default the result's dtype) to one unit in its last
+    place on a few elements (a float32 sum in another order can round a value
+    to the neighbouring half-precision number)."""
+    assert native.dtype == reference.dtype and native.shape == reference.shape
+    if (rounded_to or native.dtype) == torch.float32:
+        torch.testing.assert_close(native, reference, rtol=1e-6, atol=1e-6)
+        return
+    torch.testing.assert_close(native, reference, rtol=1e-2, atol=1e-2)
+    assert (native == reference).float().mean() > 0.99
+
+
+def head_views(tokens: int, heads: int, kv_heads: int, dim: int, dtype: torch.dtype, seed: int):
+    """q, k, v as the model has them: [T, H, D] views into one fused projection."""
+    generator = torch.Generator().manual_seed(seed)
+    qkv = torch.randn(tokens, (heads + 2 * kv_heads) * dim, generator=generator).to(dtype)
+    q, k, v = qkv.split([heads * dim, kv_heads * dim, kv_heads * dim], dim=-1)
+    return q.view(tokens, heads, dim), k.view(tokens, kv_heads, dim), v.view(tokens, kv_heads, dim)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("weight_float32", [False, True])
+@pytest.mark.parametrize("shape", [(1, 288), (16, 288), (5, 67), (300, 64)])
+def test_rms_norm(twin, dtype: torch.dtype, weight_float32: bool, shape: tuple[int, int]) -> None:
+    generator = torch.Generator().manual_seed(shape[0] * 7 + shape[1])
+    norm = RMSNorm(shape[1], 1e-6)
+    norm.weight.data = (1 + torch.randn(shape[1], generator=generator) / 4).to(torch.float32 if weight_float32 else dtype)
+    x = torch.randn(shape, generator=generator).to(dtype)
+    residual = torch.randn(shape, generator=generator).to(dtype)
+    assert_matches(norm(x), twin(norm, x), dtype)
+    expected_out, expected_sum = twin(norm, x, residual)
+    out, summed = norm(x, residual.clone())
+    assert_matches(out, expected_out, dtype)
+    assert torch.equal(summed, expected_sum)
+
+
+def test_rms_norm_updates_the_residual_in_place() -> None:
+    x, residual = torch.randn(3, 40), torch.randn(3, 40)
+    expected = x + residual
+    _, summed = RMSNorm(40, 1e-5)(x, residual)
+    assert summed is residual and torch.equal(residual, expected)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("tokens", [1, 7])
+def test_rms_norm_of_heads_inside_a_fused_projection(twin, dtype: torch.dtype, tokens: int) -> None:
+    """Qwen3's per-head q/k norm: a strided [T, H, D] view, not a copy."""
+    q, k, _ = head_views(tokens, 6, 2, 48, dtype, tokens)
+    norm = RMSNorm(48, 1e-6).to(dtype)
+    norm.weight.data.normal_(1, 0.2)
+    for x in (q, k):
+        assert tokens == 1 or not x.is_contiguous()
+        assert_matches(norm(x), twin(norm, x))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("tokens", [1, 16, 5])
+@pytest.mark.parametrize("heads,kv_heads,dim", [(6, 6, 48), (8, 2, 32), (16, 8, 128), (4, 1, 6)])
+@pytest.mark.parametrize("scaling", [RopeScaling(), RopeScaling("llama3", {
+    "factor": 8.0, "original_max_position_embeddings": 64, "low_freq_factor": 1.0, "high_freq_factor": 4.0})])
+def test_rotary_embedding(twin, dtype, tokens, heads, kv_heads, dim, scaling) -> None:
+    rotary = RotaryEmbedding(dim, 512, 10000.0, scaling)
+    positions = torch.randint(0, 512, (tokens,), generator=torch.Generator().manual_seed(tokens))
+    q, k, _ = head_views(tokens, heads, kv_heads, dim, dtype, tokens * heads)
+    expected_q, expected_k = twin(rotary, positions, q, k)
+    out_q, out_k = rotary(positions, q, k)
+    assert out_q is q and out_k is k  # rotated in place
+    # The same ops with the same roundings, in the same order: equal bits.
+    assert torch.equal(out_q, expected_q) and torch.equal(out_k, expected_k)
+
+
+@pytest.mark.parametrize("dtype,kv_dtype", [(torch.float32,) * 2, (torch.bfloat16,) * 2, (torch.float16,) * 2,
+                                            (torch.float32, torch.bfloat16), (torch.float32, torch.float16)])
+@pytest.mark.parametrize("tokens", [1, 9])
+def test_store_kv(dtype: torch.dtype, kv_dtype: torch.dtype, tokens: int) -> None:
+    native_pool = KVPool(2, 20, 4, 2, 48, kv_dtype, torch.device("cpu"))
+    twin_pool = KVPool(2, 20, 4, 2, 48, kv_dtype, torch.device("cpu"))
+    native_pool.buffer.zero_()
+    twin_pool.buffer.zero_()
+    _, k, v = head_views(tokens, 6, 2, 48, dtype, tokens)
+    slots = torch.randperm(76, generator=torch.Generator().manual_seed(tokens))[:tokens] + 4
+    cpu_kernels().store_kv(k, v, native_pool.keys(1), native_pool.values(1), slots)
+    twin_pool.store(1, slots, k, v)
+    assert torch.equal(native_pool.buffer, twin_pool.buffer)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape", [(1, 2 * 768), (16, 2 * 768), (3, 2 * 37), (2, 5, 2 * 64)])
+def test_silu_and_mul(twin, dtype: torch.dtype, shape: tuple[int, ...]) -> None:
+    x = (torch.randn(shape, generator=torch.Generator().manual_seed(shape[-1])) * 4).to(dtype)
+    assert_matches(silu_and_mul(x), twin(silu_and_mul, x))
+
+
+def test_silu_and_mul_extremes(twin) -> None:
+    gate = torch.tensor([-1e4, -100.0, -88.0, -20.0, 0.0, -0.0, 20.0, 89.0, 1e4, float("inf"), float("-inf"), float("nan")])
+    x = torch.cat([gate, torch.full_like(gate, 1.5)])[None]
+    torch.testing.assert_close(silu_and_mul(x), twin(silu_and_mul, x), equal_nan=True)
+
+
+def reference_max_argmax(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    return logits.amax(dim=-1), logits.argmax(dim=-1)
+
+
+@pytest.mark.parametrize("rows", [1, 3, 16])
+@pytest.mark.parametrize("vocab", [7, 32000, 151936])
+def test_row_max_argmax(rows: int, vocab: int) -> None:
+    logits = torch.randn(rows, vocab, generator=torch.Generator().manual_seed(rows + vocab))
+    maxes, argmaxes = cpu_kernels().row_max_argmax(logits)
+    expected_max, expected_arg = reference_max_argmax(logits)
+    assert torch.equal(maxes, expected_max) and torch.equal(argmaxes, expected_arg)
+
+
+@pytest.mark.parametrize("vocab", [32000, 151936])
+def test_row_max_argmax_ties_nan_and_infinities(vocab: int) -> None:
+    """The first index on ties (also across the chunks a row is split into),
+    NaN as the max at its first position (torch.argmax's answer)."""
+    logits = torch.randn(7, vocab, generator=torch.Generator().manual_seed(vocab))
+    logits[0, [vocab - 1, vocab // 2 + 1, vocab // 2]] = 50.0  # ties, across the middle
+    logits[1, [vocab // 2 + 3, 5]] = float("nan")
+    logits[2] = float("-inf")
+    logits[3, [9, 3]] = float("inf")
+    logits[4, 0] = float("nan")
+    logits[5, -1] = 60.0
+    logits[6] = 0.0
+    logits[6, 100] = -0.0
+    for rows in (logits, logits[1:2], logits[0:1]):
+        maxes, argmaxes = cpu_kernels().row_max_argmax(rows)
+        expected_max, expected_arg = reference_max_argmax(rows)
+        assert torch.equal(argmaxes, expected_arg)
+        torch.testing.assert_close(maxes, expected_max, equal_nan=True, rtol=0, atol=0)
+
+
+def test_greedy_sample_matches_its_twin(twin) -> None:
+    logits = torch.randn(5, 1000, generator=torch.Generator().manual_seed(0))
+    logits[1, 17] = float("nan")
+    logits[2] = float("-inf")
+    logits[3, 3] = float("inf")
+    st = tensors(5, temperature=0.0, wants_logprobs=False)
+    native, reference = sample(logits, st), twin(sample, logits, st)
+    assert native.token_ids.tolist() == reference.token_ids.tolist() == [logits[0].argmax().item(), 0, 0, 0,
+                                                                         logits[4].argmax().item()]
+    torch.testing.assert_close(native.logprobs, reference.logprobs, equal_nan=True)
+
+
+@pytest.mark.parametrize("arch,options", [("llama3-rope", {}), ("qwen3", {}), ("llama", {"kv_cache_dtype": "bfloat16"}),
+                                          ("qwen2", {"dtype": "bfloat16", "cpu_half_compute": "native"})])
+def test_greedy_outputs_equal_with_and_without_the_kernels(tiny_checkpoints: dict[str, Path], arch: str, options: dict,
+                                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    params = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)
+    prompts = ["Once upon a time there was a little robot", "The quick brown fox", "a"]
+    # Two engines: a second run on one would reuse the first one's cached prefixes.
+    native_llm = LLM(str(tiny_checkpoints[arch]), page_size=4, device="cpu", **options)
+    twin_llm = LLM(str(tiny_checkpoints[arch]), page_size=4, device="cpu", **options)
+    assert native_llm.engine.attention.kernels is not None
+    native = [o.token_ids for o in native_llm.generate(prompts, params)]
+    monkeypatch.setattr(native_elementwise, "ENABLED", False)
+    assert native == [o.token_ids for o in twin_llm.generate(prompts, params)]
+    native_llm.close()
+    twin_llm.close()
