@@ -45,6 +45,7 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--vocab-low", type=int, default=100)
     p.add_argument("--vocab-high", type=int, default=500)
     p.add_argument("--json", help="write all summaries here")
+    p.add_argument("--plot", metavar="OUT.png", help="output tok/s and ITL p50/p99 against concurrency")
     args, serve_flags = p.parse_known_args()
     args.serve_flags = [*args.server_args.split(), *serve_flags]
     parse_serve_args(["--model", args.model, *args.serve_flags])  # a bad flag fails here, not in the server's log
@@ -57,6 +58,29 @@ def cell(summary: dict, key: object) -> str:
     else:
         value = summary[key]  # type: ignore[index]
     return "-" if value is None else (f"{value:.1f}" if isinstance(value, float) else str(value))
+
+
+def plot_scaling(summaries: dict[int, dict], title: str, path: str) -> None:
+    """Throughput and inter-token latency against concurrency, to a PNG."""
+    import matplotlib
+
+    matplotlib.use("Agg")  # headless
+    import matplotlib.pyplot as plt
+
+    levels = sorted(summaries)
+    fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4))
+    left.plot(levels, [summaries[c]["output_throughput"] for c in levels], marker="o")
+    left.set(xscale="log", xlabel="concurrent requests", ylabel="output tok/s", title="throughput")
+    for q in ("p50", "p99"):
+        right.plot(levels, [summaries[c]["itl_ms"][q] for c in levels], marker="o", label=f"ITL {q}")
+    right.set(xscale="log", xlabel="concurrent requests", ylabel="ms", title="inter-token latency")
+    right.legend()
+    for ax in (left, right):
+        ax.set_xticks(levels, [str(c) for c in levels])
+        ax.grid(alpha=0.3)
+    fig.suptitle(title)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
 
 
 def main() -> None:
@@ -84,6 +108,8 @@ def main() -> None:
     print("  ".join(h.rjust(w) for h, w in zip(headers, widths)))
     for row in rows:
         print("  ".join(c.rjust(w) for c, w in zip(row, widths)))
+    if args.plot:
+        plot_scaling(summaries, f"{os.path.basename(args.model.rstrip('/'))}, {args.input_len} in / {args.output_len} out", args.plot)
     if args.json:
         with open(args.json, "w") as f:
             results = {"model": args.model, "server_args": " ".join(args.serve_flags), "levels": summaries}
