@@ -111,15 +111,15 @@ def test_rotary_embedding(twin, dtype, tokens, heads, kv_heads, dim, scaling) ->
 @pytest.mark.parametrize("dtype,kv_dtype", [(torch.float32,) * 2, (torch.bfloat16,) * 2, (torch.float16,) * 2,
                                             (torch.float32, torch.bfloat16), (torch.float32, torch.float16)])
 @pytest.mark.parametrize("tokens", [1, 9])
-def test_store_kv(dtype: torch.dtype, kv_dtype: torch.dtype, tokens: int) -> None:
+def test_store_kv(twin, dtype: torch.dtype, kv_dtype: torch.dtype, tokens: int) -> None:
     native_pool = KVPool(2, 20, 4, 2, 48, kv_dtype, torch.device("cpu"))
     twin_pool = KVPool(2, 20, 4, 2, 48, kv_dtype, torch.device("cpu"))
     native_pool.buffer.zero_()
     twin_pool.buffer.zero_()
     _, k, v = head_views(tokens, 6, 2, 48, dtype, tokens)
     slots = torch.randperm(76, generator=torch.Generator().manual_seed(tokens))[:tokens] + 4
-    cpu_kernels().store_kv(k, v, native_pool.keys(1), native_pool.values(1), slots)
-    twin_pool.store(1, slots, k, v)
+    native_pool.store(1, slots, k, v)
+    twin(twin_pool.store, 1, slots, k, v)
     assert torch.equal(native_pool.buffer, twin_pool.buffer)
 
 

@@ -20,7 +20,6 @@ import torch.nn.functional as F
 from aioserve.attention.backend import AttentionBackend, AttentionMetadata
 from aioserve.batch_plan import BatchPlan
 from aioserve.kvcache.kv_pool import KVPool
-from aioserve.layers import native_elementwise
 from aioserve.native import cpu_kernels
 
 
@@ -127,11 +126,7 @@ class TorchNativeMetadata(AttentionMetadata):
         sliding_window: int | None,
     ) -> torch.Tensor:
         keys, values = self.pool.keys(layer), self.pool.values(layer)
-        if self.kernels is not None and native_elementwise.ENABLED:
-            # One pass converting into the slots; no copies of k and v.
-            self.kernels.store_kv(k, v, keys, values, self.out_cache_loc)  # type: ignore[attr-defined]
-        else:
-            self.pool.store(layer, self.out_cache_loc, k, v)
+        self.pool.store(layer, self.out_cache_loc, k, v)
         if keys.dtype != q.dtype and self.extends:
             # A narrower cache: attend to the new tokens as later steps will
             # read them back (decodes read them from the cache already).

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import torch
 
+from aioserve.layers.native_elementwise import elementwise_kernels
+
 RESERVED_PAGES = 1
 
 
@@ -50,6 +52,11 @@ class KVPool:
         return self.buffer.dtype
 
     def store(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        """k and v [T, Hk, D] into `slots`, rounded to the cache's dtype."""
+        kernels = elementwise_kernels() if self.buffer.is_cpu else None
+        if kernels is not None:  # one pass converting into the slots, no copies of k and v
+            kernels.store_kv(k, v, self.buffer[layer, 0], self.buffer[layer, 1], slots)
+            return
         self.buffer[layer, 0].index_copy_(0, slots, k.to(self.dtype))
         self.buffer[layer, 1].index_copy_(0, slots, v.to(self.dtype))
 
