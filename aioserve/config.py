@@ -21,7 +21,7 @@ GROUPS = ("model", "KV cache", "scheduling", "distributed", "HTTP")
 # Equals aioserve.attention.BACKENDS (tests/test_cli.py checks it). Spelled out
 # because importing it would make this leaf module, which everything imports,
 # pull in torch and the attention package.
-ATTENTION_BACKENDS = ("auto", "torch_native")
+ATTENTION_BACKENDS = ("auto", "torch_native", "flashinfer")
 
 
 def parse_bytes(text: str) -> int:
@@ -100,7 +100,11 @@ class EngineConfig:
         None, parse=parse_bytes, group="KV cache",
         help="KV pool bytes on CPU, e.g. 4GiB (default: 4GiB, capped by what the requests could use)",
     )
-    gpu_memory_utilization: float = option(0.85, help="share of free GPU memory for the KV pool", group="KV cache")
+    mem_fraction_static: float = option(
+        0.85, group="KV cache", aliases=("--gpu-memory-utilization",),
+        help="share of the GPU's total memory for the weights and the KV pool; the pool gets what the weights "
+        "leave of it, and activations and CUDA graphs live in the rest",
+    )
     kv_cache_dtype: str = option(
         "auto", help="auto (the weights' dtype) | float32 | bfloat16 | float16", group="KV cache"
     )
@@ -117,7 +121,21 @@ class EngineConfig:
     overlap: bool = option(
         True, help="plain sequential loop instead of preparing step N+1 while step N runs", group="scheduling"
     )
-    attention_backend: str = option("auto", choices=ATTENTION_BACKENDS, help="attention kernels", group="scheduling")
+    attention_backend: str = option(
+        "auto", choices=ATTENTION_BACKENDS, group="scheduling",
+        help="attention kernels: flashinfer (CUDA, the gpu extra), torch_native (CPU and CUDA, the reference); "
+        "auto takes flashinfer on CUDA when it imports",
+    )
+    cuda_graph: bool = option(
+        True, group="scheduling",
+        help="run decode-only steps eagerly instead of replaying a captured CUDA graph (graphs need CUDA and "
+        "the flashinfer backend)",
+    )
+    cuda_graph_max_bs: int = option(
+        256, group="scheduling",
+        help="largest decode batch with a CUDA graph (captured sizes: 1, 2, 4, 8, then every 8); larger "
+        "batches run eagerly",
+    )
     num_threads: int | None = option(None, help="torch intra-op threads on CPU", group="scheduling")
     debug_integrity: bool = option(
         False, help="check the KV bookkeeping whenever the scheduler goes idle", group="scheduling"

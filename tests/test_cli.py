@@ -62,7 +62,7 @@ def test_flags_round_trip() -> None:
     ])
     engine = args.engine
     assert (engine.overlap, engine.kv_cache_memory, engine.num_pages) == (False, 536870912, 20)
-    assert (engine.debug_integrity, engine.gpu_memory_utilization, engine.cache) == (True, 0.5, "naive")
+    assert (engine.debug_integrity, engine.mem_fraction_static, engine.cache) == (True, 0.5, "naive")
     assert (args.served_model_name, args.model_name, args.api_key, args.log_level, args.port) == (
         "name", "name", "k", "debug", 9000,
     )

@@ -2,21 +2,53 @@
 
 from __future__ import annotations
 
+import logging
+
 import torch
 
-from aioserve.attention.backend import AttentionBackend, AttentionMetadata
+from aioserve.attention.backend import AttentionBackend, AttentionMetadata, AttentionShape
 from aioserve.kvcache.kv_pool import KVPool
 
-BACKENDS = ("auto", "torch_native")
+logger = logging.getLogger(__name__)
+
+BACKENDS = ("auto", "torch_native", "flashinfer")
+FLASHINFER_DTYPES = (torch.float16, torch.bfloat16)
 
 
-def create_backend(name: str, pool: KVPool) -> AttentionBackend:
-    """`torch_native` runs on CPU and GPU; it is what `auto` picks today."""
-    if name in ("auto", "torch_native"):
-        from aioserve.attention.torch_native import TorchNativeBackend
+def flashinfer_unusable(pool: KVPool, shape: AttentionShape) -> str | None:
+    """Why FlashInfer cannot serve this engine, or None if it can."""
+    if pool.buffer.device.type != "cuda":
+        return "it needs CUDA"
+    if shape.q_dtype not in FLASHINFER_DTYPES or pool.dtype not in FLASHINFER_DTYPES:
+        return f"its kernels take float16/bfloat16, not {shape.q_dtype} math over a {pool.dtype} cache"
+    try:
+        from aioserve.attention.flashinfer import import_flashinfer
 
-        return TorchNativeBackend(pool)
-    raise ValueError(f"unknown attention backend {name!r} (choose from {', '.join(BACKENDS)})")
+        import_flashinfer()
+    except ImportError as exc:
+        return f"flashinfer does not import ({exc}; install the gpu extra: pip install 'aioserve[gpu]')"
+    return None
 
 
-__all__ = ["AttentionBackend", "AttentionMetadata", "BACKENDS", "create_backend"]
+def create_backend(name: str, pool: KVPool, shape: AttentionShape) -> AttentionBackend:
+    """`flashinfer` on CUDA in half precision; `torch_native` anywhere (the
+    reference). `auto` takes flashinfer where it can serve, else torch_native
+    and says why once."""
+    if name not in BACKENDS:
+        raise ValueError(f"unknown attention backend {name!r} (choose from {', '.join(BACKENDS)})")
+    if name in ("auto", "flashinfer"):
+        reason = flashinfer_unusable(pool, shape)
+        if reason is None:
+            from aioserve.attention.flashinfer import FlashInferBackend
+
+            return FlashInferBackend(pool, shape)
+        if name == "flashinfer":
+            raise ValueError(f"--attention-backend flashinfer: {reason}")
+        if pool.buffer.device.type == "cuda":
+            logger.info("attention: torch_native, not flashinfer, because %s", reason)
+    from aioserve.attention.torch_native import TorchNativeBackend
+
+    return TorchNativeBackend(pool)
+
+
+__all__ = ["AttentionBackend", "AttentionMetadata", "AttentionShape", "BACKENDS", "create_backend"]

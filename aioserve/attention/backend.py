@@ -5,11 +5,17 @@ layer then calls `metadata.attend`, which stores the step's new keys and
 values into the pool and attends over each request's cached prefix plus its
 new tokens. The model hands the metadata down as an argument: no layer
 reaches up for a global "current batch".
+
+A backend whose decode kernel reads every length from device tensors can
+also serve CUDA-graph replay (engine/cuda_graph.py): it then keeps static
+buffers for up to `max_bs` decodes, hands out metadata built on them for
+capture, and refills them from each padded decode plan before a replay.
 """
 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from dataclasses import dataclass
 
 import torch
 
@@ -31,8 +37,39 @@ class AttentionMetadata(ABC):
 
 
 class AttentionBackend(ABC):
+    name: str  # as --attention-backend spells it
+
     @abstractmethod
     def prepare(self, plan: BatchPlan, host_plan: BatchPlan) -> AttentionMetadata:
         """Per-step work shared by all layers (index tensors, masks, plans).
         `plan` is on the engine's device; `host_plan` is the same plan on the
         CPU, for lengths the backend must know without a device sync."""
+
+    # -- CUDA-graph hooks: only for backends with `supports_graphs` ----------------
+
+    supports_graphs: bool = False
+
+    def init_graph_buffers(self, max_bs: int, max_pages_per_request: int) -> None:
+        """Allocate the static buffers every captured batch size slices."""
+        raise NotImplementedError(f"{type(self).__name__} has no CUDA-graph support")
+
+    def graph_metadata(self, batch_size: int, out_cache_loc: torch.Tensor) -> AttentionMetadata:
+        """Metadata over the static buffers for a decode batch of `batch_size`
+        (captured once; `out_cache_loc` is the runner's static slot buffer)."""
+        raise NotImplementedError(f"{type(self).__name__} has no CUDA-graph support")
+
+    def update_graph_buffers(self, host_plan: BatchPlan) -> None:
+        """Fill the static buffers from a decode-only plan already padded to a
+        captured size (on the host: no device sync), before its replay."""
+        raise NotImplementedError(f"{type(self).__name__} has no CUDA-graph support")
+
+
+@dataclass(frozen=True)
+class AttentionShape:
+    """What a backend must know of the model before the first step."""
+
+    num_qo_heads: int  # per rank
+    num_kv_heads: int  # per rank
+    head_dim: int
+    sliding_windows: tuple[int | None, ...]  # per layer; None = full attention
+    q_dtype: torch.dtype

@@ -189,7 +189,29 @@ class TorchNativeMetadata(AttentionMetadata):
         return attended.reshape(batch, num_heads, dim)
 
 
+class GraphDecodeMetadata(AttentionMetadata):
+    """Decodes read through static page-table and length buffers (the native
+    CPU kernel takes both as tensors): what the graph runner's seam needs on
+    CPU, where a "replay" reruns the step over the same buffers."""
+
+    def __init__(self, pool: KVPool, kernels: ModuleType, out_cache_loc: torch.Tensor, pages: torch.Tensor,
+                 lens: torch.Tensor) -> None:
+        self.pool, self.kernels = pool, kernels
+        self.out_cache_loc, self.pages, self.lens = out_cache_loc, pages, lens
+
+    def attend(
+        self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, sliding_window: int | None
+    ) -> torch.Tensor:
+        self.pool.store(layer, self.out_cache_loc, k, v)
+        return self.kernels.paged_decode_attention(  # type: ignore[attr-defined]
+            q, self.pool.keys(layer), self.pool.values(layer), self.pages, self.lens, self.pool.page_size, scale,
+            sliding_window or 0,
+        )
+
+
 class TorchNativeBackend(AttentionBackend):
+    name = "torch_native"
+
     def __init__(self, pool: KVPool, use_native: bool = True) -> None:
         self.pool = pool
         self.workspace = GatherWorkspace()
@@ -204,3 +226,28 @@ class TorchNativeBackend(AttentionBackend):
 
     def prepare(self, plan: BatchPlan, host_plan: BatchPlan) -> TorchNativeMetadata:
         return TorchNativeMetadata(self.pool, plan, host_plan, self.workspace, self.kernels)
+
+    # -- graph seam (CPU, native kernels only) ----------------------------------------
+
+    @property
+    def supports_graphs(self) -> bool:  # type: ignore[override]
+        """Only the native CPU decode kernel reads its lengths from tensors;
+        the torch path sizes its gather from host lengths, which a CUDA graph
+        would freeze. (CPU has no graphs: this serves the runner's tests.)"""
+        return self.kernels is not None
+
+    def init_graph_buffers(self, max_bs: int, max_pages_per_request: int) -> None:
+        self.graph_pages = torch.zeros(max_bs, max_pages_per_request, dtype=torch.int32)
+        self.graph_lens = torch.zeros(max_bs, dtype=torch.long)
+
+    def graph_metadata(self, batch_size: int, out_cache_loc: torch.Tensor) -> GraphDecodeMetadata:
+        assert self.kernels is not None
+        return GraphDecodeMetadata(
+            self.pool, self.kernels, out_cache_loc, self.graph_pages[:batch_size], self.graph_lens[:batch_size]
+        )
+
+    def update_graph_buffers(self, host_plan: BatchPlan) -> None:
+        bs, width = host_plan.page_table.shape
+        self.graph_pages[:bs].zero_()
+        self.graph_pages[:bs, :width].copy_(host_plan.page_table)
+        self.graph_lens[:bs].copy_(host_plan.seq_lens)

@@ -16,10 +16,11 @@ import logging
 
 import torch
 
-from aioserve.attention import create_backend
+from aioserve.attention import AttentionShape, create_backend
 from aioserve.batch_plan import BatchPlan, StepOutput
 from aioserve.config import DEFAULT_CPU_KV_BYTES, EngineConfig
 from aioserve.distributed import broadcast_from_leader, get_tp_group, min_over_ranks
+from aioserve.engine.cuda_graph import Capture, CudaGraphCapture, DecodeGraphRunner
 from aioserve.engine.dtypes import compute_dtype, resolve_dtype
 from aioserve.layers.cpu_matmul import pack_cpu_weights, tune_cpu_matmuls
 from aioserve.engine.sampler import sample
@@ -32,6 +33,15 @@ from aioserve.native import cpu_kernels
 from aioserve.placeholders import PreviousStepTokens
 
 logger = logging.getLogger(__name__)
+
+
+def kv_budget_bytes(total: int, free: int, mem_fraction_static: float) -> int:
+    """GPU bytes for the KV pool: the static share of the device's memory
+    less what is in use already (weights, the CUDA context, other
+    processes). Activations and CUDA graphs live in the remaining share."""
+    if not 0 < mem_fraction_static <= 1:
+        raise ValueError(f"mem_fraction_static must be in (0, 1], got {mem_fraction_static}")
+    return max(0, int(total * mem_fraction_static) - (total - free))
 
 
 def resolve_device(name: str) -> torch.device:
@@ -89,7 +99,21 @@ class Engine:
             self.kv_dtype,
             self.device,
         )
-        self.attention = create_backend(config.attention_backend, self.pool)
+        self.attention_shape = shape = AttentionShape(
+            num_qo_heads=self.model_config.num_heads // self.tp.size,
+            num_kv_heads=self.model_config.kv_heads_per_rank(self.tp.size),
+            head_dim=self.model_config.head_dim,
+            sliding_windows=tuple(self.model_config.sliding_windows),
+            q_dtype=self.dtype,
+        )
+        self.attention = create_backend(config.attention_backend, self.pool, shape)
+        self.attention_backend_name = self.attention.name
+        self.graph_runner: DecodeGraphRunner | None = None
+        if self.device.type == "cuda" and config.cuda_graph:
+            if self.attention.supports_graphs:
+                self.graph_runner = self.capture_decode_graphs(CudaGraphCapture(self.device))
+            else:
+                logger.info("CUDA graphs off: the %s attention backend cannot replay", self.attention.name)
         self.previous = PreviousStepTokens(self.device)  # fills the next plan's placeholders
         # What every rank holds (gathered from all of them; equal on every rank).
         self.tp_layout = gather_layout(self)
@@ -134,14 +158,37 @@ class Engine:
             self.model_config.num_layers, self.page_size, kv_heads, self.model_config.head_dim, self.kv_dtype
         )
         if self.device.type == "cuda":
-            free, _ = torch.cuda.mem_get_info(self.device)
-            budget = int(free * cfg.gpu_memory_utilization)
+            free, total = torch.cuda.mem_get_info(self.device)
+            budget = kv_budget_bytes(total, free, cfg.mem_fraction_static)
+            if budget < (RESERVED_PAGES + 1) * page_bytes:
+                raise ValueError(
+                    f"--mem-fraction-static {cfg.mem_fraction_static} leaves no room for the KV pool: "
+                    f"{(total - free) / 2**30:.1f} GiB of the GPU's {total / 2**30:.1f} GiB are in use already"
+                )
         else:
             budget = cfg.kv_cache_memory or DEFAULT_CPU_KV_BYTES
         # Never more than every running request at full context could use.
         pages_per_request = -(-self.max_model_len // self.page_size)
         useful = cfg.max_running_requests * pages_per_request + RESERVED_PAGES
         return max(RESERVED_PAGES + 1, min(budget // page_bytes, useful))
+
+    def capture_decode_graphs(self, capture: Capture) -> DecodeGraphRunner:
+        """Capture the decode graphs (CUDA: after the pool exists, since they
+        bake in its address); logs their time and memory."""
+        on_cuda = self.device.type == "cuda"
+        free_before = torch.cuda.mem_get_info(self.device)[0] if on_cuda else 0
+        runner = DecodeGraphRunner(
+            self.model, self.attention, self.model_config.hidden_size, self.dtype, self.device,
+            max_bs=min(self.config.cuda_graph_max_bs, self.config.max_running_requests),
+            max_pages_per_request=-(-self.max_model_len // self.page_size),
+            capture=capture,
+        )
+        used = (free_before - torch.cuda.mem_get_info(self.device)[0]) if on_cuda else 0
+        logger.info(
+            "captured decode graphs for batch sizes %d..%d (%d graphs) in %.1f s, %.0f MiB",
+            runner.batch_sizes[0], runner.max_bs, len(runner.batch_sizes), runner.capture_seconds, used / 2**20,
+        )
+        return runner
 
     def forward(self, plan: BatchPlan) -> StepOutput:
         """Run one step and wait for it: the output is on the CPU."""
@@ -175,8 +222,10 @@ class Engine:
             self._unpacked = []
         host_plan, plan = plan, plan.to(self.device)
         input_ids = self.previous.resolve(plan.step, plan.input_ids, host_plan.input_ids)
-        meta = self.attention.prepare(plan, host_plan)
-        hidden = self.model(input_ids, plan.positions, meta)
+        if self.graph_runner is not None and self.graph_runner.can_run(host_plan):
+            hidden = self.graph_runner.run(input_ids, plan, host_plan)
+        else:
+            hidden = self.model(input_ids, plan.positions, self.attention.prepare(plan, host_plan))
         empty = torch.zeros(0, dtype=torch.long, device=self.device)
         output = StepOutput(next_token_ids=empty, logprobs=empty.float(), top_ids=None, top_logprobs=None)
         if plan.sampling is not None:

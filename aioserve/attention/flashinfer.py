@@ -1,0 +1,170 @@
+"""Attention on CUDA with FlashInfer's paged kernels (the `gpu` extra).
+
+One step plans twice at most, on the host, before any layer runs: the
+decodes (the plan's first `num_decodes` requests) with the paged decode
+wrapper, the extends (prefill chunks over a cached prefix, or none) with the
+paged prefill wrapper, causal. Every layer then stores its new K/V into the
+pool and runs the planned kernels on its own slice of the pool; no layer
+plans again and nothing reads a length off the device.
+
+The pool's per-layer keys `[slots, Hk, D]` are FlashInfer's NHD layout
+`[pages, page_size, Hk, D]` under a view: no copy, any page size.
+
+For CUDA graphs (engine/cuda_graph.py) the backend keeps one decode wrapper
+per captured batch size in FlashInfer's CUDA-graph mode; they share fixed
+index buffers, which each `plan` rewrites in place before a replay.
+
+`import flashinfer` happens in the constructor: without the extra (or without
+CUDA) this module still imports, and `create_backend` falls back to
+torch_native with one log line.
+"""
+
+from __future__ import annotations
+
+import logging
+from types import ModuleType
+
+import torch
+
+from aioserve.attention.backend import AttentionBackend, AttentionMetadata, AttentionShape
+from aioserve.attention.flashinfer_args import PagedKVArgs, paged_kv_args, qo_indptr, window_left
+from aioserve.batch_plan import BatchPlan
+from aioserve.kvcache.kv_pool import KVPool
+
+logger = logging.getLogger(__name__)
+
+WORKSPACE_BYTES = 128 << 20  # FlashInfer's recommended float workspace (split-KV partial results)
+# Grouped heads at or above this share a KV head enough for the tensor-core
+# decode kernel to win (the CUDA-core one re-reads K/V per query head).
+TENSOR_CORE_MIN_GROUP = 4
+
+
+def import_flashinfer() -> ModuleType:
+    import flashinfer  # noqa: PLC0415 - the optional gpu extra, imported only when asked for
+
+    return flashinfer
+
+
+class FlashInferMetadata(AttentionMetadata):
+    def __init__(
+        self,
+        backend: "FlashInferBackend",
+        out_cache_loc: torch.Tensor,
+        num_decodes: int,
+        decode: object | None,
+        prefill: object | None,
+    ) -> None:
+        self.backend = backend
+        self.out_cache_loc = out_cache_loc
+        self.num_decodes = num_decodes
+        self.decode = decode
+        self.prefill = prefill
+
+    def attend(
+        self,
+        layer: int,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        scale: float,
+        sliding_window: int | None,
+    ) -> torch.Tensor:
+        backend = self.backend
+        if abs(scale - backend.sm_scale) > 1e-6 * backend.sm_scale:
+            raise ValueError(f"layer {layer} asks for softmax scale {scale}, the plan used {backend.sm_scale}")
+        pool = backend.pool
+        pool.store(layer, self.out_cache_loc, k, v)
+        cache = backend.paged_cache(layer)
+        window = window_left(sliding_window)
+        nd = self.num_decodes
+        if self.prefill is None:  # decode-only: no copy into a second output
+            return self.decode.run(q, cache, window_left=window)  # type: ignore[attr-defined]
+        out = torch.empty_like(q)
+        if nd:
+            self.decode.run(q[:nd], cache, out=out[:nd], window_left=window)  # type: ignore[attr-defined]
+        self.prefill.run(q[nd:], cache, out=out[nd:], window_left=window)
+        return out
+
+
+class FlashInferBackend(AttentionBackend):
+    name = "flashinfer"
+    supports_graphs = True
+
+    def __init__(self, pool: KVPool, shape: AttentionShape, flashinfer: ModuleType | None = None) -> None:
+        self.fi = flashinfer or import_flashinfer()
+        self.pool = pool
+        self.shape = shape
+        self.sm_scale = shape.head_dim**-0.5  # what every supported model uses
+        device = pool.buffer.device
+        # One float workspace for every wrapper: the wrappers of a step run one
+        # after another on one stream, never at once.
+        self.workspace = torch.zeros(WORKSPACE_BYTES, dtype=torch.uint8, device=device)
+        self.use_tensor_cores = shape.num_qo_heads // shape.num_kv_heads >= TENSOR_CORE_MIN_GROUP
+        self.decode = self.fi.BatchDecodeWithPagedKVCacheWrapper(
+            self.workspace, "NHD", use_tensor_cores=self.use_tensor_cores
+        )
+        self.prefill = self.fi.BatchPrefillWithPagedKVCacheWrapper(self.workspace, "NHD")
+        # Planned with the model's window (which picks the sliding-window
+        # kernels); each layer passes its own at run time (-1: full).
+        windows = [w for w in shape.sliding_windows if w is not None]
+        self.plan_window = window_left(max(windows)) if windows else -1
+        self.graph_decodes: dict[int, object] = {}
+
+    def paged_cache(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        pool = self.pool
+        view = (pool.num_pages, pool.page_size, pool.num_kv_heads, pool.head_dim)
+        return pool.keys(layer).view(view), pool.values(layer).view(view)
+
+    def _plan_decode(self, wrapper: object, args: PagedKVArgs) -> None:
+        s = self.shape
+        wrapper.plan(  # type: ignore[attr-defined]
+            args.indptr, args.indices, args.last_page_len,
+            s.num_qo_heads, s.num_kv_heads, s.head_dim, self.pool.page_size,
+            window_left=self.plan_window, q_data_type=s.q_dtype, kv_data_type=self.pool.dtype,
+            sm_scale=self.sm_scale,
+        )
+
+    def _plan_prefill(self, qo: torch.Tensor, args: PagedKVArgs) -> None:
+        s = self.shape
+        self.prefill.plan(
+            qo, args.indptr, args.indices, args.last_page_len,
+            s.num_qo_heads, s.num_kv_heads, s.head_dim, self.pool.page_size,
+            causal=True, window_left=self.plan_window, q_data_type=s.q_dtype, kv_data_type=self.pool.dtype,
+            sm_scale=self.sm_scale,
+        )
+
+    def prepare(self, plan: BatchPlan, host_plan: BatchPlan) -> FlashInferMetadata:
+        nd, batch = host_plan.num_decodes, host_plan.num_requests
+        ps = self.pool.page_size
+        if nd:
+            self._plan_decode(self.decode, paged_kv_args(host_plan.page_table[:nd], host_plan.seq_lens[:nd], ps))
+        if batch > nd:
+            args = paged_kv_args(host_plan.page_table[nd:], host_plan.seq_lens[nd:], ps)
+            self._plan_prefill(qo_indptr(host_plan.extend_lens[nd:]), args)
+        return FlashInferMetadata(
+            self, plan.out_cache_loc, nd, self.decode if nd else None, self.prefill if batch > nd else None
+        )
+
+    # -- CUDA graphs -----------------------------------------------------------------
+
+    def init_graph_buffers(self, max_bs: int, max_pages_per_request: int) -> None:
+        device = self.pool.buffer.device
+        self.graph_indptr = torch.zeros(max_bs + 1, dtype=torch.int32, device=device)
+        self.graph_indices = torch.zeros(max_bs * max_pages_per_request, dtype=torch.int32, device=device)
+        self.graph_last_page_len = torch.zeros(max_bs, dtype=torch.int32, device=device)
+
+    def graph_metadata(self, batch_size: int, out_cache_loc: torch.Tensor) -> FlashInferMetadata:
+        # A CUDA-graph wrapper's batch size is fixed for life: one per size,
+        # all over the same buffers (one size replays at a time).
+        wrapper = self.fi.BatchDecodeWithPagedKVCacheWrapper(
+            self.workspace, "NHD", use_cuda_graph=True, use_tensor_cores=self.use_tensor_cores,
+            paged_kv_indptr_buffer=self.graph_indptr[: batch_size + 1],
+            paged_kv_indices_buffer=self.graph_indices,
+            paged_kv_last_page_len_buffer=self.graph_last_page_len[:batch_size],
+        )
+        self.graph_decodes[batch_size] = wrapper
+        return FlashInferMetadata(self, out_cache_loc, batch_size, wrapper, None)
+
+    def update_graph_buffers(self, host_plan: BatchPlan) -> None:
+        wrapper = self.graph_decodes[host_plan.num_requests]
+        self._plan_decode(wrapper, paged_kv_args(host_plan.page_table, host_plan.seq_lens, self.pool.page_size))

@@ -1,0 +1,101 @@
+"""The FlashInfer backend's CPU-side seams: the paged arrays it plans with,
+the fallback when FlashInfer cannot serve, and the whole backend (planning,
+routing decodes and extends to their wrappers, graph buffers) run against
+tests/fake_flashinfer.py, a torch rendering of the two wrappers, with the
+greedy tokens required to equal the torch_native reference's. The real
+kernels are checked on a GPU (tests/test_gpu_fast_path.py)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from aioserve import LLM, SamplingParams
+from aioserve.attention import create_backend
+from aioserve.attention.backend import AttentionShape
+from aioserve.attention.flashinfer import FlashInferBackend
+from aioserve.attention.flashinfer_args import paged_kv_args, qo_indptr, window_left
+from aioserve.attention.torch_native import kv_slots
+from aioserve.engine.cuda_graph import EagerCapture
+from aioserve.kvcache.kv_pool import KVPool
+from aioserve.native import cpu_kernels
+from fake_flashinfer import fake_flashinfer
+from hf_reference import hf_encode
+
+TEXTS = ["Once upon a time", "The cat sat on the", "1 2 3 4 5 6 7 8 9", "hello world " * 6, "a b c"]
+
+
+@pytest.mark.parametrize("page_size", [1, 3, 16])
+def test_paged_arrays_name_the_slots_the_torch_backend_reads(page_size: int) -> None:
+    gen = torch.Generator().manual_seed(page_size)
+    seq_lens = torch.tensor([1, page_size, page_size + 1, 5 * page_size - 1, 37])
+    width = int((seq_lens.max() + page_size - 1) // page_size) + 2  # wider than needed, as plans are
+    page_table = torch.randperm(500, generator=gen)[: 5 * width].view(5, width).to(torch.int32) + 1
+    args = paged_kv_args(page_table, seq_lens, page_size)
+    assert args.indptr.dtype == args.indices.dtype == args.last_page_len.dtype == torch.int32
+    assert args.batch_size == 5 and int(args.indptr[-1]) == args.indices.numel()
+    for i, length in enumerate(seq_lens.tolist()):
+        pages = args.indices[args.indptr[i] : args.indptr[i + 1]].long()
+        last = int(args.last_page_len[i])
+        assert 1 <= last <= page_size
+        slots = (pages[:, None] * page_size + torch.arange(page_size)).flatten()[: (len(pages) - 1) * page_size + last]
+        assert torch.equal(slots, kv_slots(page_table[i : i + 1], length, page_size)[0])
+
+
+def test_query_offsets_and_window() -> None:
+    assert qo_indptr(torch.tensor([3, 1, 5])).tolist() == [0, 3, 4, 9]
+    assert window_left(None) == -1 and window_left(24) == 23
+    with pytest.raises(ValueError):
+        paged_kv_args(torch.zeros(1, 2, dtype=torch.int32), torch.tensor([0]), 4)
+
+
+def test_flashinfer_needs_cuda_and_auto_falls_back() -> None:
+    pool = KVPool(2, 4, 4, 2, 8, torch.float32, torch.device("cpu"))
+    shape = AttentionShape(4, 2, 8, (None, None), torch.float32)
+    with pytest.raises(ValueError, match="needs CUDA"):
+        create_backend("flashinfer", pool, shape)
+    assert create_backend("auto", pool, shape).name == "torch_native"
+    with pytest.raises(ValueError, match="unknown attention backend"):
+        create_backend("flash", pool, shape)
+
+
+def _run(model: Path, prompts: list[list[int]], fake: bool, graphs: bool, **options) -> list[list[int]]:
+    llm = LLM(str(model), debug_integrity=True, **options)
+    engine = llm.engine
+    try:
+        if fake:
+            engine.attention = FlashInferBackend(engine.pool, engine.attention_shape, fake_flashinfer)
+        if graphs:
+            engine.graph_runner = engine.capture_decode_graphs(EagerCapture())
+        params = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
+        first = [o.token_ids for o in llm.generate(prompts, params)]
+        # Again with a longer shared prefix: extends over cached pages.
+        again = [o.token_ids for o in llm.generate([p + p[:5] for p in prompts], params)]
+        if graphs:
+            assert engine.graph_runner.replays > 0
+        return first + again
+    finally:
+        llm.close()
+
+
+@pytest.mark.parametrize("page_size", [1, 4, 16])
+@pytest.mark.parametrize("arch", ["llama3-rope", "mistral", "qwen3"])  # mistral: GQA + sliding window 24
+def test_flashinfer_backend_matches_torch_native(tiny_checkpoints: dict[str, Path], arch: str, page_size: int) -> None:
+    model = tiny_checkpoints[arch]
+    prompts = [hf_encode(model, t) for t in TEXTS]
+    # Small prefill chunks: steps mix decodes with extends over a cached prefix.
+    options = dict(page_size=page_size, max_prefill_tokens=16, dtype="float32")
+    reference = _run(model, prompts, fake=False, graphs=False, **options)
+    assert _run(model, prompts, fake=True, graphs=False, **options) == reference
+
+
+@pytest.mark.skipif(cpu_kernels() is None, reason="native kernels could not be built here")
+@pytest.mark.parametrize("page_size", [1, 16])
+def test_flashinfer_graph_buffers_match_eager(tiny_checkpoints: dict[str, Path], page_size: int) -> None:
+    model = tiny_checkpoints["mistral"]
+    prompts = [hf_encode(model, t) for t in TEXTS]
+    options = dict(page_size=page_size, dtype="float32", cuda_graph_max_bs=6, max_running_requests=8)
+    reference = _run(model, prompts, fake=False, graphs=False, **options)
+    assert _run(model, prompts, fake=True, graphs=True, **options) == reference
