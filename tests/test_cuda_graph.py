@@ -20,6 +20,7 @@ from aioserve.engine.cuda_graph import (
     padded_size,
 )
 from aioserve.engine.engine import kv_budget_bytes
+from aioserve.layers import native_elementwise
 from aioserve.native import cpu_kernels
 from hf_reference import hf_encode
 
@@ -93,9 +94,15 @@ def _generate(model: Path, graphs: bool, params: SamplingParams, prompts: list[l
 
 
 @needs_kernels
+@pytest.mark.parametrize("fused", [True, False], ids=["native-elementwise", "torch-elementwise"])
 @pytest.mark.parametrize("page_size", [1, 4])
 @pytest.mark.parametrize("arch", ["llama3-rope", "mistral"])  # mistral: GQA and a sliding window
-def test_graph_replay_matches_eager(tiny_checkpoints: dict[str, Path], arch: str, page_size: int) -> None:
+def test_graph_replay_matches_eager(
+    tiny_checkpoints: dict[str, Path], arch: str, page_size: int, fused: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The torch twins are what CUDA runs: their per-step caches (RoPE's
+    # cos/sin rows) must be rebuilt inside a capture, not reused from warm-up.
+    monkeypatch.setattr(native_elementwise, "ENABLED", fused)
     model = tiny_checkpoints[arch]
     prompts = [hf_encode(model, t) for t in TEXTS]
     options = dict(page_size=page_size, max_running_requests=8, cuda_graph_max_bs=6)

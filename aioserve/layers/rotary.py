@@ -117,6 +117,14 @@ class RotaryEmbedding(nn.Module):
         cos, sin = self._cos_sin(positions, q.dtype)
         return q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin
 
+    def new_step(self) -> None:
+        """Forget the last step's cos/sin rows: the model calls this at the
+        start of every forward. (Keyed on the positions tensor alone, a
+        CUDA-graph capture that follows a warm-up over the same static
+        positions buffer would reuse the warm-up's rows instead of capturing
+        the lookup, and every replay would rotate by the dummy positions.)"""
+        self._step_key = None
+
     def _cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """cos/sin rows of a step's positions. Every layer shares this module
         and gets the same positions tensor, so the lookup is done once a step:

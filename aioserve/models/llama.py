@@ -92,7 +92,7 @@ class LlamaDecoderLayer(nn.Module):
 class LlamaModel(nn.Module):
     def __init__(self, config: ModelConfig, attention_cls: type[LlamaAttention]) -> None:
         super().__init__()
-        rotary = RotaryEmbedding(
+        self.rotary = rotary = RotaryEmbedding(
             config.head_dim, config.max_position_embeddings, config.rope_theta, config.rope_scaling
         )
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size)
@@ -102,6 +102,7 @@ class LlamaModel(nn.Module):
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        self.rotary.new_step()
         hidden = self.embed_tokens(input_ids)
         residual = None
         for layer in self.layers:
