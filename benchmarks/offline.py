@@ -3,6 +3,9 @@ random input/output lengths, all submitted at once.
 
     python benchmarks/offline.py --model ../shared/models/stories260K
     python benchmarks/offline.py --model ../shared/tokenizers/qwen3 --load-format dummy --dtype bfloat16
+    # issue 11's GPU workload (mini-sglang's setup); add --disable-cuda-graph or --disable-overlap to compare
+    python benchmarks/offline.py --model .gpu_models/qwen3 --load-format dummy --dtype bfloat16 \\
+        --num-prompts 256 --input-len 100 1024 --output-len 100 1024 --seed 0 --json offline.json
 """
 
 from __future__ import annotations
@@ -13,6 +16,8 @@ import logging
 import random
 import time
 from dataclasses import asdict
+
+import torch
 
 from aioserve import LLM, SamplingParams
 from aioserve.cli import add_options, engine_config
@@ -31,6 +36,19 @@ def parse_args() -> argparse.Namespace:
     # This script's older spelling of --disable-overlap.
     p.add_argument("--no-overlap", dest="overlap", action="store_false", help=argparse.SUPPRESS)
     return p.parse_args()
+
+
+def engine_facts(llm: LLM) -> dict[str, object]:
+    """What ran: device, attention backend, CUDA graphs, overlap (the lines of
+    a comparison table)."""
+    engine = llm.engine
+    runner = getattr(engine, "graph_runner", None)
+    return {
+        "device": torch.cuda.get_device_name(engine.device) if engine.device.type == "cuda" else "cpu",
+        "attention_backend": getattr(engine, "attention_backend_name", llm.config.attention_backend),
+        "cuda_graph_batch_sizes": len(runner.batch_sizes) if runner is not None else 0,
+        "overlap": llm.config.overlap,
+    }
 
 
 def main() -> None:
@@ -52,6 +70,7 @@ def main() -> None:
     output_tokens = sum(len(o.token_ids) for o in outputs)
     results = {
         "model": args.model,
+        **engine_facts(llm),
         "dtypes": "weights {}, compute {}, KV {}".format(
             *(str(d).removeprefix("torch.") for d in (llm.engine.weight_dtype, llm.engine.dtype, llm.engine.kv_dtype))
         ),

@@ -1,7 +1,7 @@
 """On a CUDA device. The rest of the suite already runs there (device "auto"
 picks CUDA, so every fp32 greedy-vs-transformers test checks the CUDA path);
 these add what only a GPU has: half precision as the math dtype, the engine
-stream with overlap, and the pool sized from free device memory."""
+stream with overlap, and the pool sized from its share of device memory."""
 
 from __future__ import annotations
 
@@ -31,8 +31,8 @@ def hf_logprobs_of(path: Path, dtype: torch.dtype, ids: list[int]) -> torch.Tens
     return torch.log_softmax(logits, dim=-1).cpu()
 
 
-def test_auto_device_is_cuda_and_pool_uses_free_memory(llama_path: Path) -> None:
-    llm = LLM(str(llama_path), gpu_memory_utilization=0.05)
+def test_auto_device_is_cuda_and_pool_fits_the_memory_share(llama_path: Path) -> None:
+    llm = LLM(str(llama_path), mem_fraction_static=0.05)
     engine = llm.engine
     assert engine.device.type == "cuda" and engine.pool.buffer.device.type == "cuda"
     assert engine.num_pages > 2

@@ -13,6 +13,7 @@ logger = logging.getLogger(__name__)
 
 BACKENDS = ("auto", "torch_native", "flashinfer")
 FLASHINFER_DTYPES = (torch.float16, torch.bfloat16)
+FLASHINFER_HEAD_DIMS = (64, 128, 256)  # what its paged kernels are built for
 
 
 def flashinfer_unusable(pool: KVPool, shape: AttentionShape) -> str | None:
@@ -21,6 +22,8 @@ def flashinfer_unusable(pool: KVPool, shape: AttentionShape) -> str | None:
         return "it needs CUDA"
     if shape.q_dtype not in FLASHINFER_DTYPES or pool.dtype not in FLASHINFER_DTYPES:
         return f"its kernels take float16/bfloat16, not {shape.q_dtype} math over a {pool.dtype} cache"
+    if shape.head_dim not in FLASHINFER_HEAD_DIMS:
+        return f"its kernels take head dims {FLASHINFER_HEAD_DIMS}, not {shape.head_dim}"
     try:
         from aioserve.attention.flashinfer import import_flashinfer
 
@@ -51,4 +54,4 @@ def create_backend(name: str, pool: KVPool, shape: AttentionShape) -> AttentionB
     return TorchNativeBackend(pool)
 
 
-__all__ = ["AttentionBackend", "AttentionMetadata", "AttentionShape", "BACKENDS", "create_backend"]
+__all__ = ["AttentionBackend", "AttentionMetadata", "AttentionShape", "BACKENDS", "FLASHINFER_HEAD_DIMS", "create_backend"]

@@ -1,0 +1,288 @@
+#!/usr/bin/env bash
+# The one script a GPU session runs (issue 11): wheels, models, FlashInfer's
+# JIT, the GPU tests, and the benchmarks, every figure into $OUT.
+#
+# Usage, on the GPU machine, from the repository root:
+#     bash benchmarks/gpu_check.sh PHASE        # PHASE: setup | tests | bench | bench-8b | all
+# Before the session, on the CPU machine:
+#     python benchmarks/gpu/prepare_models.py    # -> .gpu_models/ (4 MiB); carry it if it is git-ignored
+#     (and the wheel bundle in .whl/, built elsewhere)
+# Then one `run` call per phase, in order (each <= 10 min wall; the machine
+# stays warm ~30 s between calls and keeps /tmp, so the wheels and the JIT
+# cache survive; a phase run on a fresh machine redoes the install first):
+#     run: bash benchmarks/gpu_check.sh setup      (install, versions, JIT warm-up: minutes of nvcc)
+#     run: bash benchmarks/gpu_check.sh tests      (pytest: the GPU tests, then CUDA runs of CPU-side tests;
+#                                                  a step cut by its timeout while nvcc compiles: run it again,
+#                                                  the JIT cache in /tmp is warm by then)
+#     run: bash benchmarks/gpu_check.sh bench      (Qwen3-0.6B dummy: offline x3, roofline with/without graphs)
+#     run: bash benchmarks/gpu_check.sh bench-8b   (Llama-3-8B-shaped dummy: offline x3, roofline)
+# `all` runs the four in order and skips what no longer fits the call's budget.
+#
+# What comes back (at most 8 files, as the device tool allows):
+#     $OUT/steps.txt            one line per step: phase, step, status, seconds
+#     $OUT/<phase>.log          the phase's whole console (setup.log, tests.log, bench.log)
+#     $OUT/tests/gpu.xml, $OUT/tests/cuda.xml   junit of the two pytest runs
+#     $OUT/bench/results.json   every benchmark JSON of this machine so far, by run name
+#     $OUT/bench/summary.md     the tables for the issue's closing note
+# Environment: GPU_CHECK_BUDGET (seconds for the whole call, default 560),
+# PYTHON (default /opt/torch/.venv/bin/python3). Steps never abort the phase:
+# each is timed out on its own, recorded, and the next one runs.
+
+set -u -o pipefail
+
+PHASE="${1:-all}"
+PY="${PYTHON:-/opt/torch/.venv/bin/python3}"
+OUT="${OUT:-$PWD/gpu_out}"
+WORK=/tmp/gpu_check                # survives between calls on a warm machine
+RESULTS="$WORK/results"            # benchmark JSONs, gathered into $OUT/bench at the end
+START=$(date +%s)
+BUDGET="${GPU_CHECK_BUDGET:-560}"
+
+export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
+export PYTHONPATH="/tmp/site:$PWD"
+export AIOSERVE_NATIVE=0           # CPU kernels: nothing here runs on the CPU path; skips a C++ build
+# FlashInfer's JIT: Hopper only (H100/H200 are sm_90a), 16 cores, cache in /tmp.
+export FLASHINFER_CUDA_ARCH_LIST="9.0a" TORCH_CUDA_ARCH_LIST="9.0" MAX_JOBS=16
+export FLASHINFER_WORKSPACE_BASE="$WORK"   # -> $WORK/.cache/flashinfer
+if [ -z "${CUDA_HOME:-}" ]; then
+    NVCC="$(command -v nvcc || echo /usr/local/cuda/bin/nvcc)"
+    CUDA_HOME="$(dirname "$(dirname "$NVCC")")"
+    export CUDA_HOME
+fi
+export PATH="$CUDA_HOME/bin:$PATH"
+export PY WORK RESULTS OUT
+
+mkdir -p "$OUT" "$WORK" "$RESULTS"
+
+QWEN=.gpu_models/qwen3
+LLAMA8B=.gpu_models/llama3-8b-instruct
+OFFLINE_ARGS=(--load-format dummy --dtype bfloat16 --num-prompts 256 --input-len 100 1024 --output-len 100 1024 --seed 0)
+ROOF_ARGS=(--load-format dummy --dtype bfloat16 --batch 1 16 64 256 --context 512 --repeats 20)
+
+# -- steps ------------------------------------------------------------------------------
+
+left() { echo $((BUDGET - ($(date +%s) - START))); }
+
+# step NAME LIMIT_S COMMAND...: run with a timeout clipped to the call's budget;
+# record "phase step status seconds"; never fail the phase.
+step() {
+    local name="$1" limit="$2"
+    shift 2
+    local remaining status rc t0 seconds
+    remaining=$(left)
+    if [ "$remaining" -lt 30 ]; then
+        status="SKIP(no time)"; seconds=0
+    else
+        [ "$limit" -gt $((remaining - 15)) ] && limit=$((remaining - 15))
+        echo "== step $name (limit ${limit}s): $*"
+        t0=$(date +%s)
+        timeout -k 10 "$limit" "$@"
+        rc=$?
+        seconds=$(($(date +%s) - t0))
+        case $rc in
+            0) status=ok ;;
+            124 | 137) status="TIMEOUT(${limit}s)" ;;
+            *) status="FAIL(rc=$rc)" ;;
+        esac
+    fi
+    echo "== step $name: $status in ${seconds}s"
+    printf '%-9s %-28s %-16s %5ss\n' "$PHASE_NAME" "$name" "$status" "$seconds" >>"$OUT/steps.txt"
+    return 0
+}
+
+install_wheels() {
+    # Skipped when /tmp/site already holds this exact bundle (a warm machine).
+    local stamp
+    stamp=$(stat -c '%n %s %Y' .whl/*.whl 2>/dev/null | md5sum | cut -d' ' -f1)
+    if [ -f /tmp/site/.bundle-stamp ] && [ "$(cat /tmp/site/.bundle-stamp)" = "$stamp" ]; then
+        echo "wheels already installed in /tmp/site"
+        return 0
+    fi
+    ls .whl/*.whl >/dev/null || { echo "no wheels in .whl/"; return 1; }
+    "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl &&
+        echo "$stamp" >/tmp/site/.bundle-stamp && ls -d /tmp/site/*.dist-info
+}
+
+unpack_models() {
+    local gz
+    for gz in .gpu_models/*/tokenizer.json.gz; do
+        [ -f "${gz%.gz}" ] || gunzip -k "$gz" || return 1
+    done
+    du -sh .gpu_models/*
+}
+
+versions() {
+    nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.max.sm --format=csv
+    nvcc --version | tail -2
+    "$PY" - <<'EOF'
+import importlib.metadata as md, sys, torch
+print("python", sys.version.split()[0], "| torch", torch.__version__, "| CUDA", torch.version.cuda,
+      "|", torch.cuda.get_device_name(0) if torch.cuda.is_available() else "NO CUDA DEVICE",
+      "| capability", torch.cuda.get_device_capability(0) if torch.cuda.is_available() else "-")
+for name in ("flashinfer-python", "triton", "transformers", "tokenizers", "starlette", "hypercorn", "pydantic",
+             "xgrammar", "openai", "httpx", "uvloop", "apache-tvm-ffi", "nvidia-cudnn-frontend"):
+    try:
+        print(f"  {name} {md.version(name)}")
+    except md.PackageNotFoundError:
+        print(f"  {name} MISSING")
+try:
+    import flashinfer
+    print("flashinfer imports:", flashinfer.__version__, flashinfer.__file__)
+except Exception as error:  # the reason `auto` would fall back to torch_native
+    print("flashinfer does NOT import:", repr(error))
+EOF
+}
+
+# Compile FlashInfer's kernels for a model by serving a few steps with it
+# (prefill, then decode replays at batch 1, 3 and 13), so that compile time
+# shows here and not inside a test or a benchmark.
+warm_jit() {
+    "$PY" - "$@" <<'EOF'
+import logging, sys, time
+logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
+from aioserve import LLM, SamplingParams
+model, *extra = sys.argv[1:]
+options = {"attention_backend": "flashinfer", "dtype": "bfloat16"}
+if "dummy" in extra:
+    options["load_format"] = "dummy"
+start = time.perf_counter()
+llm = LLM(model, **options)
+runner = llm.engine.graph_runner
+print(f"{model}: engine (load, JIT of what capture needs, graphs {runner.batch_sizes if runner else None}) "
+      f"in {time.perf_counter() - start:.1f}s; backend {llm.engine.attention_backend_name}")
+for n in (1, 3, 13):
+    start = time.perf_counter()
+    llm.generate([[100 + i, 101, 102, 103, 104] for i in range(n)], SamplingParams(max_tokens=16, temperature=0, ignore_eos=True))
+    print(f"{model}: generate x{n} in {time.perf_counter() - start:.1f}s")
+llm.close()
+EOF
+}
+
+export -f install_wheels unpack_models versions warm_jit
+
+# Cheap when already done: every phase may land on a fresh machine.
+ensure_ready() {
+    { [ -f /tmp/site/.bundle-stamp ] && ls .gpu_models/*/tokenizer.json >/dev/null 2>&1; } && return 0
+    step install 240 bash -c install_wheels
+    step models 60 bash -c unpack_models
+}
+
+# -- phases -----------------------------------------------------------------------------
+
+phase_setup() {
+    step install 240 bash -c install_wheels
+    step models 60 bash -c unpack_models
+    step versions 60 bash -c versions
+    step jit-qwen3 420 bash -c "warm_jit $QWEN dummy"
+    step jit-stories 240 bash -c "warm_jit aioserve/demo_model"
+    du -sh "$WORK/.cache/flashinfer" 2>/dev/null
+}
+
+phase_tests() {
+    ensure_ready
+    mkdir -p "$OUT/tests"
+    step pytest-gpu 420 "$PY" -m pytest -m gpu -p no:cacheprovider -q --durations=15 \
+        --junitxml "$OUT/tests/gpu.xml" tests/test_gpu.py tests/test_gpu_fast_path.py
+    # CPU-side suites that run on CUDA when it is there (device auto): the
+    # default backend on CUDA (FlashInfer) against transformers in fp32, the
+    # batch-invariance and plan-seam checks, the sampler.
+    step pytest-cuda 300 "$PY" -m pytest -p no:cacheprovider -q --maxfail=3 --durations=10 \
+        --junitxml "$OUT/tests/cuda.xml" tests/test_greedy_matches_hf.py tests/test_batching_invariance.py \
+        tests/test_plan_seam.py tests/test_sampler.py
+}
+
+offline() {  # offline NAME MODEL [extra options]
+    local name="$1" model="$2"
+    shift 2
+    step "offline-$name" 300 "$PY" benchmarks/offline.py --model "$model" "${OFFLINE_ARGS[@]}" "$@" \
+        --json "$RESULTS/offline-$name.json"
+}
+
+roofline() {  # roofline NAME MODEL [extra options]
+    local name="$1" model="$2"
+    shift 2
+    step "roofline-$name" 240 "$PY" benchmarks/roofline.py --model "$model" "${ROOF_ARGS[@]}" "$@" \
+        --json "$RESULTS/roofline-$name.json"
+}
+
+phase_bench() {
+    ensure_ready
+    offline qwen3-graphs-overlap "$QWEN"
+    roofline qwen3-graphs "$QWEN"
+    offline qwen3-no-graphs "$QWEN" --disable-cuda-graph
+    offline qwen3-no-overlap "$QWEN" --disable-overlap
+    roofline qwen3-no-graphs "$QWEN" --disable-cuda-graph
+}
+
+phase_bench_8b() {
+    ensure_ready
+    offline llama8b-graphs-overlap "$LLAMA8B"
+    roofline llama8b-graphs "$LLAMA8B"
+    offline llama8b-no-graphs "$LLAMA8B" --disable-cuda-graph
+    offline llama8b-no-overlap "$LLAMA8B" --disable-overlap
+}
+
+# Every result this machine has produced (this call's and earlier calls') into
+# one JSON and one Markdown table.
+summarize() {
+    mkdir -p "$OUT/bench"
+    "$PY" - "$RESULTS" "$OUT/bench" <<'EOF'
+import json, sys
+from pathlib import Path
+results, out = Path(sys.argv[1]), Path(sys.argv[2])
+runs = {p.stem: json.loads(p.read_text()) for p in sorted(results.glob("*.json"))}
+(out / "results.json").write_text(json.dumps(runs, indent=2))
+lines = ["## Offline: 256 requests, input and output uniform in 100-1024 (dummy weights, bf16)", "",
+         "| run | device | attention | graph sizes | overlap | output tok/s | total tok/s | elapsed s | steps | preemptions |",
+         "|---|---|---|---|---|---|---|---|---|---|"]
+for name, r in runs.items():
+    if name.startswith("offline-"):
+        lines.append(f"| {name[8:]} | {r.get('device')} | {r.get('attention_backend')} | {r.get('cuda_graph_batch_sizes')} "
+                     f"| {r.get('overlap')} | {r['output_tokens_per_s']} | {r['total_tokens_per_s']} | {r['elapsed_s']} "
+                     f"| {r['steps']} | {r['preemptions']} |")
+lines += ["", "## Decode step against the roofline (context 512)", "",
+          "| run | batch | bound ms | step ms | host launch ms | gpu ms | host < gpu | bound/step | tok/s | bound tok/s |",
+          "|---|---|---|---|---|---|---|---|---|---|"]
+for name, rows in runs.items():
+    if name.startswith("roofline-"):
+        for r in rows:
+            host, gpu = r.get("host_launch_ms"), r.get("gpu_ms")
+            below = "" if host is None or gpu is None else str(host < gpu).lower()
+            fmt = lambda v: "" if v is None else f"{v:.2f}"
+            lines.append(f"| {name[9:]} | {r['batch']} | {r['bound_ms']:.2f} | {r['measured_ms']:.2f} | {fmt(host)} "
+                         f"| {fmt(gpu)} | {below} | {r['of_bound']:.2f} | {r['batch'] / r['measured_ms'] * 1e3:.0f} "
+                         f"| {r['batch'] / r['bound_ms'] * 1e3:.0f} |")
+(out / "summary.md").write_text("\n".join(lines) + "\n")
+print("\n".join(lines))
+EOF
+}
+
+# run_phase NAME LOGNAME FUNCTION: the phase's console into $OUT/LOGNAME.log.
+run_phase() {
+    local name="$1" log="$2" fn="$3" t0
+    t0=$(date +%s)
+    PHASE_NAME="$name"
+    echo "#### phase $name ($(date -u +%FT%TZ), $(left)s of the call's budget left)" | tee -a "$OUT/$log.log"
+    "$fn" 2>&1 | tee -a "$OUT/$log.log"
+    echo "#### phase $name done in $(($(date +%s) - t0))s" | tee -a "$OUT/$log.log"
+}
+
+case "$PHASE" in
+    setup) run_phase setup setup phase_setup ;;
+    tests) run_phase tests tests phase_tests ;;
+    bench) run_phase bench bench phase_bench ;;
+    bench-8b) run_phase bench-8b bench phase_bench_8b ;;
+    all)
+        run_phase setup setup phase_setup
+        run_phase tests tests phase_tests
+        run_phase bench bench phase_bench
+        run_phase bench-8b bench phase_bench_8b
+        ;;
+    *)
+        echo "usage: $0 setup|tests|bench|bench-8b|all" >&2
+        exit 2
+        ;;
+esac
+case "$PHASE" in bench | bench-8b | all) summarize 2>&1 | tee -a "$OUT/bench.log" ;; esac
+echo "#### steps of this call:"
+cat "$OUT/steps.txt"
