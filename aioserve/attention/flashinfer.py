@@ -96,6 +96,7 @@ class FlashInferBackend(AttentionBackend):
         self.shape = shape
         self.sm_scale = shape.head_dim**-0.5  # what every supported model uses
         device = pool.buffer.device
+        self.on_cuda = device.type == "cuda"
         # One float workspace for every wrapper: the wrappers of a step run one
         # after another on one stream, never at once.
         self.workspace = torch.zeros(WORKSPACE_BYTES, dtype=torch.uint8, device=device)
@@ -109,6 +110,35 @@ class FlashInferBackend(AttentionBackend):
         windows = [w for w in shape.sliding_windows if w is not None]
         self.plan_window = window_left(max(windows)) if windows else -1
         self.graph_decodes: dict[int, object] = {}
+        # Set after each step's plans: their uploads read pinned staging
+        # buffers that the next step's plans overwrite (see _before_planning).
+        self._planned: torch.cuda.Event | None = None
+
+    def _before_planning(self) -> None:
+        """Each wrapper's `plan` writes its page-locked staging buffer and
+        queues an upload from it on the stream. With overlap this step is
+        planned while the last one may not have reached its uploads yet, so
+        wait for those (they sit at that step's very start: the wait is short,
+        since the step before it has finished when the scheduler plans this one)."""
+        if self._planned is not None:
+            self._planned.synchronize()
+
+    def _after_planning(self) -> None:
+        if self.on_cuda:  # (the CPU tests run a torch stand-in of the wrappers)
+            self._planned = torch.cuda.Event()
+            self._planned.record()
+
+    def _upload(self, args: PagedKVArgs) -> PagedKVArgs:
+        """Host arrays in pinned memory and the page ids already on the device:
+        FlashInfer copies a host `indices` into a graph wrapper's buffer with a
+        blocking copy, which waits for the whole stream (the previous step)."""
+        if not self.on_cuda:
+            return args
+        return PagedKVArgs(
+            args.indptr.pin_memory(),
+            args.indices.pin_memory().to(self.pool.buffer.device, non_blocking=True),
+            args.last_page_len.pin_memory(),
+        )
 
     def paged_cache(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         pool = self.pool
@@ -136,11 +166,15 @@ class FlashInferBackend(AttentionBackend):
     def prepare(self, plan: BatchPlan, host_plan: BatchPlan) -> FlashInferMetadata:
         nd, batch = host_plan.num_decodes, host_plan.num_requests
         ps = self.pool.page_size
+        self._before_planning()
         if nd:
-            self._plan_decode(self.decode, paged_kv_args(host_plan.page_table[:nd], host_plan.seq_lens[:nd], ps))
+            args = paged_kv_args(host_plan.page_table[:nd], host_plan.seq_lens[:nd], ps)
+            self._plan_decode(self.decode, self._upload(args))
         if batch > nd:
             args = paged_kv_args(host_plan.page_table[nd:], host_plan.seq_lens[nd:], ps)
-            self._plan_prefill(qo_indptr(host_plan.extend_lens[nd:]), args)
+            qo = qo_indptr(host_plan.extend_lens[nd:])
+            self._plan_prefill(qo.pin_memory() if self.on_cuda else qo, self._upload(args))
+        self._after_planning()
         return FlashInferMetadata(
             self, plan.out_cache_loc, nd, self.decode if nd else None, self.prefill if batch > nd else None
         )
@@ -167,4 +201,7 @@ class FlashInferBackend(AttentionBackend):
 
     def update_graph_buffers(self, host_plan: BatchPlan) -> None:
         wrapper = self.graph_decodes[host_plan.num_requests]
-        self._plan_decode(wrapper, paged_kv_args(host_plan.page_table, host_plan.seq_lens, self.pool.page_size))
+        self._before_planning()
+        args = paged_kv_args(host_plan.page_table, host_plan.seq_lens, self.pool.page_size)
+        self._plan_decode(wrapper, self._upload(args))
+        self._after_planning()
