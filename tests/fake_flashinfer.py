@@ -112,3 +112,36 @@ fake_flashinfer = SimpleNamespace(
     BatchDecodeWithPagedKVCacheWrapper=BatchDecodeWithPagedKVCacheWrapper,
     BatchPrefillWithPagedKVCacheWrapper=BatchPrefillWithPagedKVCacheWrapper,
 )
+
+
+# -- the fused elementwise ops (flashinfer.norm / rope / activation) ----------------
+
+
+def _rmsnorm(x, weight, eps=1e-6, out=None):
+    x32 = x.float()
+    return (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps) * weight.float()).to(x.dtype)
+
+
+def _fused_add_rmsnorm(x, residual, weight, eps=1e-6):
+    residual.add_(x)  # residual += input, then input = norm(residual)
+    x.copy_(_rmsnorm(residual, weight, eps))
+
+
+def _apply_rope_with_cos_sin_cache_inplace(positions, query, key, head_size, cos_sin_cache, is_neox=True):
+    assert is_neox and cos_sin_cache.dtype == torch.float32
+    half = cos_sin_cache.shape[1] // 2
+    cos, sin = cos_sin_cache[positions, :half][:, None, :], cos_sin_cache[positions, half:][:, None, :]
+    for t in (query.view(query.shape[0], -1, head_size), key.view(key.shape[0], -1, head_size)):
+        first, second = t[..., :half].float(), t[..., half:].float()
+        rotated = torch.cat((first * cos - second * sin, second * cos + first * sin), dim=-1)
+        t.copy_(rotated.to(t.dtype))
+
+
+def _silu_and_mul(x, out=None):
+    gate, up = x.chunk(2, dim=-1)
+    return (F.silu(gate.float()) * up.float()).to(x.dtype)
+
+
+fake_flashinfer.norm = SimpleNamespace(rmsnorm=_rmsnorm, fused_add_rmsnorm=_fused_add_rmsnorm)
+fake_flashinfer.rope = SimpleNamespace(apply_rope_with_cos_sin_cache_inplace=_apply_rope_with_cos_sin_cache_inplace)
+fake_flashinfer.activation = SimpleNamespace(silu_and_mul=_silu_and_mul)

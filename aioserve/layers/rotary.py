@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
+from aioserve.layers.flashinfer_elementwise import flashinfer_ops
 from aioserve.layers.native_elementwise import elementwise_kernels
 
 
@@ -103,6 +104,7 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("cos_cache", angles.cos() * attention_factor, persistent=False)
         self.register_buffer("sin_cache", angles.sin() * attention_factor, persistent=False)
         self._step_key: tuple[torch.Tensor, torch.dtype] | None = None
+        self._halves: torch.Tensor | None = None
         self._step_cos_sin: tuple[torch.Tensor, torch.Tensor] = (self.cos_cache, self.sin_cache)
 
     def forward(
@@ -114,8 +116,22 @@ class RotaryEmbedding(nn.Module):
         if kernels is not None:
             kernels.rotary_embedding(positions, q, k, self.cos_cache, self.sin_cache)
             return q, k
+        fused = flashinfer_ops(q)
+        if fused is not None:
+            fused.rope.apply_rope_with_cos_sin_cache_inplace(
+                positions, q, k, q.shape[-1], self._cos_sin_halves(), is_neox=True
+            )
+            return q, k
         cos, sin = self._cos_sin(positions, q.dtype)
         return q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin
+
+    def _cos_sin_halves(self) -> torch.Tensor:
+        """FlashInfer's cache: [max_positions, head_dim] float32, the first half
+        cos and the second sin (ours repeat each half twice, for rotate_half)."""
+        if self._halves is None or self._halves.device != self.cos_cache.device:
+            half = self.cos_cache.shape[1] // 2
+            self._halves = torch.cat((self.cos_cache[:, :half], self.sin_cache[:, :half]), dim=1).contiguous()
+        return self._halves
 
     def new_step(self) -> None:
         """Forget the last step's cos/sin rows: the model calls this at the
