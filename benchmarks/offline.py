@@ -82,6 +82,8 @@ def main() -> None:
         "output_tokens_per_s": round(output_tokens / elapsed, 1),
         "total_tokens_per_s": round((input_tokens + output_tokens) / elapsed, 1),
         "steps": llm.stats.steps,
+        # Decode steps replayed from a graph (the warm-up's included): the rest ran eagerly, mostly mixed steps.
+        "graph_replays": llm.engine.graph_runner.replays if llm.engine.graph_runner is not None else 0,
         "preemptions": llm.stats.preemptions,
     }
     width = max(len(k) for k in results)
