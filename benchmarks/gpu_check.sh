@@ -5,8 +5,9 @@
 # Usage, on the GPU machine, from the repository root:
 #     bash benchmarks/gpu_check.sh PHASE        # PHASE: setup | tests | bench | bench-8b | all
 # Before the session, on the CPU machine:
-#     python benchmarks/gpu/prepare_models.py    # -> .gpu_models/ (4 MiB); carry it if it is git-ignored
-#     (and the wheel bundle in .whl/, built elsewhere)
+#     python benchmarks/gpu/prepare_models.py    # -> .gpu_models/ (4 MiB)
+#     python benchmarks/gpu/make_bundle.py       # -> .whl/ (27 MiB: trimmed FlashInfer + server wheels)
+# Both are git-ignored: each device `run` names them in carry: [".whl", ".gpu_models"].
 # Then one `run` call per phase, in order (each <= 10 min wall; the machine
 # stays warm ~30 s between calls and keeps /tmp, so the wheels and the JIT
 # cache survive; a phase run on a fresh machine redoes the install first):
@@ -42,7 +43,7 @@ export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
 export PYTHONPATH="/tmp/site:$PWD"
 export AIOSERVE_NATIVE=0           # CPU kernels: nothing here runs on the CPU path; skips a C++ build
 # FlashInfer's JIT: Hopper only (H100/H200 are sm_90a), 16 cores, cache in /tmp.
-export FLASHINFER_CUDA_ARCH_LIST="9.0a" TORCH_CUDA_ARCH_LIST="9.0" MAX_JOBS=16
+export FLASHINFER_CUDA_ARCH_LIST="9.0a" TORCH_CUDA_ARCH_LIST="9.0" MAX_JOBS=16 FLASHINFER_NVCC_THREADS=1
 export FLASHINFER_WORKSPACE_BASE="$WORK"   # -> $WORK/.cache/flashinfer
 if [ -z "${CUDA_HOME:-}" ]; then
     NVCC="$(command -v nvcc || echo /usr/local/cuda/bin/nvcc)"
