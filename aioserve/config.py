@@ -112,8 +112,11 @@ class EngineConfig:
 
     max_model_len: int | None = option(None, help="context limit (default: the model's)", group="scheduling")
     max_running_requests: int = option(256, help="requests decoding at once (page-table slots)", group="scheduling")
-    max_prefill_tokens: int = option(
-        8192, help="prefill tokens per step; longer prompts are chunked", group="scheduling"
+    max_prefill_tokens: int | None = option(
+        None, group="scheduling",
+        help="prefill tokens per step; longer prompts are chunked (default: 8192 on GPU; 256 on CPU, where "
+        "prefill is compute-bound: small chunks give a burst's first requests their first token sooner at the "
+        "same throughput)",
     )
     decode_reserve_tokens: int = option(
         64, help="KV room a request must have beyond its prompt to be admitted", group="scheduling"

@@ -26,6 +26,7 @@ class SchedulerInfo:
     kv_pages_cached: int
     kv_pages_evictable: int
     kv_integrity: str  # "ok", what the integrity check found, or "not checked"
+    max_prefill_tokens: int
     stats: dict[str, int] = field(default_factory=dict)
 
     @property

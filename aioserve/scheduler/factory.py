@@ -25,6 +25,7 @@ def model_facts(engine: Engine) -> ModelFacts:
         max_model_len=engine.max_model_len,
         vocab_size=engine.vocab_size,
         eos_token_ids=engine.model_config.eos_token_ids,
+        max_prefill_tokens=engine.max_prefill_tokens,
     )
 
 

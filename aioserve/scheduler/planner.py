@@ -29,8 +29,16 @@ logger = logging.getLogger(__name__)
 
 
 class StepPlanner:
-    def __init__(self, config: EngineConfig, table: RequestTable, kv: KVManager, sampling: SamplingBatchBuilder) -> None:
+    def __init__(
+        self,
+        config: EngineConfig,
+        table: RequestTable,
+        kv: KVManager,
+        sampling: SamplingBatchBuilder,
+        max_prefill_tokens: int,
+    ) -> None:
         self.config = config
+        self.max_prefill_tokens = max_prefill_tokens
         self.table = table
         self.kv = kv
         self.sampling = sampling
@@ -38,7 +46,7 @@ class StepPlanner:
     def plan(self, step_id: int) -> ScheduledStep | None:
         builder = PlanBuilder(step_id, self.kv.page_size, self.kv.table, self.sampling)
         self._plan_decodes(builder, step_id)
-        budget = self._plan_running_chunks(builder, self.config.max_prefill_tokens, step_id)
+        budget = self._plan_running_chunks(builder, self.max_prefill_tokens, step_id)
         self._plan_admissions(builder, budget, step_id)
         return builder.build() if builder.entries else None
 

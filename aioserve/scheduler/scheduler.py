@@ -49,6 +49,7 @@ class ModelFacts:
     max_model_len: int
     vocab_size: int
     eos_token_ids: list[int]
+    max_prefill_tokens: int  # the config's, or the engine's default for its device
 
 
 class Scheduler:
@@ -59,7 +60,7 @@ class Scheduler:
         self.kv = self._new_kv()
         self.table = RequestTable(self.kv)
         sampling = SamplingBatchBuilder(facts.vocab_size, facts.eos_token_ids, config.seed)
-        self.planner = StepPlanner(config, self.table, self.kv, sampling)
+        self.planner = StepPlanner(config, self.table, self.kv, sampling, facts.max_prefill_tokens)
         self.outputs = OutputProcessor(self.table, facts.eos_token_ids)
         self._next_step = 0
         self._wake: asyncio.Event | None = None
@@ -184,6 +185,7 @@ class Scheduler:
             kv_pages_cached=kv.cache.num_pages,
             kv_pages_evictable=kv.cache.num_evictable_pages,
             kv_integrity=integrity,
+            max_prefill_tokens=self.facts.max_prefill_tokens,
             stats=dict(vars(self.stats)),
         )
 

@@ -99,7 +99,6 @@ async def server_info(request: Request) -> Response:
             max_model_len=ctx.max_model_len,
             overlap=engine.overlap,
             cache=engine.cache,
-            max_prefill_tokens=engine.max_prefill_tokens,
             tensor_parallel=TensorParallelInfo(tp_size=engine.tp_size, nnodes=engine.nnodes, ranks=ctx.tp_layout),
             **vars(info),  # the SchedulerInfo dataclass's fields, flattened
         )
