@@ -36,6 +36,7 @@ logger = logging.getLogger(__name__)
 NATIVE_DIR = Path(__file__).resolve().parents[1] / "native"
 # One module from every source here; module.cpp binds what the others define.
 SOURCES = sorted(NATIVE_DIR.glob("*.cpp"))
+HEADERS = sorted(NATIVE_DIR.glob("*.h"))
 # Built on the machine that runs it, so native instructions are safe; the
 # CPU's flags are part of the cache key in case the cache is shared.
 # -fopenmp, not only -fopenmp-simd: at::parallel_for is a header template whose
@@ -50,8 +51,8 @@ def cache_root() -> Path:
 
 
 def sources_bytes() -> bytes:
-    """Every source's name and text: what the build's key depends on."""
-    return b"".join(path.name.encode() + b"\0" + path.read_bytes() for path in SOURCES)
+    """Every source's and header's name and text: what the build's key depends on."""
+    return b"".join(path.name.encode() + b"\0" + path.read_bytes() for path in SOURCES + HEADERS)
 
 
 def build_key(source: bytes) -> str:

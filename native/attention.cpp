@@ -6,6 +6,8 @@
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
+#include "half.h"
+
 #include <algorithm>
 #include <cmath>
 #include <limits>
@@ -13,8 +15,8 @@
 
 namespace {
 
-template <typename T>
-inline float to_float(T v) { return static_cast<float>(v); }
+using aioserve::from_float;
+using aioserve::to_float;
 
 template <typename T>
 inline float dot(const float* __restrict a, const T* __restrict b, int64_t n) {
@@ -131,7 +133,7 @@ void decode_attention_impl(const torch::Tensor& q, const torch::Tensor& k_cache,
         axpy(factor, part + h * dim, merged.data(), dim);
       }
       T* dst = op + (b * num_heads + h) * dim;
-      for (int64_t d = 0; d < dim; ++d) dst[d] = static_cast<T>(merged[d] / total);
+      for (int64_t d = 0; d < dim; ++d) dst[d] = from_float<T>(merged[d] / total);
     }
   });
 }

@@ -16,6 +16,8 @@
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
+#include "half.h"
+
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
@@ -42,12 +44,9 @@ constexpr int64_t kGrainElements = 16384;
 
 inline int64_t row_grain(int64_t row_size) { return std::max<int64_t>(1, kGrainElements / std::max<int64_t>(1, row_size)); }
 
-template <typename T>
-inline float to_float(T v) { return static_cast<float>(v); }
-
-// An op's float32 result as torch leaves it in a T tensor (a no-op for float).
-template <typename T>
-inline float round_to(float v) { return static_cast<float>(static_cast<T>(v)); }
+using aioserve::from_float;
+using aioserve::round_to;
+using aioserve::to_float;
 
 // Calls f with a value of the C++ type of a float32, bfloat16 or float16 dtype.
 template <typename F>
@@ -93,7 +92,7 @@ void rms_norm_impl(const X* x, Rows xr, X* residual, Rows rr, const W* w, O* out
 #pragma omp simd reduction(+ : squares)
         for (int64_t d = 0; d < dim; ++d) {
           const float s = round_to<X>(to_float(src[d]) + to_float(res[d]));
-          res[d] = static_cast<X>(s);
+          res[d] = from_float<X>(s);
           squares += s * s;
         }
         src = res;
@@ -105,7 +104,7 @@ void rms_norm_impl(const X* x, Rows xr, X* residual, Rows rr, const W* w, O* out
       const float inv = 1.f / std::sqrt(squares / static_cast<float>(dim) + eps);
       O* dst = out + r * dim;
 #pragma omp simd
-      for (int64_t d = 0; d < dim; ++d) dst[d] = static_cast<O>(to_float(w[d]) * round_to<X>(to_float(src[d]) * inv));
+      for (int64_t d = 0; d < dim; ++d) dst[d] = from_float<O>(to_float(w[d]) * round_to<X>(to_float(src[d]) * inv));
     }
   });
 }
@@ -151,8 +150,8 @@ inline void rotate_row(T* x, const float* cos, const float* sin, int64_t half) {
     const float x1 = to_float(x[d]), x2 = to_float(x[d + half]);
     const float c1 = round_to<T>(cos[d]), s1 = round_to<T>(sin[d]);
     const float c2 = round_to<T>(cos[d + half]), s2 = round_to<T>(sin[d + half]);
-    x[d] = static_cast<T>(round_to<T>(x1 * c1) + round_to<T>(-x2 * s1));
-    x[d + half] = static_cast<T>(round_to<T>(x2 * c2) + round_to<T>(x1 * s2));
+    x[d] = from_float<T>(round_to<T>(x1 * c1) + round_to<T>(-x2 * s1));
+    x[d + half] = from_float<T>(round_to<T>(x2 * c2) + round_to<T>(x1 * s2));
   }
 }
 
@@ -203,7 +202,7 @@ void store_impl(const S* src, Rows sr, C* cache, const int64_t* slots, int64_t h
       const S* from = src + sr.offset(r);
       C* to = cache + (slots[r / heads] * heads + r % heads) * dim;
 #pragma omp simd
-      for (int64_t d = 0; d < dim; ++d) to[d] = static_cast<C>(to_float(from[d]));
+      for (int64_t d = 0; d < dim; ++d) to[d] = from_float<C>(to_float(from[d]));
     }
   });
 }
@@ -271,7 +270,7 @@ void silu_and_mul_impl(const T* x, T* out, int64_t rows, int64_t n) {
       for (int64_t j = 0; j < n; ++j) {
         const float g = to_float(gate[j]);
         // silu rounded to T first, as F.silu(gate) is a T tensor before `* up`.
-        dst[j] = static_cast<T>(round_to<T>(g / (1.f + exp_approx(-g))) * to_float(up[j]));
+        dst[j] = from_float<T>(round_to<T>(g / (1.f + exp_approx(-g))) * to_float(up[j]));
       }
     }
   });

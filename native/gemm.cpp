@@ -22,6 +22,8 @@
 
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
+
+#include "half.h"
 #include <immintrin.h>
 
 #include <algorithm>
@@ -192,7 +194,7 @@ void packed_linear_impl(const X* x, int64_t m, int64_t k, const W* packed, int64
       xs = x + row0 * k;  // bf16 rows read as 32-bit pairs, or float32 rows: as they are
     } else {
       x32.resize(rows * k);
-      for (int64_t i = 0; i < rows * k; ++i) x32[i] = static_cast<float>(x[row0 * k + i]);
+      for (int64_t i = 0; i < rows * k; ++i) x32[i] = aioserve::to_float(x[row0 * k + i]);
       xs = x32.data();
     }
     const char* x_bytes = static_cast<const char*>(xs);
@@ -209,9 +211,9 @@ void packed_linear_impl(const X* x, int64_t m, int64_t k, const W* packed, int64
             X* dst = y + (row0 + r0 + r) * n + col0;
             const float* src = out + r * kBlock;
             if (bias != nullptr) {
-              for (int64_t c = 0; c < cols; ++c) dst[c] = static_cast<X>(src[c] + bias[col0 + c]);
+              for (int64_t c = 0; c < cols; ++c) dst[c] = aioserve::from_float<X>(src[c] + bias[col0 + c]);
             } else {
-              for (int64_t c = 0; c < cols; ++c) dst[c] = static_cast<X>(src[c]);
+              for (int64_t c = 0; c < cols; ++c) dst[c] = aioserve::from_float<X>(src[c]);
             }
           }
         }
