@@ -180,8 +180,20 @@ void tile_rows(int rows, const void* x, int64_t k, const W* block, float* out) {
   TORCH_CHECK(false, "packed_linear: bad tile height ", rows);
 }
 
-template <Form F, typename X, typename W>
-void packed_linear_impl(const X* x, int64_t m, int64_t k, const W* packed, int64_t n, const float* bias, X* y) {
+// The output as a Y: X itself, or float32 holding X's rounding (the LM head:
+// its logits go on in float32, and torch's own widening of [64, 151936] bf16
+// logits took 19 ms of a 324 ms qwen3 step).
+template <typename X, typename Y>
+inline Y store_as(float v) {
+  if constexpr (std::is_same_v<Y, float>) {
+    return aioserve::round_to<X>(v);
+  } else {
+    return aioserve::from_float<X>(v);
+  }
+}
+
+template <Form F, typename X, typename W, typename Y>
+void packed_linear_impl(const X* x, int64_t m, int64_t k, const W* packed, int64_t n, const float* bias, Y* y) {
   const int64_t blocks = (n + kBlock - 1) / kBlock;
   const int64_t chunk_rows = std::max<int64_t>(kMaxRows, kChunkBytes / (k * 4) / kMaxRows * kMaxRows);
   // Row r of the tile source starts x_stride 4-byte elements (floats, or bf16 pairs) after row r - 1.
@@ -208,17 +220,32 @@ void packed_linear_impl(const X* x, int64_t m, int64_t k, const W* packed, int64
           const int tile_h = static_cast<int>(std::min<int64_t>(kMaxRows, rows - r0));
           tile_rows<F>(tile_h, x_bytes + r0 * x_stride * 4, k, block, out);
           for (int r = 0; r < tile_h; ++r) {
-            X* dst = y + (row0 + r0 + r) * n + col0;
+            Y* dst = y + (row0 + r0 + r) * n + col0;
             const float* src = out + r * kBlock;
             if (bias != nullptr) {
-              for (int64_t c = 0; c < cols; ++c) dst[c] = aioserve::from_float<X>(src[c] + bias[col0 + c]);
+              for (int64_t c = 0; c < cols; ++c) dst[c] = store_as<X, Y>(src[c] + bias[col0 + c]);
             } else {
-              for (int64_t c = 0; c < cols; ++c) dst[c] = aioserve::from_float<X>(src[c]);
+              for (int64_t c = 0; c < cols; ++c) dst[c] = store_as<X, Y>(src[c]);
             }
           }
         }
       }
     });
+  }
+}
+
+// The packing's form: plain blocks, or bf16 k-pairs (dotted as pairs under
+// bf16 math, split into floats under float32 math).
+template <typename X, typename W, typename Y>
+void run_packed(const X* x, int64_t m, int64_t k, const W* packed, bool pairs, int64_t n, const float* bias, Y* y) {
+  if (!pairs) {
+    packed_linear_impl<Form::kPlain, X, W, Y>(x, m, k, packed, n, bias, y);
+  } else if constexpr (std::is_same_v<W, at::BFloat16>) {
+    if constexpr (std::is_same_v<X, at::BFloat16>) {
+      packed_linear_impl<Form::kDotPairs, X, W, Y>(x, m, k, packed, n, bias, y);
+    } else {
+      packed_linear_impl<Form::kSplitPairs, X, W, Y>(x, m, k, packed, n, bias, y);
+    }
   }
 }
 
@@ -240,7 +267,7 @@ torch::Tensor pack_linear_weight(const torch::Tensor& weight) {
 }
 
 torch::Tensor packed_linear(torch::Tensor x, const torch::Tensor& packed, const c10::optional<torch::Tensor>& bias,
-                            int64_t n) {
+                            int64_t n, bool float_out) {
   TORCH_CHECK(x.dim() == 2, "packed_linear: x must be [M, K]");
   const bool pairs = packed.dim() == 4;
   TORCH_CHECK((packed.dim() == 3 || (pairs && kPairs && packed.size(3) == 2 && packed.scalar_type() == at::kBFloat16)) &&
@@ -250,7 +277,7 @@ torch::Tensor packed_linear(torch::Tensor x, const torch::Tensor& packed, const 
   TORCH_CHECK(packed_k == k, "packed_linear: x has ", k, " features, the weight ", packed_k);
   TORCH_CHECK(n > 0 && n <= packed.size(0) * kBlock && n > (packed.size(0) - 1) * kBlock, "packed_linear: bad N");
   x = x.contiguous();
-  auto y = torch::empty({m, n}, x.options());
+  auto y = torch::empty({m, n}, float_out ? x.options().dtype(torch::kFloat32) : x.options());
   torch::Tensor bias32;
   if (bias.has_value() && bias->defined()) {
     TORCH_CHECK(bias->numel() == n, "packed_linear: bias must have N values");
@@ -264,13 +291,11 @@ torch::Tensor packed_linear(torch::Tensor x, const torch::Tensor& packed, const 
       using W = scalar_t;
       if constexpr (std::is_same_v<W, double> || std::is_same_v<X, double>) {
         TORCH_CHECK(false, "packed_linear: float64 is not supported");
-      } else if (!pairs) {
-        packed_linear_impl<Form::kPlain, X, W>(x.data_ptr<X>(), m, k, packed.data_ptr<W>(), n, b, y.data_ptr<X>());
-      } else if constexpr (std::is_same_v<W, at::BFloat16>) {
-        if constexpr (std::is_same_v<X, at::BFloat16>) {
-          packed_linear_impl<Form::kDotPairs, X, W>(x.data_ptr<X>(), m, k, packed.data_ptr<W>(), n, b, y.data_ptr<X>());
+      } else {
+        if (float_out) {
+          run_packed<X, W, float>(x.data_ptr<X>(), m, k, packed.data_ptr<W>(), pairs, n, b, y.data_ptr<float>());
         } else {
-          packed_linear_impl<Form::kSplitPairs, X, W>(x.data_ptr<X>(), m, k, packed.data_ptr<W>(), n, b, y.data_ptr<X>());
+          run_packed<X, W, X>(x.data_ptr<X>(), m, k, packed.data_ptr<W>(), pairs, n, b, y.data_ptr<X>());
         }
       }
     });
@@ -282,5 +307,6 @@ void bind_gemm(pybind11::module_& m) {
   m.def("gemm_block_width", &gemm_block_width, "output columns per packed weight block");
   m.def("pack_linear_weight", &pack_linear_weight, "pack W [N, K] for packed_linear");
   m.def("packed_linear", &packed_linear, "x W^T (+ b) with a packed W (CPU)", pybind11::arg("x"),
-        pybind11::arg("packed"), pybind11::arg("bias") = pybind11::none(), pybind11::arg("n"));
+        pybind11::arg("packed"), pybind11::arg("bias") = pybind11::none(), pybind11::arg("n"),
+        pybind11::arg("float_out") = false);
 }

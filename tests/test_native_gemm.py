@@ -43,6 +43,9 @@ def test_packed_linear_matches_torch(x_dtype, w_dtype, n, k, rows) -> None:
     torch.testing.assert_close(out.float(), expected, rtol=tolerance, atol=tolerance * max(1.0, k**0.5))
     torch.testing.assert_close(kernels.packed_linear(x, packed, None, n).float(), expected - bias,
                                rtol=tolerance, atol=tolerance * max(1.0, k**0.5))
+    # float_out (the LM head): float32 holding exactly the x-dtype output's values.
+    widened = kernels.packed_linear(x, packed, bias, n, float_out=True)
+    assert widened.dtype == torch.float32 and torch.equal(widened, out.float())
 
 
 def test_a_row_does_not_depend_on_its_batch() -> None:

@@ -100,11 +100,18 @@ def packed_rows(weight: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
 
 
 def cpu_matmul(
-    x: torch.Tensor, weight: torch.Tensor, choice: MatmulChoice | None, bias: torch.Tensor | None = None
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    choice: MatmulChoice | None,
+    bias: torch.Tensor | None = None,
+    float_out: bool = False,
 ) -> torch.Tensor:
-    """x W^T (+ b) for a 2-D CPU activation, by the tuned form when there is one."""
+    """x W^T (+ b) for a 2-D CPU activation, by the tuned form when there is one.
+    `float_out`: the packed kernel may write float32 holding x's dtype's
+    rounding (the same values as its x-dtype output widened); other forms
+    return x's dtype."""
     if choice is not None and choice.packed_features is not None:
-        return cpu_kernels().packed_linear(x, weight, bias, choice.packed_features)  # type: ignore[union-attr]
+        return cpu_kernels().packed_linear(x, weight, bias, choice.packed_features, float_out)  # type: ignore[union-attr]
     out = _unpacked_matmul(x, weight, choice)
     return out + bias if bias is not None else out
 

@@ -59,5 +59,7 @@ class ParallelLMHead(VocabParallelEmbedding):
         self.weight = embedding.weight
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
-        logits = all_gather_last_dim(linear(hidden, self.weight, choice=self.matmul_choice))
+        """float32 logits (the weights' rounding kept) where the packed CPU
+        kernel writes them directly; hidden's dtype elsewhere."""
+        logits = all_gather_last_dim(linear(hidden, self.weight, choice=self.matmul_choice, float_out=True))
         return logits[..., : self.vocab_size]
