@@ -195,7 +195,14 @@ inline Y store_as(float v) {
 template <Form F, typename X, typename W, typename Y>
 void packed_linear_impl(const X* x, int64_t m, int64_t k, const W* packed, int64_t n, const float* bias, Y* y) {
   const int64_t blocks = (n + kBlock - 1) / kBlock;
-  const int64_t chunk_rows = std::max<int64_t>(kMaxRows, kChunkBytes / (k * 4) / kMaxRows * kMaxRows);
+  // Rows per pass over W: as many as keep their x (bf16 pairs as they are,
+  // else widened to float) within kChunkBytes, then evened out, since every
+  // pass streams all of W again: the LM head's 311 MB at 64 rows went as 60 +
+  // 4 rows, two passes for one.
+  const int64_t x_row_bytes = k * (F == Form::kDotPairs ? 2 : 4);
+  const int64_t most_rows = std::max<int64_t>(kMaxRows, kChunkBytes / x_row_bytes / kMaxRows * kMaxRows);
+  const int64_t passes = (m + most_rows - 1) / most_rows;
+  const int64_t chunk_rows = ((m + passes - 1) / passes + kMaxRows - 1) / kMaxRows * kMaxRows;
   // Row r of the tile source starts x_stride 4-byte elements (floats, or bf16 pairs) after row r - 1.
   const int64_t x_stride = F == Form::kDotPairs ? k / 2 : k;
   std::vector<float> x32;
