@@ -76,6 +76,9 @@ class FlashInferMetadata(AttentionMetadata):
         pool.store(layer, self.out_cache_loc, k, v)
         cache = backend.paged_cache(layer)
         window = window_left(sliding_window)
+        # q is a view into the fused q|k|v projection's rows (RoPE rotated it
+        # in place); the kernels are handed dense heads.
+        q = q.contiguous()
         nd = self.num_decodes
         if self.prefill is None:  # decode-only: no copy into a second output
             return self.decode.run(q, cache, window_left=window)  # type: ignore[attr-defined]
