@@ -8,6 +8,7 @@ import torch
 
 from aioserve.attention.backend import AttentionBackend, AttentionMetadata, AttentionShape
 from aioserve.kvcache.kv_pool import KVPool
+from aioserve.layers import flashinfer_elementwise
 
 logger = logging.getLogger(__name__)
 
@@ -24,12 +25,9 @@ def flashinfer_unusable(pool: KVPool, shape: AttentionShape) -> str | None:
         return f"its kernels take float16/bfloat16, not {shape.q_dtype} math over a {pool.dtype} cache"
     if shape.head_dim not in FLASHINFER_HEAD_DIMS:
         return f"its kernels take head dims {FLASHINFER_HEAD_DIMS}, not {shape.head_dim}"
-    try:
-        from aioserve.attention.flashinfer import import_flashinfer
-
-        import_flashinfer()
-    except ImportError as exc:
-        return f"flashinfer does not import ({exc}; install the gpu extra: pip install 'aioserve[gpu]')"
+    if flashinfer_elementwise.load_flashinfer() is None:
+        why = flashinfer_elementwise.import_error
+        return f"flashinfer does not import ({why}; install the gpu extra: pip install 'aioserve[gpu]')"
     return None
 
 

@@ -14,9 +14,10 @@ For CUDA graphs (engine/cuda_graph.py) the backend keeps one decode wrapper
 per captured batch size in FlashInfer's CUDA-graph mode; they share fixed
 index buffers, which each `plan` rewrites in place before a replay.
 
-`import flashinfer` happens in the constructor: without the extra (or without
-CUDA) this module still imports, and `create_backend` falls back to
-torch_native with one log line.
+`flashinfer` is imported on first use (layers/flashinfer_elementwise.py's
+`load_flashinfer`, shared with the fused elementwise ops): without the extra
+(or without CUDA) this module still imports, and `create_backend` falls
+back to torch_native with one log line.
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ from aioserve.attention.backend import AttentionBackend, AttentionMetadata, Atte
 from aioserve.attention.flashinfer_args import PagedKVArgs, paged_kv_args, qo_indptr, window_left
 from aioserve.batch_plan import BatchPlan
 from aioserve.kvcache.kv_pool import KVPool
+from aioserve.layers import flashinfer_elementwise
 
 logger = logging.getLogger(__name__)
 
@@ -37,12 +39,6 @@ WORKSPACE_BYTES = 128 << 20  # FlashInfer's recommended float workspace (split-K
 # Grouped heads at or above this share a KV head enough for the tensor-core
 # decode kernel to win (the CUDA-core one re-reads K/V per query head).
 TENSOR_CORE_MIN_GROUP = 4
-
-
-def import_flashinfer() -> ModuleType:
-    import flashinfer  # noqa: PLC0415 - the optional gpu extra, imported only when asked for
-
-    return flashinfer
 
 
 class FlashInferMetadata(AttentionMetadata):
@@ -94,7 +90,9 @@ class FlashInferBackend(AttentionBackend):
     supports_graphs = True
 
     def __init__(self, pool: KVPool, shape: AttentionShape, flashinfer: ModuleType | None = None) -> None:
-        self.fi = flashinfer or import_flashinfer()
+        self.fi = flashinfer or flashinfer_elementwise.load_flashinfer()
+        if self.fi is None:
+            raise ImportError(f"flashinfer does not import: {flashinfer_elementwise.import_error}")
         self.pool = pool
         self.shape = shape
         self.sm_scale = shape.head_dim**-0.5  # what every supported model uses

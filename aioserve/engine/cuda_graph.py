@@ -117,8 +117,7 @@ class CudaGraphCapture:
     """torch.cuda graphs, all in one memory pool: captured largest first,
     each smaller graph fits in the blocks the larger ones freed."""
 
-    def __init__(self, device: torch.device) -> None:
-        self.device = device
+    def __init__(self) -> None:
         self.pool: tuple[int, int] | None = None
 
     def __call__(self, step: Callable[[], None]) -> CapturedStep:

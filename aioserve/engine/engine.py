@@ -117,11 +117,10 @@ class Engine:
             q_dtype=self.dtype,
         )
         self.attention = create_backend(config.attention_backend, self.pool, shape)
-        self.attention_backend_name = self.attention.name
         self.graph_runner: DecodeGraphRunner | None = None
         if self.device.type == "cuda" and config.cuda_graph:
             if self.attention.supports_graphs:
-                self.graph_runner = self.capture_decode_graphs(CudaGraphCapture(self.device))
+                self.graph_runner = self.capture_decode_graphs(CudaGraphCapture())
             else:
                 logger.info("CUDA graphs off: the %s attention backend cannot replay", self.attention.name)
         self.previous = PreviousStepTokens(self.device)  # fills the next plan's placeholders
@@ -142,6 +141,11 @@ class Engine:
         if self.tp.size > 1 and self.tp.is_leader:
             for line in layout_lines(self.tp_layout):
                 logger.info("tensor parallel: %s", line)
+
+    @property
+    def attention_backend_name(self) -> str:
+        """As --attention-backend spells it: what `auto` chose."""
+        return self.attention.name
 
     @property
     def vocab_size(self) -> int:

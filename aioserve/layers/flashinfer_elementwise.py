@@ -26,10 +26,14 @@ DEVICE_TYPES = ("cuda",)  # the CPU tests add "cpu" to run a torch stand-in thro
 
 _flashinfer: ModuleType | None = None
 _tried = False
+import_error: str | None = None  # why flashinfer did not import, once tried
 
 
-def _load() -> ModuleType | None:
-    global _flashinfer, _tried
+def load_flashinfer() -> ModuleType | None:
+    """The optional `flashinfer` module (the gpu extra), imported once for the
+    whole process (these ops and the attention backend); None if it does not
+    import, and `import_error` says why."""
+    global _flashinfer, _tried, import_error
     if not _tried:
         _tried = True
         try:
@@ -37,7 +41,8 @@ def _load() -> ModuleType | None:
 
             _flashinfer = flashinfer
         except ImportError as exc:
-            logger.info("elementwise ops: torch on CUDA, flashinfer does not import (%s)", exc)
+            import_error = str(exc)
+            logger.info("flashinfer does not import (%s): torch serves its ops", exc)
     return _flashinfer
 
 
@@ -45,4 +50,4 @@ def flashinfer_ops(x: torch.Tensor) -> ModuleType | None:
     """FlashInfer for this CUDA half-precision tensor, or None for the torch forms."""
     if not (ENABLED and x.device.type in DEVICE_TYPES and x.dtype in HALF):
         return None
-    return _load()
+    return load_flashinfer()
