@@ -131,8 +131,8 @@ class EngineConfig:
     )
     cuda_graph: bool = option(
         True, group="scheduling",
-        help="run decode-only steps eagerly instead of replaying a captured CUDA graph (graphs need CUDA and "
-        "the flashinfer backend)",
+        help="run decode-only steps eagerly through the modules: no captured CUDA graph on a GPU (graphs need "
+        "the flashinfer backend), no native whole-step call (DecoderStack) on a CPU",
     )
     cuda_graph_max_bs: int = option(
         256, group="scheduling",

@@ -7,6 +7,7 @@
 #include <ATen/Parallel.h>
 
 #include "half.h"
+#include "kernels.h"
 
 #include <algorithm>
 #include <cmath>
@@ -140,6 +141,8 @@ void decode_attention_impl(const torch::Tensor& q, const torch::Tensor& k_cache,
 
 }  // namespace
 
+namespace aioserve {
+
 torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
                                      torch::Tensor page_table, torch::Tensor seq_lens, int64_t page_size,
                                      double scale, int64_t window) {
@@ -167,6 +170,8 @@ torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_cache, tor
   return out;
 }
 
+}  // namespace aioserve
+
 void bind_attention(pybind11::module_& m) {
-  m.def("paged_decode_attention", &paged_decode_attention, "decode attention over paged KV (CPU)");
+  m.def("paged_decode_attention", &aioserve::paged_decode_attention, "decode attention over paged KV (CPU)");
 }

@@ -17,6 +17,7 @@
 #include <ATen/Parallel.h>
 
 #include "half.h"
+#include "kernels.h"
 
 #include <algorithm>
 #include <cmath>
@@ -37,6 +38,7 @@
 #pragma GCC optimize("fp-contract=off")
 #endif
 
+namespace aioserve {
 namespace {
 
 // Below this many elements a thread costs more than it saves.
@@ -109,6 +111,8 @@ void rms_norm_impl(const X* x, Rows xr, X* residual, Rows rr, const W* w, O* out
   });
 }
 
+}  // namespace
+
 torch::Tensor rms_norm(torch::Tensor x, std::optional<torch::Tensor> residual, torch::Tensor weight, double eps) {
   const int64_t dim = x.size(-1);
   TORCH_CHECK(weight.dim() == 1 && weight.size(0) == dim && weight.is_contiguous(), "rms_norm: weight must be [D]");
@@ -137,6 +141,8 @@ torch::Tensor rms_norm(torch::Tensor x, std::optional<torch::Tensor> residual, t
   });
   return out;
 }
+
+namespace {
 
 // ---- rotary_embedding --------------------------------------------------------
 
@@ -169,6 +175,8 @@ void rotary_impl(const int64_t* positions, T* q, Rows qr, T* k, Rows kr, const f
   });
 }
 
+}  // namespace
+
 void rotary_embedding(torch::Tensor positions, torch::Tensor q, torch::Tensor k, torch::Tensor cos_cache,
                       torch::Tensor sin_cache) {
   TORCH_CHECK(q.dim() == 3 && k.dim() == 3 && q.stride(-1) == 1 && k.stride(-1) == 1,
@@ -193,6 +201,8 @@ void rotary_embedding(torch::Tensor positions, torch::Tensor q, torch::Tensor k,
   });
 }
 
+namespace {
+
 // ---- store_kv ----------------------------------------------------------------
 
 template <typename S, typename C>
@@ -206,6 +216,8 @@ void store_impl(const S* src, Rows sr, C* cache, const int64_t* slots, int64_t h
     }
   });
 }
+
+}  // namespace
 
 void store_kv(torch::Tensor k, torch::Tensor v, torch::Tensor key_cache, torch::Tensor value_cache, torch::Tensor slots) {
   TORCH_CHECK(k.dim() == 3 && k.sizes() == v.sizes() && k.scalar_type() == v.scalar_type(), "store_kv: k, v [T, Hk, D]");
@@ -231,6 +243,8 @@ void store_kv(torch::Tensor k, torch::Tensor v, torch::Tensor key_cache, torch::
     });
   });
 }
+
+namespace {
 
 // ---- silu_and_mul ------------------------------------------------------------
 
@@ -276,6 +290,8 @@ void silu_and_mul_impl(const T* x, T* out, int64_t rows, int64_t n) {
   });
 }
 
+}  // namespace
+
 torch::Tensor silu_and_mul(torch::Tensor x) {
   const int64_t width = x.size(-1);
   TORCH_CHECK(width % 2 == 0, "silu_and_mul: the last dim must be [gate | up]");
@@ -289,6 +305,8 @@ torch::Tensor silu_and_mul(torch::Tensor x) {
   });
   return out;
 }
+
+namespace {
 
 // ---- row_max_argmax ----------------------------------------------------------
 
@@ -322,6 +340,8 @@ inline std::pair<float, int64_t> max_argmax(const float* p, int64_t n) {
   const int64_t index = find_first(p, n, best, has_nan);
   return {p[index], index};
 }
+
+}  // namespace
 
 std::tuple<torch::Tensor, torch::Tensor> row_max_argmax(torch::Tensor logits) {
   TORCH_CHECK(logits.dim() == 2 && logits.scalar_type() == torch::kFloat32 && logits.size(1) > 0,
@@ -361,9 +381,10 @@ std::tuple<torch::Tensor, torch::Tensor> row_max_argmax(torch::Tensor logits) {
   return {maxes, argmaxes};
 }
 
-}  // namespace
+}  // namespace aioserve
 
 void bind_elementwise(pybind11::module_& m) {
+  using namespace aioserve;
   m.def("rms_norm", &rms_norm, "RMSNorm of x [..., D] (of x + residual, written to residual, when one is given)",
         pybind11::arg("x"), pybind11::arg("residual"), pybind11::arg("weight"), pybind11::arg("eps"));
   m.def("rotary_embedding", &rotary_embedding, "RoPE (rotate half) on q [T, Hq, D] and k [T, Hk, D] in place",

@@ -24,6 +24,7 @@
 #include <ATen/Parallel.h>
 
 #include "half.h"
+#include "kernels.h"
 #include <immintrin.h>
 
 #include <algorithm>
@@ -273,6 +274,8 @@ torch::Tensor pack_linear_weight(const torch::Tensor& weight) {
   return padded.view({blocks, kBlock, k}).transpose(1, 2).contiguous();
 }
 
+namespace aioserve {
+
 torch::Tensor packed_linear(torch::Tensor x, const torch::Tensor& packed, const c10::optional<torch::Tensor>& bias,
                             int64_t n, bool float_out) {
   TORCH_CHECK(x.dim() == 2, "packed_linear: x must be [M, K]");
@@ -310,10 +313,12 @@ torch::Tensor packed_linear(torch::Tensor x, const torch::Tensor& packed, const 
   return y;
 }
 
+}  // namespace aioserve
+
 void bind_gemm(pybind11::module_& m) {
   m.def("gemm_block_width", &gemm_block_width, "output columns per packed weight block");
   m.def("pack_linear_weight", &pack_linear_weight, "pack W [N, K] for packed_linear");
-  m.def("packed_linear", &packed_linear, "x W^T (+ b) with a packed W (CPU)", pybind11::arg("x"),
+  m.def("packed_linear", &aioserve::packed_linear, "x W^T (+ b) with a packed W (CPU)", pybind11::arg("x"),
         pybind11::arg("packed"), pybind11::arg("bias") = pybind11::none(), pybind11::arg("n"),
         pybind11::arg("float_out") = false);
 }

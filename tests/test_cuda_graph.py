@@ -83,7 +83,8 @@ needs_kernels = pytest.mark.skipif(cpu_kernels() is None, reason="native kernels
 
 
 def _generate(model: Path, graphs: bool, params: SamplingParams, prompts: list[list[int]], **options) -> tuple:
-    llm = LLM(str(model), debug_integrity=True, **options)
+    # cuda_graph=False: eager means the modules (not the CPU's native decode step).
+    llm = LLM(str(model), debug_integrity=True, cuda_graph=False, **options)
     runner = None
     if graphs:
         runner = llm.engine.graph_runner = llm.engine.capture_decode_graphs(EagerCapture())

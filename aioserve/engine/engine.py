@@ -22,6 +22,7 @@ from aioserve.config import DEFAULT_CPU_KV_BYTES, EngineConfig
 from aioserve.distributed import broadcast_from_leader, get_tp_group, min_over_ranks
 from aioserve.engine.cuda_graph import Capture, CudaGraphCapture, DecodeGraphRunner
 from aioserve.engine.dtypes import compute_dtype, resolve_dtype
+from aioserve.engine.native_decode import NativeDecodeRunner, unsupported_reason
 from aioserve.layers.cpu_matmul import pack_cpu_weights, tune_cpu_matmuls
 from aioserve.engine.sampler import sample
 from aioserve.engine.tp_layout import gather_layout, layout_lines
@@ -117,12 +118,15 @@ class Engine:
             q_dtype=self.dtype,
         )
         self.attention = create_backend(config.attention_backend, self.pool, shape)
-        self.graph_runner: DecodeGraphRunner | None = None
+        # Decode-only steps run as one captured unit where they can: CUDA
+        # graphs on a GPU, the native DecoderStack on a CPU.
+        self.graph_runner: DecodeGraphRunner | NativeDecodeRunner | None = None
         if self.device.type == "cuda" and config.cuda_graph:
             if self.attention.supports_graphs:
                 self.graph_runner = self.capture_decode_graphs(CudaGraphCapture())
             else:
                 logger.info("CUDA graphs off: the %s attention backend cannot replay", self.attention.name)
+        self._start_native_decode()
         self.previous = PreviousStepTokens(self.device)  # fills the next plan's placeholders
         # What every rank holds (gathered from all of them; equal on every rank).
         self.tp_layout = gather_layout(self)
@@ -204,6 +208,20 @@ class Engine:
         )
         return runner
 
+    def _start_native_decode(self) -> None:
+        """On CPU, decode-only steps through the native DecoderStack when it
+        can run this model (otherwise, once, the reason in the log)."""
+        if self.device.type != "cpu" or not self.config.cuda_graph:
+            return
+        reason = unsupported_reason(self.model, self.device)
+        if reason is None:
+            kernels = cpu_kernels(wait=False)
+            assert kernels is not None
+            self.graph_runner = NativeDecodeRunner(self.model, self.pool, kernels)
+            logger.info("decode-only steps run as one native call (DecoderStack)")
+        elif not self._unpacked:  # while the kernels build, packing comes later and this is retried
+            logger.info("decode steps run the modules: %s", reason)
+
     def forward(self, plan: BatchPlan) -> StepOutput:
         """Run one step and wait for it: the output is on the CPU."""
         output = self.launch(plan)
@@ -234,6 +252,7 @@ class Engine:
         if self._unpacked and cpu_kernels(wait=False) is not None:
             pack_cpu_weights(self._unpacked, self.weight_dtype)
             self._unpacked = []
+            self._start_native_decode()
         host_plan, plan = plan, plan.to(self.device)
         input_ids = self.previous.resolve(plan.step, plan.input_ids, host_plan.input_ids)
         if self.graph_runner is not None and self.graph_runner.can_run(host_plan):

@@ -1,0 +1,120 @@
+"""A CPU decode step as one native call: the CPU's counterpart of a CUDA graph.
+
+A small model's CPU decode step is bound by the Python between its kernels:
+tiny-llama at batch 1 spent 2.1 ms of a 3.4 ms step in its matmuls and most
+of the rest in ~70 calls through modules, views and bindings. For the Llama
+family, `DecoderStack` (native/decoder.cpp) runs those same kernels in the
+same order on the same tensors, embedded tokens to final norm, so a
+decode-only step gets bit-identical hidden states in one call. Like the CUDA
+graph runner it serves decode-only steps and hands the engine the hidden
+states; the LM head and sampling stay in Python. Everything else (prefill,
+mixed steps, prompt logprobs) runs the modules.
+
+It is built only where it is exact: every matmul packed for the native
+kernel, the native elementwise kernels on, one rank (no all-reduce between
+layers), and a model whose layers are exactly Llama's, Qwen2's or Qwen3's.
+"""
+
+from __future__ import annotations
+
+import logging
+from types import ModuleType
+
+import torch
+
+from aioserve.batch_plan import BatchPlan
+from aioserve.distributed import get_tp_group
+from aioserve.kvcache.kv_pool import KVPool
+from aioserve.layers.native_elementwise import elementwise_kernels
+from aioserve.models.llama import LlamaAttention, LlamaForCausalLM
+from aioserve.models.qwen2 import Qwen2Attention
+from aioserve.models.qwen3 import Qwen3Attention
+
+logger = logging.getLogger(__name__)
+
+# Attention classes whose math DecoderStack reproduces; a subclass that
+# changes it must not be run by it, so this is a list, not an isinstance.
+SUPPORTED_ATTENTION = (LlamaAttention, Qwen2Attention, Qwen3Attention)
+
+
+def unsupported_reason(model: torch.nn.Module, device: torch.device) -> str | None:
+    """Why the native decode step cannot run this model here, or None."""
+    if device.type != "cpu":
+        return "not on a CPU"
+    if get_tp_group().size > 1:
+        return "tensor parallel (the layers all-reduce between kernels)"
+    if elementwise_kernels() is None:
+        return "the native kernels are not in (building, or turned off)"
+    if not isinstance(model, LlamaForCausalLM):
+        return f"{type(model).__name__} is not a Llama-family model"
+    for layer in model.model.layers:
+        if type(layer.self_attn) not in SUPPORTED_ATTENTION:
+            return f"{type(layer.self_attn).__name__} is not a supported attention"
+        linears = (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj)
+        if any(getattr(m.matmul_choice, "packed_features", None) is None for m in linears):
+            return "the weights are not packed for the native matmul"
+        if layer.self_attn.o_proj.bias is not None or layer.mlp.down_proj.bias is not None:
+            return "output projections with a bias"
+    return None
+
+
+def build_decoder_stack(model: LlamaForCausalLM, pool: KVPool, kernels: ModuleType) -> object:
+    """A native/decoder.cpp DecoderStack over the model's own (packed) weights
+    and the pool's caches."""
+    config = model.config
+    rotary = model.model.rotary
+    first = model.model.layers[0].self_attn
+    stack = kernels.DecoderStack(  # type: ignore[attr-defined]
+        num_heads=first.qkv_proj.num_heads,
+        num_kv_heads=first.qkv_proj.num_kv_heads,
+        head_dim=first.head_dim,
+        eps=model.model.norm.eps,
+        scale=first.scale,
+        cos_cache=rotary.cos_cache,
+        sin_cache=rotary.sin_cache,
+        page_size=pool.page_size,
+        final_norm=model.model.norm.weight,
+    )
+    for i, layer in enumerate(model.model.layers):
+        attn, mlp = layer.self_attn, layer.mlp
+        qk_norms = (attn.q_norm.weight, attn.k_norm.weight) if isinstance(attn, Qwen3Attention) else (None, None)
+        stack.add_layer(
+            input_norm=layer.input_layernorm.weight,
+            qkv=attn.qkv_proj.weight,
+            qkv_bias=attn.qkv_proj.bias,
+            q_norm=qk_norms[0],
+            k_norm=qk_norms[1],
+            o=attn.o_proj.weight,
+            post_norm=layer.post_attention_layernorm.weight,
+            gate_up=mlp.gate_up_proj.weight,
+            intermediate=config.intermediate_size,
+            down=mlp.down_proj.weight,
+            key_cache=pool.keys(i),
+            value_cache=pool.values(i),
+            window=attn.sliding_window or 0,
+        )
+    return stack
+
+
+class NativeDecodeRunner:
+    """Runs decode-only steps through a DecoderStack (the engine's
+    `graph_runner` on CPU: same `can_run` / `run` as the CUDA one)."""
+
+    def __init__(self, model: LlamaForCausalLM, pool: KVPool, kernels: ModuleType) -> None:
+        self.model = model
+        self.stack = build_decoder_stack(model, pool, kernels)
+        self.replays = 0  # decode steps it ran (the CUDA runner's name for the same count)
+
+    def can_run(self, host_plan: BatchPlan) -> bool:
+        # The elementwise switch is read at every call (the modules honor it
+        # mid-run too), and this runs nothing but native kernels.
+        return host_plan.is_decode_only and host_plan.prompt_logprobs is None and elementwise_kernels() is not None
+
+    def run(self, input_ids: torch.Tensor, plan: BatchPlan, host_plan: BatchPlan) -> torch.Tensor:
+        """Final hidden states [n, hidden] of a decode-only step."""
+        n = host_plan.num_requests
+        hidden = self.model.model.embed_tokens(input_ids).contiguous()
+        self.replays += 1
+        return self.stack.forward(  # type: ignore[attr-defined]
+            hidden, plan.positions, plan.out_cache_loc, plan.page_table[:n], plan.seq_lens[:n]
+        )
