@@ -79,16 +79,16 @@ constexpr int kBlock = 2 * kVec;  // output columns per packed block
 // every weight block, so it should be long, and its rows should stay in L2.
 constexpr int64_t kChunkBytes = 256 << 10;
 
-// One tile: `rows` rows of x (float32, stride k) against one packed block
-// [k][kBlock]; writes a rows x kBlock float32 tile.
+// One tile: `rows` rows of x (float32, row stride ld) against one packed
+// block [k][kBlock]; writes a rows x kBlock float32 tile.
 template <int Rows, typename W>
-inline void tile(const float* __restrict x, int64_t k, const W* __restrict block, float* __restrict out) {
+inline void tile(const float* __restrict x, int64_t k, int64_t ld, const W* __restrict block, float* __restrict out) {
   Vec acc[Rows][2];
   for (int r = 0; r < Rows; ++r) acc[r][0] = acc[r][1] = vzero();
   for (int64_t i = 0; i < k; ++i) {
     const Vec w0 = vload(block + i * kBlock), w1 = vload(block + i * kBlock + kVec);
     for (int r = 0; r < Rows; ++r) {
-      const Vec b = vset1(x[r * k + i]);
+      const Vec b = vset1(x[r * ld + i]);
       acc[r][0] = vfma(b, w0, acc[r][0]);
       acc[r][1] = vfma(b, w1, acc[r][1]);
     }
@@ -105,15 +105,15 @@ constexpr bool kPairs = true;
 // bf16 x (rows of k / 2 pairs, read as 32-bit words) against a pair-packed
 // block [k / 2][kBlock][2]: each instruction adds x[2i] w[2i] + x[2i+1] w[2i+1].
 template <int Rows>
-inline void tile_dot_pairs(const uint32_t* __restrict x, int64_t pairs, const at::BFloat16* __restrict block,
-                           float* __restrict out) {
+inline void tile_dot_pairs(const uint32_t* __restrict x, int64_t pairs, int64_t ld,
+                           const at::BFloat16* __restrict block, float* __restrict out) {
   __m512 acc[Rows][2];
   for (int r = 0; r < Rows; ++r) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
   for (int64_t i = 0; i < pairs; ++i) {
     const __m512bh w0 = (__m512bh)_mm512_loadu_si512(block + i * 2 * kBlock);
     const __m512bh w1 = (__m512bh)_mm512_loadu_si512(block + i * 2 * kBlock + 2 * kVec);
     for (int r = 0; r < Rows; ++r) {
-      const __m512bh b = (__m512bh)_mm512_set1_epi32(static_cast<int>(x[r * pairs + i]));
+      const __m512bh b = (__m512bh)_mm512_set1_epi32(static_cast<int>(x[r * ld + i]));
       acc[r][0] = _mm512_dpbf16_ps(acc[r][0], b, w0);
       acc[r][1] = _mm512_dpbf16_ps(acc[r][1], b, w1);
     }
@@ -127,7 +127,7 @@ inline void tile_dot_pairs(const uint32_t* __restrict x, int64_t pairs, const at
 // float32 x against a pair-packed bf16 block: the low and high halves of each
 // 32-bit word are the weights of k = 2i and 2i + 1, widened by shift and mask.
 template <int Rows>
-inline void tile_split_pairs(const float* __restrict x, int64_t k, const at::BFloat16* __restrict block,
+inline void tile_split_pairs(const float* __restrict x, int64_t k, int64_t ld, const at::BFloat16* __restrict block,
                              float* __restrict out) {
   const __m512i high = _mm512_set1_epi32(static_cast<int>(0xFFFF0000u));
   __m512 acc[Rows][2];
@@ -138,7 +138,7 @@ inline void tile_split_pairs(const float* __restrict x, int64_t k, const at::BFl
     const __m512 even0 = _mm512_castsi512_ps(_mm512_slli_epi32(p0, 16)), odd0 = _mm512_castsi512_ps(_mm512_and_si512(p0, high));
     const __m512 even1 = _mm512_castsi512_ps(_mm512_slli_epi32(p1, 16)), odd1 = _mm512_castsi512_ps(_mm512_and_si512(p1, high));
     for (int r = 0; r < Rows; ++r) {
-      const __m512 a = _mm512_set1_ps(x[r * k + 2 * i]), b = _mm512_set1_ps(x[r * k + 2 * i + 1]);
+      const __m512 a = _mm512_set1_ps(x[r * ld + 2 * i]), b = _mm512_set1_ps(x[r * ld + 2 * i + 1]);
       acc[r][0] = _mm512_fmadd_ps(b, odd0, _mm512_fmadd_ps(a, even0, acc[r][0]));
       acc[r][1] = _mm512_fmadd_ps(b, odd1, _mm512_fmadd_ps(a, even1, acc[r][1]));
     }
@@ -156,24 +156,24 @@ constexpr bool kPairs = false;
 enum class Form { kPlain, kDotPairs, kSplitPairs };
 
 template <Form F, int Rows, typename W>
-inline void tile_form(const void* x, int64_t k, const W* block, float* out) {
+inline void tile_form(const void* x, int64_t k, int64_t ld, const W* block, float* out) {
   if constexpr (F == Form::kPlain) {
-    tile<Rows>(static_cast<const float*>(x), k, block, out);
+    tile<Rows>(static_cast<const float*>(x), k, ld, block, out);
   }
 #if defined(__AVX512BF16__)
   if constexpr (std::is_same_v<W, at::BFloat16> && F == Form::kDotPairs) {
-    tile_dot_pairs<Rows>(static_cast<const uint32_t*>(x), k / 2, block, out);
+    tile_dot_pairs<Rows>(static_cast<const uint32_t*>(x), k / 2, ld, block, out);
   }
   if constexpr (std::is_same_v<W, at::BFloat16> && F == Form::kSplitPairs) {
-    tile_split_pairs<Rows>(static_cast<const float*>(x), k, block, out);
+    tile_split_pairs<Rows>(static_cast<const float*>(x), k, ld, block, out);
   }
 #endif
 }
 
 template <Form F, typename W>
-void tile_rows(int rows, const void* x, int64_t k, const W* block, float* out) {
+void tile_rows(int rows, const void* x, int64_t k, int64_t ld, const W* block, float* out) {
   switch (rows) {
-#define AIOSERVE_TILE(R) case R: if constexpr (R <= kMaxRows) { tile_form<F, R>(x, k, block, out); return; } break;
+#define AIOSERVE_TILE(R) case R: if constexpr (R <= kMaxRows) { tile_form<F, R>(x, k, ld, block, out); return; } break;
     AIOSERVE_TILE(1) AIOSERVE_TILE(2) AIOSERVE_TILE(3) AIOSERVE_TILE(4) AIOSERVE_TILE(5) AIOSERVE_TILE(6)
     AIOSERVE_TILE(7) AIOSERVE_TILE(8) AIOSERVE_TILE(9) AIOSERVE_TILE(10) AIOSERVE_TILE(11) AIOSERVE_TILE(12)
 #undef AIOSERVE_TILE
@@ -204,18 +204,31 @@ void packed_linear_impl(const X* x, int64_t m, int64_t k, const W* packed, int64
   const int64_t most_rows = std::max<int64_t>(kMaxRows, kChunkBytes / x_row_bytes / kMaxRows * kMaxRows);
   const int64_t passes = (m + most_rows - 1) / most_rows;
   const int64_t chunk_rows = ((m + passes - 1) / passes + kMaxRows - 1) / kMaxRows * kMaxRows;
-  // Row r of the tile source starts x_stride 4-byte elements (floats, or bf16 pairs) after row r - 1.
-  const int64_t x_stride = F == Form::kDotPairs ? k / 2 : k;
-  std::vector<float> x32;
+  // The tile source's rows, in 4-byte elements (floats, or bf16 pairs). A
+  // tile reads one element of each of its rows per k, and rows a multiple of
+  // 4 KiB apart map to one L1 set: 12 of them overflow its 8 ways and every
+  // read misses (o_proj, K = 2048 in bf16: 280-330 GFLOP/s instead of ~440;
+  // float32 at K = 1024: 140 instead of 210). Such rows are copied apart.
+  const int64_t row_elems = F == Form::kDotPairs ? k / 2 : k;
+  const bool aliased = m > 1 && (row_elems * 4) % 4096 == 0;
+  const int64_t ld = aliased ? row_elems + 16 : row_elems;
+  std::vector<uint32_t> staged;
   for (int64_t row0 = 0; row0 < m; row0 += chunk_rows) {
     const int64_t rows = std::min(chunk_rows, m - row0);
     const void* xs;
     if constexpr (F == Form::kDotPairs || std::is_same_v<X, float>) {
       xs = x + row0 * k;  // bf16 rows read as 32-bit pairs, or float32 rows: as they are
+      if (aliased) {
+        staged.resize(rows * ld);
+        for (int64_t r = 0; r < rows; ++r) std::memcpy(staged.data() + r * ld, x + (row0 + r) * k, row_elems * 4);
+        xs = staged.data();
+      }
     } else {
-      x32.resize(rows * k);
-      for (int64_t i = 0; i < rows * k; ++i) x32[i] = aioserve::to_float(x[row0 * k + i]);
-      xs = x32.data();
+      staged.resize(rows * ld);
+      float* x32 = reinterpret_cast<float*>(staged.data());
+      for (int64_t r = 0; r < rows; ++r)
+        for (int64_t i = 0; i < k; ++i) x32[r * ld + i] = aioserve::to_float(x[(row0 + r) * k + i]);
+      xs = x32;
     }
     const char* x_bytes = static_cast<const char*>(xs);
     // Threads take contiguous runs of blocks: each streams its own part of W.
@@ -226,7 +239,7 @@ void packed_linear_impl(const X* x, int64_t m, int64_t k, const W* packed, int64
         const int64_t col0 = b * kBlock, cols = std::min<int64_t>(kBlock, n - col0);
         for (int64_t r0 = 0; r0 < rows; r0 += kMaxRows) {
           const int tile_h = static_cast<int>(std::min<int64_t>(kMaxRows, rows - r0));
-          tile_rows<F>(tile_h, x_bytes + r0 * x_stride * 4, k, block, out);
+          tile_rows<F>(tile_h, x_bytes + r0 * ld * 4, k, ld, block, out);
           for (int r = 0; r < tile_h; ++r) {
             Y* dst = y + (row0 + r0 + r) * n + col0;
             const float* src = out + r * kBlock;

@@ -25,7 +25,8 @@ HALF = (torch.bfloat16, torch.float16)
 
 @pytest.mark.parametrize("x_dtype,w_dtype", [(torch.float32, torch.float32), (torch.float32, torch.bfloat16),
                                              (torch.float32, torch.float16), (torch.bfloat16, torch.bfloat16)])
-@pytest.mark.parametrize("n,k", [(1, 1), (33, 17), (64, 96), (300, 130)])
+# k = 1024 and 2048: rows 4 KiB apart (float32, bf16 pairs), copied apart for the L1 (see gemm.cpp)
+@pytest.mark.parametrize("n,k", [(1, 1), (33, 17), (64, 96), (300, 130), (40, 1024), (40, 2048)])
 @pytest.mark.parametrize("rows", [0, 1, 5, 16, 77])
 def test_packed_linear_matches_torch(x_dtype, w_dtype, n, k, rows) -> None:
     kernels = cpu_kernels()
@@ -48,9 +49,10 @@ def test_packed_linear_matches_torch(x_dtype, w_dtype, n, k, rows) -> None:
     assert widened.dtype == torch.float32 and torch.equal(widened, out.float())
 
 
-def test_a_row_does_not_depend_on_its_batch() -> None:
+@pytest.mark.parametrize("k,dtype", [(64, torch.float32), (1024, torch.float32), (2048, torch.bfloat16)])
+def test_a_row_does_not_depend_on_its_batch(k: int, dtype: torch.dtype) -> None:
     kernels = cpu_kernels()
-    weight, x = torch.randn(200, 64), torch.randn(40, 64)
+    weight, x = torch.randn(200, k).to(dtype), torch.randn(40, k).to(dtype)
     packed = kernels.pack_linear_weight(weight)
     together = kernels.packed_linear(x, packed, None, 200)
     for i in (0, 7, 39):
