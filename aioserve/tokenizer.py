@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import threading
+import warnings
 from concurrent.futures import ThreadPoolExecutor
 from collections.abc import Callable
 from pathlib import Path
@@ -37,11 +38,38 @@ class ChatTemplateError(ValueError):
         self.refused_arguments = refused_arguments  # transformers refused the call's arguments, not the messages
 
 
+def load_hf_tokenizer(path: str | Path) -> Any:
+    """AutoTokenizer.from_pretrained(path), handed the folder's config.json read
+    as transformers' base config class. Left to itself, AutoTokenizer loads
+    the config through AutoConfig, whose import of the model's configuration
+    module pulls in most of transformers' modeling stack (torch.distributed
+    tensors, dynamo): ~2 s of a server's start, for the few fields it reads
+    (model_type, tokenizer_class, the name). Anything unexpected there falls
+    back to the plain call; tests/test_tokenizer_load.py checks both give
+    the same tokenizer."""
+    from transformers import AutoTokenizer, PreTrainedConfig
+
+    folder = Path(path)
+    if (folder / "config.json").is_file():
+        config_logger = logging.getLogger("transformers.configuration_utils")
+        level = config_logger.level
+        try:
+            # The base class reading a llama config warns that the types differ; it is meant.
+            config_logger.setLevel(logging.ERROR)
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                config = PreTrainedConfig.from_pretrained(str(folder))
+            return AutoTokenizer.from_pretrained(str(folder), config=config)
+        except Exception as exc:  # noqa: BLE001 - the plain call below decides
+            logger.debug("tokenizer of %s through its base config failed (%r); loading it plainly", folder, exc)
+        finally:
+            config_logger.setLevel(level)
+    return AutoTokenizer.from_pretrained(str(path))
+
+
 class Tokenizer:
     def __init__(self, path: str | Path, chat_template: str | None = None, workers: int = 4) -> None:
-        from transformers import AutoTokenizer
-
-        self.hf = AutoTokenizer.from_pretrained(str(path))
+        self.hf = load_hf_tokenizer(path)
         self.rust: RustTokenizer = self.hf.backend_tokenizer
         if chat_template is not None:
             self.hf.chat_template = Path(chat_template).read_text()

@@ -20,13 +20,14 @@ import re
 import threading
 import weakref
 from collections import OrderedDict
-from typing import Any
-
-import xgrammar as xgr
+from typing import TYPE_CHECKING, Any
 
 from aioserve.grammar.matcher import CompiledGrammar
 from aioserve.sampling_params import StructuredOutputParams
 from aioserve.tokenizer import Tokenizer
+
+if TYPE_CHECKING:
+    import xgrammar as xgr
 
 logger = logging.getLogger(__name__)
 
@@ -57,6 +58,8 @@ class GrammarCompiler:
         self.misses = 0
 
     def _xgrammar(self) -> xgr.GrammarCompiler:
+        import xgrammar as xgr  # here, not at the top: it takes ~1 s to import, and most servers never need it
+
         with self._lock:
             if self._compiler is None:
                 info = xgr.TokenizerInfo.from_huggingface(self.tokenizer.hf, vocab_size=self.vocab_size)

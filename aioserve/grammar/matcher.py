@@ -3,8 +3,12 @@ as a ConstraintFactory and its TokenConstraints (scheduler/constraint.py)."""
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
-import xgrammar as xgr
+
+if TYPE_CHECKING:  # imported where used: ~1 s, and only a constrained request needs it (see compiler.py)
+    import xgrammar as xgr
 
 
 class GrammarMatcher:
@@ -13,6 +17,8 @@ class GrammarMatcher:
     def __init__(self, compiled: xgr.CompiledGrammar, stop_token_ids: list[int]) -> None:
         # Without stop tokens (ignore_eos and no stop_token_ids) the output
         # ends as soon as the grammar is complete.
+        import xgrammar as xgr
+
         self._matcher = xgr.GrammarMatcher(
             compiled,
             override_stop_tokens=stop_token_ids or None,
@@ -42,6 +48,8 @@ class CompiledGrammar:
 
     def allows_a_first_token(self, vocab_size: int) -> bool:
         """Whether any token may start the output (EOS counts: the empty text)."""
+        import xgrammar as xgr
+
         bitmask = xgr.allocate_token_bitmask(1, vocab_size)
         xgr.GrammarMatcher(self.compiled).fill_next_token_bitmask(bitmask, 0)
         return bool(bitmask.any())
