@@ -1,0 +1,35 @@
+// Float math that the compiler vectorizes, shared by the kernels.
+#pragma once
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+
+namespace aioserve {
+
+// exp(x) by range reduction to 2^n * exp(r), |r| <= ln2 / 2, and Cephes'
+// polynomial (about 1 ulp): plain float arithmetic that vectorizes, where a
+// call to std::exp does not. Overflows to inf as std::exp does (so silu(-inf)
+// is NaN, as torch's); below -86.6 it stays at exp(-86.6) ~ 2e-38, which
+// silu's 1 + exp(-x) cannot tell from 0. NaN stays NaN.
+inline float exp_approx(float x) {
+  x = std::min(std::max(x, -86.6f), 88.8f);
+  // Round to nearest by adding and removing 1.5 * 2^23 (std::floor does not vectorize).
+  const float n = (x * 1.44269504088896341f + 12582912.f) - 12582912.f;
+  float r = x - n * 0.693359375f;
+  r = r - n * -2.12194440e-4f;
+  float p = 1.9875691500e-4f;
+  p = p * r + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  p = p * r * r + r + 1.f;
+  // 2^n as 2^(n-1) * 2: n reaches 128, one past the largest float exponent.
+  const int32_t bits = (static_cast<int32_t>(n) + 126) << 23;
+  float half_scale;
+  std::memcpy(&half_scale, &bits, sizeof half_scale);
+  return p * half_scale * 2.f;
+}
+
+}  // namespace aioserve
