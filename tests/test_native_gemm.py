@@ -49,6 +49,27 @@ def test_packed_linear_matches_torch(x_dtype, w_dtype, n, k, rows) -> None:
     assert widened.dtype == torch.float32 and torch.equal(widened, out.float())
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("n,k", [(1, 1), (33, 17), (300, 130), (70, 1024)])
+def test_packing_is_the_documented_layout(dtype: torch.dtype, n: int, k: int) -> None:
+    """[blocks, K, NB] zero-padded past N, or bf16 pairs [blocks, K / 2, NB, 2],
+    from row-major and column-major weights alike."""
+    kernels = cpu_kernels()
+    block = kernels.gemm_block_width()
+    weight = torch.randn(n, k).to(dtype)
+    blocks = -(-n // block)
+    padded = torch.zeros(blocks * block, k, dtype=dtype)
+    padded[:n] = weight
+    for stored in (weight, weight.t().contiguous().t()):
+        packed = kernels.pack_linear_weight(stored)
+        if packed.dim() == 4:
+            assert dtype == torch.bfloat16 and k % 2 == 0
+            expected = padded.view(blocks, block, k // 2, 2).transpose(1, 2)
+        else:
+            expected = padded.view(blocks, block, k).transpose(1, 2)
+        assert packed.is_contiguous() and torch.equal(packed, expected)
+
+
 @pytest.mark.parametrize("k,dtype", [(64, torch.float32), (1024, torch.float32), (2048, torch.bfloat16)])
 def test_a_row_does_not_depend_on_its_batch(k: int, dtype: torch.dtype) -> None:
     kernels = cpu_kernels()
