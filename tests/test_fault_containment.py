@@ -65,6 +65,17 @@ def fail_forward_once(engine: Engine, call: int, exc: Exception) -> list[int]:
         return forward(*args, **kwargs)
 
     engine.model.forward = failing  # nn.Module.__call__ finds the instance attribute first
+    runner = engine.graph_runner  # decode-only steps on CPU: the native DecoderStack, not model.forward
+    if runner is not None:
+        run = runner.run
+
+        def failing_run(*args, **kwargs):
+            calls.append(len(calls))
+            if len(calls) - 1 == call:
+                raise exc
+            return run(*args, **kwargs)
+
+        runner.run = failing_run  # type: ignore[method-assign]
     return calls
 
 
