@@ -49,6 +49,22 @@ def test_packed_linear_matches_torch(x_dtype, w_dtype, n, k, rows) -> None:
     assert widened.dtype == torch.float32 and torch.equal(widened, out.float())
 
 
+@pytest.mark.parametrize("x_dtype,w_dtype", [(torch.float32, torch.float32), (torch.bfloat16, torch.bfloat16),
+                                             (torch.float32, torch.bfloat16)])
+def test_rows_past_one_chunk_take_more_passes(x_dtype: torch.dtype, w_dtype: torch.dtype) -> None:
+    """x beyond gemm.cpp's chunk (1 MiB of rows) goes in several passes over W;
+    every row still gets the result it gets alone."""
+    kernels = cpu_kernels()
+    k, n, rows = 2048, 70, 700  # 700 rows of 2048: 2.8-5.6 MiB of x
+    weight, x = torch.randn(n, k).to(w_dtype), torch.randn(rows, k).to(x_dtype)
+    packed = kernels.pack_linear_weight(weight)
+    out = kernels.packed_linear(x, packed, None, n)
+    tolerance = 1e-4 if x_dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(out.float(), F.linear(x.float(), weight.float()), rtol=tolerance, atol=tolerance * k**0.5)
+    for i in (0, 350, 699):
+        assert torch.equal(kernels.packed_linear(x[i : i + 1], packed, None, n)[0], out[i])
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("n,k", [(1, 1), (33, 17), (300, 130), (70, 1024)])
 def test_packing_is_the_documented_layout(dtype: torch.dtype, n: int, k: int) -> None:
