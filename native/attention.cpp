@@ -10,8 +10,6 @@
 #include "kernels.h"
 #include "vec_math.h"
 
-#include <immintrin.h>
-
 #include <algorithm>
 #include <cmath>
 #include <limits>
@@ -37,20 +35,12 @@ inline void axpy(float w, const T* __restrict x, float* __restrict y, int64_t n)
 }
 
 #if defined(__AVX512F__)
-// 16 cache values widened to float32 (bf16: a shift; fp16: the conversion instruction).
-template <typename T>  // (float64 caches: never served, but dispatched)
-inline __m512 widen16(const T* p) {
+using aioserve::load16;  // float, bf16, fp16 (vec_math.h)
+template <typename T>  // float64 caches: never served, but dispatched
+inline __m512 load16(const T* p) {
   alignas(64) float f[16];
   for (int i = 0; i < 16; ++i) f[i] = static_cast<float>(p[i]);
   return _mm512_load_ps(f);
-}
-inline __m512 widen16(const float* p) { return _mm512_loadu_ps(p); }
-inline __m512 widen16(const at::BFloat16* p) {
-  const __m256i bits = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bits), 16));
-}
-inline __m512 widen16(const at::Half* p) {
-  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
 }
 
 // Head dims that are whole vectors: two independent sums (one sum's
@@ -58,20 +48,20 @@ inline __m512 widen16(const at::Half* p) {
 // reduction at the end.
 template <typename T>
 inline float dot16(const float* __restrict a, const T* __restrict b, int64_t n) {
-  __m512 s0 = _mm512_mul_ps(_mm512_loadu_ps(a), widen16(b)), s1 = _mm512_setzero_ps();
+  __m512 s0 = _mm512_mul_ps(_mm512_loadu_ps(a), load16(b)), s1 = _mm512_setzero_ps();
   int64_t i = 16;
   for (; i + 16 < n; i += 32) {
-    s1 = _mm512_fmadd_ps(_mm512_loadu_ps(a + i), widen16(b + i), s1);
-    s0 = _mm512_fmadd_ps(_mm512_loadu_ps(a + i + 16), widen16(b + i + 16), s0);
+    s1 = _mm512_fmadd_ps(_mm512_loadu_ps(a + i), load16(b + i), s1);
+    s0 = _mm512_fmadd_ps(_mm512_loadu_ps(a + i + 16), load16(b + i + 16), s0);
   }
-  if (i < n) s1 = _mm512_fmadd_ps(_mm512_loadu_ps(a + i), widen16(b + i), s1);
+  if (i < n) s1 = _mm512_fmadd_ps(_mm512_loadu_ps(a + i), load16(b + i), s1);
   return _mm512_reduce_add_ps(_mm512_add_ps(s0, s1));
 }
 
 template <typename T>
 inline void axpy16(float w, const T* __restrict x, float* __restrict y, int64_t n) {
   const __m512 wv = _mm512_set1_ps(w);
-  for (int64_t i = 0; i < n; i += 16) _mm512_storeu_ps(y + i, _mm512_fmadd_ps(wv, widen16(x + i), _mm512_loadu_ps(y + i)));
+  for (int64_t i = 0; i < n; i += 16) _mm512_storeu_ps(y + i, _mm512_fmadd_ps(wv, load16(x + i), _mm512_loadu_ps(y + i)));
 }
 constexpr bool kVector16 = true;
 #else

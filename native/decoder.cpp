@@ -54,8 +54,6 @@ class DecoderStack {
                             std::move(k_norm), std::move(key_cache), std::move(value_cache), intermediate, window});
   }
 
-  int64_t num_layers() const { return static_cast<int64_t>(layers_.size()); }
-
   // hidden [B, H]: the embedded tokens (updated in place as the residual
   // stream). positions, slots [B] int64; page_table [B, P] int32 and
   // seq_lens [B] int64 (each includes its new token). Returns the final
@@ -117,7 +115,6 @@ void bind_decoder(pybind11::module_& m) {
            pybind11::arg("qkv_bias"), pybind11::arg("q_norm"), pybind11::arg("k_norm"), pybind11::arg("o"),
            pybind11::arg("post_norm"), pybind11::arg("gate_up"), pybind11::arg("intermediate"), pybind11::arg("down"),
            pybind11::arg("key_cache"), pybind11::arg("value_cache"), pybind11::arg("window"))
-      .def_property_readonly("num_layers", &DecoderStack::num_layers)
       .def("forward", &DecoderStack::forward, pybind11::arg("hidden"), pybind11::arg("positions"),
            pybind11::arg("slots"), pybind11::arg("page_table"), pybind11::arg("seq_lens"),
            pybind11::call_guard<pybind11::gil_scoped_release>());

@@ -250,8 +250,7 @@ namespace {
 
 // ---- silu_and_mul ------------------------------------------------------------
 
-// exp_approx (vec_math.h): exp by a polynomial that vectorizes.
-using aioserve::exp_approx;
+// silu uses exp_approx (vec_math.h): exp by a polynomial that vectorizes.
 
 template <typename T>
 void silu_and_mul_impl(const T* x, T* out, int64_t rows, int64_t n) {

@@ -25,6 +25,7 @@
 
 #include "half.h"
 #include "kernels.h"
+#include "vec_math.h"
 #include <immintrin.h>
 
 #include <algorithm>
@@ -44,12 +45,8 @@ inline Vec vzero() { return _mm512_setzero_ps(); }
 inline Vec vset1(float v) { return _mm512_set1_ps(v); }
 inline Vec vfma(Vec a, Vec b, Vec c) { return _mm512_fmadd_ps(a, b, c); }
 inline void vstore(float* p, Vec v) { _mm512_storeu_ps(p, v); }
-inline Vec vload(const float* p) { return _mm512_loadu_ps(p); }
-inline Vec vload(const at::BFloat16* p) {
-  __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
-}
-inline Vec vload(const at::Half* p) { return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))); }
+template <typename T>
+inline Vec vload(const T* p) { return aioserve::load16(p); }  // float, bf16, fp16 (vec_math.h)
 constexpr int kMaxRows = 12;  // 24 accumulators + 2 weights + 1 broadcast of 32 registers
 #elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 constexpr int kVec = 8;
