@@ -8,6 +8,7 @@
 
 #include "half.h"
 #include "kernels.h"
+#include "parallel.h"
 #include "vec_math.h"
 
 #include <algorithm>
@@ -147,7 +148,7 @@ void decode_attention_impl(const torch::Tensor& q, const torch::Tensor& k_cache,
   const int64_t row = num_heads * (dim + 2);  // one chunk's partial result: acc, max, sum per head
   std::vector<float> partials(batch * splits * row);
 
-  at::parallel_for(0, batch * splits, 1, [&](int64_t first_task, int64_t last_task) {
+  aioserve::parallel_pieces(batch * splits, 1, [&](int64_t first_task, int64_t last_task) {
     std::vector<float> qf(num_heads * dim), scores;
     for (int64_t task = first_task; task < last_task; ++task) {
       const int64_t b = task / splits, split = task % splits;
@@ -169,7 +170,7 @@ void decode_attention_impl(const torch::Tensor& q, const torch::Tensor& k_cache,
     }
   });
   // Merge each request's chunks: rescale every chunk to the overall max.
-  at::parallel_for(0, batch * num_heads, 16, [&](int64_t first, int64_t last) {
+  aioserve::parallel_pieces(batch * num_heads, 16, [&](int64_t first, int64_t last) {
     std::vector<float> merged(dim);
     for (int64_t task = first; task < last; ++task) {
       const int64_t b = task / num_heads, h = task % num_heads;

@@ -18,6 +18,7 @@
 
 #include "half.h"
 #include "kernels.h"
+#include "parallel.h"
 
 #include <algorithm>
 #include <cmath>
@@ -85,7 +86,7 @@ Rows rows_of(const torch::Tensor& t) {
 // float32 (torch's promotion of a float32 weight with a half-precision x).
 template <typename X, typename W, typename O>
 void rms_norm_impl(const X* x, Rows xr, X* residual, Rows rr, const W* w, O* out, int64_t dim, float eps) {
-  at::parallel_for(0, xr.count, row_grain(dim), [&](int64_t begin, int64_t end) {
+  aioserve::parallel_pieces(xr.count, row_grain(dim), [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r) {
       const X* src = x + xr.offset(r);
       float squares = 0.f;
@@ -167,7 +168,7 @@ template <typename T>
 void rotary_impl(const int64_t* positions, T* q, Rows qr, T* k, Rows kr, const float* cos, const float* sin,
                  int64_t tokens, int64_t dim) {
   const int64_t q_heads = qr.inner, k_heads = kr.inner, half = dim / 2;
-  at::parallel_for(0, tokens, row_grain((q_heads + k_heads) * dim), [&](int64_t begin, int64_t end) {
+  aioserve::parallel_pieces(tokens, row_grain((q_heads + k_heads) * dim), [&](int64_t begin, int64_t end) {
     for (int64_t t = begin; t < end; ++t) {
       const float* c = cos + positions[t] * dim;
       const float* s = sin + positions[t] * dim;
@@ -209,7 +210,7 @@ namespace {
 
 template <typename S, typename C>
 void store_impl(const S* src, Rows sr, C* cache, const int64_t* slots, int64_t heads, int64_t dim) {
-  at::parallel_for(0, sr.count, row_grain(dim), [&](int64_t begin, int64_t end) {
+  aioserve::parallel_pieces(sr.count, row_grain(dim), [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r) {
       const S* from = src + sr.offset(r);
       C* to = cache + (slots[r / heads] * heads + r % heads) * dim;
@@ -254,7 +255,7 @@ namespace {
 
 template <typename T>
 void silu_and_mul_impl(const T* x, T* out, int64_t rows, int64_t n) {
-  at::parallel_for(0, rows, row_grain(2 * n), [&](int64_t begin, int64_t end) {
+  aioserve::parallel_pieces(rows, row_grain(2 * n), [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r) {
       const T* gate = x + r * 2 * n;
       const T* up = gate + n;
@@ -334,7 +335,7 @@ std::tuple<torch::Tensor, torch::Tensor> row_max_argmax(torch::Tensor logits) {
   const int64_t chunk_len = (vocab + chunks - 1) / chunks;
   std::vector<std::pair<float, int64_t>> found(rows * chunks);
   const float* p = logits.data_ptr<float>();
-  at::parallel_for(0, rows * chunks, 1, [&](int64_t begin, int64_t end) {
+  aioserve::parallel_pieces(rows * chunks, 1, [&](int64_t begin, int64_t end) {
     for (int64_t task = begin; task < end; ++task) {
       const int64_t row = task / chunks, start = (task % chunks) * chunk_len;
       const int64_t len = std::min(chunk_len, vocab - start);

@@ -25,6 +25,7 @@
 
 #include "half.h"
 #include "kernels.h"
+#include "parallel.h"
 #include "vec_math.h"
 #include <immintrin.h>
 
@@ -236,7 +237,7 @@ void packed_linear_impl(const X* x, int64_t m, int64_t k, const W* packed, int64
     }
     const char* x_bytes = static_cast<const char*>(xs);
     // Threads take contiguous runs of blocks: each streams its own part of W.
-    at::parallel_for(0, blocks, 1, [&](int64_t first, int64_t last) {
+    aioserve::parallel_pieces(blocks, 1, [&](int64_t first, int64_t last) {
       alignas(64) float out[kMaxRows * kBlock];
       for (int64_t b = first; b < last; ++b) {
         const W* block = packed + b * k * kBlock;
@@ -298,7 +299,7 @@ inline void ask_for_huge_pages(const torch::Tensor& t) {
 template <typename T>
 void pack_impl(const T* w, int64_t n, int64_t k, int64_t row_stride, int64_t col_stride, bool pairs, T* out) {
   const int64_t blocks = (n + kBlock - 1) / kBlock;
-  at::parallel_for(0, blocks, 1, [&](int64_t first, int64_t last) {
+  aioserve::parallel_pieces(blocks, 1, [&](int64_t first, int64_t last) {
     for (int64_t b = first; b < last; ++b) {
       T* dst = out + b * k * kBlock;
       const int64_t cols = std::min<int64_t>(kBlock, n - b * kBlock);
