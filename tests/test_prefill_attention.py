@@ -1,0 +1,64 @@
+"""Prefill chunks attended together equal each chunk attended alone: side-by-
+side fresh chunks of one length go through one batched call (torch_native)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from aioserve.attention.torch_native import TorchNativeBackend
+from aioserve.batch_plan import BatchPlan
+from aioserve.kvcache.kv_pool import KVPool
+
+PAGE = 4
+
+
+def extend_plan(chunks: list[tuple[int, int]], first_page: int) -> BatchPlan:
+    """One request per (prefix, length): its tokens at positions prefix.., on
+    pages of its own from `first_page` on."""
+    ids, positions, slots, rows = [], [], [], []
+    width = max(-(-(prefix + length) // PAGE) for prefix, length in chunks)
+    page = first_page
+    for prefix, length in chunks:
+        pages = list(range(page, page + width))
+        page += width
+        rows.append(pages)
+        for pos in range(prefix, prefix + length):
+            positions.append(pos)
+            slots.append(pages[pos // PAGE] * PAGE + pos % PAGE)
+            ids.append(0)
+    return BatchPlan(
+        step=0, input_ids=torch.tensor(ids), positions=torch.tensor(positions), out_cache_loc=torch.tensor(slots),
+        seq_lens=torch.tensor([p + n for p, n in chunks]), extend_lens=torch.tensor([n for _, n in chunks]),
+        page_table=torch.tensor(rows, dtype=torch.int32), num_decodes=0,
+        logits_indices=torch.tensor([], dtype=torch.long), sampling=None,
+    )
+
+
+@pytest.mark.parametrize("dtype,kv_dtype", [(torch.float32,) * 2, (torch.bfloat16,) * 2, (torch.float32, torch.bfloat16)])
+@pytest.mark.parametrize("window", [None, 5])
+def test_chunks_together_equal_chunks_alone(dtype, kv_dtype, window) -> None:
+    # Three fresh chunks of 9 (one batched run), a fresh 6, a chunk after a
+    # cached prefix of 8, then two fresh 9s again (a second run).
+    chunks = [(0, 9), (0, 9), (0, 9), (0, 6), (8, 9), (0, 9), (0, 9)]
+    heads, kv_heads, dim = 8, 2, 16
+    generator = torch.Generator().manual_seed(7)
+    pool = KVPool(1, 200, PAGE, kv_heads, dim, kv_dtype, torch.device("cpu"))
+    pool.buffer[:, :, PAGE:].normal_(generator=generator)  # the cached prefix reads these
+    tokens = sum(n for _, n in chunks)
+    q = torch.randn(tokens, heads, dim, generator=generator).to(dtype)
+    k = torch.randn(tokens, kv_heads, dim, generator=generator).to(dtype)
+    v = torch.randn(tokens, kv_heads, dim, generator=generator).to(dtype)
+    backend = TorchNativeBackend(pool)
+    plan = extend_plan(chunks, first_page=1)
+    metadata = backend.prepare(plan, plan)
+    assert [len(run) for run in metadata.extend_runs] == [3, 1, 1, 2]
+    together = metadata.attend(0, q, k, v, dim**-0.5, window)
+    start = 0
+    width = plan.page_table.shape[1]
+    for i, (prefix, length) in enumerate(chunks):
+        rows = slice(start, start + length)
+        alone = extend_plan([(prefix, length)], first_page=1 + i * width)
+        expected = backend.prepare(alone, alone).attend(0, q[rows], k[rows], v[rows], dim**-0.5, window)
+        assert torch.equal(together[rows], expected), f"chunk {i}"
+        start += length
