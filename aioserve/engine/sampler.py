@@ -155,11 +155,13 @@ def sample(logits: torch.Tensor, st: SamplingTensors) -> SamplerOutput:
     # The grammar mask comes after bias and penalties, so top-k, top-p and
     # min-p choose among the tokens the grammar allows.
     adjusted = apply_grammar(adjust_logits(logits, st), st)
+    kernels = elementwise_kernels() if logits.is_cpu else None
+    if kernels is not None and adjusted is logits and st.all_greedy and not st.wants_logprobs and not st.num_top_logprobs:
+        return _greedy(kernels, logits)
     # One reduction over the raw logits is needed anyway; it also says whether
     # they are finite (a NaN or a +inf makes it NaN or inf; a -inf logit is
     # just a token that cannot be chosen). Without logprobs wanted, the max
     # does for it, at a fraction of logsumexp's cost.
-    kernels = elementwise_kernels() if logits.is_cpu else None
     if kernels is not None and adjusted is logits and not st.wants_logprobs:
         # The max and the argmax of unadjusted logits in one native pass
         # (torch's CPU argmax alone took 4x the amax).
@@ -194,3 +196,15 @@ def sample(logits: torch.Tensor, st: SamplingTensors) -> SamplerOutput:
         top_values, top_ids = logits.topk(st.num_top_logprobs, dim=-1)
         top_logprobs = top_values - normalizer
     return SamplerOutput(token_ids, chosen, top_ids, top_logprobs)
+
+
+def _greedy(kernels: object, logits: torch.Tensor) -> SamplerOutput:
+    """Greedy rows of unadjusted logits, no logprobs wanted: what sample()
+    gives them in four ops instead of a dozen (a single-stream decode step's
+    sampling on a CPU is mostly per-op overhead). The chosen logit is the
+    row's max, so the max alone says whether the row was usable."""
+    maxes, token_ids = kernels.row_max_argmax(logits)  # type: ignore[attr-defined]
+    usable = maxes.isfinite()
+    return SamplerOutput(
+        token_ids.masked_fill_(~usable, 0), torch.where(usable, 0.0, float("nan")), None, None
+    )
