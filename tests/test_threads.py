@@ -45,3 +45,28 @@ def test_serving_keeps_the_forward_threads_count(tiny_checkpoints: dict[str, Pat
     assert torch.get_num_threads() == wanted  # the caller's setting is given back
     assert _threads() == threads  # no new OpenMP team anywhere
     llm.close()
+
+
+def test_building_the_scheduler_starts_no_team(tiny_checkpoints: dict[str, Path]) -> None:
+    # A long context makes the page table (max requests x pages per request)
+    # big enough that zeroing it would run in parallel, leaving an OpenMP team
+    # on the thread that builds the scheduler: the event loop's.
+    from aioserve.config import EngineConfig
+    from aioserve.scheduler.scheduler import ModelFacts, Scheduler
+
+    config = EngineConfig(model=str(tiny_checkpoints["llama"]), device="cpu")
+    facts = ModelFacts(
+        num_pages=8192, page_size=16, max_model_len=1 << 17, vocab_size=1000, eos_token_ids=[2], max_prefill_tokens=256
+    )
+    started: list[set[str]] = []
+
+    def build() -> None:  # on a fresh thread: the test runner's own may have a team already
+        torch.get_num_threads()  # ATen's own first-use setup, before looking
+        before = set(os.listdir("/proc/self/task"))
+        Scheduler(config, facts, executor=None)  # type: ignore[arg-type]
+        started.append(set(os.listdir("/proc/self/task")) - before)
+
+    builder = threading.Thread(target=build)
+    builder.start()
+    builder.join()
+    assert started == [set()]  # a team would have started worker threads

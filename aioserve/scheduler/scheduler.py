@@ -57,7 +57,13 @@ class Scheduler:
         self.config = config
         self.facts = facts
         self.executor = executor
-        self.kv = self._new_kv()
+        # Built on the event loop's thread, which must start no OpenMP team
+        # (aioserve/openmp.py): zeroing a long-context page table (Qwen3:
+        # 256 x 2560 slots) ran in parallel and left a second team, and the
+        # forward's regions then waited for wake-ups (a Qwen3-0.6B decode
+        # step ~30 -> ~45 ms).
+        with this_thread_single_threaded():
+            self.kv = self._new_kv()
         self.table = RequestTable(self.kv)
         sampling = SamplingBatchBuilder(facts.vocab_size, facts.eos_token_ids, config.seed)
         self.planner = StepPlanner(config, self.table, self.kv, sampling, facts.max_prefill_tokens)
