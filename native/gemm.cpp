@@ -236,7 +236,8 @@ void packed_linear_impl(const X* x, int64_t m, int64_t k, const W* packed, int64
       xs = x32;
     }
     const char* x_bytes = static_cast<const char*>(xs);
-    // Threads take contiguous runs of blocks: each streams its own part of W.
+    // Threads take contiguous runs of blocks as pieces (parallel.h): each
+    // piece streams its own stretch of W.
     aioserve::parallel_pieces(blocks, 1, [&](int64_t first, int64_t last) {
       alignas(64) float out[kMaxRows * kBlock];
       for (int64_t b = first; b < last; ++b) {

@@ -156,7 +156,7 @@ def sample(logits: torch.Tensor, st: SamplingTensors) -> SamplerOutput:
     # min-p choose among the tokens the grammar allows.
     adjusted = apply_grammar(adjust_logits(logits, st), st)
     kernels = elementwise_kernels() if logits.is_cpu else None
-    if kernels is not None and adjusted is logits and st.all_greedy and not st.wants_logprobs and not st.num_top_logprobs:
+    if kernels is not None and adjusted is logits and st.all_greedy and not st.wants_logprobs:  # (top-N implies it)
         return _greedy(kernels, logits)
     # One reduction over the raw logits is needed anyway; it also says whether
     # they are finite (a NaN or a +inf makes it NaN or inf; a -inf logit is
