@@ -48,6 +48,7 @@ inline Vec vfma(Vec a, Vec b, Vec c) { return _mm512_fmadd_ps(a, b, c); }
 inline void vstore(float* p, Vec v) { _mm512_storeu_ps(p, v); }
 template <typename T>
 inline Vec vload(const T* p) { return aioserve::load16(p); }  // float, bf16, fp16 (vec_math.h)
+constexpr bool kFused = true;
 constexpr int kMaxRows = 12;  // 24 accumulators + 2 weights + 1 broadcast of 32 registers
 #elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 constexpr int kVec = 8;
@@ -62,6 +63,7 @@ inline Vec vload(const at::BFloat16* p) {
   return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
 }
 inline Vec vload(const at::Half* p) { return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
+constexpr bool kFused = true;
 constexpr int kMaxRows = 6;  // 12 accumulators + 2 weights + 1 broadcast of 16 registers
 #else
 // Portable fallback: the compiler vectorizes what it can.
@@ -73,6 +75,7 @@ inline Vec vfma(Vec a, Vec b, Vec c) { for (int i = 0; i < kVec; ++i) c.v[i] += 
 inline void vstore(float* p, Vec v) { std::memcpy(p, v.v, sizeof v.v); }
 template <typename T>
 inline Vec vload(const T* p) { Vec r; for (int i = 0; i < kVec; ++i) r.v[i] = static_cast<float>(p[i]); return r; }
+constexpr bool kFused = false;  // whether c += a * b contracts to an fma is the compiler's choice
 constexpr int kMaxRows = 4;
 #endif
 
@@ -335,6 +338,8 @@ torch::Tensor pack_linear_weight(const torch::Tensor& weight) {
 
 namespace aioserve {
 
+bool gemm_fuses_multiply_add() { return kFused; }
+
 torch::Tensor packed_linear(torch::Tensor x, const torch::Tensor& packed, const c10::optional<torch::Tensor>& bias,
                             int64_t n, bool float_out) {
   TORCH_CHECK(x.dim() == 2, "packed_linear: x must be [M, K]");
@@ -376,6 +381,8 @@ torch::Tensor packed_linear(torch::Tensor x, const torch::Tensor& packed, const 
 
 void bind_gemm(pybind11::module_& m) {
   m.def("gemm_block_width", &gemm_block_width, "output columns per packed weight block");
+  m.def("gemm_fuses_multiply_add", &aioserve::gemm_fuses_multiply_add,
+        "whether each output is a chain of fused multiply-adds (what screened_argmax recomputes)");
   m.def("pack_linear_weight", &pack_linear_weight, "pack W [N, K] for packed_linear");
   m.def("packed_linear", &aioserve::packed_linear, "x W^T (+ b) with a packed W (CPU)", pybind11::arg("x"),
         pybind11::arg("packed"), pybind11::arg("bias") = pybind11::none(), pybind11::arg("n"),

@@ -19,6 +19,7 @@ torch::Tensor silu_and_mul(torch::Tensor x);
 std::tuple<torch::Tensor, torch::Tensor> row_max_argmax(torch::Tensor logits);
 
 // gemm.cpp
+bool gemm_fuses_multiply_add();  // each k's multiply-add is one fused rounding (not the portable fallback)
 torch::Tensor packed_linear(torch::Tensor x, const torch::Tensor& packed, const c10::optional<torch::Tensor>& bias,
                             int64_t n, bool float_out);
 

@@ -20,10 +20,12 @@ void bind_attention(pybind11::module_& m);   // attention.cpp
 void bind_gemm(pybind11::module_& m);        // gemm.cpp
 void bind_elementwise(pybind11::module_& m); // elementwise.cpp
 void bind_decoder(pybind11::module_& m);     // decoder.cpp
+void bind_greedy_screen(pybind11::module_& m); // greedy_screen.cpp
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   bind_attention(m);
   bind_gemm(m);
   bind_elementwise(m);
   bind_decoder(m);
+  bind_greedy_screen(m);
 }

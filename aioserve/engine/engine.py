@@ -22,6 +22,7 @@ from aioserve.config import DEFAULT_CPU_KV_BYTES, EngineConfig
 from aioserve.distributed import broadcast_from_leader, get_tp_group, min_over_ranks
 from aioserve.engine.cuda_graph import Capture, CudaGraphCapture, DecodeGraphRunner
 from aioserve.engine.dtypes import compute_dtype, resolve_dtype
+from aioserve.engine.greedy_screen import GreedyScreen
 from aioserve.engine.native_decode import NativeDecodeRunner, unsupported_reason
 from aioserve.layers.cpu_matmul import pack_cpu_weights, tune_cpu_matmuls
 from aioserve.engine.sampler import sample
@@ -127,6 +128,8 @@ class Engine:
             else:
                 logger.info("CUDA graphs off: the %s attention backend cannot replay", self.attention.name)
         self._start_native_decode()
+        self.greedy_screen: GreedyScreen | None = None
+        self._start_greedy_screen()
         self.previous = PreviousStepTokens(self.device)  # fills the next plan's placeholders
         # What every rank holds (gathered from all of them; equal on every rank).
         self.tp_layout = gather_layout(self)
@@ -222,6 +225,14 @@ class Engine:
         elif not self._unpacked:  # while the kernels build, packing comes later and this is retried
             logger.info("decode steps run the modules: %s", reason)
 
+    def _start_greedy_screen(self) -> None:
+        """On CPU, once the LM head is packed in float32: greedy rows' argmax
+        from a float16 copy of it (greedy_screen.py)."""
+        lm_head = getattr(self.model, "lm_head", None)
+        kernels = cpu_kernels(wait=False)
+        if self.device.type == "cpu" and lm_head is not None and kernels is not None:
+            self.greedy_screen = GreedyScreen.build(lm_head, kernels, self.tp.size)
+
     def forward(self, plan: BatchPlan) -> StepOutput:
         """Run one step and wait for it: the output is on the CPU."""
         output = self.launch(plan)
@@ -253,6 +264,7 @@ class Engine:
             pack_cpu_weights(self._unpacked, self.weight_dtype)
             self._unpacked = []
             self._start_native_decode()
+            self._start_greedy_screen()
         host_plan, plan = plan, plan.to(self.device)
         input_ids = self.previous.resolve(plan.step, plan.input_ids, host_plan.input_ids)
         if self.graph_runner is not None and self.graph_runner.can_run(host_plan):
@@ -261,7 +273,10 @@ class Engine:
             hidden = self.model(input_ids, plan.positions, self.attention.prepare(plan, host_plan))
         empty = torch.zeros(0, dtype=torch.long, device=self.device)
         output = StepOutput(next_token_ids=empty, logprobs=empty.float(), top_ids=None, top_logprobs=None)
-        if plan.sampling is not None:
+        screened = self._screened_tokens(hidden, plan, host_plan)
+        if screened is not None:
+            output.next_token_ids, output.logprobs = screened, torch.zeros(screened.shape[0])
+        elif plan.sampling is not None:
             # The LM head gathers the vocabulary shards: every rank takes part.
             logits = self.model.compute_logits(hidden[plan.logits_indices])
             if self.tp.is_leader:
@@ -275,6 +290,12 @@ class Engine:
             if self.tp.is_leader:
                 self._prompt_logprobs(logits, plan, output)
         return output
+
+    def _screened_tokens(self, hidden: torch.Tensor, plan: BatchPlan, host_plan: BatchPlan) -> torch.Tensor | None:
+        """The step's tokens by the greedy screen, when it serves every row."""
+        if self.greedy_screen is None or host_plan.sampling is None or not GreedyScreen.serves(host_plan.sampling):
+            return None
+        return self.greedy_screen.argmax(hidden[plan.logits_indices])
 
     def _sample(self, logits: torch.Tensor, plan: BatchPlan, host_plan: BatchPlan, output: StepOutput) -> None:
         st = plan.sampling

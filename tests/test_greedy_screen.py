@@ -1,0 +1,136 @@
+"""The greedy screen (native/greedy_screen.cpp, engine/greedy_screen.py)
+gives the tokens the full float32 logits give, near-ties included, and
+hands back the rows it cannot settle."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from aioserve import LLM, SamplingParams
+from aioserve.engine.greedy_screen import GreedyScreen, _slack
+from aioserve.native import cpu_kernels
+
+pytestmark = pytest.mark.skipif(cpu_kernels() is None, reason="native kernels could not be built here")
+
+
+def screen_of(weight: torch.Tensor, slack_scale: float = 1.0) -> GreedyScreen:
+    kernels = cpu_kernels()
+    half = weight.to(torch.float16)
+    return GreedyScreen(
+        kernels,
+        kernels.pack_linear_weight(half),
+        kernels.pack_linear_weight(weight),
+        _slack(weight, half) * slack_scale,
+        weight.shape[0],
+    )
+
+
+def full_argmax(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """What the sampler's greedy path picks from the packed LM head's logits."""
+    kernels = cpu_kernels()
+    logits = kernels.packed_linear(x, kernels.pack_linear_weight(weight), None, weight.shape[0], True)
+    return kernels.row_max_argmax(logits)[1]
+
+
+@pytest.mark.parametrize("n,k", [(1, 1), (33, 17), (1000, 64), (32000, 288)])
+@pytest.mark.parametrize("rows", [1, 5, 16])
+def test_tokens_equal_the_full_logits_argmax(n: int, k: int, rows: int) -> None:
+    generator = torch.Generator().manual_seed(n + k + rows)
+    weight = torch.randn(n, k, generator=generator) * 0.05
+    x = torch.randn(rows, k, generator=generator) * 3
+    screen = screen_of(weight)
+    tokens = screen.argmax(x)
+    assert tokens is not None
+    assert torch.equal(tokens, full_argmax(x, weight))
+
+
+def near_tie() -> tuple[torch.Tensor, torch.Tensor, int, int]:
+    """Columns a < b where float16 rounding puts a ahead (by 8 d) and the
+    float32 logits put b ahead (by 2 d), d = 2^-13; the rest far below."""
+    d = 2.0**-13
+    weight = torch.randn(50, 8, generator=torch.Generator().manual_seed(1)) * 0.01
+    a, b = 3, 7
+    weight[a] = 0.0
+    weight[b] = 0.0
+    weight[a, :2] = torch.tensor([1 + 5 * d, 1 - d])  # float16: 1 + 8d and 1, so 2 + 8d; exactly 2 + 4d
+    weight[b, :2] = torch.tensor([1 + 3 * d, 1 + 3 * d])  # float16: 1 and 1, so 2; exactly 2 + 6d
+    x = torch.zeros(1, 8)
+    x[0, :2] = 1.0
+    return weight, x, a, b
+
+
+def test_a_near_tie_is_settled_by_the_float32_weights() -> None:
+    weight, x, a, b = near_tie()
+    assert full_argmax(x, weight).tolist() == [b]
+    assert screen_of(weight).argmax(x).tolist() == [b]
+    # Without the bound, the float16 logits alone would choose a: the case
+    # really needs the exact recomputation.
+    assert screen_of(weight, slack_scale=0.0).argmax(x).tolist() == [a]
+
+
+def test_equal_logits_choose_the_first_column() -> None:
+    weight = torch.randn(40, 16, generator=torch.Generator().manual_seed(2)) * 0.01
+    weight[9] = weight[30] = torch.linspace(0.5, 1.0, 16)
+    x = torch.ones(2, 16)
+    assert screen_of(weight).argmax(x).tolist() == full_argmax(x, weight).tolist() == [9, 9]
+
+
+def test_rows_it_cannot_settle_go_back_to_the_full_logits() -> None:
+    kernels = cpu_kernels()
+    weight = torch.randn(300, 32, generator=torch.Generator().manual_seed(3)) * 0.02
+    screen = screen_of(weight)
+    x = torch.randn(3, 32, generator=torch.Generator().manual_seed(4))
+    for bad in (float("nan"), float("inf")):
+        broken = x.clone()
+        broken[1, 5] = bad
+        tokens, ok = kernels.screened_argmax(broken, screen.screen, screen.slack, screen.exact, 300)
+        assert ok.tolist() == [True, False, True] and tokens[1] == 0
+        assert torch.equal(tokens[[0, 2]], full_argmax(x[[0, 2]], weight))
+        assert screen.argmax(broken) is None
+    # Many columns within the bound of the best: more than it recomputes.
+    crowded = weight.clone()
+    crowded[100:200] = 0.3
+    assert screen_of(crowded).argmax(torch.ones(1, 32)) is None
+
+
+def test_no_screen_where_it_does_not_apply(tiny_checkpoints: dict[str, Path]) -> None:
+    half = LLM(str(tiny_checkpoints["llama"]), page_size=4, device="cpu", dtype="bfloat16")
+    assert half.engine.greedy_screen is None  # a bf16 head is half width already
+    half.close()
+    kernels = cpu_kernels()
+    head = torch.nn.Linear(8, 4, bias=False)
+    head.weight.data = kernels.pack_linear_weight(torch.full((4, 8), 1e6))
+    head.matmul_choice = type("Choice", (), {"packed_features": 4})()
+    assert GreedyScreen.build(head, kernels, tp_size=1) is None  # beyond float16's range
+    head.weight.data = kernels.pack_linear_weight(torch.ones(4, 8))
+    assert GreedyScreen.build(head, kernels, tp_size=1) is not None
+    assert GreedyScreen.build(head, kernels, tp_size=2) is None
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])  # qwen3's tiny checkpoint ties its embeddings
+def test_generation_is_the_same_with_and_without_the_screen(tiny_checkpoints: dict[str, Path], arch: str) -> None:
+    llm = LLM(str(tiny_checkpoints[arch]), page_size=4, device="cpu")
+    screen = llm.engine.greedy_screen
+    assert screen is not None
+    calls = []
+    screen_argmax = screen.argmax
+    screen.argmax = lambda hidden: calls.append(hidden.shape[0]) or screen_argmax(hidden)  # type: ignore[method-assign]
+    prompts = ["Once upon a time there was a little robot", "The quick brown fox", "a"]
+    greedy = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
+    # A row with logprobs or a logit bias takes the sampler's path: the
+    # screen must step aside for the whole step.
+    mixed = [greedy, SamplingParams(max_tokens=24, temperature=0, ignore_eos=True, logprobs=2),
+             SamplingParams(max_tokens=24, temperature=0, ignore_eos=True, logit_bias={5: 3.0})]
+    screened = [o.token_ids for o in llm.generate(prompts, greedy)]
+    screened_mixed = [o.token_ids for o in llm.generate(prompts, mixed)]
+    assert calls and max(calls) == len(prompts)  # decode steps of all three went through it
+    used = len(calls)
+    llm.generate(prompts[1:2], mixed[1])
+    assert len(calls) == used  # a logprobs request alone never uses it
+    llm.engine.greedy_screen = None
+    assert [o.token_ids for o in llm.generate(prompts, greedy)] == screened
+    assert [o.token_ids for o in llm.generate(prompts, mixed)] == screened_mixed
+    llm.close()
