@@ -29,7 +29,7 @@ import threading
 from pathlib import Path
 from types import ModuleType
 
-from aioserve.cpu_info import cpu_flags_line
+from aioserve.cpu_info import cpu_flags_line, native_isa_cflags
 
 logger = logging.getLogger(__name__)
 
@@ -41,7 +41,7 @@ HEADERS = sorted(NATIVE_DIR.glob("*.h"))
 # CPU's flags are part of the cache key in case the cache is shared.
 # -fopenmp, not only -fopenmp-simd: at::parallel_for is a header template whose
 # `omp parallel` is compiled here; without it every kernel ran on one thread.
-CFLAGS = ["-O3", "-march=native", "-fopenmp"]
+CFLAGS = ["-O3", "-march=native", "-fopenmp", *native_isa_cflags()]
 LDFLAGS = ["-fopenmp"]
 
 
