@@ -106,7 +106,8 @@ class EngineConfig:
         "leave of it, and activations and CUDA graphs live in the rest",
     )
     kv_cache_dtype: str = option(
-        "auto", help="auto (the weights' dtype) | float32 | bfloat16 | float16", group="KV cache"
+        "auto", group="KV cache",
+        help="auto | float32 | bfloat16 | float16 (auto: the weights' dtype when --dtype is given, else the math's)",
     )
     cache: str = option("radix", choices=("radix", "naive"), help="prefix cache", group="KV cache")
 

@@ -12,25 +12,74 @@ from safetensors.torch import load_file, save_file
 
 from aioserve import LLM, SamplingParams
 from aioserve.engine import dtypes
-from aioserve.engine.dtypes import compute_dtype, resolve_dtype
+from aioserve.engine.dtypes import compute_dtype, kv_cache_dtype, resolve_dtype
 from aioserve.layers.cpu_matmul import is_packed
 
 
 def test_dtype_resolution(monkeypatch: pytest.MonkeyPatch) -> None:
     cpu, cuda = torch.device("cpu"), torch.device("cuda")
-    # Decided by what the CPU has, never assumed: try both kinds of machine.
-    monkeypatch.setattr(dtypes, "cpu_flags", lambda: frozenset({"avx2", "fma"}))
-    assert resolve_dtype("auto", "bfloat16", cpu) == torch.float32  # emulated half on CPU: float32 unless asked
-    assert resolve_dtype("auto", "float16", cpu) == torch.float32
-    monkeypatch.setattr(dtypes, "cpu_flags", lambda: frozenset({"avx2", "avx512f", "avx512_bf16"}))
-    assert resolve_dtype("auto", "bfloat16", cpu) == torch.bfloat16  # native bf16 units: keep it
-    assert compute_dtype(torch.bfloat16, cpu, "auto") == torch.bfloat16
-    assert resolve_dtype("auto", "float16", cpu) == torch.float32  # no fp16 units
-    assert resolve_dtype("bfloat16", "float32", cpu) == torch.bfloat16
-    assert resolve_dtype("auto", "bfloat16", cuda) == torch.bfloat16
-    assert resolve_dtype("half", None, cpu) == torch.float16
+    assert resolve_dtype("auto", "bfloat16") == torch.bfloat16  # the checkpoint's, wherever it runs
+    assert resolve_dtype("auto", None) == torch.float32
+    assert resolve_dtype("bfloat16", "float32") == torch.bfloat16
+    assert resolve_dtype("half", None) == torch.float16
     with pytest.raises(ValueError, match="unknown dtype"):
-        resolve_dtype("int3", None, cpu)
+        resolve_dtype("int3", None)
+    # The math's dtype is decided by what the CPU has, never assumed: try both kinds of machine.
+    monkeypatch.setattr(dtypes, "cpu_flags", lambda: frozenset({"avx2", "fma"}))
+    dtypes.cpu_has_native.cache_clear()
+    assert compute_dtype(torch.bfloat16, cpu, "auto") == torch.float32  # emulated half: float32 math
+    assert compute_dtype(torch.float16, cpu, "auto") == torch.float32
+    monkeypatch.setattr(dtypes, "cpu_flags", lambda: frozenset({"avx2", "avx512f", "avx512_bf16"}))
+    dtypes.cpu_has_native.cache_clear()
+    assert compute_dtype(torch.bfloat16, cpu, "auto") == torch.bfloat16  # native bf16 units: keep it
+    assert compute_dtype(torch.float16, cpu, "auto") == torch.float32  # no fp16 units
+    assert compute_dtype(torch.bfloat16, cuda, "auto") == torch.bfloat16
+    dtypes.cpu_has_native.cache_clear()
+    # The cache: as asked; under auto, the weights' width when a dtype was
+    # asked for, the math's when that was auto too.
+    assert kv_cache_dtype("auto", "auto", torch.bfloat16, torch.float32) == torch.float32
+    assert kv_cache_dtype("auto", "bf16", torch.bfloat16, torch.float32) == torch.bfloat16
+    assert kv_cache_dtype("auto", "auto", torch.bfloat16, torch.bfloat16) == torch.bfloat16
+    assert kv_cache_dtype("float32", "bfloat16", torch.bfloat16, torch.bfloat16) == torch.float32
+
+
+def bfloat16_copy(checkpoint: Path, folder: Path) -> Path:
+    """The checkpoint with every tensor in bfloat16, as such checkpoints ship."""
+    shutil.copytree(checkpoint, folder)
+    tensors = {name: t.to(torch.bfloat16) for name, t in load_file(folder / "model.safetensors").items()}
+    save_file(tensors, folder / "model.safetensors")
+    config = json.loads((folder / "config.json").read_text())
+    config["torch_dtype"] = config["dtype"] = "bfloat16"  # (transformers 5 writes "dtype")
+    (folder / "config.json").write_text(json.dumps(config))
+    return folder
+
+
+def test_auto_keeps_a_half_checkpoint_half_where_the_math_is_float32(
+    tiny_checkpoints: dict[str, Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """On a CPU without bf16 units, auto computes a bf16 checkpoint in
+    float32 from bf16 weights (half the bytes a step) with a float32 cache:
+    the same tokens and logprobs as loading it in float32."""
+    path = bfloat16_copy(tiny_checkpoints["llama"], tmp_path / "bf16")
+    monkeypatch.setattr(dtypes, "cpu_flags", lambda: frozenset({"avx2", "fma"}))
+    dtypes.cpu_has_native.cache_clear()
+    params = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True, logprobs=0)
+    prompt = "Once upon a time there was"
+    try:
+        auto = LLM(str(path), device="cpu", page_size=4)
+        engine = auto.engine
+        assert (engine.weight_dtype, engine.dtype, engine.kv_dtype) == (torch.bfloat16, torch.float32, torch.float32)
+        weight = engine.model.model.layers[0].mlp.down_proj.weight
+        assert weight.dtype == (torch.bfloat16 if is_packed(weight) else torch.float32)
+        a = auto.generate(prompt, params)[0]
+        auto.close()
+        wide = LLM(str(path), dtype="float32", device="cpu", page_size=4)
+        b = wide.generate(prompt, params)[0]
+        wide.close()
+    finally:
+        dtypes.cpu_has_native.cache_clear()
+    assert a.token_ids == b.token_ids
+    assert a.logprobs == b.logprobs
 
 
 def test_half_compute_on_cpu() -> None:

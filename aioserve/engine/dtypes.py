@@ -1,19 +1,18 @@
-"""Which dtype the weights have, and which dtype the math runs in.
+"""Which dtype the weights have, which dtype the math runs in, and which
+the KV cache holds.
 
-`--dtype auto` takes the checkpoint's dtype, with one exception: a half
-precision checkpoint on a CPU without native half-precision matrix units
-(AVX512-BF16 / AMX for bfloat16, AVX512-FP16 / AMX-FP16 for float16) loads in
-float32. There, torch's half GEMMs are emulated and several times slower than
-float32 (8x measured on an AVX2 EPYC at batch 64; bf16 matmul at 0.3-0.8
-GFLOP/s against ~100 in fp32), while the float32 copy holds the very same
-values. On a CPU that has the units, half weights stay half: half the bytes
-to read per decode step and the native matrix rate (qwen3-0.6b bf16 on an
-AVX512-BF16 machine: 56 against 30 output tok/s at 64 streams in float32).
-
-Weights and math differ in one case: half weights asked for explicitly on a
-CPU without the units are rounded to that dtype and computed in float32 (the
-same values, faster and more exactly); `cpu_half_compute="native"` forces
-half math.
+`--dtype auto` takes the checkpoint's dtype. On a CPU without native
+half-precision matrix units (AVX512-BF16 / AMX for bfloat16, AVX512-FP16 /
+AMX-FP16 for float16) the math then runs in float32: torch's half GEMMs are
+emulated there and several times slower (8x measured on an AVX2 EPYC at
+batch 64; bf16 matmul at 0.3-0.8 GFLOP/s against ~100 in fp32). The weights
+stay half all the same: the native matmul reads them half and widens them in
+registers, so a decode step reads half the bytes, and the values are the
+checkpoint's own, so the math is float32's exactly (what a float32 copy gave;
+the KV cache of an auto choice is float32 too, see `kv_cache_dtype`). On a
+CPU that has the units, half weights are computed in half (qwen3-0.6b bf16
+on an AVX512-BF16 machine: 56 against 30 output tok/s at 64 streams in
+float32). `cpu_half_compute="native"` forces half math.
 """
 
 from __future__ import annotations
@@ -33,18 +32,24 @@ _ALIASES = {"fp32": "float32", "float": "float32", "bf16": "bfloat16", "fp16": "
 _NATIVE_FLAGS = {torch.bfloat16: {"avx512_bf16", "amx_bf16"}, torch.float16: {"avx512_fp16", "amx_fp16"}}
 
 
-def resolve_dtype(name: str, checkpoint_dtype: str | None, device: torch.device) -> torch.dtype:
-    """The asked dtype; else the checkpoint's, except that half precision on
-    a CPU without native half matrix math becomes float32."""
+def resolve_dtype(name: str, checkpoint_dtype: str | None) -> torch.dtype:
+    """The asked dtype, else the checkpoint's."""
     name = _ALIASES.get(name, name)
     if name != "auto":
         if name not in _DTYPES:
             raise ValueError(f"unknown dtype {name!r} (auto, {', '.join(_DTYPES)})")
         return _DTYPES[name]
-    dtype = _DTYPES.get(checkpoint_dtype or "float32", torch.float32)
-    if device.type == "cpu" and not cpu_has_native(dtype):
-        return torch.float32
-    return dtype
+    return _DTYPES.get(checkpoint_dtype or "float32", torch.float32)
+
+
+def kv_cache_dtype(name: str, asked_dtype: str, weight_dtype: torch.dtype, math_dtype: torch.dtype) -> torch.dtype:
+    """The asked cache dtype; under `auto`, the weights' width when a dtype was
+    asked for (half the bytes to hold and read when half weights are computed
+    in float32), and the math's when both are auto: a CPU without half units
+    then computes a half checkpoint exactly as in float32, cache included."""
+    if name != "auto":
+        return resolve_dtype(name, None)
+    return math_dtype if _ALIASES.get(asked_dtype, asked_dtype) == "auto" else weight_dtype
 
 
 @functools.lru_cache(maxsize=1)

@@ -21,7 +21,7 @@ from aioserve.batch_plan import BatchPlan, StepOutput
 from aioserve.config import DEFAULT_CPU_KV_BYTES, EngineConfig
 from aioserve.distributed import broadcast_from_leader, get_tp_group, min_over_ranks
 from aioserve.engine.cuda_graph import Capture, CudaGraphCapture, DecodeGraphRunner
-from aioserve.engine.dtypes import compute_dtype, resolve_dtype
+from aioserve.engine.dtypes import compute_dtype, kv_cache_dtype, resolve_dtype
 from aioserve.engine.greedy_screen import GreedyScreen
 from aioserve.engine.native_decode import NativeDecodeRunner, unsupported_reason
 from aioserve.layers.cpu_matmul import pack_cpu_weights, tune_cpu_matmuls
@@ -76,12 +76,9 @@ class Engine:
         self.model_path = resolve_model_path(config.model, config.revision)
         self.model_config = ModelConfig.from_path(self.model_path)
         # `weight_dtype` is what was asked; `dtype` is what the math uses; `kv_dtype` what the cache holds.
-        self.weight_dtype = resolve_dtype(config.dtype, self.model_config.torch_dtype, self.device)
+        self.weight_dtype = resolve_dtype(config.dtype, self.model_config.torch_dtype)
         self.dtype = compute_dtype(self.weight_dtype, self.device, config.cpu_half_compute)
-        # The cache keeps the weights' width by default: half the bytes to hold
-        # and to read per decode step when the math runs in float32.
-        kv_name = config.kv_cache_dtype
-        self.kv_dtype = self.weight_dtype if kv_name == "auto" else resolve_dtype(kv_name, None, self.device)
+        self.kv_dtype = kv_cache_dtype(config.kv_cache_dtype, config.dtype, self.weight_dtype, self.dtype)
         self.max_model_len = self._max_model_len()
         self.max_prefill_tokens = config.max_prefill_tokens or DEFAULT_MAX_PREFILL_TOKENS.get(self.device.type, 8192)
         self.model = build_model(
