@@ -200,6 +200,9 @@ def test_each_rank_reads_only_its_slices(tiny_checkpoints: dict[str, Path], monk
                 def get_shape(self):
                     return part.get_shape()
 
+                def get_dtype(self):
+                    return part.get_dtype()
+
                 def __getitem__(self, index):
                     out = part[index]
                     read.append((name, tuple(out.shape)))

@@ -13,7 +13,11 @@ from safetensors.torch import load_file, save_file
 from aioserve import LLM, SamplingParams
 from aioserve.engine import dtypes
 from aioserve.engine.dtypes import compute_dtype, kv_cache_dtype, resolve_dtype
+import aioserve.engine.engine as engine_module
+import aioserve.layers.cpu_matmul as cpu_matmul_module
 from aioserve.layers.cpu_matmul import is_packed
+from aioserve.models.model_config import ModelConfig
+from aioserve.models.weight_loader import build_model
 
 
 def test_dtype_resolution(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -80,6 +84,32 @@ def test_auto_keeps_a_half_checkpoint_half_where_the_math_is_float32(
         dtypes.cpu_has_native.cache_clear()
     assert a.token_ids == b.token_ids
     assert a.logprobs == b.logprobs
+
+
+def test_matmul_weights_load_at_their_packed_width(tiny_checkpoints: dict[str, Path], tmp_path: Path) -> None:
+    path = bfloat16_copy(tiny_checkpoints["llama"], tmp_path / "bf16")
+    config = ModelConfig.from_path(path)
+    cpu = torch.device("cpu")
+    model = build_model(config, path, torch.float32, cpu, "auto", 0, round_to=torch.bfloat16, matmul_dtype=torch.bfloat16)
+    layer = model.model.layers[0]
+    assert layer.mlp.down_proj.weight.dtype == model.lm_head.weight.dtype == torch.bfloat16  # no float32 copy
+    assert layer.input_layernorm.weight.dtype == torch.float32  # the rest at the math's width
+    full = load_file(path / "model.safetensors")
+    assert torch.equal(layer.mlp.down_proj.weight, full["model.layers.0.mlp.down_proj.weight"])
+
+
+def test_without_the_kernels_half_weights_are_widened_for_blas(
+    tiny_checkpoints: dict[str, Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    path = bfloat16_copy(tiny_checkpoints["llama"], tmp_path / "bf16")
+    building = lambda wait=True: None  # noqa: E731
+    monkeypatch.setattr(cpu_matmul_module, "cpu_kernels", building)
+    monkeypatch.setattr(engine_module, "cpu_kernels", building)
+    llm = LLM(str(path), dtype="bfloat16", cpu_half_compute="float32", device="cpu", page_size=4)
+    weight = llm.engine.model.model.layers[0].mlp.down_proj.weight
+    assert not is_packed(weight) and weight.dtype == torch.float32
+    assert len(llm.generate("hello", SamplingParams(max_tokens=4, temperature=0, ignore_eos=True))[0].token_ids) == 4
+    llm.close()
 
 
 def test_half_compute_on_cpu() -> None:

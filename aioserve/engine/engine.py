@@ -83,7 +83,7 @@ class Engine:
         self.max_prefill_tokens = config.max_prefill_tokens or DEFAULT_MAX_PREFILL_TOKENS.get(self.device.type, 8192)
         self.model = build_model(
             self.model_config, self.model_path, self.dtype, self.device, config.load_format, config.seed,
-            round_to=self.weight_dtype,
+            round_to=self.weight_dtype, matmul_dtype=self._matmul_load_dtype(),
         )
         # CPU weights waiting to be packed for the native matmul: a first
         # start serves with BLAS (tuned) while the kernels build, and packs
@@ -91,7 +91,9 @@ class Engine:
         self._unpacked: list[torch.nn.Module] = []
         if self.device.type == "cpu":
             matmuls = [m for m in self.model.modules() if hasattr(m, "matmul_choice")]
-            if not pack_cpu_weights(matmuls, self.weight_dtype):
+            if not pack_cpu_weights(matmuls, self.weight_dtype, self.dtype):
+                for module in matmuls:  # BLAS multiplies at the math's width
+                    module.weight.data = module.weight.data.to(self.dtype)
                 self._unpacked = matmuls
                 if config.cpu_matmul_tuning:
                     tune_cpu_matmuls(matmuls)
@@ -145,6 +147,13 @@ class Engine:
         if self.tp.size > 1 and self.tp.is_leader:
             for line in layout_lines(self.tp_layout):
                 logger.info("tensor parallel: %s", line)
+
+    def _matmul_load_dtype(self) -> torch.dtype | None:
+        """Half weights computed in float32 on a CPU whose native kernels are
+        built load half: the packed matmul reads them so (see build_model)."""
+        if self.device.type != "cpu" or self.dtype != torch.float32 or self.weight_dtype == torch.float32:
+            return None
+        return self.weight_dtype if cpu_kernels(wait=False) is not None else None
 
     @property
     def attention_backend_name(self) -> str:
@@ -258,7 +267,7 @@ class Engine:
     def _launch(self, plan: BatchPlan) -> StepOutput:
         # Between steps, on the thread that runs them: nothing else reads the weights.
         if self._unpacked and cpu_kernels(wait=False) is not None:
-            pack_cpu_weights(self._unpacked, self.weight_dtype)
+            pack_cpu_weights(self._unpacked, self.weight_dtype, self.dtype)
             self._unpacked = []
             self._start_native_decode()
             self._start_greedy_screen()

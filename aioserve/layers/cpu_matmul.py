@@ -224,17 +224,20 @@ class ChoiceCache:
             logger.warning("cannot keep the matmul choices in %s: %s", self.path, exc)
 
 
-def pack_cpu_weights(modules: Iterable[torch.nn.Module], storage_dtype: torch.dtype | None = None) -> bool:
+def pack_cpu_weights(
+    modules: Iterable[torch.nn.Module], storage_dtype: torch.dtype | None = None, math_dtype: torch.dtype | None = None
+) -> bool:
     """Pack every module's weight for the native kernel and set its choice;
     False (nothing done) when the kernels are not built: the caller tunes
     instead. `storage_dtype`, when narrower than the weights, is what their
     values were rounded to: they are packed in it, exactly, and read at its
-    width. A weight shared by two modules is packed once."""
+    width. `math_dtype`: the activations' (default: the weights'). A weight
+    shared by two modules is packed once."""
     kernels = cpu_kernels(wait=False)
     modules = list(modules)
     if kernels is None or not modules:
         return False
-    if modules[0].weight.dtype != torch.float32 and AMX_FLAGS & cpu_flags():
+    if (math_dtype or modules[0].weight.dtype) != torch.float32 and AMX_FLAGS & cpu_flags():
         return False  # half math on AMX tiles: oneDNN's kernels are far faster than these
     started = time.perf_counter()
     features: dict[int, int] = {}  # id(weight) -> its row count before packing
