@@ -145,6 +145,10 @@ def test_non_finite_logits_end_only_their_request(llama_path: Path, bad: float) 
     reference.shutdown()
 
     engine, scheduler = new_scheduler(llama_path)
+    # The bad logit is injected into the full logits: greedy rows must not
+    # take the screen's shortcut past them (a non-finite hidden state sends a
+    # step back to the full logits anyway: tests/test_greedy_screen.py).
+    engine.greedy_screen = None
     compute_logits = engine.model.compute_logits
     two_row_steps: list[int] = []
 
@@ -164,6 +168,44 @@ def test_non_finite_logits_end_only_their_request(llama_path: Path, bad: float) 
         run_until_idle(scheduler)
         a, b = events["a"], events["b"]
         assert len(tokens(a)) == 2 and a[-1].finish_reason == "error" and a[-1].token_id is None
+        assert "logits were not finite" in a[-1].error
+        assert tokens(b) == tokens(ref_events["b"]) and b[-1].finish_reason == "length"
+        assert_pool_whole(scheduler)
+    finally:
+        scheduler.shutdown()
+
+
+def test_a_non_finite_hidden_row_under_the_greedy_screen_ends_only_its_request(llama_path: Path) -> None:
+    """The screen hands a step with a NaN hidden row back to the full
+    logits, where the sampler ends that row's request as above."""
+    _, reference = new_scheduler(llama_path)
+    ref_events: dict[str, list[RequestEvent]] = {}
+    submit(reference, ref_events, "b", [9, 10, 11])
+    run_until_idle(reference)
+    reference.shutdown()
+
+    engine, scheduler = new_scheduler(llama_path)
+    screen = engine.greedy_screen
+    if screen is None:
+        pytest.skip("no greedy screen here (native kernels not built)")
+    screened = screen.argmax
+    two_row_steps: list[int] = []
+
+    def poisoned(hidden: torch.Tensor) -> torch.Tensor | None:
+        if hidden.shape[0] == 2:
+            two_row_steps.append(1)
+            if len(two_row_steps) == 3:
+                hidden[0, 3] = float("nan")
+        return screened(hidden)
+
+    screen.argmax = poisoned  # type: ignore[method-assign]
+    events: dict[str, list[RequestEvent]] = {}
+    submit(scheduler, events, "a", [5, 6, 7, 8])
+    submit(scheduler, events, "b", [9, 10, 11])
+    try:
+        run_until_idle(scheduler)
+        a, b = events["a"], events["b"]
+        assert len(tokens(a)) == 2 and a[-1].finish_reason == "error"
         assert "logits were not finite" in a[-1].error
         assert tokens(b) == tokens(ref_events["b"]) and b[-1].finish_reason == "length"
         assert_pool_whole(scheduler)

@@ -279,12 +279,13 @@ class Engine:
             hidden = self.model(input_ids, plan.positions, self.attention.prepare(plan, host_plan))
         empty = torch.zeros(0, dtype=torch.long, device=self.device)
         output = StepOutput(next_token_ids=empty, logprobs=empty.float(), top_ids=None, top_logprobs=None)
-        screened = self._screened_tokens(hidden, plan, host_plan)
+        sampled_rows = hidden[plan.logits_indices] if plan.sampling is not None else None
+        screened = self._screened_tokens(sampled_rows, host_plan)
         if screened is not None:
             output.next_token_ids, output.logprobs = screened, torch.zeros(screened.shape[0])
-        elif plan.sampling is not None:
+        elif sampled_rows is not None:
             # The LM head gathers the vocabulary shards: every rank takes part.
-            logits = self.model.compute_logits(hidden[plan.logits_indices])
+            logits = self.model.compute_logits(sampled_rows)
             if self.tp.is_leader:
                 self._sample(logits, plan, host_plan, output)
             else:
@@ -297,11 +298,11 @@ class Engine:
                 self._prompt_logprobs(logits, plan, output)
         return output
 
-    def _screened_tokens(self, hidden: torch.Tensor, plan: BatchPlan, host_plan: BatchPlan) -> torch.Tensor | None:
+    def _screened_tokens(self, sampled_rows: torch.Tensor | None, host_plan: BatchPlan) -> torch.Tensor | None:
         """The step's tokens by the greedy screen, when it serves every row."""
-        if self.greedy_screen is None or host_plan.sampling is None or not GreedyScreen.serves(host_plan.sampling):
+        if self.greedy_screen is None or sampled_rows is None or host_plan.sampling is None:
             return None
-        return self.greedy_screen.argmax(hidden[plan.logits_indices])
+        return self.greedy_screen.argmax(sampled_rows) if GreedyScreen.serves(host_plan.sampling) else None
 
     def _sample(self, logits: torch.Tensor, plan: BatchPlan, host_plan: BatchPlan, output: StepOutput) -> None:
         st = plan.sampling
