@@ -125,6 +125,9 @@ def step_cost(engine: Engine, batch: int, context: int) -> tuple[float, float]:
     if not tied:  # the input embedding is a lookup, not a matmul: a step reads `batch` rows of it
         matmul_params -= cfg.vocab_size * cfg.hidden_size
         weights -= (cfg.vocab_size - batch) * cfg.hidden_size * engine.dtype.itemsize  # stored in compute dtype
+    screen = getattr(engine, "greedy_screen", None)
+    if screen is not None:  # greedy rows read the LM head's float16 copy, not the float32 head
+        weights -= screen.exact.nbytes - screen.screen.nbytes
     kv_heads = engine.pool.num_kv_heads
     kv_bytes = batch * context * cfg.num_layers * 2 * kv_heads * cfg.head_dim * engine.kv_dtype.itemsize
     attention_flops = 4 * batch * context * cfg.num_layers * cfg.num_heads * cfg.head_dim

@@ -16,7 +16,8 @@
 // 2^-24), times the sum of |x_i w_ij|):
 //   |E_j - A_j| <= ||x|| * (||e_j|| + gamma_k (||w_j|| + ||fp16(w_j)||)) + underflow
 // The caller precomputes the bracket per column (`slack`, rounded up), so
-// r_j = ||x|| slack_j bounds the difference. Let L = max_j (A_j - r_j),
+// r_j = ||x|| slack_j bounds the difference (float32 arithmetic here, with
+// its own rounding accounted for: see choose()). Let L = max_j (A_j - r_j),
 // reached at column m: E_m >= L. Any column with A_j + r_j < L has E_j < L
 // <= E_m, so it cannot be the argmax (not even on a tie). The others, the
 // candidates (usually one or two), get E_j computed exactly as packed_linear
@@ -54,25 +55,49 @@ struct RowChoice {
   bool ok = false;
 };
 
-RowChoice choose(const float* x, int64_t k, const float* approx, const double* slack, int64_t n, const float* exact,
+// Scan blocks: a vectorized "any candidate here?" per block, then the rare
+// block with one is scanned element by element.
+constexpr int64_t kScanBlock = 64;
+
+// At least the bound's absolute part, 2 k 2^-149 (products and sums below
+// float's normal range lose up to half a subnormal step each, in either
+// sum), for any k below 2^20.
+constexpr float kUnderflow = 1e-37f;
+
+RowChoice choose(const float* x, int64_t k, const float* approx, const float* slack, int64_t n, const float* exact,
                  int64_t block, std::vector<int64_t>& candidates) {
   double norm2 = 0.0;
   for (int64_t i = 0; i < k; ++i) norm2 += static_cast<double>(x[i]) * x[i];
-  const double norm = std::sqrt(norm2);
-  // Products below float32's normal range lose absolute, not relative,
-  // precision: at most half a subnormal step per operation, in either sum.
-  const double underflow = 2.0 * static_cast<double>(k) * std::ldexp(1.0, -149);
+  const float norm = std::nextafter(static_cast<float>(std::sqrt(norm2)), std::numeric_limits<float>::infinity());
   if (!std::isfinite(norm)) return {};
-  double floor = -std::numeric_limits<double>::infinity();
+  // Pass 1, in float32 and vectorized: L (`floor`), the largest |A_j| + r_j,
+  // and whether every screened logit is finite (no bound holds otherwise).
+  float floor = -std::numeric_limits<float>::infinity(), biggest = 0.f;
+  int not_finite = 0;
+#pragma omp simd reduction(max : floor, biggest) reduction(| : not_finite)
   for (int64_t j = 0; j < n; ++j) {
-    if (!std::isfinite(approx[j])) return {};  // a NaN or infinite screened logit: no bound holds
-    floor = std::max(floor, approx[j] - (norm * slack[j] + underflow));
+    const float a = approx[j], r = norm * slack[j] + kUnderflow;
+    not_finite |= !(std::fabs(a) <= std::numeric_limits<float>::max());
+    floor = std::max(floor, a - r);
+    biggest = std::max(biggest, std::fabs(a) + r);
   }
+  if (not_finite || !std::isfinite(biggest)) return {};
+  // Each A_j -/+ r_j above is off by at most 2^-22 (|A_j| + r_j) from its
+  // exact value (three float roundings); lowering L by more than that keeps
+  // every true candidate (it only adds, harmlessly, near-candidates).
+  const float lowered = floor - std::ldexp(biggest, -18);
   candidates.clear();
-  for (int64_t j = 0; j < n; ++j) {
-    if (approx[j] + (norm * slack[j] + underflow) >= floor) {
-      if (candidates.size() == kMaxCandidates) return {};
-      candidates.push_back(j);
+  for (int64_t start = 0; start < n; start += kScanBlock) {
+    const int64_t end = std::min(n, start + kScanBlock);
+    int hit = 0;
+#pragma omp simd reduction(| : hit)
+    for (int64_t j = start; j < end; ++j) hit |= approx[j] + (norm * slack[j] + kUnderflow) >= lowered;
+    if (!hit) continue;
+    for (int64_t j = start; j < end; ++j) {
+      if (approx[j] + (norm * slack[j] + kUnderflow) >= lowered) {
+        if (candidates.size() == kMaxCandidates) return {};
+        candidates.push_back(j);
+      }
     }
   }
   RowChoice best;
@@ -91,7 +116,8 @@ RowChoice choose(const float* x, int64_t k, const float* approx, const double* s
 }  // namespace
 
 // x [M, K] float32; `screen` W packed at half width, `exact` W packed in
-// float32 (both by pack_linear_weight, [blocks, K, block]); slack [N] float64.
+// float32 (both by pack_linear_weight, [blocks, K, block]); slack [N] float32
+// (rounded up).
 // Returns (tokens [M] int64, ok [M] bool); a row with ok false has token 0.
 std::tuple<torch::Tensor, torch::Tensor> screened_argmax(torch::Tensor x, const torch::Tensor& screen,
                                                         torch::Tensor slack, const torch::Tensor& exact, int64_t n) {
@@ -100,8 +126,8 @@ std::tuple<torch::Tensor, torch::Tensor> screened_argmax(torch::Tensor x, const 
   TORCH_CHECK(exact.dim() == 3 && exact.scalar_type() == torch::kFloat32 && exact.is_contiguous(),
               "screened_argmax: the exact weight must be float32, packed by pack_linear_weight");
   TORCH_CHECK(screen.dim() == 3 && screen.sizes() == exact.sizes(), "screened_argmax: the screen must be packed like W");
-  TORCH_CHECK(slack.dim() == 1 && slack.numel() == n && slack.scalar_type() == torch::kFloat64,
-              "screened_argmax: slack must be float64 [N]");
+  TORCH_CHECK(slack.dim() == 1 && slack.numel() == n && slack.scalar_type() == torch::kFloat32,
+              "screened_argmax: slack must be float32 [N]");
   x = x.contiguous();
   slack = slack.contiguous();
   const int64_t m = x.size(0), k = x.size(1), block = exact.size(2);
@@ -110,7 +136,7 @@ std::tuple<torch::Tensor, torch::Tensor> screened_argmax(torch::Tensor x, const 
   auto tokens = torch::zeros({m}, x.options().dtype(torch::kInt64));
   auto ok = torch::zeros({m}, x.options().dtype(torch::kBool));
   const float *xs = x.data_ptr<float>(), *as = approx.data_ptr<float>(), *ws = exact.data_ptr<float>();
-  const double* ss = slack.data_ptr<double>();
+  const float* ss = slack.data_ptr<float>();
   int64_t* ts = tokens.data_ptr<int64_t>();
   bool* oks = ok.data_ptr<bool>();
   aioserve::parallel_pieces(m, 1, [&](int64_t first, int64_t last) {

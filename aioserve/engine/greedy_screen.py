@@ -38,7 +38,7 @@ class GreedyScreen:
     kernels: object  # the native module
     screen: torch.Tensor  # the weight in float16, packed like `exact`
     exact: torch.Tensor  # the LM head's own packed float32 weight (shared, not copied)
-    slack: torch.Tensor  # [N] float64: |E_j - A_j| <= ||x|| slack_j (see greedy_screen.cpp)
+    slack: torch.Tensor  # [N] float32, rounded up: |E_j - A_j| <= ||x|| slack_j (see greedy_screen.cpp)
     features: int  # N, the vocabulary
 
     @classmethod
@@ -92,7 +92,8 @@ class GreedyScreen:
 
 
 def _slack(rows: torch.Tensor, half: torch.Tensor) -> torch.Tensor:
-    """Per column j: ||e_j|| + gamma_K (||w_j|| + ||fp16(w_j)||), rounded up."""
+    """Per column j: ||e_j|| + gamma_K (||w_j|| + ||fp16(w_j)||), computed in
+    float64 and rounded up to float32."""
     k = rows.shape[1]
     gamma = k * UNIT_ROUNDOFF / (1 - k * UNIT_ROUNDOFF)
     out = torch.empty(rows.shape[0], dtype=torch.float64)
@@ -100,4 +101,4 @@ def _slack(rows: torch.Tensor, half: torch.Tensor) -> torch.Tensor:
         w = rows[start : start + ROWS_PER_SLACK_CHUNK].double()
         h = half[start : start + ROWS_PER_SLACK_CHUNK].double()
         out[start : start + len(w)] = (w - h).norm(dim=1) + gamma * (w.norm(dim=1) + h.norm(dim=1))
-    return out * SAFETY
+    return (out * SAFETY).float()  # SAFETY's 2^-10 covers the rounding to float32 (2^-24)
