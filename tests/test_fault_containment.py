@@ -8,6 +8,7 @@ timeout."""
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -133,34 +134,32 @@ def test_a_failed_decode_step_through_the_offline_api(stories_path: Path) -> Non
 # -- non-finite logits ------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("bad", [float("nan"), float("inf")])
-def test_non_finite_logits_end_only_their_request(llama_path: Path, bad: float) -> None:
-    """Row 0 of the third two-row sampling step gets one bad logit: that
-    request (`a`, admitted first, so first among the decodes) ends with an
-    error; `b`, sampled in the same steps, gets exactly its tokens."""
+def b_alone(llama_path: Path) -> list[RequestEvent]:
+    """Request `b`'s events when it runs by itself."""
     _, reference = new_scheduler(llama_path)
-    ref_events: dict[str, list[RequestEvent]] = {}
-    submit(reference, ref_events, "b", [9, 10, 11])
+    events: dict[str, list[RequestEvent]] = {}
+    submit(reference, events, "b", [9, 10, 11])
     run_until_idle(reference)
     reference.shutdown()
+    return events["b"]
 
-    engine, scheduler = new_scheduler(llama_path)
-    # The bad logit is injected into the full logits: greedy rows must not
-    # take the screen's shortcut past them (a non-finite hidden state sends a
-    # step back to the full logits anyway: tests/test_greedy_screen.py).
-    engine.greedy_screen = None
-    compute_logits = engine.model.compute_logits
+
+def third_two_row_step(poison: Callable[[torch.Tensor], None]) -> Callable[[torch.Tensor], None]:
+    """`poison` applied to the rows of the third step that samples two rows."""
     two_row_steps: list[int] = []
 
-    def poisoned(hidden: torch.Tensor) -> torch.Tensor:
-        logits = compute_logits(hidden)
-        if logits.shape[0] == 2:
+    def maybe(rows: torch.Tensor) -> None:
+        if rows.shape[0] == 2:
             two_row_steps.append(1)
             if len(two_row_steps) == 3:
-                logits[0, 17] = bad
-        return logits
+                poison(rows)
 
-    engine.model.compute_logits = poisoned
+    return maybe
+
+
+def assert_only_a_fails(scheduler: Scheduler, b_reference: list[RequestEvent]) -> None:
+    """`a` (admitted first, so row 0 among the decodes) ends with an error
+    after two tokens; `b`, sampled in the same steps, gets exactly its tokens."""
     events: dict[str, list[RequestEvent]] = {}
     submit(scheduler, events, "a", [5, 6, 7, 8])
     submit(scheduler, events, "b", [9, 10, 11])
@@ -169,48 +168,49 @@ def test_non_finite_logits_end_only_their_request(llama_path: Path, bad: float) 
         a, b = events["a"], events["b"]
         assert len(tokens(a)) == 2 and a[-1].finish_reason == "error" and a[-1].token_id is None
         assert "logits were not finite" in a[-1].error
-        assert tokens(b) == tokens(ref_events["b"]) and b[-1].finish_reason == "length"
+        assert tokens(b) == tokens(b_reference) and b[-1].finish_reason == "length"
         assert_pool_whole(scheduler)
     finally:
         scheduler.shutdown()
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf")])
+def test_non_finite_logits_end_only_their_request(llama_path: Path, bad: float) -> None:
+    """Row 0 of the third two-row sampling step gets one bad logit."""
+    reference = b_alone(llama_path)
+    engine, scheduler = new_scheduler(llama_path)
+    # The bad logit is injected into the full logits: greedy rows must not
+    # take the screen's shortcut past them (the next test covers the screen).
+    engine.greedy_screen = None
+    compute_logits = engine.model.compute_logits
+    poison = third_two_row_step(lambda logits: logits[0].index_fill_(0, torch.tensor([17]), bad))
+
+    def poisoned(hidden: torch.Tensor) -> torch.Tensor:
+        logits = compute_logits(hidden)
+        poison(logits)
+        return logits
+
+    engine.model.compute_logits = poisoned
+    assert_only_a_fails(scheduler, reference)
 
 
 def test_a_non_finite_hidden_row_under_the_greedy_screen_ends_only_its_request(llama_path: Path) -> None:
     """The screen hands a step with a NaN hidden row back to the full
     logits, where the sampler ends that row's request as above."""
-    _, reference = new_scheduler(llama_path)
-    ref_events: dict[str, list[RequestEvent]] = {}
-    submit(reference, ref_events, "b", [9, 10, 11])
-    run_until_idle(reference)
-    reference.shutdown()
-
+    reference = b_alone(llama_path)
     engine, scheduler = new_scheduler(llama_path)
     screen = engine.greedy_screen
     if screen is None:
         pytest.skip("no greedy screen here (native kernels not built)")
     screened = screen.argmax
-    two_row_steps: list[int] = []
+    poison = third_two_row_step(lambda hidden: hidden[0].index_fill_(0, torch.tensor([3]), float("nan")))
 
     def poisoned(hidden: torch.Tensor) -> torch.Tensor | None:
-        if hidden.shape[0] == 2:
-            two_row_steps.append(1)
-            if len(two_row_steps) == 3:
-                hidden[0, 3] = float("nan")
+        poison(hidden)
         return screened(hidden)
 
     screen.argmax = poisoned  # type: ignore[method-assign]
-    events: dict[str, list[RequestEvent]] = {}
-    submit(scheduler, events, "a", [5, 6, 7, 8])
-    submit(scheduler, events, "b", [9, 10, 11])
-    try:
-        run_until_idle(scheduler)
-        a, b = events["a"], events["b"]
-        assert len(tokens(a)) == 2 and a[-1].finish_reason == "error"
-        assert "logits were not finite" in a[-1].error
-        assert tokens(b) == tokens(ref_events["b"]) and b[-1].finish_reason == "length"
-        assert_pool_whole(scheduler)
-    finally:
-        scheduler.shutdown()
+    assert_only_a_fails(scheduler, reference)
 
 
 # -- KV integrity -------------------------------------------------------------------
