@@ -74,6 +74,19 @@ class SamplingTensors:
     def has_penalties(self) -> bool:
         return self.output_rows.numel() > 0 or self.seen_rows.numel() > 0
 
+    @property
+    def takes_raw_argmax(self) -> bool:
+        """Every row's token is the argmax of the model's own logits: all
+        greedy, no bias, penalty or grammar, and no logprobs wanted (top-N
+        implies them). The sampler's fast path and the greedy screen."""
+        return (
+            self.all_greedy
+            and not self.wants_logprobs
+            and not self.has_penalties
+            and self.bias_rows.numel() == 0
+            and self.grammar_rows.numel() == 0
+        )
+
     def to(self, device: torch.device) -> "SamplingTensors":
         return SamplingTensors(**_move(self, device))  # type: ignore[arg-type]
 

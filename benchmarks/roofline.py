@@ -132,7 +132,7 @@ def step_cost(engine: Engine, batch: int, context: int) -> tuple[float, float]:
     if not tied:  # the input embedding is a lookup, not a matmul: a step reads `batch` rows of it
         matmul_params -= cfg.vocab_size * cfg.hidden_size
         weights -= (cfg.vocab_size - batch) * cfg.hidden_size * engine.dtype.itemsize  # stored in compute dtype
-    screen = getattr(engine, "greedy_screen", None)
+    screen = engine.greedy_screen
     if screen is not None:  # greedy rows read the LM head's float16 copy, not the float32 head
         weights -= screen.exact.nbytes - screen.screen.nbytes
     kv_heads = engine.pool.num_kv_heads

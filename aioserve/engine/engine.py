@@ -300,9 +300,10 @@ class Engine:
 
     def _screened_tokens(self, sampled_rows: torch.Tensor | None, host_plan: BatchPlan) -> torch.Tensor | None:
         """The step's tokens by the greedy screen, when it serves every row."""
-        if self.greedy_screen is None or sampled_rows is None or host_plan.sampling is None:
+        st = host_plan.sampling
+        if self.greedy_screen is None or sampled_rows is None or st is None or not st.takes_raw_argmax:
             return None
-        return self.greedy_screen.argmax(sampled_rows) if GreedyScreen.serves(host_plan.sampling) else None
+        return self.greedy_screen.argmax(sampled_rows)
 
     def _sample(self, logits: torch.Tensor, plan: BatchPlan, host_plan: BatchPlan, output: StepOutput) -> None:
         st = plan.sampling

@@ -152,12 +152,12 @@ def sample(logits: torch.Tensor, st: SamplingTensors) -> SamplerOutput:
     costs no extra device sync, and the token stays a valid id for the next
     step's placeholders. Every operation here works row by row, so the other
     rows sample exactly as they would without it."""
+    kernels = elementwise_kernels() if logits.is_cpu else None
+    if kernels is not None and st.takes_raw_argmax:
+        return _greedy(kernels, logits)
     # The grammar mask comes after bias and penalties, so top-k, top-p and
     # min-p choose among the tokens the grammar allows.
     adjusted = apply_grammar(adjust_logits(logits, st), st)
-    kernels = elementwise_kernels() if logits.is_cpu else None
-    if kernels is not None and adjusted is logits and st.all_greedy and not st.wants_logprobs:  # (top-N implies it)
-        return _greedy(kernels, logits)
     # One reduction over the raw logits is needed anyway; it also says whether
     # they are finite (a NaN or a +inf makes it NaN or inf; a -inf logit is
     # just a token that cannot be chosen). Without logprobs wanted, the max
