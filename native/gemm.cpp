@@ -341,7 +341,7 @@ namespace aioserve {
 bool gemm_fuses_multiply_add() { return kFused; }
 
 torch::Tensor packed_linear(torch::Tensor x, const torch::Tensor& packed, const c10::optional<torch::Tensor>& bias,
-                            int64_t n, bool float_out) {
+                            int64_t n, bool float_out, const c10::optional<torch::Tensor>& out) {
   TORCH_CHECK(x.dim() == 2, "packed_linear: x must be [M, K]");
   const bool pairs = packed.dim() == 4;
   TORCH_CHECK((packed.dim() == 3 || (pairs && kPairs && packed.size(3) == 2 && packed.scalar_type() == at::kBFloat16)) &&
@@ -351,7 +351,16 @@ torch::Tensor packed_linear(torch::Tensor x, const torch::Tensor& packed, const 
   TORCH_CHECK(packed_k == k, "packed_linear: x has ", k, " features, the weight ", packed_k);
   TORCH_CHECK(n > 0 && n <= packed.size(0) * kBlock && n > (packed.size(0) - 1) * kBlock, "packed_linear: bad N");
   x = x.contiguous();
-  auto y = torch::empty({m, n}, float_out ? x.options().dtype(torch::kFloat32) : x.options());
+  const auto y_options = float_out ? x.options().dtype(torch::kFloat32) : x.options();
+  torch::Tensor y;
+  if (out.has_value() && out->defined()) {
+    TORCH_CHECK(out->dim() == 2 && out->size(0) == m && out->size(1) == n && out->is_contiguous() &&
+                    out->scalar_type() == y_options.dtype().toScalarType() && out->device() == x.device(),
+                "packed_linear: out must be a contiguous [M, N] tensor of the output's dtype");
+    y = *out;
+  } else {
+    y = torch::empty({m, n}, y_options);
+  }
   torch::Tensor bias32;
   if (bias.has_value() && bias->defined()) {
     TORCH_CHECK(bias->numel() == n, "packed_linear: bias must have N values");
@@ -386,5 +395,5 @@ void bind_gemm(pybind11::module_& m) {
   m.def("pack_linear_weight", &pack_linear_weight, "pack W [N, K] for packed_linear");
   m.def("packed_linear", &aioserve::packed_linear, "x W^T (+ b) with a packed W (CPU)", pybind11::arg("x"),
         pybind11::arg("packed"), pybind11::arg("bias") = pybind11::none(), pybind11::arg("n"),
-        pybind11::arg("float_out") = false);
+        pybind11::arg("float_out") = false, pybind11::arg("out") = pybind11::none());
 }

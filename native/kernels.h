@@ -21,7 +21,7 @@ std::tuple<torch::Tensor, torch::Tensor> row_max_argmax(torch::Tensor logits);
 // gemm.cpp
 bool gemm_fuses_multiply_add();  // each k's multiply-add is one fused rounding (not the portable fallback)
 torch::Tensor packed_linear(torch::Tensor x, const torch::Tensor& packed, const c10::optional<torch::Tensor>& bias,
-                            int64_t n, bool float_out);
+                            int64_t n, bool float_out, const c10::optional<torch::Tensor>& out = c10::nullopt);
 
 // attention.cpp
 torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,

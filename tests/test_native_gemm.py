@@ -12,6 +12,7 @@ import torch.nn.functional as F
 
 import aioserve.engine.engine as engine_module
 import aioserve.layers.cpu_matmul as cpu_matmul_module
+import aioserve.layers.embedding as embedding_module
 from aioserve import LLM, SamplingParams
 from aioserve.layers.cpu_matmul import is_packed, pack_cpu_weights, packed_rows
 from aioserve.layers.embedding import ParallelLMHead, VocabParallelEmbedding
@@ -47,6 +48,10 @@ def test_packed_linear_matches_torch(x_dtype, w_dtype, n, k, rows) -> None:
     # float_out (the LM head): float32 holding exactly the x-dtype output's values.
     widened = kernels.packed_linear(x, packed, bias, n, float_out=True)
     assert widened.dtype == torch.float32 and torch.equal(widened, out.float())
+    # out=: the same values, written where the caller says.
+    into = torch.full((rows, n), float("nan"))
+    assert kernels.packed_linear(x, packed, bias, n, True, into).data_ptr() == into.data_ptr()
+    assert torch.equal(into, widened)
 
 
 @pytest.mark.parametrize("x_dtype,w_dtype", [(torch.float32, torch.float32), (torch.bfloat16, torch.bfloat16),
@@ -105,6 +110,31 @@ def test_bad_arguments_are_refused() -> None:
         kernels.packed_linear(torch.randn(2, 8), packed, None, 4000)
     with pytest.raises(RuntimeError, match="pack_linear_weight"):
         kernels.packed_linear(torch.randn(2, 8), torch.randn(40, 8), None, 40)
+    for wrong in (torch.empty(2, 41), torch.empty(3, 40), torch.empty(40, 2).t(), torch.empty(2, 40, dtype=torch.bfloat16)):
+        with pytest.raises(RuntimeError, match="out must be"):
+            kernels.packed_linear(torch.randn(2, 8), packed, None, 40, False, wrong)
+
+
+def test_the_packed_lm_head_reuses_its_logits_buffer(monkeypatch) -> None:
+    """The head's packed logits go into one buffer, reused while it is big
+    enough and grown when not; each call's values are the fresh kernel's.
+    Calls past MAX_BUFFERED_LOGITS get memory of their own."""
+    torch.manual_seed(2)
+    head = ParallelLMHead(300, 32)
+    head.weight.data.normal_()
+    assert pack_cpu_weights([head])
+    kernels, n = cpu_kernels(), head.matmul_choice.packed_features
+    first, second, third = torch.randn(4, 32), torch.randn(3, 32), torch.randn(9, 32)
+    a = head(first)
+    assert torch.equal(a, kernels.packed_linear(first, head.weight, None, n, True)[:, :300])
+    b = head(second)  # smaller: the same memory
+    assert b.data_ptr() == a.data_ptr()
+    assert torch.equal(b, kernels.packed_linear(second, head.weight, None, n, True)[:, :300])
+    c = head(third)  # bigger: grown
+    assert torch.equal(c, kernels.packed_linear(third, head.weight, None, n, True)[:, :300])
+    monkeypatch.setattr(embedding_module, "MAX_BUFFERED_LOGITS", 10 * n)
+    big = head(torch.randn(11, 32))
+    assert big.data_ptr() != head(third).data_ptr() and head._logits_buffer.numel() == 9 * n
 
 
 def test_packing_keeps_every_layer_and_a_tied_embedding_equal() -> None:

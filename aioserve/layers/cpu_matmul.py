@@ -105,13 +105,16 @@ def cpu_matmul(
     choice: MatmulChoice | None,
     bias: torch.Tensor | None = None,
     float_out: bool = False,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """x W^T (+ b) for a 2-D CPU activation, by the tuned form when there is one.
     `float_out`: the packed kernel may write float32 holding x's dtype's
     rounding (the same values as its x-dtype output widened); other forms
-    return x's dtype."""
+    return x's dtype. `out`: where the packed kernel writes, when given (a
+    contiguous [rows, packed_features] of its output dtype); other forms
+    return a new tensor."""
     if choice is not None and choice.packed_features is not None:
-        return cpu_kernels().packed_linear(x, weight, bias, choice.packed_features, float_out)  # type: ignore[union-attr]
+        return cpu_kernels().packed_linear(x, weight, bias, choice.packed_features, float_out, out)  # type: ignore[union-attr]
     out = _unpacked_matmul(x, weight, choice)
     return out + bias if bias is not None else out
 

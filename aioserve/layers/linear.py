@@ -25,14 +25,16 @@ def linear(
     bias: torch.Tensor | None = None,
     choice: MatmulChoice | None = None,
     float_out: bool = False,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """x W^T (+ b). On CPU by the form tuned for this weight, or its packed
-    kernel (cpu_matmul.py). `float_out`: float32 is welcome (see cpu_matmul)."""
+    kernel (cpu_matmul.py). `float_out`: float32 is welcome; `out`: a
+    destination the packed kernel may write into (both: see cpu_matmul)."""
     if x.device.type != "cpu":
         return F.linear(x, weight, bias)
     if x.dim() != 2:
         return linear(x.reshape(-1, x.shape[-1]), weight, bias, choice, float_out).view(*x.shape[:-1], -1)
-    return cpu_matmul(x, weight, choice, bias, float_out)
+    return cpu_matmul(x, weight, choice, bias, float_out, out)
 
 
 def _check_full(loaded: torch.Tensor, dim: int, expected: int, what: str) -> None:

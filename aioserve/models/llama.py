@@ -127,7 +127,8 @@ class LlamaForCausalLM(nn.Module):
         return self.model(input_ids, positions, meta)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """float32 logits over the whole vocabulary for the given rows."""
+        """float32 logits over the whole vocabulary for the given rows, valid
+        until the next call (the LM head may reuse their memory)."""
         return self.lm_head(hidden).float()
 
 
