@@ -191,17 +191,18 @@ void tile_rows(int rows, const void* x, int64_t k, int64_t ld, const W* block, f
 
 // The output as a Y: X itself, or float32 holding X's rounding (the LM head:
 // its logits go on in float32, and torch's own widening of [64, 151936] bf16
-// logits took 19 ms of a 324 ms qwen3 step).
-template <typename X, typename Y>
+// logits took 19 ms of a 324 ms qwen3 step), or with Round false the float32
+// sum itself (the greedy screen's bf16 dot products, greedy_screen.cpp).
+template <typename X, typename Y, bool Round = true>
 inline Y store_as(float v) {
   if constexpr (std::is_same_v<Y, float>) {
-    return aioserve::round_to<X>(v);
+    return Round ? aioserve::round_to<X>(v) : v;
   } else {
     return aioserve::from_float<X>(v);
   }
 }
 
-template <Form F, typename X, typename W, typename Y>
+template <Form F, typename X, typename W, typename Y, bool Round = true>
 void packed_linear_impl(const X* x, int64_t m, int64_t k, const W* packed, int64_t n, const float* bias, Y* y) {
   const int64_t blocks = (n + kBlock - 1) / kBlock;
   // Rows per pass over W: as many as keep their x (bf16 pairs as they are,
@@ -253,9 +254,9 @@ void packed_linear_impl(const X* x, int64_t m, int64_t k, const W* packed, int64
             Y* dst = y + (row0 + r0 + r) * n + col0;
             const float* src = out + r * kBlock;
             if (bias != nullptr) {
-              for (int64_t c = 0; c < cols; ++c) dst[c] = store_as<X, Y>(src[c] + bias[col0 + c]);
+              for (int64_t c = 0; c < cols; ++c) dst[c] = store_as<X, Y, Round>(src[c] + bias[col0 + c]);
             } else {
-              for (int64_t c = 0; c < cols; ++c) dst[c] = store_as<X, Y>(src[c]);
+              for (int64_t c = 0; c < cols; ++c) dst[c] = store_as<X, Y, Round>(src[c]);
             }
           }
         }
@@ -383,6 +384,22 @@ torch::Tensor packed_linear(torch::Tensor x, const torch::Tensor& packed, const 
       }
     });
   });
+  return y;
+}
+
+torch::Tensor packed_linear_unrounded(const torch::Tensor& x, const torch::Tensor& packed, int64_t n) {
+  TORCH_CHECK(kPairs && packed.dim() == 4 && packed.scalar_type() == at::kBFloat16 && packed.size(2) == kBlock &&
+                  packed.is_contiguous(),
+              "packed_linear_unrounded: the weight must be bf16 packed in k-pairs");
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16 && x.is_contiguous() && x.size(1) == 2 * packed.size(1),
+              "packed_linear_unrounded: x must be contiguous bf16 [M, K] of the weight's K");
+  TORCH_CHECK(n > 0 && n <= packed.size(0) * kBlock && n > (packed.size(0) - 1) * kBlock, "packed_linear_unrounded: bad N");
+  const int64_t m = x.size(0), k = x.size(1);
+  auto y = torch::empty({m, n}, x.options().dtype(torch::kFloat32));
+  if (m > 0) {
+    packed_linear_impl<Form::kDotPairs, at::BFloat16, at::BFloat16, float, false>(
+        x.data_ptr<at::BFloat16>(), m, k, packed.data_ptr<at::BFloat16>(), n, nullptr, y.data_ptr<float>());
+  }
   return y;
 }
 

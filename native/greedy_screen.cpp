@@ -24,9 +24,26 @@
 // does, and the first of the largest wins, as in row_max_argmax. A row that
 // is not finite, or has too many candidates, is left to the caller (`ok`
 // false): it computes the full logits instead.
+//
+// The bfloat16 screen (CPUs with AVX512-BF16). Where the head's batch is
+// big enough for its float32 multiply-adds to bound the step (tiny-llama at
+// 16 rows: 2.0-2.5 ms a step, float16 or not), the screen can instead be a
+// bf16 copy w~ dotted with x~ = bf16(x) by the dot-product instruction, two
+// products per multiply-add. Both copies have their subnormals flushed to
+// zero here, so the instruction's own flushing of inputs changes nothing;
+// its products of two bf16 values are exact in float32 unless they fall
+// below its normal range (flushed), and each of its K additions rounds.
+// With A_j now that sum:
+//   |E_j - A_j| <= |E_j - x.w_j| + |x.(w_j - w~_j)| + |(x - x~).w~_j| + |x~.w~_j - A_j|
+//              <= ||x|| (||w_j - w~_j|| + gamma_k ||w_j||)                  [slack_j]
+//               + (||x - x~|| + gamma'_k ||x~||) ||w~_j||                  [x_slack, screen_norms_j]
+//               + underflow (2 k 2^-126: every flushed product and sum)
+// with gamma' taking a unit roundoff of 2^-23, not 2^-24: the bound holds
+// for any rounding of those additions, not only to nearest.
 
 #include <torch/extension.h>
 
+#include "half.h"
 #include "kernels.h"
 #include "parallel.h"
 
@@ -64,37 +81,56 @@ constexpr int64_t kScanBlock = 64;
 // sum), for any k below 2^20.
 constexpr float kUnderflow = 1e-37f;
 
-RowChoice choose(const float* x, int64_t k, const float* approx, const float* slack, int64_t n, const float* exact,
-                 int64_t block, std::vector<int64_t>& candidates) {
+// The bound r_j = norm slack_j + x_slack screen_norms_j + underflow, as
+// float32 arithmetic (the second term only for the bf16 screen).
+struct Bound {
+  float norm;                          // ||x||, rounded up
+  const float* slack;                  // [N]
+  float x_slack = 0.f;                 // ||x - x~|| + gamma' ||x~||, rounded up (bf16 screen)
+  const float* screen_norms = nullptr;  // [N] ||w~_j||, rounded up (bf16 screen)
+  float underflow = kUnderflow;
+
+  inline float at(int64_t j) const {
+    const float r = norm * slack[j] + underflow;
+    return screen_norms == nullptr ? r : r + x_slack * screen_norms[j];
+  }
+};
+
+// x's norm as a float no smaller than it.
+inline float norm_up(const float* x, int64_t k) {
   double norm2 = 0.0;
   for (int64_t i = 0; i < k; ++i) norm2 += static_cast<double>(x[i]) * x[i];
-  const float norm = std::nextafter(static_cast<float>(std::sqrt(norm2)), std::numeric_limits<float>::infinity());
-  if (!std::isfinite(norm)) return {};
+  return std::nextafter(static_cast<float>(std::sqrt(norm2)), std::numeric_limits<float>::infinity());
+}
+
+RowChoice choose(const float* x, int64_t k, const float* approx, const Bound& bound, int64_t n, const float* exact,
+                 int64_t block, std::vector<int64_t>& candidates) {
+  if (!std::isfinite(bound.norm) || !std::isfinite(bound.x_slack)) return {};
   // Pass 1, in float32 and vectorized: L (`floor`), the largest |A_j| + r_j,
   // and whether every screened logit is finite (no bound holds otherwise).
   float floor = -std::numeric_limits<float>::infinity(), biggest = 0.f;
   int not_finite = 0;
 #pragma omp simd reduction(max : floor, biggest) reduction(| : not_finite)
   for (int64_t j = 0; j < n; ++j) {
-    const float a = approx[j], r = norm * slack[j] + kUnderflow;
+    const float a = approx[j], r = bound.at(j);
     not_finite |= !(std::fabs(a) <= std::numeric_limits<float>::max());
     floor = std::max(floor, a - r);
     biggest = std::max(biggest, std::fabs(a) + r);
   }
   if (not_finite || !std::isfinite(biggest)) return {};
-  // Each A_j -/+ r_j above is off by at most 2^-22 (|A_j| + r_j) from its
-  // exact value (three float roundings); lowering L by more than that keeps
-  // every true candidate (it only adds, harmlessly, near-candidates).
+  // Each A_j -/+ r_j above is off by at most 2^-21 (|A_j| + r_j) from its
+  // exact value (at most five float roundings); lowering L by more than that
+  // keeps every true candidate (it only adds, harmlessly, near-candidates).
   const float lowered = floor - std::ldexp(biggest, -18);
   candidates.clear();
   for (int64_t start = 0; start < n; start += kScanBlock) {
     const int64_t end = std::min(n, start + kScanBlock);
     int hit = 0;
 #pragma omp simd reduction(| : hit)
-    for (int64_t j = start; j < end; ++j) hit |= approx[j] + (norm * slack[j] + kUnderflow) >= lowered;
+    for (int64_t j = start; j < end; ++j) hit |= approx[j] + bound.at(j) >= lowered;
     if (!hit) continue;
     for (int64_t j = start; j < end; ++j) {
-      if (approx[j] + (norm * slack[j] + kUnderflow) >= lowered) {
+      if (approx[j] + bound.at(j) >= lowered) {
         if (candidates.size() == kMaxCandidates) return {};
         candidates.push_back(j);
       }
@@ -113,37 +149,88 @@ RowChoice choose(const float* x, int64_t k, const float* approx, const float* sl
   return best;
 }
 
+// The bf16 screen's unit roundoff (see above).
+constexpr double kScreenRoundoff = 0x1p-23;
+constexpr float kBf16Underflow = 1e-31f;  // >= 2 k 2^-126 for any k below 2^20
+
+// x~ = bf16(x), subnormals flushed to zero, and ||x - x~|| + gamma'_k ||x~||
+// rounded up (+inf when x is not finite).
+float to_screen_bf16(const float* x, int64_t k, at::BFloat16* out) {
+  double diff2 = 0.0, norm2 = 0.0;
+  for (int64_t i = 0; i < k; ++i) {
+    float v = aioserve::round_to<at::BFloat16>(x[i]);
+    if (std::fabs(v) < 0x1p-126f) v = 0.f;  // flushed here, as the instruction would
+    out[i] = aioserve::from_float<at::BFloat16>(v);
+    diff2 += (static_cast<double>(x[i]) - v) * (static_cast<double>(x[i]) - v);
+    norm2 += static_cast<double>(v) * v;
+  }
+  const double gamma = k * kScreenRoundoff / (1 - k * kScreenRoundoff);
+  const double slack = (std::sqrt(diff2) + gamma * std::sqrt(norm2)) * (1 + 0x1p-20);
+  return std::isfinite(slack) ? std::nextafter(static_cast<float>(slack), std::numeric_limits<float>::infinity())
+                              : std::numeric_limits<float>::infinity();
+}
+
 }  // namespace
 
-// x [M, K] float32; `screen` W packed at half width, `exact` W packed in
-// float32 (both by pack_linear_weight, [blocks, K, block]); slack [N] float32
-// (rounded up).
+// x [M, K] float32; `exact` W packed in float32 [blocks, K, block] (by
+// pack_linear_weight); slack [N] float32 (rounded up). The screen: W in
+// float16 packed like `exact`, or in bf16 packed in k-pairs ([blocks, K / 2,
+// block, 2], AVX512-BF16) with screen_norms [N] (||w~_j||, rounded up).
 // Returns (tokens [M] int64, ok [M] bool); a row with ok false has token 0.
 std::tuple<torch::Tensor, torch::Tensor> screened_argmax(torch::Tensor x, const torch::Tensor& screen,
-                                                        torch::Tensor slack, const torch::Tensor& exact, int64_t n) {
+                                                        torch::Tensor slack, const torch::Tensor& exact, int64_t n,
+                                                        const c10::optional<torch::Tensor>& screen_norms) {
   TORCH_CHECK(aioserve::gemm_fuses_multiply_add(), "screened_argmax: packed_linear's sums are not fused here");
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat32, "screened_argmax: x must be float32 [M, K]");
   TORCH_CHECK(exact.dim() == 3 && exact.scalar_type() == torch::kFloat32 && exact.is_contiguous(),
               "screened_argmax: the exact weight must be float32, packed by pack_linear_weight");
-  TORCH_CHECK(screen.dim() == 3 && screen.sizes() == exact.sizes(), "screened_argmax: the screen must be packed like W");
+  const bool bf16 = screen.dim() == 4;
+  TORCH_CHECK(bf16 ? (screen.scalar_type() == torch::kBFloat16 && 2 * screen.size(1) == exact.size(1) &&
+                      screen.size(0) == exact.size(0) && screen.size(2) == exact.size(2))
+                   : (screen.dim() == 3 && screen.sizes() == exact.sizes()),
+              "screened_argmax: the screen must be packed like W (float16), or in bf16 k-pairs");
   TORCH_CHECK(slack.dim() == 1 && slack.numel() == n && slack.scalar_type() == torch::kFloat32,
               "screened_argmax: slack must be float32 [N]");
+  TORCH_CHECK(bf16 == (screen_norms.has_value() && screen_norms->defined()),
+              "screened_argmax: a bf16 screen, and only one, comes with screen_norms");
+  torch::Tensor norms;
+  if (bf16) {
+    norms = screen_norms->contiguous();
+    TORCH_CHECK(norms.dim() == 1 && norms.numel() == n && norms.scalar_type() == torch::kFloat32,
+                "screened_argmax: screen_norms must be float32 [N]");
+  }
   x = x.contiguous();
   slack = slack.contiguous();
   const int64_t m = x.size(0), k = x.size(1), block = exact.size(2);
   TORCH_CHECK(exact.size(1) == k, "screened_argmax: x has ", k, " features, the weight ", exact.size(1));
-  const torch::Tensor approx = aioserve::packed_linear(x, screen, c10::nullopt, n, true);
+  const float* xs = x.data_ptr<float>();
+  std::vector<float> x_slacks(m, 0.f);
+  torch::Tensor approx;
+  if (bf16) {
+    auto rounded = torch::empty({m, k}, x.options().dtype(torch::kBFloat16));
+    for (int64_t r = 0; r < m; ++r) x_slacks[r] = to_screen_bf16(xs + r * k, k, rounded.data_ptr<at::BFloat16>() + r * k);
+    approx = aioserve::packed_linear_unrounded(rounded, screen, n);
+  } else {
+    approx = aioserve::packed_linear(x, screen, c10::nullopt, n, true);
+  }
   auto tokens = torch::zeros({m}, x.options().dtype(torch::kInt64));
   auto ok = torch::zeros({m}, x.options().dtype(torch::kBool));
-  const float *xs = x.data_ptr<float>(), *as = approx.data_ptr<float>(), *ws = exact.data_ptr<float>();
+  const float *as = approx.data_ptr<float>(), *ws = exact.data_ptr<float>();
   const float* ss = slack.data_ptr<float>();
+  const float* ns = bf16 ? norms.data_ptr<float>() : nullptr;
   int64_t* ts = tokens.data_ptr<int64_t>();
   bool* oks = ok.data_ptr<bool>();
   aioserve::parallel_pieces(m, 1, [&](int64_t first, int64_t last) {
     std::vector<int64_t> candidates;
     candidates.reserve(kMaxCandidates);
     for (int64_t r = first; r < last; ++r) {
-      const RowChoice row = choose(xs + r * k, k, as + r * n, ss, n, ws, block, candidates);
+      Bound bound{norm_up(xs + r * k, k), ss};
+      if (bf16) {
+        bound.x_slack = x_slacks[r];
+        bound.screen_norms = ns;
+        bound.underflow = kBf16Underflow;
+      }
+      const RowChoice row = choose(xs + r * k, k, as + r * n, bound, n, ws, block, candidates);
       ts[r] = row.token;
       oks[r] = row.ok;
     }
@@ -153,5 +240,7 @@ std::tuple<torch::Tensor, torch::Tensor> screened_argmax(torch::Tensor x, const 
 
 void bind_greedy_screen(pybind11::module_& m) {
   m.def("screened_argmax", &screened_argmax,
-        "greedy argmax of x W^T from a half-width copy of W, exactly (see native/greedy_screen.cpp)");
+        "greedy argmax of x W^T from a half-width copy of W, exactly (see native/greedy_screen.cpp)",
+        pybind11::arg("x"), pybind11::arg("screen"), pybind11::arg("slack"), pybind11::arg("exact"), pybind11::arg("n"),
+        pybind11::arg("screen_norms") = pybind11::none());
 }

@@ -23,6 +23,10 @@ bool gemm_fuses_multiply_add();  // each k's multiply-add is one fused rounding 
 torch::Tensor packed_linear(torch::Tensor x, const torch::Tensor& packed, const c10::optional<torch::Tensor>& bias,
                             int64_t n, bool float_out, const c10::optional<torch::Tensor>& out = c10::nullopt);
 
+// x W^T as the float32 sums themselves, for bf16 x and a bf16 W packed in
+// k-pairs (AVX512-BF16 only): not rounded to bf16 as packed_linear's are.
+torch::Tensor packed_linear_unrounded(const torch::Tensor& x, const torch::Tensor& packed, int64_t n);
+
 // attention.cpp
 torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
                                      torch::Tensor page_table, torch::Tensor seq_lens, int64_t page_size,

@@ -1,20 +1,26 @@
-"""Greedy tokens from a float16 copy of a float32 LM head, exactly.
+"""Greedy tokens from a half-width copy of a float32 LM head, exactly.
 
 A float32 checkpoint's LM head is the biggest single read of a decode step
 (tiny-llama: [32000, 288], 37 MB a token, as long as its six layers), and a
 greedy row only needs the argmax of its logits. The native
 `screened_argmax` (native/greedy_screen.cpp, which gives the proof) computes
-the logits from a float16 copy of the weight, bounds how far each can be
+the logits from a half-width copy of the weight, bounds how far each can be
 from the float32 one, and recomputes exactly, as the packed matmul does,
 only the few columns that could still win. So the tokens are the ones the
 full logits give, bit for bit; a row the bound cannot settle (not finite,
 or too many close columns) makes the caller compute the full logits.
 
+The copy is bfloat16 where the CPU has AVX512-BF16 (its dot-product
+instruction does two multiply-adds at once, and past a few rows the head
+is bound by them, not by its bytes), float16 elsewhere (a tighter bound,
+one float32 multiply-add per weight).
+
 It serves the steps the sampler's own greedy fast path does
 (`SamplingTensors.takes_raw_argmax`), on one rank (a sharded LM head would
 need a cross-rank argmax). Measured on a 2-core EPYC, tiny-llama's decode
-step: batch 1 1.6-1.7 -> 1.0-1.1 ms, batch 4 2.2 -> 1.6-2.0 ms, batch 8 to
-32 unchanged (the head is compute-bound there).
+step: batch 1 1.6-1.7 -> 1.0-1.1 ms, batch 4 2.2 -> 1.6-2.0 ms with the
+float16 copy, which left batch 8 to 32 unchanged; the bf16 copy then took
+the head at batch 16 from 2.0-2.5 to about 1 ms.
 """
 
 from __future__ import annotations
@@ -35,14 +41,19 @@ ROWS_PER_SLACK_CHUNK = 4096  # weight rows converted at a time: float64 copies o
 @dataclass
 class GreedyScreen:
     kernels: object  # the native module
-    screen: torch.Tensor  # the weight in float16, packed like `exact`
+    screen: torch.Tensor  # the weight in float16 packed like `exact`, or in bf16 packed in k-pairs
     exact: torch.Tensor  # the LM head's own packed float32 weight (shared, not copied)
-    slack: torch.Tensor  # [N] float32, rounded up: |E_j - A_j| <= ||x|| slack_j (see greedy_screen.cpp)
+    slack: torch.Tensor  # [N] float32, rounded up (see greedy_screen.cpp)
     features: int  # N, the vocabulary
+    screen_norms: torch.Tensor | None = None  # [N] float32 ||bf16 w_j||, rounded up: the bf16 copy's
 
     @classmethod
-    def build(cls, lm_head: torch.nn.Module, kernels: object, tp_size: int) -> GreedyScreen | None:
-        """The screen for a packed float32 LM head; None where it does not apply."""
+    def build(
+        cls, lm_head: torch.nn.Module, kernels: object, tp_size: int, copy_dtype: torch.dtype | None = None
+    ) -> GreedyScreen | None:
+        """The screen for a packed float32 LM head; None where it does not
+        apply. `copy_dtype`: bfloat16 or float16; by default bfloat16 where
+        the kernels dot bf16 pairs (AVX512-BF16), float16 elsewhere."""
         choice = getattr(lm_head, "matmul_choice", None)
         weight = lm_head.weight.data
         if (
@@ -57,35 +68,59 @@ class GreedyScreen:
         started = time.perf_counter()
         features = choice.packed_features
         rows = weight.permute(0, 2, 1).reshape(-1, weight.shape[1])[:features]  # [N, K], a view of the pack
-        half = rows.to(torch.float16)
-        if not half.isfinite().all():
-            logger.info("greedy screen off: the LM head has weights beyond float16's range")
+        pairs = dots_bf16_pairs(kernels) and rows.shape[1] % 2 == 0
+        if copy_dtype is None:
+            copy_dtype = torch.bfloat16 if pairs else torch.float16
+        if copy_dtype == torch.bfloat16 and not pairs:
+            raise ValueError("a bfloat16 screen needs kernels that dot bf16 pairs (AVX512-BF16) and an even K")
+        copy = rows.to(copy_dtype)
+        if copy_dtype == torch.bfloat16:
+            copy.masked_fill_(copy.abs() < MIN_NORMAL, 0)  # flushed here, as the dot instruction would
+        if not copy.isfinite().all():
+            logger.info("greedy screen off: the LM head has weights beyond %s's range", copy_dtype)
             return None
-        slack = _slack(rows, half)
-        screen = kernels.pack_linear_weight(half)  # type: ignore[attr-defined]
+        slack, screen_norms = _bounds(rows, copy)
+        screen = kernels.pack_linear_weight(copy)  # type: ignore[attr-defined]
         logger.info(
-            "greedy rows screen a float16 copy of the LM head (%.0f MiB, made in %.2f s)",
-            screen.nbytes / 2**20, time.perf_counter() - started,
+            "greedy rows screen a %s copy of the LM head (%.0f MiB, made in %.2f s)",
+            str(copy_dtype).removeprefix("torch."), screen.nbytes / 2**20, time.perf_counter() - started,
         )
-        return cls(kernels, screen, weight, slack, features)
+        return cls(kernels, screen, weight, slack, features, screen_norms)
 
     def argmax(self, hidden: torch.Tensor) -> torch.Tensor | None:
         """The greedy token of each row of float32 `hidden` [S, K], or None
         when some row needs the full logits."""
         if hidden.dtype != torch.float32:
             return None
-        tokens, ok = self.kernels.screened_argmax(hidden, self.screen, self.slack, self.exact, self.features)  # type: ignore[attr-defined]
+        tokens, ok = self.kernels.screened_argmax(  # type: ignore[attr-defined]
+            hidden, self.screen, self.slack, self.exact, self.features, self.screen_norms
+        )
         return tokens if bool(ok.all()) else None
 
 
-def _slack(rows: torch.Tensor, half: torch.Tensor) -> torch.Tensor:
-    """Per column j: ||e_j|| + gamma_K (||w_j|| + ||fp16(w_j)||), computed in
-    float64 and rounded up to float32."""
+MIN_NORMAL = 2.0**-126  # float32's and bfloat16's smallest normal number
+
+
+def dots_bf16_pairs(kernels: object) -> bool:
+    """Whether the packed kernels pack bf16 weights in k-pairs for the
+    dot-product instruction (AVX512-BF16)."""
+    return kernels.pack_linear_weight(torch.zeros(1, 2, dtype=torch.bfloat16)).dim() == 4  # type: ignore[attr-defined]
+
+
+def _bounds(rows: torch.Tensor, copy: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The per-column constants of the bound (greedy_screen.cpp), computed in
+    float64 and rounded up to float32. float16 copy: slack_j = ||e_j|| +
+    gamma_K (||w_j|| + ||fp16(w_j)||), no norms. bf16 copy: slack_j = ||e_j||
+    + gamma_K ||w_j||, and the norms ||w~_j||."""
     k = rows.shape[1]
     gamma = k * UNIT_ROUNDOFF / (1 - k * UNIT_ROUNDOFF)
-    out = torch.empty(rows.shape[0], dtype=torch.float64)
+    bf16 = copy.dtype == torch.bfloat16
+    slack = torch.empty(rows.shape[0], dtype=torch.float64)
+    norms = torch.empty(rows.shape[0], dtype=torch.float64)
     for start in range(0, rows.shape[0], ROWS_PER_SLACK_CHUNK):
         w = rows[start : start + ROWS_PER_SLACK_CHUNK].double()
-        h = half[start : start + ROWS_PER_SLACK_CHUNK].double()
-        out[start : start + len(w)] = (w - h).norm(dim=1) + gamma * (w.norm(dim=1) + h.norm(dim=1))
-    return (out * SAFETY).float()
+        h = copy[start : start + ROWS_PER_SLACK_CHUNK].double()
+        h_norm = h.norm(dim=1)
+        slack[start : start + len(w)] = (w - h).norm(dim=1) + gamma * (w.norm(dim=1) + (0 if bf16 else h_norm))
+        norms[start : start + len(w)] = h_norm
+    return (slack * SAFETY).float(), (norms * SAFETY).float() if bf16 else None
