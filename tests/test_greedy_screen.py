@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from aioserve import LLM, SamplingParams
-from aioserve.engine.greedy_screen import MIN_NORMAL, GreedyScreen, _bounds, dots_bf16_pairs
+from aioserve.engine.greedy_screen import FLOAT16_MAX_ROWS, MIN_NORMAL, GreedyScreen, _bounds, dots_bf16_pairs
 from aioserve.native import cpu_kernels
 
 pytestmark = pytest.mark.skipif(cpu_kernels() is None, reason="native kernels could not be built here")
@@ -47,14 +47,15 @@ def full_argmax(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
 
 @pytest.mark.parametrize("copy_dtype", COPIES)
 @pytest.mark.parametrize("n,k", [(1, 1), (33, 17), (1000, 64), (32000, 288)])
-@pytest.mark.parametrize("rows", [1, 5, 16])
+@pytest.mark.parametrize("rows", [1, 5, 8, 16])
 def test_tokens_equal_the_full_logits_argmax(n: int, k: int, rows: int, copy_dtype: torch.dtype) -> None:
     generator = torch.Generator().manual_seed(n + k + rows)
     weight = torch.randn(n, k, generator=generator) * 0.05
     x = torch.randn(rows, k, generator=generator) * 3
     screen = screen_of(weight, copy_dtype)
-    tokens = screen.argmax(x)
-    assert tokens is not None
+    # The kernel itself: GreedyScreen.argmax leaves batches past max_rows to the full logits.
+    tokens, ok = cpu_kernels().screened_argmax(x, screen.screen, screen.slack, screen.exact, n, screen.screen_norms)
+    assert ok.all()
     assert torch.equal(tokens, full_argmax(x, weight))
 
 
@@ -168,7 +169,12 @@ def test_no_screen_where_it_does_not_apply(tiny_checkpoints: dict[str, Path]) ->
     # The copy: bf16 where the kernels dot bf16 pairs, float16 otherwise or when asked.
     bf16 = dots_bf16_pairs(kernels)
     assert (GreedyScreen.build(head, kernels, tp_size=1).screen_norms is not None) == bf16
-    assert GreedyScreen.build(head, kernels, tp_size=1, copy_dtype=torch.float16).screen_norms is None
+    float16 = GreedyScreen.build(head, kernels, tp_size=1, copy_dtype=torch.float16)
+    assert float16.screen_norms is None
+    # The float16 copy only pays while the head is bound by its bytes: past
+    # FLOAT16_MAX_ROWS rows it steps aside.
+    assert float16.argmax(torch.ones(FLOAT16_MAX_ROWS, 8)) is not None
+    assert float16.argmax(torch.ones(FLOAT16_MAX_ROWS + 1, 8)) is None
     if not bf16:
         with pytest.raises(ValueError, match="AVX512-BF16"):
             GreedyScreen.build(head, kernels, tp_size=1, copy_dtype=torch.bfloat16)
