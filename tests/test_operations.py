@@ -201,6 +201,28 @@ def test_metrics_histograms_move_as_requests_run(server: RunningServer) -> None:
         assert name in text
 
 
+def test_a_whole_response_times_its_tokens_as_they_were_made(server: RunningServer) -> None:
+    """A response that is not streamed reads its events only when it
+    finishes (generation.py), but its latency metrics are the tokens' own
+    times: its first token came long before its last."""
+    before = histograms(server.url)
+    response = httpx.post(
+        f"{server.v1}/completions",
+        json={"prompt": "Once upon", "max_tokens": 200, "ignore_eos": True, "temperature": 0}, timeout=60,
+    )
+    assert response.status_code == 200 and response.json()["usage"]["completion_tokens"] == 200
+    after = histograms(server.url)
+
+    def grew(name: str, key: str) -> float:
+        return after[name][key] - before.get(name, {}).get(key, 0.0)
+
+    ttft, e2e = grew("aioserve:time_to_first_token_seconds", "sum"), grew("aioserve:e2e_request_latency_seconds", "sum")
+    itl = grew("aioserve:inter_token_latency_seconds", "sum")
+    assert grew("aioserve:inter_token_latency_seconds", "count") == 199
+    assert 0 < ttft < 0.5 * e2e and itl > 0  # read at the end, a token "arriving" then would make ttft ~ e2e
+    assert abs(ttft + itl - e2e) < 0.1 * e2e  # first token, then the gaps between the others: the whole
+
+
 def test_errors_are_counted_by_type(server: RunningServer) -> None:
     key = (("error_type", "invalid_request_error"), ("status", "400"))
     before = counters(server.url, "aioserve:request_errors").get(key, 0)

@@ -77,7 +77,7 @@ async def create_chat_completion(request: Request) -> Response:
     logprobs = (body.top_logprobs or 0) if body.logprobs else None
     params = body.sampling_params(body.token_limit, logprobs, None)
     params.structured_outputs = constraint.spec if constraint else None
-    generation = Generation(ctx, new_id("chatcmpl"), arrival_time(request))
+    generation = Generation(ctx, new_id("chatcmpl"), arrival_time(request), incremental=body.stream)
     try:
         generation.start([prompt_ids], params, body.n, grammar)
     except APIError as exc:  # the prompt is the rendered messages

@@ -61,7 +61,7 @@ async def create_completion(request: Request) -> Response:
                 p.text = await ctx.tokenizer.decode_async(p.ids)
             if body.logprobs is not None:
                 p.text_offsets = await ctx.tokenizer.run_async(prompt_text_offsets, ctx.tokenizer, p.ids)
-    generation = Generation(ctx, new_id("cmpl"), arrival_time(request))
+    generation = Generation(ctx, new_id("cmpl"), arrival_time(request), incremental=body.stream)
     generation.start([p.ids for p in prompts], params, body.n, grammar)
     builder = CompletionBuilder(ctx, body, generation.request_id, prompts)
     return await respond(request, generation, builder, stream=body.stream, include_usage=body.include_usage)

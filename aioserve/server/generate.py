@@ -65,7 +65,7 @@ async def generate(request: Request) -> Response:
     rids = _request_ids(body, len(prompts))
     n = body.sampling_params.n
     grammar = await compile_grammar(ctx, body.sampling_params.structured())
-    generation = Generation(ctx, f"generate-{rids[0]}", arrival_time(request))
+    generation = Generation(ctx, f"generate-{rids[0]}", arrival_time(request), incremental=body.stream)
     try:
         generation.start(prompts, body.to_sampling_params(), n, grammar)
     except APIError as exc:  # named as OpenAI's fields are; say SGLang's names
