@@ -32,5 +32,7 @@ class PageTable:
         if pages:
             self.table[slot, start : start + len(pages)] = torch.tensor(pages, dtype=torch.int32)
 
-    def rows(self, slots: list[int], width: int) -> torch.Tensor:
-        return self.table[torch.tensor(slots, dtype=torch.long), :width]
+    def rows(self, slots: list[int] | torch.Tensor, width: int) -> torch.Tensor:
+        """The rows of `slots` (ids, or an int64 tensor of them), `width` pages wide."""
+        index = slots if isinstance(slots, torch.Tensor) else torch.tensor(slots, dtype=torch.long)
+        return self.table[index, :width]

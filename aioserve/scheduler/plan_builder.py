@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass, field
 
 import torch
@@ -115,16 +116,24 @@ class PlanBuilder:
                 target_ids=torch.tensor(self.prompt_lp_targets, dtype=torch.long),
                 num_top=self.prompt_lp_top,
             )
+        # The int64 fields as views of one tensor: one conversion, not six
+        # (each a call into torch that the forward's thread may take the GIL
+        # back in; see sampling_batch.py).
+        fields = (self.ids, positions, out_cache_loc, seq_lens, self.lengths, self.logits_indices, self.slots)
+        flat = torch.tensor(list(itertools.chain.from_iterable(fields)), dtype=torch.long)
+        input_ids, positions_t, slots_t, seq_lens_t, extend_lens, logits_indices, table_slots = flat.split(
+            [len(f) for f in fields]
+        )
         plan = BatchPlan(
             step=self.step,
-            input_ids=torch.tensor(self.ids, dtype=torch.long),
-            positions=torch.tensor(positions, dtype=torch.long),
-            out_cache_loc=torch.tensor(out_cache_loc, dtype=torch.long),
-            seq_lens=torch.tensor(seq_lens, dtype=torch.long),
-            extend_lens=torch.tensor(self.lengths, dtype=torch.long),
-            page_table=self.table.rows(self.slots, width),
+            input_ids=input_ids,
+            positions=positions_t,
+            out_cache_loc=slots_t,
+            seq_lens=seq_lens_t,
+            extend_lens=extend_lens,
+            page_table=self.table.rows(table_slots, width),
             num_decodes=self.num_decodes,
-            logits_indices=torch.tensor(self.logits_indices, dtype=torch.long),
+            logits_indices=logits_indices,
             sampling=self.sampling.build(self.sample_rows) if self.sample_rows else None,
             prompt_logprobs=prompt_lp,
         )

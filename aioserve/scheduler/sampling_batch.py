@@ -28,6 +28,13 @@ from aioserve.scheduler.request import Request
 
 _MASK64 = (1 << 64) - 1
 
+# Shared empty fields: most steps have no bias, penalty or grammar rows, and
+# each torch.tensor([]) is a call into torch on the event loop's thread
+# (where the forward's thread may take the GIL meanwhile). Never written to.
+_NO_LONGS = torch.zeros(0, dtype=torch.long)
+_NO_FLOATS = torch.zeros(0, dtype=torch.float32)
+_NO_BITMASK = torch.zeros(0, 0, dtype=torch.int32)
+
 
 def _splitmix64(x: int) -> int:
     x = (x + 0x9E3779B97F4A7C15) & _MASK64
@@ -87,8 +94,7 @@ class _PenaltyLists:
 
     def tensors(self) -> tuple[torch.Tensor, torch.Tensor]:
         if not self.ids:
-            empty = torch.zeros(0, dtype=torch.long)
-            return empty, empty
+            return _NO_LONGS, _NO_LONGS
         rows = torch.repeat_interleave(torch.tensor(self.rows, dtype=torch.long), torch.tensor(self.lengths))
         # frombuffer shares the array's memory (kept alive by the tensor); the
         # array is this step's own and never changes again.
@@ -160,35 +166,41 @@ class SamplingBatchBuilder:
         sampled = [t > 0 for t in temps]
         out_rows, out_ids = outputs.tensors()
         seen_rows, seen_ids = seen.tensors()
+        # The per-row float32 fields as rows of one tensor (one conversion).
+        temperatures, top_ps_t, min_ps_t, presence_t, frequency_t, repetition_t = torch.tensor(
+            [temps, top_ps, min_ps, presence, frequency, repetition], dtype=torch.float32
+        ).unbind(0)
         return SamplingTensors(
-            temperatures=torch.tensor(temps, dtype=torch.float32),
+            temperatures=temperatures,
             top_ks=torch.tensor(top_ks, dtype=torch.long),
-            top_ps=torch.tensor(top_ps, dtype=torch.float32),
-            min_ps=torch.tensor(min_ps, dtype=torch.float32),
+            top_ps=top_ps_t,
+            min_ps=min_ps_t,
             uniforms=torch.tensor(uniforms, dtype=torch.float64),
             all_greedy=not any(sampled),
             needs_sort=any(s and (k < self.vocab_size or q < 1.0) for s, k, q in zip(sampled, top_ks, top_ps)),
             needs_min_p=any(s and m > 0 for s, m in zip(sampled, min_ps)),
             num_top_logprobs=num_top,
             wants_logprobs=wants_logprobs,
-            bias_rows=torch.tensor(bias_rows, dtype=torch.long),
-            bias_token_ids=torch.tensor(bias_ids, dtype=torch.long),
-            bias_values=torch.tensor(bias_values, dtype=torch.float32),
-            presence=torch.tensor(presence, dtype=torch.float32),
-            frequency=torch.tensor(frequency, dtype=torch.float32),
-            repetition=torch.tensor(repetition, dtype=torch.float32),
+            bias_rows=torch.tensor(bias_rows, dtype=torch.long) if bias_rows else _NO_LONGS,
+            bias_token_ids=torch.tensor(bias_ids, dtype=torch.long) if bias_rows else _NO_LONGS,
+            bias_values=torch.tensor(bias_values, dtype=torch.float32) if bias_rows else _NO_FLOATS,
+            presence=presence_t,
+            frequency=frequency_t,
+            repetition=repetition_t,
             output_rows=out_rows,
             output_token_ids=out_ids,
             seen_rows=seen_rows,
             seen_token_ids=seen_ids,
-            grammar_rows=torch.tensor(grammar_rows, dtype=torch.long),
+            grammar_rows=torch.tensor(grammar_rows, dtype=torch.long) if grammar_rows else _NO_LONGS,
             grammar_bitmask=bitmask,
         )
 
     def _grammar_bitmask(self, rows: list[SampleRow], grammar_rows: list[int]) -> torch.Tensor:
         """The allowed tokens of each constrained row, from its matcher's
         current state: which is why such a row never follows a pending token."""
-        bitmask = torch.zeros(len(grammar_rows), bitmask_width(self.vocab_size) if grammar_rows else 0, dtype=torch.int32)
+        if not grammar_rows:
+            return _NO_BITMASK
+        bitmask = torch.zeros(len(grammar_rows), bitmask_width(self.vocab_size), dtype=torch.int32)
         for k, i in enumerate(grammar_rows):
             row = rows[i]
             if row.pending_placeholder is not None:
