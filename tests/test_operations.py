@@ -223,6 +223,31 @@ def test_a_whole_response_times_its_tokens_as_they_were_made(server: RunningServ
     assert abs(ttft + itl - e2e) < 0.1 * e2e  # first token, then the gaps between the others: the whole
 
 
+def test_a_whole_response_holds_back_a_bounded_number_of_events() -> None:
+    """A whole response's choice (no stop strings) reaches its handler when
+    it finishes or HELD_EVENTS events wait, so a long generation's waiting
+    events stay few; a stream's, or a choice with stop strings, at once."""
+    from aioserve.sampling_params import SamplingParams
+    from aioserve.scheduler import RequestEvent
+    from aioserve.server.generation import HELD_EVENTS, Generation
+
+    def queued(incremental: bool, params: SamplingParams, tokens: int, finish: bool) -> int:
+        generation = Generation(ctx=None, request_id="x", incremental=incremental)  # type: ignore[arg-type]
+        sink = generation._sink(lambda: None, params)  # type: ignore[arg-type,return-value]
+        for i in range(tokens):
+            sink(RequestEvent(token_id=i, logprob=0.0))
+        if finish:
+            sink(RequestEvent(finish_reason="length"))
+        return generation._queue.qsize()
+
+    whole = SamplingParams(max_tokens=1000)
+    assert queued(False, whole, HELD_EVENTS - 1, finish=False) == 0
+    assert queued(False, whole, 2 * HELD_EVENTS + 5, finish=False) == 2 * HELD_EVENTS
+    assert queued(False, whole, 2 * HELD_EVENTS + 5, finish=True) == 2 * HELD_EVENTS + 6
+    assert queued(True, whole, 5, finish=False) == 5
+    assert queued(False, SamplingParams(max_tokens=1000, stop=["."]), 5, finish=False) == 5
+
+
 def test_errors_are_counted_by_type(server: RunningServer) -> None:
     key = (("error_type", "invalid_request_error"), ("status", "400"))
     before = counters(server.url, "aioserve:request_errors").get(key, 0)

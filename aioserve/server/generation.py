@@ -5,12 +5,13 @@ pushing its events into one queue, and turns them into per-choice deltas,
 grouping whatever arrived since the last look into one delta per choice.
 `close()` aborts what is still running when the client goes away.
 
-A handler that answers with the whole output (not a stream) is woken once
-per choice, when it finishes, not once per step: the choice's events wait
-in a list until then. On 2 cores the event loop's CPU time is taken from
-the forward's (tiny-llama, 16 concurrent: a task wake-up per request per
-step was about a third of the loop's time). A choice with stop strings is
-still read every step: a string found ends its request early.
+A handler that answers with the whole output (not a stream) is woken when
+a choice finishes or has HELD_EVENTS events waiting, not once per step: on
+2 cores the event loop's CPU time is taken from the forward's (tiny-llama,
+16 concurrent: a task wake-up per request per step was about a third of
+the loop's time). The bound keeps a long generation's waiting events few.
+A choice with stop strings is still read every step: a string found ends
+its request early.
 """
 
 from __future__ import annotations
@@ -36,6 +37,10 @@ _counter = itertools.count()
 # Seeded once from the OS; uuid4 asked the OS for fresh bytes per id, which
 # took ~0.1 ms a request in a VM (a syscall), on the event loop's thread.
 _id_bits = random.Random()
+
+
+# Events a whole response's choice may hold back before its handler reads them.
+HELD_EVENTS = 64
 
 
 def new_id(prefix: str) -> str:
@@ -110,8 +115,8 @@ class Generation:
     def _sink(self, choice: Callable[[], Choice], params: SamplingParams) -> EventSink:
         """Where a choice's scheduler request puts its events: the queue at
         once, or (whole output, no stop strings) a list handed to the queue
-        when the request finishes. Each event is stamped with its time, for
-        the latency metrics."""
+        when the request finishes or the list reaches HELD_EVENTS. Each event
+        is stamped with its time, for the latency metrics."""
         queue = self._queue
         if self.incremental or params.stop:
             return lambda event: queue.put_nowait((choice(), event, time.monotonic()))
@@ -119,7 +124,7 @@ class Generation:
 
         def hold_until_finished(event: RequestEvent) -> None:
             held.append((choice(), event, time.monotonic()))
-            if event.finish_reason is not None:
+            if event.finish_reason is not None or len(held) >= HELD_EVENTS:
                 for item in held:
                     queue.put_nowait(item)
                 held.clear()
