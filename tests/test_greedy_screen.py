@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from aioserve import LLM, SamplingParams
-from aioserve.engine.greedy_screen import FLOAT16_MAX_ROWS, MIN_NORMAL, GreedyScreen, _bounds, dots_bf16_pairs
+from aioserve.engine.greedy_screen import FLOAT16_MAX_ROWS, GreedyScreen, _bounds, dots_bf16_pairs, screen_copy
 from aioserve.native import cpu_kernels
 
 pytestmark = pytest.mark.skipif(cpu_kernels() is None, reason="native kernels could not be built here")
@@ -24,9 +24,7 @@ def screen_of(weight: torch.Tensor, copy_dtype: torch.dtype, slack_scale: float 
     kernels = cpu_kernels()
     if copy_dtype == torch.bfloat16 and weight.shape[1] % 2:
         pytest.skip("bf16 pairs need an even K")
-    copy = weight.to(copy_dtype)
-    if copy_dtype == torch.bfloat16:
-        copy.masked_fill_(copy.abs() < MIN_NORMAL, 0)
+    copy = screen_copy(weight, copy_dtype)
     slack, norms = _bounds(weight, copy)
     return GreedyScreen(
         kernels,

@@ -82,9 +82,7 @@ class GreedyScreen:
             copy_dtype = torch.bfloat16 if pairs else torch.float16
         if copy_dtype == torch.bfloat16 and not pairs:
             raise ValueError("a bfloat16 screen needs kernels that dot bf16 pairs (AVX512-BF16) and an even K")
-        copy = rows.to(copy_dtype)
-        if copy_dtype == torch.bfloat16:
-            copy.masked_fill_(copy.abs() < MIN_NORMAL, 0)  # flushed here, as the dot instruction would
+        copy = screen_copy(rows, copy_dtype)
         if not copy.isfinite().all():
             logger.info("greedy screen off: the LM head has weights beyond %s's range", copy_dtype)
             return None
@@ -110,6 +108,15 @@ class GreedyScreen:
 
 MIN_NORMAL = 2.0**-126  # float32's and bfloat16's smallest normal number
 FLOAT16_MAX_ROWS = 8
+
+
+def screen_copy(rows: torch.Tensor, copy_dtype: torch.dtype) -> torch.Tensor:
+    """The weight rows [N, K] in the screen's dtype; a bf16 copy with its
+    subnormals flushed to zero, as the dot instruction would flush them."""
+    copy = rows.to(copy_dtype)
+    if copy_dtype == torch.bfloat16:
+        copy.masked_fill_(copy.abs() < MIN_NORMAL, 0)
+    return copy
 
 
 def dots_bf16_pairs(kernels: object) -> bool:

@@ -122,14 +122,14 @@ class Generation:
             return lambda event: queue.put_nowait((choice(), event, time.monotonic()))
         held: list[tuple[Choice, RequestEvent, float]] = []
 
-        def hold_until_finished(event: RequestEvent) -> None:
+        def hold_back(event: RequestEvent) -> None:
             held.append((choice(), event, time.monotonic()))
             if event.finish_reason is not None or len(held) >= HELD_EVENTS:
                 for item in held:
                     queue.put_nowait(item)
                 held.clear()
 
-        return hold_until_finished
+        return hold_back
 
     @property
     def finished(self) -> bool:
