@@ -19,7 +19,7 @@ from aioserve.engine.cuda_graph import (
     pad_decode_plan,
     padded_size,
 )
-from aioserve.engine.engine import kv_budget_bytes
+from aioserve.engine.loading import kv_budget_bytes
 from aioserve.layers import native_elementwise
 from aioserve.native import cpu_kernels
 from hf_reference import hf_encode

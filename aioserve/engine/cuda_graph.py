@@ -152,11 +152,18 @@ class DecodeGraphRunner:
         attention.init_graph_buffers(self.max_bs, max_pages_per_request)
         self.steps: dict[int, CapturedStep] = {}
         self.replays = 0  # decode steps served by a graph
+        on_cuda = device.type == "cuda"
+        free_before = torch.cuda.mem_get_info(device)[0] if on_cuda else 0
         start = time.perf_counter()
         with torch.inference_mode():
             for bs in reversed(self.batch_sizes):
                 self.steps[bs] = self._capture(bs, capture)
         self.capture_seconds = time.perf_counter() - start
+        used = (free_before - torch.cuda.mem_get_info(device)[0]) if on_cuda else 0
+        logger.info(
+            "captured decode graphs for batch sizes %d..%d (%d graphs) in %.1f s, %.0f MiB",
+            self.batch_sizes[0], self.max_bs, len(self.batch_sizes), self.capture_seconds, used / 2**20,
+        )
 
     def _dummy_plan(self, batch_size: int) -> BatchPlan:
         """Every row padding: what the graphs are captured over."""

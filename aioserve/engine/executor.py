@@ -33,7 +33,8 @@ import torch
 
 from aioserve.batch_plan import BatchPlan, StepOutput
 from aioserve.config import EngineConfig
-from aioserve.engine.engine import Engine, resolve_device
+from aioserve.engine.engine import Engine
+from aioserve.engine.loading import resolve_device
 
 T = TypeVar("T")
 

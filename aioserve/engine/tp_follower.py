@@ -25,7 +25,8 @@ from typing import Any
 
 from aioserve.config import EngineConfig
 from aioserve.distributed import destroy_tensor_parallel, init_tensor_parallel
-from aioserve.engine.engine import Engine, resolve_device
+from aioserve.engine.engine import Engine
+from aioserve.engine.loading import resolve_device
 from aioserve.engine.tp_channel import PlanChannel
 from aioserve.engine.tp_lifeline import FollowerLifeline
 from aioserve.engine.tp_world import (

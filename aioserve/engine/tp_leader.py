@@ -20,7 +20,7 @@ import torch
 
 from aioserve.config import EngineConfig
 from aioserve.distributed import destroy_tensor_parallel, init_tensor_parallel
-from aioserve.engine.engine import resolve_device
+from aioserve.engine.loading import resolve_device
 from aioserve.engine.tp_channel import PlanChannel
 from aioserve.engine.tp_lifeline import LeaderLifeline
 from aioserve.engine.tp_world import (

@@ -27,7 +27,7 @@ import torch
 import torch.distributed as dist
 
 from aioserve.config import EngineConfig
-from aioserve.engine.engine import resolve_device
+from aioserve.engine.loading import resolve_device
 
 logger = logging.getLogger(__name__)
 
