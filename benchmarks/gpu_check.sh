@@ -5,15 +5,15 @@
 # Usage, on the GPU machine, from the repository root:
 #     bash benchmarks/gpu_check.sh PHASE        # PHASE: setup | tests | bench | bench-8b | all
 # Before the session, on the CPU machine:
-#     python benchmarks/gpu/prepare_models.py    # -> .gpu_models/ (4 MiB)
-#     python benchmarks/gpu/make_bundle.py       # -> .whl/ (27 MiB: trimmed FlashInfer + server wheels)
+#     python tools/gpu/prepare_models.py    # -> .gpu_models/ (4 MiB)
+#     python tools/gpu/make_bundle.py       # -> .whl/ (27 MiB: trimmed FlashInfer + server wheels)
 # Both are git-ignored: each device `run` names them in carry: [".whl", ".gpu_models"].
 # Then one `run` call per phase, in order (each <= 10 min wall; the machine
 # stays warm ~30 s between calls and keeps /tmp, so the wheels and the JIT
 # cache survive; a phase run on a fresh machine redoes the install first):
 #     run: bash benchmarks/gpu_check.sh setup      (install, versions, JIT warm-up: minutes of nvcc)
 #     run: bash benchmarks/gpu_check.sh tests      (the GPU tests, then CUDA runs of CPU-side tests, through
-#                                                  benchmarks/gpu/isolated_tests.py: no test can hide another;
+#                                                  tools/gpu/isolated_tests.py: no test can hide another;
 #                                                  a test cut by its timeout while nvcc compiles: run it again,
 #                                                  the JIT cache in /tmp is warm by then)
 #     run: bash benchmarks/gpu_check.sh bench      (Qwen3-0.6B dummy: offline x3, roofline with/without graphs)
@@ -188,7 +188,7 @@ phase_tests() {
     # fault is sticky and would fail every later test), is rerun alone with
     # CUDA_LAUNCH_BLOCKING=1 so its log names the faulting kernel, and the
     # file goes on in a fresh process. One line per test in summary.txt.
-    step pytest-gpu 420 "$PY" benchmarks/gpu/isolated_tests.py --out "$WORK/gpu-tests" --timeout 240 \
+    step pytest-gpu 420 "$PY" tools/gpu/isolated_tests.py --out "$WORK/gpu-tests" --timeout 240 \
         --budget 400 -m gpu tests/test_gpu.py tests/test_gpu_fast_path.py
     cp "$WORK/gpu-tests/summary.txt" "$OUT/tests/gpu-summary.txt" 2>/dev/null
     # The logs of failures only (what comes back is capped at 8 files).
@@ -196,7 +196,7 @@ phase_tests() {
     # CPU-side suites that run on CUDA when it is there (device auto): the
     # default backend on CUDA (FlashInfer) against transformers in fp32, the
     # batch-invariance and plan-seam checks, the sampler.
-    step pytest-cuda 300 "$PY" benchmarks/gpu/isolated_tests.py --out "$WORK/cuda-tests" --timeout 240 \
+    step pytest-cuda 300 "$PY" tools/gpu/isolated_tests.py --out "$WORK/cuda-tests" --timeout 240 \
         --budget 280 tests/test_greedy_matches_hf.py tests/test_batching_invariance.py \
         tests/test_plan_seam.py tests/test_sampler.py
     cp "$WORK/cuda-tests/summary.txt" "$OUT/tests/cuda-summary.txt" 2>/dev/null

@@ -12,6 +12,7 @@ import pytest
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tools"))  # server_process.py
 
 from tiny_models import ARCHITECTURES, build_checkpoint, build_tokenizer  # noqa: E402
 
@@ -30,7 +31,7 @@ def pytest_sessionstart(session: pytest.Session) -> None:
     # Build (or load) the native kernels before any test runs: an engine
     # started while they build serves with the torch twins and switches to
     # them mid-run, and outputs compared across runs must come from one path.
-    from aioserve.native import cpu_kernels
+    from aioserve.cpu.native import cpu_kernels
 
     cpu_kernels(wait=True)
 

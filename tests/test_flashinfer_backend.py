@@ -20,7 +20,7 @@ from aioserve.attention.flashinfer_args import paged_kv_args, qo_indptr, window_
 from aioserve.attention.torch_native import kv_slots
 from aioserve.engine.cuda_graph import EagerCapture
 from aioserve.kvcache.kv_pool import KVPool
-from aioserve.native import cpu_kernels
+from aioserve.cpu.native import cpu_kernels
 from fake_flashinfer import fake_flashinfer
 from hf_reference import hf_encode
 from tiny_models import build_checkpoint

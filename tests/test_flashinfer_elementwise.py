@@ -23,7 +23,8 @@ import torch
 
 import aioserve.kernel_contracts as contracts
 from aioserve import LLM, SamplingParams
-from aioserve.layers import flashinfer_elementwise, native_elementwise
+from aioserve.cpu import elementwise as native_elementwise
+from aioserve.layers import flashinfer_elementwise
 from aioserve.layers.activation import silu_and_mul
 from aioserve.layers.norm import RMSNorm
 from aioserve.layers.rotary import RopeScaling, RotaryEmbedding

@@ -1,4 +1,4 @@
-"""benchmarks/gpu/isolated_tests.py, the GPU session's test runner, on CPU:
+"""tools/gpu/isolated_tests.py, the GPU session's test runner, on CPU:
 a test that poisons its process (as a sticky CUDA fault does) cannot turn
 the tests after it into failures; a failure is rerun alone with
 CUDA_LAUNCH_BLOCKING=1; a hung test is cut at its timeout and a dead
@@ -10,7 +10,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-RUNNER = Path(__file__).resolve().parents[1] / "benchmarks" / "gpu" / "isolated_tests.py"
+RUNNER = Path(__file__).resolve().parents[1] / "tools" / "gpu" / "isolated_tests.py"
 
 SUITE = '''
 import os, signal, time

@@ -21,7 +21,7 @@ import pytest
 from aioserve.config import DEMO_MODEL
 from aioserve.models.model_config import ModelConfig
 from aioserve.models.source import DEMO_MODEL_DIR, resolve_model_path
-from aioserve.server_process import free_port
+from server_process import free_port
 
 REPO = Path(__file__).resolve().parents[1]
 DEMO_FILES = {

@@ -12,13 +12,13 @@ from pathlib import Path
 
 import pytest
 
-from aioserve import native
+from aioserve.cpu import native
 
 pytestmark = pytest.mark.skipif(
     native.cpu_kernels() is None, reason="native kernels cannot be built here (no compiler or ninja)"
 )
 
-BUILD = "import aioserve.native as n, sys; sys.exit(0 if n.cpu_kernels(wait=True) is not None else 1)"
+BUILD = "import aioserve.cpu.native as n, sys; sys.exit(0 if n.cpu_kernels(wait=True) is not None else 1)"
 
 
 def start_build(cache: Path) -> subprocess.Popen:
@@ -63,7 +63,7 @@ def test_the_cache_key_follows_the_source_and_flags(monkeypatch: pytest.MonkeyPa
 
 def test_without_a_cached_build_the_caller_does_not_wait(tmp_path: Path) -> None:
     code = (
-        "import time, aioserve.native as n; t = time.monotonic(); m = n.cpu_kernels(wait=False); "
+        "import time, aioserve.cpu.native as n; t = time.monotonic(); m = n.cpu_kernels(wait=False); "
         "print(m is None, time.monotonic() - t)"
     )
     env = {**os.environ, "AIOSERVE_NATIVE_CACHE": str(tmp_path)}

@@ -18,7 +18,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 from server_harness import RunningServer, start_server
 
-from aioserve.server_process import free_port
+from server_process import free_port
 
 LIMIT = 1_000_000  # --max-request-bytes for the stories server here
 

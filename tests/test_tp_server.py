@@ -19,7 +19,7 @@ import httpx
 import openai
 import pytest
 
-from aioserve.server_process import ServerProcess, free_port
+from server_process import ServerProcess, free_port
 from server_harness import start_server
 
 FLAGS = ("--page-size", "4", "--max-prefill-tokens", "16")

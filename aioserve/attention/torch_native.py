@@ -21,7 +21,7 @@ import torch.nn.functional as F
 from aioserve.attention.backend import AttentionBackend, AttentionMetadata
 from aioserve.batch_plan import BatchPlan
 from aioserve.kvcache.kv_pool import KVPool
-from aioserve.native import cpu_kernels
+from aioserve.cpu.native import cpu_kernels
 
 
 def kv_slots(page_rows: torch.Tensor, length: int, page_size: int) -> torch.Tensor:

@@ -8,7 +8,7 @@ next plan at once.
 * CPU: one dedicated forward thread. torch ops release the GIL, so the loop
   keeps serving HTTP and preparing the next plan meanwhile. The engine is
   built on that thread too (`start_executor`), so that it is the only thread
-  with an OpenMP team (see aioserve/openmp.py: the loading thread's team,
+  with an OpenMP team (see aioserve/cpu/openmp.py: the loading thread's team,
   left alive beside the forward thread's, made a tiny-llama decode step at
   16 requests 11 ms instead of 7 on 2 cores).
 * CUDA: a launcher thread enqueues each step on the engine's own stream and

@@ -18,7 +18,7 @@ from aioserve.kvcache.kv_pool import RESERVED_PAGES, KVPool
 from aioserve.models.model_config import ModelConfig
 from aioserve.models.source import resolve_model_path
 from aioserve.models.weight_loader import build_model
-from aioserve.native import cpu_kernels
+from aioserve.cpu.native import cpu_kernels
 
 logger = logging.getLogger(__name__)
 

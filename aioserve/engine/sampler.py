@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import torch
 
 from aioserve.batch_plan import SamplingTensors
-from aioserve.layers.native_elementwise import elementwise_kernels
+from aioserve.cpu.elementwise import elementwise_kernels
 
 
 @dataclass

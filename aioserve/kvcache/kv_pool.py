@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from aioserve.layers.native_elementwise import elementwise_kernels
+from aioserve.cpu.elementwise import elementwise_kernels
 
 RESERVED_PAGES = 1
 

@@ -6,7 +6,7 @@ import torch
 import torch.nn.functional as F
 
 from aioserve.layers.flashinfer_elementwise import SILU_AND_MUL
-from aioserve.layers.native_elementwise import elementwise_kernels
+from aioserve.cpu.elementwise import elementwise_kernels
 
 
 def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:

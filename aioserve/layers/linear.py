@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from aioserve.distributed import all_reduce, get_tp_group, kv_heads_per_rank, shard_range
-from aioserve.layers.cpu_matmul import MatmulChoice, cpu_matmul
+from aioserve.cpu.matmul import MatmulChoice, cpu_matmul
 
 
 def linear(

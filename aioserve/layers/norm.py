@@ -10,7 +10,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from aioserve.layers.flashinfer_elementwise import FUSED_ADD_RMSNORM, RMSNORM
-from aioserve.layers.native_elementwise import elementwise_kernels
+from aioserve.cpu.elementwise import elementwise_kernels
 
 
 class RMSNorm(nn.Module):

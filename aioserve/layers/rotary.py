@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 from aioserve.layers.flashinfer_elementwise import ROPE
-from aioserve.layers.native_elementwise import elementwise_kernels
+from aioserve.cpu.elementwise import elementwise_kernels
 
 
 @dataclass

@@ -26,7 +26,7 @@ from aioserve.batch_plan import StepOutput
 from aioserve.config import EngineConfig
 from aioserve.engine.executor import StepExecutor
 from aioserve.kvcache.manager import KVManager
-from aioserve.openmp import this_thread_single_threaded
+from aioserve.cpu.openmp import this_thread_single_threaded
 from aioserve.scheduler.client import SchedulerInfo
 from aioserve.scheduler.output_processor import OutputProcessor
 from aioserve.scheduler.plan_builder import ScheduledStep
@@ -58,7 +58,7 @@ class Scheduler:
         self.facts = facts
         self.executor = executor
         # Built on the event loop's thread, which must start no OpenMP team
-        # (aioserve/openmp.py): zeroing a long-context page table (Qwen3:
+        # (aioserve/cpu/openmp.py): zeroing a long-context page table (Qwen3:
         # 256 x 2560 slots) ran in parallel and left a second team, and the
         # forward's regions then waited for wake-ups (a Qwen3-0.6B decode
         # step ~30 -> ~45 ms).
@@ -212,7 +212,7 @@ class Scheduler:
     async def run(self, until_idle: bool = False) -> None:
         """Schedule and execute steps until stop() (or, with until_idle, until
         nothing is left to do)."""
-        with this_thread_single_threaded():  # the loop's thread: see aioserve/openmp.py
+        with this_thread_single_threaded():  # the loop's thread: see aioserve/cpu/openmp.py
             await self._run(until_idle)
 
     async def _run(self, until_idle: bool) -> None:

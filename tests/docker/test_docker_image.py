@@ -22,6 +22,7 @@ import pytest
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tools"))  # server_process.py
 
 from docker_host import (  # noqa: E402
     DockerClient,
@@ -34,7 +35,7 @@ from docker_host import (  # noqa: E402
     torch_wheel,
 )
 
-from aioserve.server_process import free_port  # noqa: E402
+from server_process import free_port  # noqa: E402
 
 pytestmark = pytest.mark.docker
 

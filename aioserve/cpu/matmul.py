@@ -13,7 +13,7 @@ in that order; its logical shape stays [out, in], so everything else that
 reads it, a tied embedding included, is unchanged) and, per row count, the
 faster form. Larger batches (prefill) use the untuned form.
 
-When the native kernels are built (aioserve/native.py), none of that is
+When the native kernels are built (aioserve/cpu/native.py), none of that is
 needed: every weight is packed once into column blocks (native/gemm.cpp) and
 multiplied by one kernel at every row count, 1.3-3x faster than the best
 BLAS form for 1-16 rows in a decode step and within 10% of it for prefill.
@@ -35,8 +35,8 @@ from pathlib import Path
 
 import torch
 
-from aioserve.cpu_info import cpu_flags, cpu_flags_line
-from aioserve.native import cpu_kernels
+from aioserve.cpu.isa import cpu_flags, cpu_flags_line
+from aioserve.cpu.native import cpu_kernels
 
 logger = logging.getLogger(__name__)
 

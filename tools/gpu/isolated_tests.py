@@ -9,7 +9,7 @@ goes on in a fresh process from the test after it. A test that hangs is
 cut at its timeout and reported, and the rest go on.
 
 Usage (benchmarks/gpu_check.sh tests does this):
-    python benchmarks/gpu/isolated_tests.py --out DIR [--timeout S] [--budget S] [-m MARK] FILE...
+    python tools/gpu/isolated_tests.py --out DIR [--timeout S] [--budget S] [-m MARK] FILE...
 Writes DIR/summary.txt (one line per test: outcome, seconds, node id),
 DIR/<n>.log (each pytest process's console) and DIR/rerun-<n>.log (each
 isolated rerun); exits 1 if any test failed.

@@ -1,4 +1,4 @@
-"""A pytest plugin for benchmarks/gpu/isolated_tests.py: one JSON line per
+"""A pytest plugin for tools/gpu/isolated_tests.py: one JSON line per
 test phase that decides its outcome, into $TEST_LINES_FILE, written as the
 test finishes (so a process killed later still leaves what it did). The
 reader keeps a test's last line: a teardown error overrides a pass."""

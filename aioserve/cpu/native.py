@@ -29,11 +29,11 @@ import threading
 from pathlib import Path
 from types import ModuleType
 
-from aioserve.cpu_info import cpu_flags_line, native_isa_cflags
+from aioserve.cpu.isa import cpu_flags_line, native_isa_cflags
 
 logger = logging.getLogger(__name__)
 
-NATIVE_DIR = Path(__file__).resolve().parents[1] / "native"
+NATIVE_DIR = Path(__file__).resolve().parents[2] / "native"
 # One module from every source here; module.cpp binds what the others define.
 SOURCES = sorted(NATIVE_DIR.glob("*.cpp"))
 HEADERS = sorted(NATIVE_DIR.glob("*.h"))
@@ -190,6 +190,6 @@ def cpu_kernels(wait: bool = True) -> ModuleType | None:
     return _kernels.get(wait)
 
 
-if __name__ == "__main__":  # `python -m aioserve.native`: build ahead of the first start
+if __name__ == "__main__":  # `python -m aioserve.cpu.native`: build ahead of the first start
     logging.basicConfig(level=logging.INFO)
     sys.exit(0 if cpu_kernels(wait=True) is not None else 1)

@@ -2,7 +2,7 @@
 weights, the decode-only step as one native DecoderStack call, and the
 greedy screen over the LM head.
 
-All three need the native kernels (aioserve/native.py). When they are still
+All three need the native kernels (aioserve/cpu/native.py). When they are still
 building, the engine starts with BLAS (tuned) and the torch forms, and
 `upgrade()`, the single point where that changes, called between steps on
 the thread that runs them (nothing else reads the weights then), packs the
@@ -16,11 +16,11 @@ import logging
 import torch
 
 from aioserve.config import EngineConfig
-from aioserve.engine.greedy_screen import GreedyScreen
-from aioserve.engine.native_decode import NativeDecodeRunner, unsupported_reason
+from aioserve.cpu.greedy_screen import GreedyScreen
+from aioserve.cpu.decode_stack import NativeDecodeRunner, unsupported_reason
 from aioserve.kvcache.kv_pool import KVPool
-from aioserve.layers.cpu_matmul import pack_cpu_weights, tune_cpu_matmuls
-from aioserve.native import cpu_kernels
+from aioserve.cpu.matmul import pack_cpu_weights, tune_cpu_matmuls
+from aioserve.cpu.native import cpu_kernels
 
 logger = logging.getLogger(__name__)
 

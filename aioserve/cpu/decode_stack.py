@@ -25,7 +25,7 @@ import torch
 from aioserve.batch_plan import BatchPlan
 from aioserve.distributed import get_tp_group
 from aioserve.kvcache.kv_pool import KVPool
-from aioserve.layers.native_elementwise import elementwise_kernels
+from aioserve.cpu.elementwise import elementwise_kernels
 from aioserve.models.llama import LlamaAttention, LlamaForCausalLM
 from aioserve.models.qwen2 import Qwen2Attention
 from aioserve.models.qwen3 import Qwen3Attention
