@@ -32,9 +32,9 @@ from pathlib import Path
 from typing import Any, Coroutine
 
 from aioserve.config import ServerArgs
-from aioserve.engine.tp_follower import run_node
-from aioserve.engine.tp_world import DistributedInitError, is_distributed
-from aioserve.scheduler.factory import build_scheduler
+from aioserve.tp.follower import run_node
+from aioserve.tp.world import DistributedInitError, is_distributed
+from aioserve.launch import build_scheduler
 from aioserve.server.app import create_app
 from aioserve.server.context import InFlight, ServingContext
 from aioserve.tokenizer import Tokenizer

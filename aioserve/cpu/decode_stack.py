@@ -23,7 +23,7 @@ from types import ModuleType
 import torch
 
 from aioserve.batch_plan import BatchPlan
-from aioserve.distributed import get_tp_group
+from aioserve.tp.distributed import get_tp_group
 from aioserve.kvcache.kv_pool import KVPool
 from aioserve.cpu.elementwise import elementwise_kernels
 from aioserve.models.llama import LlamaAttention, LlamaForCausalLM

@@ -22,14 +22,14 @@ import torch
 from aioserve.attention import AttentionShape, create_backend
 from aioserve.batch_plan import BatchPlan, SamplingTensors, StepOutput
 from aioserve.config import EngineConfig
-from aioserve.distributed import broadcast_from_leader, get_tp_group, min_over_ranks
+from aioserve.tp.distributed import broadcast_from_leader, get_tp_group, min_over_ranks
 from aioserve.cpu.fast_paths import CpuFastPaths
 from aioserve.engine.cuda_graph import Capture, CudaGraphCapture, DecodeGraphRunner
 from aioserve.cpu.greedy_screen import GreedyScreen
 from aioserve.engine.loading import describe, load
 from aioserve.cpu.decode_stack import NativeDecodeRunner
 from aioserve.engine.sampler import SamplerOutput, prompt_logprobs, sample
-from aioserve.engine.tp_layout import gather_layout, layout_lines
+from aioserve.tp.layout import gather_layout, layout_lines
 from aioserve.kvcache.kv_pool import RESERVED_PAGES, KVPool
 from aioserve.placeholders import PreviousStepTokens
 

@@ -6,7 +6,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from aioserve.distributed import all_gather_last_dim, all_reduce, get_tp_group
+from aioserve.tp.distributed import all_gather_last_dim, all_reduce, get_tp_group
 from aioserve.cpu.matmul import MatmulChoice, is_packed, packed_rows
 from aioserve.layers.linear import linear
 

@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from aioserve.distributed import all_reduce, get_tp_group, kv_heads_per_rank, shard_range
+from aioserve.tp.distributed import all_reduce, get_tp_group, kv_heads_per_rank, shard_range
 from aioserve.cpu.matmul import MatmulChoice, cpu_matmul
 
 

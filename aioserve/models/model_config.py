@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from aioserve.distributed import kv_heads_per_rank
+from aioserve.tp.distributed import kv_heads_per_rank
 from aioserve.layers.rotary import RopeScaling
 
 

@@ -21,7 +21,7 @@ from safetensors import safe_open
 from torch import nn
 from tqdm import tqdm
 
-from aioserve.distributed import get_tp_group
+from aioserve.tp.distributed import get_tp_group
 from aioserve.models.model_config import ModelConfig
 from aioserve.models.registry import model_class
 

@@ -13,7 +13,7 @@ from typing import Any, Protocol
 
 import torch
 
-from aioserve.distributed import TPGroup, gather_from_ranks
+from aioserve.tp.distributed import TPGroup, gather_from_ranks
 from aioserve.kvcache.kv_pool import KVPool
 from aioserve.layers.embedding import VocabParallelEmbedding
 from aioserve.layers.linear import MergedColumnParallelLinear, QKVParallelLinear

@@ -19,11 +19,11 @@ from typing import Any
 import torch
 
 from aioserve.config import EngineConfig
-from aioserve.distributed import destroy_tensor_parallel, init_tensor_parallel
+from aioserve.tp.distributed import destroy_tensor_parallel, init_tensor_parallel
 from aioserve.engine.loading import resolve_device
-from aioserve.engine.tp_channel import PlanChannel
-from aioserve.engine.tp_lifeline import LeaderLifeline
-from aioserve.engine.tp_world import (
+from aioserve.tp.channel import PlanChannel
+from aioserve.tp.lifeline import LeaderLifeline
+from aioserve.tp.world import (
     LIFELINE_KEY,
     DistributedInitError,
     check_layout,
