@@ -37,10 +37,6 @@ class KVPool:
         )
         self.buffer[:, :, : RESERVED_PAGES * page_size].zero_()
 
-    @property
-    def num_slots(self) -> int:
-        return self.num_pages * self.page_size
-
     def keys(self, layer: int) -> torch.Tensor:
         return self.buffer[layer, 0]
 

@@ -299,7 +299,8 @@ class Scheduler:
         # and are served from the fresh one.
         for request in list(self.running):
             self._fail(request, f"KV integrity check failed: {message}")
-        self.kv = self.table.kv = self.planner.kv = self._new_kv()
+        with this_thread_single_threaded():  # zeroing the page table: see __init__
+            self.kv.reset()
 
     def _notify(self) -> None:
         if self._wake is not None:

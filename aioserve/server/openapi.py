@@ -325,11 +325,6 @@ def paths() -> JsonDict:
 # -- the document ------------------------------------------------------------------------
 
 
-def openapi_document() -> JsonDict:
-    """A fresh copy of the document (callers may change it)."""
-    return json.loads(_document_bytes())
-
-
 def _version() -> str:
     """The installed distribution's version (the package root is above this module)."""
     try:
