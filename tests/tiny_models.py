@@ -68,6 +68,24 @@ ARCHITECTURES: dict[str, tuple[str, dict, dict]] = {
     "qwen3": ("Qwen3Config", {"head_dim": 32, "tie_word_embeddings": True}, {}),
 }
 
+# Mixture-of-experts families: built on demand (the MoE tests), not by every
+# test that walks ARCHITECTURES. Qwen3-MoE's second layer is a dense MLP
+# (mlp_only_layers) and its top-k is renormalised; Mixtral has a sliding window.
+MOE_ARCHITECTURES: dict[str, tuple[str, dict, dict]] = {
+    "qwen3-moe": (
+        "Qwen3MoeConfig",
+        {"head_dim": 32, "tie_word_embeddings": False, "num_hidden_layers": 3, "num_experts": 8,
+         "num_experts_per_tok": 2, "moe_intermediate_size": 32, "norm_topk_prob": True, "mlp_only_layers": [1]},
+        {},
+    ),
+    "mixtral": (
+        "MixtralConfig",
+        {"num_local_experts": 4, "num_experts_per_tok": 2, "intermediate_size": 64, "sliding_window": 24,
+         "tie_word_embeddings": False},
+        {},
+    ),
+}
+
 
 def build_tokenizer(folder: Path, vocab_size: int = 320) -> int:
     """Train a byte-level BPE on CORPUS and save it with a chat template;
@@ -106,7 +124,7 @@ def build_checkpoint(name: str, folder: Path, seed: int = 0, overrides: dict | N
     with `overrides` on its config fields (other shapes of the same family)."""
     import transformers
 
-    config_class, extra, save_options = ARCHITECTURES[name]
+    config_class, extra, save_options = {**ARCHITECTURES, **MOE_ARCHITECTURES}[name]
     from tokenizers import Tokenizer
 
     vocab = build_tokenizer(folder)

@@ -26,7 +26,7 @@ from aioserve.batch_plan import BatchPlan
 from aioserve.tp.distributed import get_tp_group
 from aioserve.kvcache.kv_pool import KVPool
 from aioserve.cpu.elementwise import elementwise_kernels
-from aioserve.models.llama import LlamaAttention, LlamaForCausalLM
+from aioserve.models.llama import LlamaAttention, LlamaForCausalLM, LlamaMLP
 from aioserve.models.qwen2 import Qwen2Attention
 from aioserve.models.qwen3 import Qwen3Attention
 
@@ -50,6 +50,8 @@ def unsupported_reason(model: torch.nn.Module, device: torch.device) -> str | No
     for layer in model.model.layers:
         if type(layer.self_attn) not in SUPPORTED_ATTENTION:
             return f"{type(layer.self_attn).__name__} is not a supported attention"
+        if type(layer.mlp) is not LlamaMLP:
+            return f"{type(layer.mlp).__name__} is not a dense MLP (mixture of experts)"
         linears = (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj)
         if any(getattr(m.matmul_choice, "packed_features", None) is None for m in linears):
             return "the weights are not packed for the native matmul"

@@ -7,6 +7,8 @@ that q/k/v and gate/up are fused into one matmul each at load time.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 from torch import nn
 
@@ -62,13 +64,22 @@ class LlamaMLP(nn.Module):
         return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
 
 
+# The feed-forward block of layer `layer_id`: the dense MLP, or experts (MoE models).
+MlpFactory = Callable[[ModelConfig, int], nn.Module]
+
+
 class LlamaDecoderLayer(nn.Module):
     def __init__(
-        self, config: ModelConfig, layer_id: int, rotary: RotaryEmbedding, attention_cls: type[LlamaAttention]
+        self,
+        config: ModelConfig,
+        layer_id: int,
+        rotary: RotaryEmbedding,
+        attention_cls: type[LlamaAttention],
+        mlp_factory: MlpFactory,
     ) -> None:
         super().__init__()
         self.self_attn = attention_cls(config, layer_id, rotary)
-        self.mlp = LlamaMLP(config)
+        self.mlp = mlp_factory(config, layer_id)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
@@ -90,14 +101,14 @@ class LlamaDecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
-    def __init__(self, config: ModelConfig, attention_cls: type[LlamaAttention]) -> None:
+    def __init__(self, config: ModelConfig, attention_cls: type[LlamaAttention], mlp_factory: MlpFactory) -> None:
         super().__init__()
         self.rotary = rotary = RotaryEmbedding(
             config.head_dim, config.max_position_embeddings, config.rope_theta, config.rope_scaling
         )
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(config, i, rotary, attention_cls) for i in range(config.num_layers)
+            LlamaDecoderLayer(config, i, rotary, attention_cls, mlp_factory) for i in range(config.num_layers)
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
@@ -117,10 +128,13 @@ class LlamaForCausalLM(nn.Module):
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
         self.config = config
-        self.model = LlamaModel(config, self.attention_cls)
+        self.model = LlamaModel(config, self.attention_cls, self.build_mlp)
         self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size)
         if config.tie_word_embeddings:
             self.lm_head.tie_to(self.model.embed_tokens)
+
+    def build_mlp(self, config: ModelConfig, layer_id: int) -> nn.Module:
+        return LlamaMLP(config)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         """Final hidden states of every token: [T, hidden]."""

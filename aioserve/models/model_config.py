@@ -9,6 +9,7 @@ from typing import Any
 
 from aioserve.tp.distributed import kv_heads_per_rank
 from aioserve.layers.rotary import RopeScaling
+from aioserve.models.moe_config import MoeConfig
 
 
 @dataclass
@@ -31,6 +32,7 @@ class ModelConfig:
     sliding_windows: list[int | None]  # per layer; None = full attention
     torch_dtype: str | None
     eos_token_ids: list[int] = field(default_factory=list)
+    moe: MoeConfig | None = None  # mixture-of-experts models only
 
     @classmethod
     def from_dict(cls, raw: dict[str, Any], generation: dict[str, Any] | None = None) -> "ModelConfig":
@@ -64,6 +66,7 @@ class ModelConfig:
             sliding_windows=_sliding_windows(raw, arch, num_layers),
             torch_dtype=raw.get("dtype") or raw.get("torch_dtype"),
             eos_token_ids=_eos_ids(raw, generation or {}),
+            moe=MoeConfig.from_dict(raw, num_layers),
         )
 
     @classmethod

@@ -5,15 +5,19 @@ from __future__ import annotations
 from torch import nn
 
 from aioserve.models.llama import LlamaForCausalLM, MistralForCausalLM
+from aioserve.models.mixtral import MixtralForCausalLM
 from aioserve.models.model_config import ModelConfig
 from aioserve.models.qwen2 import Qwen2ForCausalLM
 from aioserve.models.qwen3 import Qwen3ForCausalLM
+from aioserve.models.qwen3_moe import Qwen3MoeForCausalLM
 
 MODEL_CLASSES: dict[str, type[LlamaForCausalLM]] = {
     "LlamaForCausalLM": LlamaForCausalLM,
     "MistralForCausalLM": MistralForCausalLM,
+    "MixtralForCausalLM": MixtralForCausalLM,
     "Qwen2ForCausalLM": Qwen2ForCausalLM,
     "Qwen3ForCausalLM": Qwen3ForCausalLM,
+    "Qwen3MoeForCausalLM": Qwen3MoeForCausalLM,
 }
 
 

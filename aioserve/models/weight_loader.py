@@ -21,6 +21,7 @@ from safetensors import safe_open
 from torch import nn
 from tqdm import tqdm
 
+from aioserve.layers.moe import DOWN, GATE, UP
 from aioserve.tp.distributed import get_tp_group
 from aioserve.models.model_config import ModelConfig
 from aioserve.models.registry import model_class
@@ -34,6 +35,12 @@ _FUSED_PARTS: dict[str, tuple[str, object]] = {
     "v_proj": ("qkv_proj", "v"),
     "gate_proj": ("gate_up_proj", 0),
     "up_proj": ("gate_up_proj", 1),
+}
+# An expert's projection (Qwen3-MoE's names, Mixtral's w1/w3/w2) -> our
+# stacked parameter of `experts` and the part it fills.
+_EXPERT_PARTS: dict[str, tuple[str, int]] = {
+    "gate_proj": ("w13", GATE), "up_proj": ("w13", UP), "down_proj": ("w2", DOWN),
+    "w1": ("w13", GATE), "w3": ("w13", UP), "w2": ("w2", DOWN),
 }
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 
@@ -82,8 +89,17 @@ def _target(model: nn.Module, hf_name: str) -> tuple[nn.Module, str, object] | N
     if hf_name.endswith(_IGNORED_SUFFIXES):
         return None
     *module_path, param = hf_name.split(".")
-    shard = None
-    if module_path and module_path[-1] in _FUSED_PARTS:
+    renames = getattr(model, "hf_module_renames", {})
+    module_path = [renames.get(part, part) for part in module_path]
+    shard: object = None
+    if len(module_path) >= 3 and module_path[-3] == "experts" and module_path[-2].isdigit():
+        # experts.<e>.<projection>.weight -> experts.<w13|w2>, shard (e, part)
+        stacked, part = _EXPERT_PARTS.get(module_path[-1], (None, 0))
+        if stacked is None or param != "weight":
+            return None
+        shard = (int(module_path[-2]), part)
+        module_path, param = module_path[:-2], stacked
+    elif module_path and module_path[-1] in _FUSED_PARTS:
         module_path[-1], shard = _FUSED_PARTS[module_path[-1]]
     try:
         return model.get_submodule(".".join(module_path)), param, shard
@@ -121,8 +137,9 @@ def _check_complete(model: nn.Module, loaded: dict[int, set[object]], path: Path
     (ids, not names: a tied head shares the embedding's parameter)."""
     missing = []
     for module_name, module in model.named_modules():
-        parts = set(getattr(module, "shard_ids", (None,)))
         for param_name, param in module.named_parameters(recurse=False):
+            expected = getattr(module, "expected_shards", None)  # per parameter (stacked experts)
+            parts = set(expected(param_name) if expected else getattr(module, "shard_ids", (None,)))
             if not parts <= loaded.get(id(param), set()):
                 missing.append(f"{module_name}.{param_name}")
     if missing:
