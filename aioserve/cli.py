@@ -16,7 +16,7 @@ import typing
 from collections.abc import Sequence
 from typing import Any, Callable, TypeVar
 
-from aioserve.config import GROUPS, EngineConfig, ServerArgs, parse_bytes
+from aioserve.config import DEMO_MODEL, GROUPS, UNSUPPORTED_FLAGS, EngineConfig, ServerArgs, parse_bytes
 
 __all__ = ["add_options", "build_parser", "engine_config", "main", "parse_bytes", "parse_serve_args", "server_args"]
 
@@ -88,7 +88,35 @@ def add_options(parser: argparse.ArgumentParser, *classes: type) -> None:
                     kwargs["default"] = f.default
                     if f.default is not None:
                         help_text += " (default: %(default)s)"
-            groups[meta["group"]].add_argument(flag(f), *meta.get("aliases", ()), help=help_text, **kwargs)
+            group = groups[meta["group"]]
+            group.add_argument(flag(f), *meta.get("aliases", ()), help=help_text, **kwargs)
+            for switch, value in meta.get("switches", {}).items():
+                # SUPPRESS: the option's own action already set its default.
+                group.add_argument(
+                    switch, dest=f.name, action="store_const", const=value, default=argparse.SUPPRESS,
+                    help=f"same as {flag(f)}" + ("" if kind is bool else f" {value}"),
+                )
+
+
+class _Unsupported(argparse.Action):
+    """A flag of vLLM or SGLang whose feature aioserve lacks: a usage error that says why."""
+
+    def __init__(self, option_strings: list[str], dest: str, reason: str = "", **kwargs: Any) -> None:
+        self.reason = reason
+        super().__init__(option_strings, dest, **kwargs)
+
+    def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace, values: Any,
+                 option_string: str | None = None) -> None:
+        parser.error(f"{option_string} is not supported: {self.reason}")
+
+
+def add_unsupported(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("not supported (vLLM and SGLang flags aioserve refuses, with the reason)")
+    for name, takes_value, reason in UNSUPPORTED_FLAGS:
+        group.add_argument(
+            name, action=_Unsupported, reason=reason, nargs=None if takes_value else 0,
+            dest=argparse.SUPPRESS, default=argparse.SUPPRESS, help=reason.replace("%", "%%"),
+        )
 
 
 def _build(cls: type[Config], ns: argparse.Namespace, **nested: Any) -> Config:
@@ -108,25 +136,46 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="aioserve", description="OpenAI-compatible LLM server")
     commands = parser.add_subparsers(dest="command", required=True)
     serve = commands.add_parser("serve", help="start the HTTP server", description="Start the HTTP server.")
+    # `vllm serve MODEL`'s spelling; --model (or SGLang's --model-path) names it too.
+    serve.add_argument("model_tag", nargs="?", metavar="MODEL", help="the model, as --model names it")
     add_options(serve, EngineConfig, ServerArgs)
+    add_unsupported(serve)
     return parser
+
+
+def _parse(argv: Sequence[str] | None) -> tuple[argparse.Namespace, ServerArgs]:
+    """argv -> the namespace and its ServerArgs; a usage error (argparse's
+    exit 2 with its message) for a bad flag or a bad combination of them."""
+    parser = build_parser()
+    ns = parser.parse_args(argv)
+    serve = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction)).choices["serve"]
+    positional = getattr(ns, "model_tag", None)
+    if positional is not None:
+        given = ns.model
+        if given not in (DEMO_MODEL, positional):
+            serve.error(f"the model is named twice: {positional!r} and --model {given!r}")
+        ns.model = positional
+    try:
+        return ns, server_args(ns)
+    except ValueError as exc:
+        serve.error(str(exc))
 
 
 def parse_serve_args(argv: Sequence[str]) -> ServerArgs:
     """`aioserve serve` flags -> ServerArgs, exiting with argparse's message on
     a bad one: lets a script check flags before it starts a server with them."""
-    return server_args(build_parser().parse_args(["serve", *argv]))
+    return _parse(["serve", *argv])[1]
 
 
 def main(argv: list[str] | None = None) -> None:
-    ns = build_parser().parse_args(argv)
+    ns, args = _parse(argv)
     logging.basicConfig(
         level=ns.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr
     )
     from aioserve.runtime import run_server
 
     try:
-        run_server(server_args(ns))
+        run_server(args)
     except (FileNotFoundError, PermissionError) as exc:  # a model that cannot be had: the message says why
         logging.getLogger("aioserve").error("%s", exc)
         sys.exit(1)

@@ -44,17 +44,23 @@ def option(
     choices: tuple[str, ...] | None = None,
     parse: Callable[[str], Any] | None = None,
     aliases: tuple[str, ...] = (),
+    switches: dict[str, Any] | None = None,
 ) -> Any:
     """A dataclass field that is also a CLI option: `--kebab-name` from the
     field name, type from the annotation unless `parse` turns the text into the
     value, required when there is no default. A bool that defaults to True is
     offered as `--disable-kebab-name`, one that defaults to False as a switch;
     either way `help` says what the flag does. `aliases` are further flags for
-    the same option (the spellings users of other servers type)."""
+    the same option (the spellings users of other servers type); `switches`
+    are flags without a value that set the option to theirs (vLLM's
+    `--no-enable-prefix-caching` is `--cache naive`)."""
     if group not in GROUPS:
         raise ValueError(f"unknown option group {group!r} (choose from {', '.join(GROUPS)})")
     return field(
-        default=default, metadata={"help": help, "group": group, "choices": choices, "parse": parse, "aliases": aliases},
+        default=default, metadata={
+            "help": help, "group": group, "choices": choices, "parse": parse, "aliases": aliases,
+            "switches": switches or {},
+        },
     )
 
 
@@ -67,7 +73,7 @@ DEMO_MODEL = "stories260K"
 @dataclass
 class EngineConfig:
     model: str = option(
-        DEMO_MODEL, group="model",
+        DEMO_MODEL, group="model", aliases=("--model-path",),
         help="a local Hugging Face folder, a Hugging Face model id (fetched into the hub cache, HF_HOME), or "
         f"{DEMO_MODEL}: the 260K-parameter demo model built into the package",
     )
@@ -109,12 +115,21 @@ class EngineConfig:
         "auto", group="KV cache",
         help="auto | float32 | bfloat16 | float16 (auto: the weights' dtype when --dtype is given, else the math's)",
     )
-    cache: str = option("radix", choices=("radix", "naive"), help="prefix cache", group="KV cache")
+    cache: str = option(
+        "radix", choices=("radix", "naive"), help="prefix cache", group="KV cache",
+        switches={
+            "--enable-prefix-caching": "radix", "--no-enable-prefix-caching": "naive", "--disable-radix-cache": "naive",
+        },
+    )
 
-    max_model_len: int | None = option(None, help="context limit (default: the model's)", group="scheduling")
-    max_running_requests: int = option(256, help="requests decoding at once (page-table slots)", group="scheduling")
+    max_model_len: int | None = option(
+        None, help="context limit (default: the model's)", group="scheduling", aliases=("--context-length",)
+    )
+    max_running_requests: int = option(
+        256, help="requests decoding at once (page-table slots)", group="scheduling", aliases=("--max-num-seqs",)
+    )
     max_prefill_tokens: int | None = option(
-        None, group="scheduling",
+        None, group="scheduling", aliases=("--max-num-batched-tokens", "--chunked-prefill-size"),
         help="prefill tokens per step; longer prompts are chunked (default: 8192 on GPU; 256 on CPU, where "
         "prefill is compute-bound: small chunks give a burst's first requests their first token sooner at the "
         "same throughput)",
@@ -134,6 +149,7 @@ class EngineConfig:
         True, group="scheduling",
         help="run decode-only steps eagerly through the modules: no captured CUDA graph on a GPU (graphs need "
         "the flashinfer backend), no native whole-step call (DecoderStack) on a CPU",
+        aliases=("--enforce-eager",),
     )
     cuda_graph_max_bs: int = option(
         256, group="scheduling",
@@ -163,6 +179,18 @@ class EngineConfig:
     )
 
 
+# Flags of vLLM and SGLang whose feature aioserve does not have: the CLI knows
+# them so that it can say why, instead of argparse's "unrecognized arguments".
+# Each: (the flag, whether it takes a value, why aioserve refuses it).
+UNSUPPORTED_FLAGS: tuple[tuple[str, bool, str], ...] = (
+    (
+        "--trust-remote-code", False,
+        "aioserve never runs Python code shipped with a model: it serves only the architectures it implements "
+        "itself (Llama, Mistral, Qwen2, Qwen3), none of which needs remote code; drop the flag",
+    ),
+)
+
+
 @dataclass
 class ServerArgs:
     engine: EngineConfig  # its options come from its own fields
@@ -183,6 +211,22 @@ class ServerArgs:
     reasoning_parser: str | None = option(
         None, group="model", choices=("qwen3", "deepseek_r1"),
         help="split a thinking model's <think>...</think> into reasoning_content (default: no split)",
+    )
+    enable_reasoning: bool = option(
+        False, group="model",
+        help="vLLM before 0.10: reasoning is split whenever --reasoning-parser names a parser, which this "
+        "switch requires (as vLLM did)",
+    )
+    auto_tool_choice: bool = option(
+        True, group="model", switches={"--enable-auto-tool-choice": True},
+        help='answer tool_choice "auto" with a 400, as vLLM does without --enable-auto-tool-choice '
+        "(which is aioserve's default)",
+    )
+    generation_config: str = option(
+        "auto", group="model",
+        help="where a request's unset sampling fields (temperature, top_p, top_k, min_p, repetition_penalty) "
+        "take their defaults from: auto (the model's generation_config.json), vllm or none "
+        "(aioserve's neutral defaults), or a folder holding a generation_config.json",
     )
     allowed_origins: str | None = option(
         None, group="HTTP",
@@ -209,7 +253,16 @@ class ServerArgs:
         help="on SIGTERM/SIGINT, seconds running requests get to finish before the rest are aborted "
         "(new requests get 503 meanwhile; a second signal exits at once)",
     )
+    ssl_keyfile: str | None = option(None, help="the TLS private key (PEM), with --ssl-certfile: serve HTTPS", group="HTTP")
+    ssl_certfile: str | None = option(None, help="the TLS certificate chain (PEM), with --ssl-keyfile", group="HTTP")
     log_level: str = option("info", choices=("debug", "info", "warning", "error"), help="logging level", group="HTTP")
+
+    def __post_init__(self) -> None:
+        """Combinations no single flag can check (the CLI reports these as usage errors)."""
+        if self.enable_reasoning and self.reasoning_parser is None:
+            raise ValueError("--enable-reasoning needs --reasoning-parser (qwen3 or deepseek_r1)")
+        if (self.ssl_keyfile is None) != (self.ssl_certfile is None):
+            raise ValueError("--ssl-keyfile and --ssl-certfile go together: HTTPS needs both the key and the certificate")
 
     @property
     def model_name(self) -> str:

@@ -37,6 +37,7 @@ from aioserve.engine.tp_world import DistributedInitError, is_distributed
 from aioserve.scheduler.factory import build_scheduler
 from aioserve.server.app import create_app
 from aioserve.server.context import InFlight, ServingContext
+from aioserve.server.generation_defaults import load_generation_defaults
 from aioserve.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
@@ -98,7 +99,8 @@ async def serve(args: ServerArgs) -> str | None:
         args.engine.tokenizer or engine.model_path, args.chat_template, args.tokenizer_workers
     )
     ctx = ServingContext(
-        args, scheduler, tokenizer, engine.max_model_len, engine.vocab_size, tp_layout=engine.tp_layout
+        args, scheduler, tokenizer, engine.max_model_len, engine.vocab_size, tp_layout=engine.tp_layout,
+        generation_defaults=load_generation_defaults(args.generation_config, engine.model_path),
     )
     ctx.scheduler_task = asyncio.create_task(scheduler.run(), name="scheduler")
     ctx.scheduler_task.add_done_callback(partial(_on_scheduler_exit, failure))
@@ -114,10 +116,12 @@ async def serve(args: ServerArgs) -> str | None:
     config.accesslog = None
     config.errorlog = logging.getLogger("hypercorn.error")
     config.graceful_timeout = 3.0
+    if args.ssl_certfile is not None:  # HTTPS (ServerArgs checks the key comes with it)
+        config.certfile, config.keyfile = args.ssl_certfile, args.ssl_keyfile
     logger.info(
-        "serving %s as %r at http://%s:%d (KV pool: %d tokens, max context %d, overlap %s, cache %s, tp %d)",
-        engine.model_path, args.model_name, args.host, args.port, engine.kv_capacity_tokens,
-        engine.max_model_len, "on" if args.engine.overlap else "off", args.engine.cache, args.engine.tp_size,
+        "serving %s as %r at %s://%s:%d (KV pool: %d tokens, max context %d, overlap %s, cache %s, tp %d)",
+        engine.model_path, args.model_name, "https" if args.ssl_certfile else "http", args.host, args.port,
+        engine.kv_capacity_tokens, engine.max_model_len, "on" if args.engine.overlap else "off", args.engine.cache, args.engine.tp_size,
     )
     try:
         if failure.reason is None:  # the group may have broken while we started

@@ -75,7 +75,7 @@ async def create_chat_completion(request: Request) -> Response:
     prompt_ids = await encode_messages(ctx, body, tools)
     grammar = await compile_grammar(ctx, constraint)
     logprobs = (body.top_logprobs or 0) if body.logprobs else None
-    params = body.sampling_params(body.token_limit, logprobs, None)
+    params = body.sampling_params(body.token_limit, logprobs, None, ctx.generation_defaults)
     params.structured_outputs = constraint.spec if constraint else None
     generation = Generation(ctx, new_id("chatcmpl"), arrival_time(request), incremental=body.stream)
     try:

@@ -53,7 +53,7 @@ async def create_completion(request: Request) -> Response:
     prompts = await prompt_list(ctx, body.prompt)
     grammar = await compile_grammar(ctx, constraint)
     echo_logprobs = body.logprobs if body.echo and body.logprobs is not None else None
-    params = body.sampling_params(body.max_tokens, body.logprobs, echo_logprobs)
+    params = body.sampling_params(body.max_tokens, body.logprobs, echo_logprobs, ctx.generation_defaults)
     params.structured_outputs = constraint.spec if constraint else None
     if body.echo:  # token-id prompts are decoded only to be echoed; both off the loop
         for p in prompts:

@@ -38,6 +38,8 @@ class ServingContext:
     started_at: int = field(default_factory=lambda: int(time.time()))
     # What each tensor-parallel rank holds (engine/tp_layout.py), for /server_info.
     tp_layout: list[dict[str, Any]] = field(default_factory=list)
+    # The model's sampling defaults for a request's unset fields (--generation-config).
+    generation_defaults: dict[str, Any] = field(default_factory=dict)
     metrics: RequestMetrics = field(init=False)  # made from the served name
     # Set on SIGTERM/SIGINT: /health and new requests answer 503 while running ones finish.
     draining: bool = False

@@ -67,7 +67,7 @@ async def generate(request: Request) -> Response:
     grammar = await compile_grammar(ctx, body.sampling_params.structured())
     generation = Generation(ctx, f"generate-{rids[0]}", arrival_time(request), incremental=body.stream)
     try:
-        generation.start(prompts, body.to_sampling_params(), n, grammar)
+        generation.start(prompts, body.to_sampling_params(ctx.generation_defaults), n, grammar)
     except APIError as exc:  # named as OpenAI's fields are; say SGLang's names
         exc.param = sglang_param(exc.param, "text" if body.text is not None else "input_ids")
         raise

@@ -100,6 +100,7 @@ async def server_info(request: Request) -> Response:
             overlap=engine.overlap,
             cache=engine.cache,
             tensor_parallel=TensorParallelInfo(tp_size=engine.tp_size, nnodes=engine.nnodes, ranks=ctx.tp_layout),
+            generation_defaults=ctx.generation_defaults,
             **vars(info),  # the SchedulerInfo dataclass's fields, flattened
         )
     )

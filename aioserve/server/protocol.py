@@ -13,11 +13,13 @@ from __future__ import annotations
 import re
 
 import json
+from collections.abc import Mapping
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from aioserve.sampling_params import SamplingParams
+from aioserve.server.generation_defaults import or_default
 
 
 def check_logit_bias_keys(value: dict[str, float] | None) -> dict[str, float] | None:
@@ -114,13 +116,19 @@ class SamplingFields(RequestModel):
     def include_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.include_usage)
 
-    def sampling_params(self, max_tokens: int | None, logprobs: int | None, prompt_logprobs: int | None) -> SamplingParams:
+    def sampling_params(
+        self, max_tokens: int | None, logprobs: int | None, prompt_logprobs: int | None,
+        defaults: Mapping[str, Any] | None = None,
+    ) -> SamplingParams:
+        """`defaults`: what the unset sampling fields take instead of the
+        neutral values (the model's generation config, server/generation_defaults.py)."""
+        top_k = or_default(self, "top_k", defaults, -1)
         return SamplingParams(
             max_tokens=max_tokens,
-            temperature=1.0 if self.temperature is None else self.temperature,
-            top_p=1.0 if self.top_p is None else self.top_p,
-            top_k=-1 if self.top_k in (None, 0) else self.top_k,  # type: ignore[arg-type]
-            min_p=self.min_p or 0.0,
+            temperature=or_default(self, "temperature", defaults, 1.0),
+            top_p=or_default(self, "top_p", defaults, 1.0),
+            top_k=-1 if top_k == 0 else top_k,
+            min_p=or_default(self, "min_p", defaults, 0.0),
             seed=self.seed,
             stop=list(self.stop or []),  # type: ignore[arg-type]
             stop_token_ids=list(self.stop_token_ids or []),
@@ -130,7 +138,7 @@ class SamplingFields(RequestModel):
             prompt_logprobs=prompt_logprobs,
             presence_penalty=self.presence_penalty,
             frequency_penalty=self.frequency_penalty,
-            repetition_penalty=self.repetition_penalty,
+            repetition_penalty=or_default(self, "repetition_penalty", defaults, 1.0),
             logit_bias={int(k): v for k, v in (self.logit_bias or {}).items()},
             skip_special_tokens=self.skip_special_tokens,
             include_stop_str_in_output=self.include_stop_str_in_output,

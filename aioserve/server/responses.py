@@ -207,3 +207,5 @@ class ServerInfo(BaseModel):
     max_prefill_tokens: int
     stats: dict[str, int]
     tensor_parallel: TensorParallelInfo
+    # The model's sampling defaults a request's unset fields take (--generation-config).
+    generation_defaults: dict[str, Any] = {}

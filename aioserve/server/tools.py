@@ -71,6 +71,12 @@ def plan_tools(ctx: ServingContext, body: ChatCompletionRequest) -> ToolPlan:
     if choice == "required":
         spec = StructuredOutputParams(json=required_schema(list(functions.items()), body.parallel_tool_calls))
         return ToolPlan("required", tools, grammar=StructuredRequest(spec, "tools"))
+    if choice == "auto" and not ctx.args.auto_tool_choice:
+        raise APIError(
+            'tool_choice "auto" is off on this server (started with --disable-auto-tool-choice); '
+            'use "required", a named function or "none"',
+            param="tool_choice",
+        )
     fmt = tool_parsers.resolve(ctx.args.tool_call_parser, ctx.tokenizer.hf.chat_template)
     if choice == "auto" and fmt is None:
         raise APIError(
