@@ -5,11 +5,18 @@ and a flag whose feature aioserve lacks is a usage error that says why."""
 from __future__ import annotations
 
 import shlex
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
 
+import httpx
 import pytest
 
 from aioserve.cli import parse_serve_args
 from aioserve.config import DEMO_MODEL, EngineConfig, ServerArgs
+from aioserve.server_process import free_port
 
 MODEL = "/models/qwen3"
 
@@ -102,3 +109,36 @@ def test_ssl_files_go_together(capsys: pytest.CaptureFixture[str]) -> None:
 def test_unknown_parser_names_the_choices(capsys: pytest.CaptureFixture[str]) -> None:
     err = usage_error([MODEL, "--reasoning-parser", "nope"], capsys)
     assert "invalid choice" in err and "qwen3" in err
+
+
+@pytest.mark.skipif(shutil.which("openssl") is None, reason="needs the openssl command to make a certificate")
+def test_ssl_files_serve_https(stories_path: Path, tmp_path: Path) -> None:
+    key, cert = tmp_path / "key.pem", tmp_path / "cert.pem"
+    subprocess.run(
+        ["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", str(key), "-out", str(cert),
+         "-days", "1", "-subj", "/CN=127.0.0.1", "-addext", "subjectAltName=IP:127.0.0.1"],
+        check=True, capture_output=True,
+    )
+    port = free_port()
+    log = (tmp_path / "server.log").open("w")
+    process = subprocess.Popen(
+        [sys.executable, "-m", "aioserve", "serve", str(stories_path), "--port", str(port),
+         "--ssl-keyfile", str(key), "--ssl-certfile", str(cert)],
+        stdout=log, stderr=subprocess.STDOUT,
+    )
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            assert process.poll() is None, (tmp_path / "server.log").read_text()
+            try:
+                models = httpx.get(f"https://127.0.0.1:{port}/v1/models", verify=str(cert), timeout=2)
+                break
+            except httpx.HTTPError:
+                assert time.monotonic() < deadline, (tmp_path / "server.log").read_text()
+                time.sleep(0.3)
+        assert models.status_code == 200 and models.json()["data"][0]["id"] == str(stories_path)
+        with pytest.raises(httpx.HTTPError):  # plain HTTP is not served
+            httpx.get(f"http://127.0.0.1:{port}/health", timeout=2)
+    finally:
+        process.terminate()
+        process.wait(timeout=30)
