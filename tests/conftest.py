@@ -58,6 +58,32 @@ def stories_path() -> Path:
 
 
 @pytest.fixture(scope="session")
+def templateless_stories_path(stories_path: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A copy of stories260K without the chat template it ships with: for the
+    paths a model without one takes (a 400 on chat, the page's completion mode)."""
+    import shutil
+
+    folder = tmp_path_factory.mktemp("stories-no-template")
+    for item in stories_path.iterdir():
+        if item.is_file():
+            shutil.copy(item, folder / item.name)
+    config = json.loads((folder / "tokenizer_config.json").read_text())
+    config.pop("chat_template", None)
+    (folder / "tokenizer_config.json").write_text(json.dumps(config))
+    return folder
+
+
+@pytest.fixture(scope="session")
+def templateless_server(templateless_stories_path: Path):
+    """stories260K without a chat template."""
+    from server_harness import start_server
+
+    server = start_server(templateless_stories_path, "--served-model-name", "stories260K", "--page-size", "4")
+    yield server
+    server.stop()
+
+
+@pytest.fixture(scope="session")
 def stories_server(stories_path: Path):
     """The real server on stories260K, shared by the HTTP tests."""
     from server_harness import start_server

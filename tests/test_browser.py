@@ -66,11 +66,12 @@ def page(browser: Browser):
 
 
 @pytest.fixture(scope="module")
-def keyed_server(stories_path: Path):
+def keyed_server(templateless_stories_path: Path):
     # On the CPU even where there is a GPU: the reply must last long enough to
-    # watch it grow and press Stop mid-stream.
+    # watch it grow and press Stop mid-stream. Without a chat template: the
+    # page's completion mode.
     server = start_server(
-        stories_path, "--api-key", KEY, "--served-model-name", "stories260K", "--page-size", "4", "--device", "cpu"
+        templateless_stories_path, "--api-key", KEY, "--served-model-name", "stories260K", "--page-size", "4", "--device", "cpu"
     )
     yield server
     server.stop()

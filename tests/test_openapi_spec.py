@@ -207,12 +207,12 @@ def test_models_list_and_retrieve(stories_server, stories_client, stories_model)
         assert_matches(response.json(), "ErrorResponse")
 
 
-def test_error_bodies_match_the_spec(stories_server, chat_server) -> None:
+def test_error_bodies_match_the_spec(stories_server, chat_server, templateless_server) -> None:
     responses = [
         post(stories_server, "/v1/completions", {"prompt": PROMPT, "temperature": -1}),
         post(stories_server, "/v1/completions", {"prompt": PROMPT, "model": "gpt-4"}),
         post(stories_server, "/v1/completions", {"prompt": "hi " * 600}),
-        post(stories_server, "/v1/chat/completions", {"messages": MESSAGES}),  # no chat template
+        post(templateless_server, "/v1/chat/completions", {"messages": MESSAGES}),  # no chat template
         post(chat_server, "/v1/chat/completions", {"messages": [{"role": "wizard", "content": "hi"}]}),
         httpx.post(f"{stories_server.v1}/completions", content=b"{not json"),
         httpx.get(f"{stories_server.v1}/nothing-here"),
