@@ -30,9 +30,12 @@ def pytest_sessionstart(session: pytest.Session) -> None:
     # Build (or load) the native kernels before any test runs: an engine
     # started while they build serves with the torch twins and switches to
     # them mid-run, and outputs compared across runs must come from one path.
-    from aioserve.native import cpu_kernels
+    # As `aioserve serve` does, with its progress lines on the console.
+    from aioserve.native import build_with_progress
 
-    cpu_kernels(wait=True)
+    capture = session.config.pluginmanager.getplugin("capturemanager")
+    with capture.global_and_fixture_disabled():
+        build_with_progress()
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

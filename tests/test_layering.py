@@ -19,7 +19,7 @@ RANKS: dict[str, float] = {
     "engine": 5,
     "models": 4.5, "attention": 4,  # a model's forward takes the attention backend's metadata
     "kvcache": 3,
-    "layers": 2, "native": 1.5,
+    "layers": 2, "native": 1.5, "native_build": 1.4,
     "distributed": 1,
     "config": 0, "cpu_info": 0, "openmp": 0, "sampling_params": 0, "batch_plan": 0, "placeholders": 0,
 }
