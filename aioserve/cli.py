@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import logging
+import os
 import sys
 import types
 import typing
@@ -109,6 +110,12 @@ def build_parser() -> argparse.ArgumentParser:
     commands = parser.add_subparsers(dest="command", required=True)
     serve = commands.add_parser("serve", help="start the HTTP server", description="Start the HTTP server.")
     add_options(serve, EngineConfig, ServerArgs)
+    commands.add_parser(
+        "build-kernels", help="build the native CPU kernels ahead of the first start",
+        description="Build (or find in the cache) the C++ CPU kernels of native/ for this Python, torch and CPU, "
+        "into $AIOSERVE_NATIVE_CACHE (default ~/.cache/aioserve/native). Needs g++ and the Python headers. "
+        "Exits 1 when they cannot be built.",
+    )
     return parser
 
 
@@ -118,15 +125,53 @@ def parse_serve_args(argv: Sequence[str]) -> ServerArgs:
     return server_args(build_parser().parse_args(["serve", *argv]))
 
 
+def _wants_cpu_kernels(args: ServerArgs) -> bool:
+    device = args.engine.device
+    if device == "auto":
+        import torch
+
+        return not torch.cuda.is_available()
+    return device == "cpu"
+
+
+def prepare_native_kernels(args: ServerArgs) -> None:
+    """Before the server listens: the native CPU kernels built or loaded
+    (`build`), left to a background build (`background`), or turned off."""
+    if args.native_kernels == "off":
+        os.environ["AIOSERVE_NATIVE"] = "0"  # the engine's processes (TP ranks too) read it
+    elif args.native_kernels == "build" and _wants_cpu_kernels(args):
+        from aioserve.cpu.native import build_with_progress
+
+        build_with_progress()
+
+
+def build_kernels() -> int:
+    from aioserve.cpu.native import build_with_progress, cache_root, enabled
+
+    if not enabled():
+        print("aioserve: AIOSERVE_NATIVE=0 (or no native/ sources): nothing to build", file=sys.stderr)
+        return 1
+    module = build_with_progress()
+    if module is None:
+        return 1
+    print(f"aioserve: native CPU kernels ready: {module.__file__} (cache: {cache_root()})", file=sys.stderr)
+    return 0
+
+
 def main(argv: list[str] | None = None) -> None:
     ns = build_parser().parse_args(argv)
+    level = getattr(ns, "log_level", "info")
     logging.basicConfig(
-        level=ns.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr
+        level=level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr
     )
+    if ns.command == "build-kernels":
+        sys.exit(build_kernels())
     from aioserve.runtime import run_server
 
+    args = server_args(ns)
+    prepare_native_kernels(args)
     try:
-        run_server(server_args(ns))
+        run_server(args)
     except (FileNotFoundError, PermissionError) as exc:  # a model that cannot be had: the message says why
         logging.getLogger("aioserve").error("%s", exc)
         sys.exit(1)

@@ -194,6 +194,12 @@ class ServerArgs:
         "(default: $AIOSERVE_API_KEY)",
     )
     tokenizer_workers: int = option(4, help="threads that tokenize requests", group="HTTP")
+    native_kernels: str = option(
+        "build", group="model", choices=("build", "background", "off"),
+        help="the C++ CPU kernels (native/, about 40 s to build once per environment, then cached): build "
+        "(or load) them before listening; background: listen at once, torch fallbacks serving (slower) until "
+        "the build is done; off: torch fallbacks only (as AIOSERVE_NATIVE=0). Not needed on CUDA",
+    )
     max_request_bytes: int = option(
         DEFAULT_MAX_REQUEST_BYTES, parse=parse_bytes, group="HTTP",
         help="larger request bodies get 413 before they are read (a 128K-token prompt is well under 1 MiB "

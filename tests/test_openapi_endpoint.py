@@ -26,8 +26,8 @@ from aioserve.server.app import create_app
 
 DOCUMENT_URI = "urn:aioserve-openapi"
 HTTP_METHODS = ("get", "put", "post", "delete", "options", "head", "patch", "trace")
-# The chat page and its files are for browsers, not API clients.
-NOT_API = {"/"}
+# The chat page, its files and its config are for browsers, not API clients.
+NOT_API = {"/", "/page-config"}
 
 # What OpenAPI 3.1 asks of the parts of a document this server writes (no
 # openapi-spec-validator in the test dependencies): enough to catch a
