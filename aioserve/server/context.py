@@ -11,6 +11,8 @@ from typing import Any, Protocol
 
 from aioserve.config import ServerArgs
 from aioserve.scheduler import SchedulerClient
+from aioserve.server.body_checks import RequestLimits
+from aioserve.server.body_parser import BodyParserProcess
 from aioserve.server.errors import APIError
 from aioserve.server.request_metrics import RequestMetrics
 from aioserve.tokenizer import Tokenizer
@@ -44,9 +46,15 @@ class ServingContext:
     # Generations not yet finished, for the drain to wait on (weak: one a
     # failed handler dropped cannot keep the drain waiting).
     generations: weakref.WeakSet[InFlight] = field(default_factory=weakref.WeakSet)
+    # Parses large request bodies in a process of its own (server/body_parser.py).
+    body_parser: BodyParserProcess = field(default_factory=BodyParserProcess)
 
     def __post_init__(self) -> None:
         self.metrics = RequestMetrics(self.model_name)
+
+    @property
+    def request_limits(self) -> RequestLimits:
+        return RequestLimits(**{name: getattr(self.args, name) for name in RequestLimits.__dataclass_fields__})
 
     @property
     def model_name(self) -> str:

@@ -13,9 +13,9 @@ from __future__ import annotations
 import re
 
 import json
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, StrictInt, StrictStr, field_validator, model_validator
 
 from aioserve.sampling_params import SamplingParams
 
@@ -100,10 +100,8 @@ class SamplingFields(RequestModel):
     @field_validator("stop")
     @classmethod
     def _stop_list(cls, value: str | list[str] | None) -> list[str]:
-        stops = [value] if isinstance(value, str) else list(value or [])
-        if len(stops) > 16:
-            raise ValueError("at most 16 stop sequences")
-        return stops
+        # How many: --max-stop-sequences, checked before validation (server/body_checks.py).
+        return [value] if isinstance(value, str) else list(value or [])
 
     @field_validator("logit_bias")
     @classmethod
@@ -137,8 +135,17 @@ class SamplingFields(RequestModel):
         )
 
 
+# Strict members, tried in order: `[true, true]` is not token ids, nor "3" a
+# number (OpenAI answers both 400), and a long list of ids is validated by its
+# first member alone (the default "smart" union took 8x as long: 0.3 s for a
+# million ids on the loop).
+PromptField = Annotated[
+    list[StrictInt] | StrictStr | list[StrictStr] | list[list[StrictInt]], Field(union_mode="left_to_right")
+]
+
+
 class CompletionRequest(SamplingFields):
-    prompt: str | list[str] | list[int] | list[list[int]]
+    prompt: PromptField
     max_tokens: int = Field(16, ge=0)  # 0: score the prompt (with echo and logprobs), generate nothing
     logprobs: int | None = Field(None, ge=0, le=20)
     echo: bool = False

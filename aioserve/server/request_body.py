@@ -4,14 +4,14 @@ fail answered as an OpenAI-style error: 413 for a body over
 
 from __future__ import annotations
 
-import json
 import logging
-import re
 from typing import TypeVar
 
 from pydantic import BaseModel, ValidationError
 from starlette.requests import Request
 
+from aioserve.server.body_checks import BodyRejected, decode
+from aioserve.server.body_parser import BODY_WORKER_BYTES
 from aioserve.server.errors import APIError, from_validation_error
 
 logger = logging.getLogger(__name__)
@@ -24,19 +24,20 @@ _logged_unknown: set[tuple[str, str]] = set()
 
 
 async def parse_body(request: Request, model: type[Body]) -> Body:
-    raw = await read_body(request, request.app.state.ctx.args.max_request_bytes)
+    """Read, check the per-request bounds (server/body_checks.py), validate.
+    A large body is parsed and checked by the worker process, off the loop."""
+    ctx = request.app.state.ctx
+    raw = await read_body(request, ctx.args.max_request_bytes)
     _check_content_type(request)
+    known = _known_fields(model)
     try:
-        data = json.loads(raw)
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise APIError(f"the request body is not valid JSON: {exc}") from None
-    except RecursionError:
-        raise APIError("the request body is nested too deeply") from None
-    if not isinstance(data, dict):
-        raise APIError("the request body must be a JSON object")
-    if _ESCAPED_SURROGATE.search(raw):
-        _check_surrogates(data, [])
-    _log_unknown_fields(model, data)
+        if len(raw) >= BODY_WORKER_BYTES:
+            data, unknown = await ctx.body_parser.decode(raw, ctx.request_limits, known)
+        else:
+            data, unknown = decode(raw, ctx.request_limits, known)
+    except BodyRejected as exc:
+        raise APIError(exc.message, param=exc.param, code=exc.code) from None
+    _log_unknown_fields(model, unknown)
     try:
         return model.model_validate(data)
     except ValidationError as exc:
@@ -70,28 +71,6 @@ async def read_body(request: Request, limit: int) -> bytes:
     return b"".join(chunks)
 
 
-# JSON may spell half of a UTF-16 pair alone ("\\ud800"); Python keeps it in
-# the string, and the tokenizer then fails on it. Only bodies that contain
-# such an escape (or, since json.loads decodes bytes with surrogatepass, one
-# encoded raw) are walked.
-_ESCAPED_SURROGATE = re.compile(rb"\\u[dD][89a-fA-F][0-9a-fA-F]{2}|\xed[\xa0-\xbf]")
-
-
-def _check_surrogates(value: object, path: list[str]) -> None:
-    if isinstance(value, str):
-        try:
-            value.encode("utf-8")
-        except UnicodeEncodeError:
-            raise APIError("text must be valid Unicode: it holds a lone surrogate", param=".".join(path) or None) from None
-    elif isinstance(value, dict):
-        for key, item in value.items():
-            _check_surrogates(key, path)
-            _check_surrogates(item, [*path, str(key)])
-    elif isinstance(value, list):
-        for index, item in enumerate(value):
-            _check_surrogates(item, [*path, str(index)])
-
-
 def _too_large(limit: int) -> APIError:
     return APIError(
         f"the request body is larger than this server's limit of {limit} bytes (--max-request-bytes)",
@@ -111,11 +90,12 @@ def _check_content_type(request: Request) -> None:
         raise APIError(f"Content-Type must be application/json, not {media or 'empty'!r}")
 
 
-def _log_unknown_fields(model: type[BaseModel], data: dict) -> None:
-    known = set(model.model_fields) | {
-        f.alias for f in model.model_fields.values() if f.alias
-    }
-    for name in data.keys() - known:
+def _known_fields(model: type[BaseModel]) -> frozenset[str]:
+    return frozenset(model.model_fields) | {f.alias for f in model.model_fields.values() if f.alias}
+
+
+def _log_unknown_fields(model: type[BaseModel], unknown: list[str]) -> None:
+    for name in unknown:
         if (model.__name__, name) not in _logged_unknown and len(_logged_unknown) < 1000:
             _logged_unknown.add((model.__name__, name))
             logger.warning("ignoring field %r, unknown to %s (logged once)", name[:100], model.__name__)
