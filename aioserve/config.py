@@ -209,6 +209,11 @@ class ServerArgs:
         help="on SIGTERM/SIGINT, seconds running requests get to finish before the rest are aborted "
         "(new requests get 503 meanwhile; a second signal exits at once)",
     )
+    request_body_timeout: float = option(
+        30.0, group="HTTP",
+        help="seconds a request body may stall (nothing arriving) before the request gets 408 and its "
+        "connection is closed",
+    )
     # Bounds on one request (server/body_checks.py), checked on the parsed JSON
     # before it is validated or any work is built; each a 400 naming its option.
     max_choices_per_request: int = option(

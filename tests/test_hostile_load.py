@@ -5,6 +5,7 @@ naming the limit at once, and large bodies are parsed off the event loop
 from __future__ import annotations
 
 import json
+import socket
 import threading
 import time
 from pathlib import Path
@@ -18,11 +19,12 @@ from server_harness import RunningServer, start_server
 # Generous for a loaded 2-core CI machine (measured: under 75 ms with the worker
 # process; 0.24-1.2 s with these bodies parsed on the loop; the issue saw 55.6 s).
 HEALTH_BOUND_S = 0.3
+BODY_TIMEOUT_S = 1.0
 
 
 @pytest.fixture(scope="module")
 def server(stories_path: Path):
-    started = start_server(stories_path, "--page-size", "4")
+    started = start_server(stories_path, "--page-size", "4", "--request-body-timeout", str(BODY_TIMEOUT_S))
     yield started
     started.stop()
 
@@ -154,3 +156,70 @@ def test_large_body_within_the_bounds_is_served(server: RunningServer) -> None:
     response = post(server, "/v1/completions", body)
     assert response.status_code == 200, response.text
     assert len(response.json()["choices"]) == 100
+
+
+# -- uploads ------------------------------------------------------------------------------
+
+
+def open_upload(server: RunningServer, length: int, first: bytes = b"", expect: bool = False) -> socket.socket:
+    host, port = server.url.removeprefix("http://").split(":")
+    sock = socket.create_connection((host, int(port)), timeout=10)
+    head = (
+        f"POST /v1/completions HTTP/1.1\r\nHost: {host}\r\nContent-Type: application/json\r\n"
+        f"Content-Length: {length}\r\n" + ("Expect: 100-continue\r\n" if expect else "") + "\r\n"
+    )
+    sock.sendall(head.encode() + first)
+    return sock
+
+
+def read_until_closed(sock: socket.socket) -> bytes:
+    received = b""
+    while chunk := sock.recv(65536):
+        received += chunk
+    return received
+
+
+def test_stalled_upload_gets_408_and_is_closed(server: RunningServer) -> None:
+    start = time.perf_counter()
+    with open_upload(server, 100, b'{"prompt"') as sock:
+        answer = read_until_closed(sock)  # returns once the server closes the connection
+    took = time.perf_counter() - start
+    assert answer.startswith(b"HTTP/1.1 408"), answer[:200]
+    assert b"--request-body-timeout" in answer
+    assert BODY_TIMEOUT_S * 0.9 < took < BODY_TIMEOUT_S + 3, took
+
+
+@pytest.mark.parametrize("expect", [True, False], ids=["expect-100-continue", "plain"])
+def test_declared_oversize_gets_413_at_once(server: RunningServer, expect: bool) -> None:
+    start = time.perf_counter()
+    with open_upload(server, 17 << 20, expect=expect) as sock:
+        answer = b""
+        while b"--max-request-bytes" not in answer:
+            answer += sock.recv(65536)
+        took = time.perf_counter() - start
+    # With Expect, hypercorn has sent its own "100 Continue" first.
+    assert answer.startswith(b"HTTP/1.1 100 " if expect else b"HTTP/1.1 413"), answer[:200]
+    assert b"HTTP/1.1 413" in answer
+    assert took < BODY_TIMEOUT_S / 2, took
+
+
+def test_oversize_upload_sent_anyway_reads_the_413(server: RunningServer) -> None:
+    response = post(server, "/v1/completions", b"[" + b"1," * (9 << 20) + b"1]")
+    assert response.status_code == 413, response.text
+
+
+def _server_errors(server: RunningServer) -> float:
+    text = httpx.get(f"{server.url}/metrics", timeout=10).text
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+               if line.startswith("aioserve:request_errors") and 'status="5' in line)
+
+
+def test_client_leaving_mid_upload_is_not_a_server_error(server: RunningServer) -> None:
+    before = _server_errors(server)
+    for _ in range(5):
+        with open_upload(server, 1000, b'{"prompt": "'):
+            time.sleep(0.05)
+    time.sleep(0.5)
+    assert httpx.get(f"{server.url}/health", timeout=10).status_code == 200
+    assert _server_errors(server) == before
+    assert "Traceback" not in server.log()

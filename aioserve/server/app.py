@@ -10,7 +10,7 @@ from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.middleware import Middleware
 from starlette.middleware.cors import CORSMiddleware
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 from starlette.responses import Response
 from starlette.routing import Route
 from starlette.types import ASGIApp, Receive, Scope, Send
@@ -19,12 +19,13 @@ from aioserve.server import misc_routes
 from aioserve.server.chat import create_chat_completion
 from aioserve.server.completions import create_completion
 from aioserve.server.context import RETRY_AFTER_S, ServingContext
-from aioserve.server.errors import APIError, api_error_handler, unexpected_error_handler
+from aioserve.server.errors import APIError, api_error_handler, client_left_handler, unexpected_error_handler
 from aioserve.server.generate import generate
 from aioserve.server.metrics import metrics_endpoint
 from aioserve.server.openapi import openapi_json
 from aioserve.server.page import page_routes
 from aioserve.server.request_metrics import stamp_arrival
+from aioserve.server.upload_guard import UploadGuard
 
 logger = logging.getLogger(__name__)
 
@@ -99,7 +100,7 @@ def build_middleware(
 ) -> list[Middleware]:
     """Outermost first. CORS wraps the key check so that its headers are on
     a 401 too (else the page sees an opaque network error, not "bad key")."""
-    middleware = [Middleware(ServingGate, ctx=ctx)] if ctx is not None else []
+    middleware = [Middleware(ServingGate, ctx=ctx), Middleware(UploadGuard, ctx=ctx)] if ctx is not None else []
     origins = parse_origins(allowed_origins)
     if origins:
         logger.info("CORS allowed for %s", ", ".join(origins))
@@ -147,6 +148,7 @@ def create_app(ctx: ServingContext) -> Starlette:
         ),
         exception_handlers={
             APIError: api_error_handler,
+            ClientDisconnect: client_left_handler,
             HTTPException: http_error_handler,
             Exception: unexpected_error_handler,
         },

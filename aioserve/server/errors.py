@@ -88,6 +88,14 @@ async def unexpected_error_handler(request: Request, exc: Exception) -> Response
     return error.response()
 
 
+async def client_left_handler(request: Request, exc: Exception) -> Response:
+    """The client closed its connection before its body was read whole: not
+    a server error (no traceback, not in aioserve:request_errors); the
+    status is nginx's 499, which nobody receives."""
+    logger.debug("client left during its upload: %s %s", request.method, request.url.path)
+    return Response(status_code=499)
+
+
 def count_error(request: Request, error: APIError) -> None:
     """aioserve:request_errors, by type and status."""
     ctx = getattr(request.app.state, "ctx", None)

@@ -4,6 +4,7 @@ fail answered as an OpenAI-style error: 413 for a body over
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from typing import TypeVar
 
@@ -27,7 +28,7 @@ async def parse_body(request: Request, model: type[Body]) -> Body:
     """Read, check the per-request bounds (server/body_checks.py), validate.
     A large body is parsed and checked by the worker process, off the loop."""
     ctx = request.app.state.ctx
-    raw = await read_body(request, ctx.args.max_request_bytes)
+    raw = await read_body(request, ctx.args.max_request_bytes, ctx.args.request_body_timeout)
     _check_content_type(request)
     known = _known_fields(model)
     try:
@@ -50,14 +51,24 @@ async def parse_body(request: Request, model: type[Body]) -> Body:
 DISCARD_LIMIT = 64 << 20
 
 
-async def read_body(request: Request, limit: int) -> bytes:
+async def read_body(request: Request, limit: int, timeout: float | None = None) -> bytes:
     """The body, refused with 413 as soon as it is known to be over `limit`
-    (from Content-Length, else while it streams in) and never held whole."""
+    (from Content-Length, else while it streams in) and never held whole;
+    with 408 when the client sends nothing for `timeout` seconds (a stalled
+    upload would hold its connection, and a file descriptor, forever).
+    ClientDisconnect passes up (app.py answers it quietly: nobody to answer)."""
     declared = request.headers.get("content-length")
     over = declared is not None and declared.isdigit() and int(declared) > limit
     chunks: list[bytes] = []
     size = 0
-    async for chunk in request.stream():  # ClientDisconnect passes up: nobody to answer
+    stream = request.stream()
+    while True:
+        try:
+            chunk = await asyncio.wait_for(anext(stream), timeout)
+        except StopAsyncIteration:
+            break
+        except asyncio.TimeoutError:
+            raise body_timeout(timeout) from None
         size += len(chunk)
         over = over or size > limit
         if over:
@@ -67,11 +78,18 @@ async def read_body(request: Request, limit: int) -> bytes:
         else:
             chunks.append(chunk)
     if over:
-        raise _too_large(limit)
+        raise too_large(limit)
     return b"".join(chunks)
 
 
-def _too_large(limit: int) -> APIError:
+def body_timeout(timeout: float | None) -> APIError:
+    return APIError(
+        f"the request body stalled: nothing arrived for {timeout:g} s (--request-body-timeout)",
+        status=408, code="request_timeout", headers={"Connection": "close"},
+    )
+
+
+def too_large(limit: int) -> APIError:
     return APIError(
         f"the request body is larger than this server's limit of {limit} bytes (--max-request-bytes)",
         status=413,
