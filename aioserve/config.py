@@ -209,6 +209,11 @@ class ServerArgs:
         help="on SIGTERM/SIGINT, seconds running requests get to finish before the rest are aborted "
         "(new requests get 503 meanwhile; a second signal exits at once)",
     )
+    backlog: int = option(
+        2048, group="HTTP",
+        help="connections the kernel queues for accepting (listen backlog; capped by net.core.somaxconn): "
+        "past it, a burst's connections are refused or reset",
+    )
     request_body_timeout: float = option(
         30.0, group="HTTP",
         help="seconds a request body may stall (nothing arriving) before the request gets 408 and its "

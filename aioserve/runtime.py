@@ -112,6 +112,7 @@ async def serve(args: ServerArgs) -> str | None:
     config = Config()
     config.bind = [f"{args.host}:{args.port}"]
     config.accesslog = None
+    config.backlog = args.backlog
     config.errorlog = logging.getLogger("hypercorn.error")
     config.graceful_timeout = 3.0
     logger.info(

@@ -82,6 +82,11 @@ class ServingGate:
                 self.ctx.metrics.error(error.type, error.status)
                 await error.response()(scope, receive, send)
                 return
+            try:
+                await self.app(scope, receive, send)
+            finally:  # a request that failed before it was submitted gives back its reservation
+                self.ctx.admitted(scope)
+            return
         await self.app(scope, receive, send)
 
 

@@ -78,6 +78,12 @@ def _n(fields: dict[str, Any]) -> int:
     return n if isinstance(n, int) and not isinstance(n, bool) and n > 0 else 1
 
 
+def prompt_count(prompt: Any) -> int:
+    """How many prompts a validated prompt field holds (a string or token ids:
+    one; else a list of them), before any is tokenized."""
+    return 1 if isinstance(prompt, str) or (prompt and isinstance(prompt[0], int)) else max(len(prompt), 1)
+
+
 def _check_len(value: Any, kind: type, limit: int, what: str, option: str, param: str) -> None:
     if isinstance(value, kind) and len(value) > limit:
         raise _over(f"too many {what}", len(value), limit, option, param)

@@ -63,7 +63,7 @@ async def create_chat_completion(request: Request) -> Response:
     ctx: ServingContext = request.app.state.ctx
     body = await parse_body(request, ChatCompletionRequest)
     ctx.check_model(body.model)
-    ctx.check_capacity(body.n)
+    ctx.check_capacity(body.n, request.scope)
     if body.top_logprobs and not body.logprobs:
         raise APIError("top_logprobs needs logprobs: true", param="top_logprobs")
     tools = plan_tools(ctx, body)
@@ -80,6 +80,7 @@ async def create_chat_completion(request: Request) -> Response:
     generation = Generation(ctx, new_id("chatcmpl"), arrival_time(request), incremental=body.stream)
     try:
         generation.start([prompt_ids], params, body.n, grammar)
+        ctx.admitted(request.scope)
     except APIError as exc:  # the prompt is the rendered messages
         if exc.param == "prompt":
             exc.param = "messages"

@@ -17,6 +17,7 @@ from aioserve.server.errors import APIError
 from aioserve.server.request_metrics import RequestMetrics
 from aioserve.tokenizer import Tokenizer
 
+ADMITTING_KEY = "aioserve.admitting"  # in an HTTP scope: how many requests it reserved
 RETRY_AFTER_S = 1  # what a 429 (queue full) or 503 (draining) tells the client to wait
 
 
@@ -46,6 +47,8 @@ class ServingContext:
     # Generations not yet finished, for the drain to wait on (weak: one a
     # failed handler dropped cannot keep the drain waiting).
     generations: weakref.WeakSet[InFlight] = field(default_factory=weakref.WeakSet)
+    # Requests accepted past --max-waiting-requests' check, not yet submitted.
+    admitting: int = 0
     # Parses large request bodies in a process of its own (server/body_parser.py).
     body_parser: BodyParserProcess = field(default_factory=BodyParserProcess)
 
@@ -71,13 +74,17 @@ class ServingContext:
                 code="model_not_found",
             )
 
-    def check_capacity(self, new_requests: int = 1) -> None:
+    def check_capacity(self, new_requests: int = 1, scope: dict[str, Any] | None = None) -> None:
         """--max-waiting-requests: refuse at once, before any tokenizing, when
-        the queue is full, so that a load balancer can send the work elsewhere."""
+        the queue is full, so that a load balancer can send the work elsewhere.
+        Requests count from the moment they are accepted: those still being
+        tokenized (`admitting`, reserved on the request's `scope` until
+        `admitted`) as well as the scheduler's waiting ones; else a burst
+        passes the check before any of it reaches the queue."""
         bound = self.args.max_waiting_requests
         if bound is None:
             return
-        waiting = self.scheduler.info().waiting
+        waiting = self.scheduler.info().waiting + self.admitting
         if waiting + new_requests > bound:
             raise APIError(
                 f"the server is at capacity: {waiting} requests are waiting for admission "
@@ -87,6 +94,14 @@ class ServingContext:
                 code="queue_full",
                 headers={"Retry-After": str(RETRY_AFTER_S)},
             )
+        if scope is not None:
+            self.admitting += new_requests
+            scope[ADMITTING_KEY] = scope.get(ADMITTING_KEY, 0) + new_requests
+
+    def admitted(self, scope: dict[str, Any]) -> None:
+        """The request's reservation ends: its requests are in the scheduler's
+        queue now, or it failed (app.ServingGate calls this when a request ends)."""
+        self.admitting -= scope.pop(ADMITTING_KEY, 0)
 
     def check_prompt_chars(self, chars: int, param: str) -> None:
         """A prompt whose character count alone proves that it cannot fit the
