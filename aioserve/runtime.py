@@ -193,7 +193,7 @@ class Drain:
             left = self._unfinished()
             logger.warning("aborting %d requests still running after %.0f s", len(left), self.timeout)
             for generation in left:
-                generation.close()  # each stream gets its final (abort) event
+                generation.abort()  # each stream gets its final (abort) event
             # Let the handlers write those last events before the listener closes.
             await self._all_finished_within(LAST_EVENTS_S)
         self.stop.set()

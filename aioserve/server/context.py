@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import asyncio
 import time
-import weakref
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -27,7 +26,7 @@ class InFlight(Protocol):
     @property
     def finished(self) -> bool: ...
 
-    def close(self) -> None: ...
+    def abort(self) -> None: ...
 
 
 @dataclass
@@ -44,9 +43,10 @@ class ServingContext:
     metrics: RequestMetrics = field(init=False)  # made from the served name
     # Set on SIGTERM/SIGINT: /health and new requests answer 503 while running ones finish.
     draining: bool = False
-    # Generations not yet finished, for the drain to wait on (weak: one a
-    # failed handler dropped cannot keep the drain waiting).
-    generations: weakref.WeakSet[InFlight] = field(default_factory=weakref.WeakSet)
+    # Generations not yet finished, for the drain to wait on: each leaves when
+    # its last event is read or it is closed (Generation.close marks its
+    # streams finished, so a client that left is not waited for).
+    generations: set[InFlight] = field(default_factory=set)
     # Requests accepted past --max-waiting-requests' check, not yet submitted.
     admitting: int = 0
     # Parses large request bodies in a process of its own (server/body_parser.py).
