@@ -223,3 +223,42 @@ def test_client_leaving_mid_upload_is_not_a_server_error(server: RunningServer) 
     assert httpx.get(f"{server.url}/health", timeout=10).status_code == 200
     assert _server_errors(server) == before
     assert "Traceback" not in server.log()
+
+
+# -- strictness (as OpenAI answers) ---------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("path", "body", "param"),
+    [
+        ("/v1/chat/completions", {"messages": [{"role": "tool", "content": "42"}]}, "messages.0"),
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "logprobs": "yes"}, "logprobs"),
+        ("/v1/completions", {"prompt": "x", "max_tokens": "3"}, "max_tokens"),
+        ("/v1/completions", {"prompt": [True, True]}, "prompt"),
+        ("/v1/completions", {"prompt": "x", "n": "2"}, "n"),
+    ],
+    ids=["tool-without-call-id", "logprobs-yes", "max-tokens-string", "prompt-bools", "n-string"],
+)
+def test_coercions_are_400s(server: RunningServer, path: str, body: dict[str, Any], param: str) -> None:
+    response = post(server, path, body)
+    assert response.status_code == 400, response.text
+    assert response.json()["error"]["param"] == param, response.text
+
+
+def test_405_says_what_is_allowed(server: RunningServer) -> None:
+    response = httpx.get(f"{server.url}/v1/completions", timeout=10)
+    assert response.status_code == 405
+    assert response.headers["allow"] == "POST"
+
+
+def test_openapi_declares_security_only_with_a_key(server: RunningServer) -> None:
+    document = httpx.get(f"{server.url}/openapi.json", timeout=10).json()
+    assert "security" not in document and "securitySchemes" not in document["components"]
+
+
+def test_tokenize_is_bounded_by_the_prompt_length(server: RunningServer) -> None:
+    start = time.perf_counter()
+    response = post(server, "/tokenize", {"prompt": "word " * 2_000_000})
+    assert response.status_code == 400, response.text[:300]
+    assert response.json()["error"]["code"] == "context_length_exceeded"
+    assert time.perf_counter() - start < 5

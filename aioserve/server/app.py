@@ -50,12 +50,13 @@ class APIKeyCheck:
 
     def __init__(self, app: ASGIApp, api_key: str) -> None:
         self.app = app
-        self.expected = f"Bearer {api_key}".encode()
+        self.expected = api_key.encode()
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "http" and not _is_open(scope["path"]) and not _is_preflight(scope):
-            given = dict(scope["headers"]).get(b"authorization", b"")
-            if not secrets.compare_digest(given, self.expected):
+            # The scheme is case-insensitive (RFC 9110): "bearer KEY" is accepted too.
+            scheme, _, given = dict(scope["headers"]).get(b"authorization", b"").partition(b" ")
+            if not (secrets.compare_digest(given.strip(), self.expected) and scheme.lower() == b"bearer"):
                 response = APIError("invalid or missing API key", status=401, code="invalid_api_key").response()
                 await response(scope, receive, send)
                 return
@@ -127,7 +128,10 @@ async def http_error_handler(request: Request, exc: Exception) -> Response:
     """Unknown routes and wrong methods, in the same error shape."""
     assert isinstance(exc, HTTPException)
     kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
-    return APIError(f"{exc.detail}: {request.method} {request.url.path}", status=exc.status_code, type=kind).response()
+    return APIError(  # a 405's Allow header (RFC 9110) comes with the exception
+        f"{exc.detail}: {request.method} {request.url.path}", status=exc.status_code, type=kind,
+        headers=dict(exc.headers or {}),
+    ).response()
 
 
 def create_app(ctx: ServingContext) -> Starlette:
