@@ -81,6 +81,34 @@ class StructuredOutputParams:
             raise SamplingParamsError("choice must be a non-empty list of non-empty strings", "structured_outputs.choice")
         if kind in ("regex", "grammar") and not getattr(self, kind):
             raise SamplingParamsError(f"{kind} must not be empty", f"structured_outputs.{kind}")
+        if kind == "json":
+            schema = self.json
+            if isinstance(schema, str):
+                try:
+                    schema = json.loads(schema)
+                except json.JSONDecodeError:
+                    return  # compiling it reports the error
+            if (ref := _remote_ref(schema)) is not None:
+                raise SamplingParamsError(
+                    f"the JSON schema refers to {ref!r}: remote $ref targets are never fetched; inline the "
+                    "definition (or refer to it inside the schema, as #/$defs/...)", "structured_outputs.json",
+                )
+
+
+def _remote_ref(schema: Any) -> str | None:
+    """The first "$ref" that points outside the schema (anything but "#..."),
+    which the grammar compiler would otherwise silently leave unconstrained."""
+    stack = [schema]
+    while stack:
+        node = stack.pop()
+        if isinstance(node, dict):
+            ref = node.get("$ref")
+            if isinstance(ref, str) and not ref.startswith("#"):
+                return ref
+            stack.extend(node.values())
+        elif isinstance(node, list):
+            stack.extend(node)
+    return None
 
 
 @dataclass

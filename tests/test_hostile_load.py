@@ -262,3 +262,16 @@ def test_tokenize_is_bounded_by_the_prompt_length(server: RunningServer) -> None
     assert response.status_code == 400, response.text[:300]
     assert response.json()["error"]["code"] == "context_length_exceeded"
     assert time.perf_counter() - start < 5
+
+
+def test_a_remote_ref_in_a_schema_is_refused_not_fetched(server: RunningServer) -> None:
+    schema = {"type": "object", "properties": {"a": {"$ref": "https://example.com/schema.json"}}}
+    body = {"prompt": "x", "max_tokens": 2,
+            "response_format": {"type": "json_schema", "json_schema": {"name": "s", "schema": schema}}}
+    response = post(server, "/v1/completions", body)
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert "never fetched" in error["message"] and error["param"] == "response_format.json_schema.schema"
+    local = {"$defs": {"a": {"type": "integer"}}, "type": "object", "properties": {"a": {"$ref": "#/$defs/a"}}}
+    body["response_format"]["json_schema"]["schema"] = local
+    assert post(server, "/v1/completions", body).status_code == 200
