@@ -26,6 +26,7 @@ from aioserve.server.responses import (
     ChatLogprobs,
     ChatMessage,
     Usage,
+    openai_finish_reason,
 )
 from aioserve.server.structured import compile_grammar, structured_request
 from aioserve.server.tools import ToolPlan, content_processors, plan_tools, template_messages
@@ -113,7 +114,8 @@ class ChatBuilder:
             if delta.model_fields_set or update.finish_reason:
                 choices.append(
                     ChatChunkChoice(
-                        index=update.choice.index, delta=delta, logprobs=logprobs, finish_reason=update.finish_reason
+                        index=update.choice.index, delta=delta, logprobs=logprobs,
+                        finish_reason=openai_finish_reason(update.finish_reason),
                     )
                 )
         return [self._chunk(choices)] if choices else []
@@ -127,7 +129,7 @@ class ChatBuilder:
                 index=update.choice.index,
                 message=_message(update.message),
                 logprobs=self._logprobs(update),
-                finish_reason=update.finish_reason,
+                finish_reason=openai_finish_reason(update.finish_reason),
             )
             for update in results
         ]

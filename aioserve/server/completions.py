@@ -19,7 +19,7 @@ from aioserve.server.logprobs import completion_logprobs, prompt_text_offsets
 from aioserve.server.protocol import CompletionRequest
 from aioserve.server.request_body import parse_body
 from aioserve.server.request_metrics import arrival_time
-from aioserve.server.responses import Completion, CompletionChoice, CompletionLogprobs, Usage
+from aioserve.server.responses import Completion, CompletionChoice, CompletionLogprobs, Usage, openai_finish_reason
 from aioserve.server.structured import compile_grammar, structured_request
 from aioserve.server.wire import WireModel
 
@@ -118,7 +118,7 @@ class CompletionBuilder:
             index=update.choice.index,
             text=prompt_text + update.content.content,
             logprobs=self._logprobs(update, echo),
-            finish_reason=update.finish_reason,
+            finish_reason=openai_finish_reason(update.finish_reason),
         )
 
     def _logprobs(self, update: ChoiceUpdate, echo: bool) -> CompletionLogprobs | None:
