@@ -9,9 +9,11 @@ from __future__ import annotations
 
 import asyncio
 import os
+import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -214,3 +216,42 @@ def test_an_unreachable_rendezvous_fails_start_up(llama_path: Path) -> None:
     assert code == 1
     assert time.monotonic() - started < 40
     assert f"cannot reach rank 0's rendezvous at {addr}" in log.read_text()
+
+
+def _post_quietly(url: str, body: dict) -> None:
+    """A request whose step hangs with the follower (how it ends is not this test's)."""
+    try:
+        httpx.post(url, json=body, timeout=60)
+    except httpx.HTTPError:
+        pass
+
+
+def test_a_stopped_follower_is_caught_by_the_step_bound(llama_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """SIGSTOP keeps the follower's lifeline open: the step in flight not
+    completing within its bound (AIOSERVE_TP_STEP_TIMEOUT, 2 s here) is what
+    marks the server unhealthy and ends it non-zero."""
+    monkeypatch.setenv("AIOSERVE_TP_STEP_TIMEOUT", "2")
+    server = start_server(llama_path, *FLAGS, "--tp", "2")
+    follower = server.info()["tensor_parallel"]["ranks"][1]["pid"]
+    try:
+        os.kill(follower, signal.SIGSTOP)
+        stopped = time.monotonic()
+        body = {"model": server.info()["model"], "prompt": "hello", "max_tokens": 8}
+        threading.Thread(target=_post_quietly, args=(f"{server.v1}/completions", body), daemon=True).start()
+        unhealthy_after = None
+        while server.process.poll() is None and time.monotonic() - stopped < 30:
+            try:
+                if httpx.get(f"{server.url}/health", timeout=0.5).status_code == 503 and unhealthy_after is None:
+                    unhealthy_after = time.monotonic() - stopped
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.05)
+        exited_after = time.monotonic() - stopped
+        assert server.process.poll() not in (None, 0), server.log()[-3000:]
+        assert unhealthy_after is not None and unhealthy_after < 2 + 3, unhealthy_after
+        assert exited_after < 2 + 12, exited_after
+        assert "a step did not complete within" in server.log()
+    finally:
+        if _alive(follower):
+            os.kill(follower, signal.SIGKILL)
+        server.stop()
