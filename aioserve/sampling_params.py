@@ -62,18 +62,24 @@ class StructuredOutputParams:
         if kind == "json":
             # One key for a schema however it is spaced; key order is kept
             # (properties are generated in the schema's order).
-            schema = self.json
+            schema = self._parsed_schema()
             if isinstance(schema, str):
-                try:
-                    schema = json.loads(schema)
-                except json.JSONDecodeError:
-                    return kind, schema  # compiling it reports the error
+                return kind, schema  # not JSON: compiling it reports the error
             return kind, json.dumps(schema)
         if kind == "choice":
             return kind, json.dumps(self.choice)
         if kind == "json_object":
             return kind, ""
         return kind, str(getattr(self, kind))
+
+    def _parsed_schema(self) -> Any:
+        """The schema as data; text that is not JSON stays text."""
+        if isinstance(self.json, str):
+            try:
+                return json.loads(self.json)
+            except json.JSONDecodeError:
+                return self.json
+        return self.json
 
     def validate(self) -> None:
         kind = self.kind()
@@ -82,13 +88,7 @@ class StructuredOutputParams:
         if kind in ("regex", "grammar") and not getattr(self, kind):
             raise SamplingParamsError(f"{kind} must not be empty", f"structured_outputs.{kind}")
         if kind == "json":
-            schema = self.json
-            if isinstance(schema, str):
-                try:
-                    schema = json.loads(schema)
-                except json.JSONDecodeError:
-                    return  # compiling it reports the error
-            if (ref := _remote_ref(schema)) is not None:
+            if (ref := _remote_ref(self._parsed_schema())) is not None:
                 raise SamplingParamsError(
                     f"the JSON schema refers to {ref!r}: remote $ref targets are never fetched; inline the "
                     "definition (or refer to it inside the schema, as #/$defs/...)", "structured_outputs.json",
