@@ -71,6 +71,10 @@ class FatalFailure:
         # A finished scheduler task is what /health reports as 503.
         if self.ctx is not None and self.ctx.scheduler_task is not None:
             self.ctx.scheduler_task.cancel()
+        if self.ctx is not None:  # every running request ends with a clean error, not a cut connection
+            self.ctx.failure = self.reason
+            for generation in list(self.ctx.generations):
+                generation.fail(f"the server failed and is exiting: {self.reason}")
         self.loop.call_later(FAILURE_GRACE_S, self.stop.set)
 
     def _watchdog(self) -> None:

@@ -8,6 +8,7 @@ rendezvous fails start-up with a clear message."""
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import signal
 import subprocess
@@ -254,4 +255,43 @@ def test_a_stopped_follower_is_caught_by_the_step_bound(llama_path: Path, monkey
     finally:
         if _alive(follower):
             os.kill(follower, signal.SIGKILL)
+        server.stop()
+
+
+def test_a_killed_follower_gives_running_requests_a_clean_error(llama_path: Path) -> None:
+    """Streams end with an OpenAI-style error event and [DONE]; a whole
+    response is a 503 with a JSON error body."""
+    server = start_server(llama_path, *FLAGS, "--tp", "2")
+    follower = server.info()["tensor_parallel"]["ranks"][1]["pid"]
+    model = server.info()["model"]
+    try:
+        lines: list[str] = []
+        whole: list[httpx.Response] = []
+        body = {"model": model, "prompt": "hello", "max_tokens": 100000, "ignore_eos": True}
+        body["max_tokens"] = server.info()["max_model_len"] - 8
+
+        def stream() -> None:
+            with httpx.stream("POST", f"{server.v1}/completions", json={**body, "stream": True}, timeout=60) as r:
+                lines.extend(line for line in r.iter_lines() if line)
+
+        def non_stream() -> None:
+            whole.append(httpx.post(f"{server.v1}/completions", json=body, timeout=60))
+
+        threads = [threading.Thread(target=stream), threading.Thread(target=non_stream)]
+        for thread in threads:
+            thread.start()
+        deadline = time.monotonic() + 30
+        while len(lines) < 3 and time.monotonic() < deadline:
+            time.sleep(0.02)
+        os.kill(follower, 9)
+        for thread in threads:
+            thread.join(30)
+        assert lines[-1] == "data: [DONE]", lines[-3:]
+        error = json.loads(lines[-2].removeprefix("data: "))["error"]
+        assert error["type"] == "service_unavailable" and "rank 1" in error["message"], error
+        assert whole[0].status_code == 503, whole[0].text
+        assert whole[0].json()["error"]["code"] == "server_failed"
+        server.process.wait(15)
+        assert server.log().count("Traceback") == 0, server.log()[-3000:]
+    finally:
         server.stop()

@@ -28,6 +28,8 @@ class InFlight(Protocol):
 
     def abort(self) -> None: ...
 
+    def fail(self, reason: str) -> None: ...
+
 
 @dataclass
 class ServingContext:
@@ -47,6 +49,9 @@ class ServingContext:
     # its last event is read or it is closed (Generation.close marks its
     # streams finished, so a client that left is not waited for).
     generations: set[InFlight] = field(default_factory=set)
+    # Set when the server failed (a rank died or hung): why. Running requests
+    # end with a 503 (or an SSE error event) saying so.
+    failure: str | None = None
     # Requests accepted past --max-waiting-requests' check, not yet submitted.
     admitting: int = 0
     # Parses large request bodies in a process of its own (server/body_parser.py).

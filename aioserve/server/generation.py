@@ -164,6 +164,14 @@ class Generation:
             metrics.finished(event.finish_reason)
             metrics.e2e_request_latency.observe(now - self.arrival)
 
+    def fail(self, reason: str) -> None:
+        """End every unfinished choice with an error event (the server failed:
+        a rank died or hung), so its handler answers with a clean error."""
+        now = time.monotonic()
+        for choice in self.choices:
+            if not choice.stream.finished:
+                self._queue.put_nowait((choice, RequestEvent(finish_reason="error", error=reason), now))
+
     def abort(self) -> None:
         """Abort whatever still runs; its final (abort) events still come to
         `deltas()`, for a handler that is reading them (the drain's timeout)."""
