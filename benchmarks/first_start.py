@@ -18,7 +18,8 @@ from pathlib import Path
 
 import httpx
 
-from aioserve.server_process import free_port
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tools"))
+from server_process import free_port  # noqa: E402
 
 BODY = {"prompt": "Once upon a time", "max_tokens": 64, "temperature": 0, "ignore_eos": True}
 

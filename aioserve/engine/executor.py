@@ -47,6 +47,8 @@ class PlanBroadcaster(Protocol):
 
     def send(self, plan: BatchPlan) -> None: ...
 
+    def step_done(self) -> None: ...
+
     def fail(self, reason: str) -> None: ...
 
     def stop_followers(self) -> None: ...
@@ -105,7 +107,10 @@ class ThreadExecutor:
     def _step(self, plan: BatchPlan) -> StepOutput:
         if self.leader is not None:
             self.leader.send(plan)
-        return self.engine.forward(plan)
+        output = self.engine.forward(plan)
+        if self.leader is not None:
+            self.leader.step_done()
+        return output
 
     def submit(self, plan: BatchPlan) -> "asyncio.Future[StepOutput]":
         what = f"step {plan.step}"
@@ -140,6 +145,8 @@ class CudaStreamExecutor:
     def _wait(self, launched: concurrent.futures.Future) -> StepOutput:
         output, done = launched.result()
         done.synchronize()
+        if self.leader is not None:
+            self.leader.step_done()
         return output
 
     def submit(self, plan: BatchPlan) -> "asyncio.Future[StepOutput]":

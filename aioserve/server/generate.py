@@ -12,6 +12,7 @@ from starlette.responses import Response
 
 from aioserve.output_stream import OutputStream, TopLogprobs
 from aioserve.server.assembly import ChoiceUpdate, respond
+from aioserve.server.body_checks import prompt_count
 from aioserve.server.context import ServingContext
 from aioserve.server.errors import APIError
 from aioserve.server.generate_protocol import (
@@ -60,7 +61,8 @@ def _request_ids(body: GenerateRequest, num_prompts: int) -> list[str]:
 async def generate(request: Request) -> Response:
     ctx: ServingContext = request.app.state.ctx
     body = await parse_body(request, GenerateRequest)
-    ctx.check_capacity(body.sampling_params.n)
+    prompts_given = body.text if body.text is not None else body.input_ids
+    ctx.check_capacity(prompt_count(prompts_given or "") * body.sampling_params.n, request.scope)
     prompts, batch = await _prompts(ctx, body)
     rids = _request_ids(body, len(prompts))
     n = body.sampling_params.n
@@ -68,6 +70,7 @@ async def generate(request: Request) -> Response:
     generation = Generation(ctx, f"generate-{rids[0]}", arrival_time(request), incremental=body.stream)
     try:
         generation.start(prompts, body.to_sampling_params(), n, grammar)
+        ctx.admitted(request.scope)
     except APIError as exc:  # named as OpenAI's fields are; say SGLang's names
         exc.param = sglang_param(exc.param, "text" if body.text is not None else "input_ids")
         raise

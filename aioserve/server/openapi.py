@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import importlib.metadata
 import json
+import os
 import typing
 from collections.abc import Iterator
 from functools import cache
@@ -334,8 +335,10 @@ def _version() -> str:
 
 
 @cache
-def _document_bytes() -> bytes:
-    document = {
+def _document_bytes(secured: bool) -> bytes:
+    """With an API key, the bearer scheme applies to every route but the
+    open ones; without one, the document declares no security at all."""
+    document: dict = {
         "openapi": OPENAPI_VERSION,
         "info": {
             "title": "aioserve",
@@ -343,21 +346,18 @@ def _document_bytes() -> bytes:
             "description": "OpenAI-compatible (and SGLang /generate) LLM inference server.",
         },
         "paths": paths(),
-        "components": {
-            "schemas": all_schemas(),
-            "securitySchemes": {
-                "apiKey": {
-                    "type": "http",
-                    "scheme": "bearer",
-                    "description": "Checked only when the server runs with --api-key or AIOSERVE_API_KEY.",
-                }
-            },
-        },
-        "security": [{"apiKey": []}],
+        "components": {"schemas": all_schemas()},
     }
+    if secured:
+        document["components"]["securitySchemes"] = {
+            "apiKey": {"type": "http", "scheme": "bearer", "description": "the server's --api-key (or AIOSERVE_API_KEY)"}
+        }
+        document["security"] = [{"apiKey": []}]
     return json.dumps(document).encode()
 
 
 async def openapi_json(request: Request) -> Response:
-    return Response(_document_bytes(), media_type="application/json")
+    ctx = getattr(request.app.state, "ctx", None)
+    secured = bool((ctx is not None and ctx.args.api_key) or os.environ.get("AIOSERVE_API_KEY"))
+    return Response(_document_bytes(secured), media_type="application/json")
 

@@ -11,6 +11,7 @@ raises) and closes every lifeline, which makes every follower exit.
 from __future__ import annotations
 
 import logging
+import os
 import threading
 import time
 from collections.abc import Callable
@@ -37,6 +38,19 @@ from aioserve.tp.world import (
 )
 
 logger = logging.getLogger(__name__)
+
+# A step must complete within STEP_BOUND_BASE_S plus STEP_BOUND_PER_TOKEN_S for
+# each token it runs, or a rank is taken as hung (SIGSTOPped, deadlocked):
+# its TCP lifeline stays open, and gloo's own timeout is 10 minutes. The base
+# is AIOSERVE_TP_STEP_TIMEOUT seconds when set.
+STEP_BOUND_BASE_S = 30.0
+STEP_BOUND_PER_TOKEN_S = 0.02
+WATCH_INTERVAL_S = 0.25
+
+
+def step_bound(num_tokens: int) -> float:
+    base = float(os.environ.get("AIOSERVE_TP_STEP_TIMEOUT", STEP_BOUND_BASE_S))
+    return base + STEP_BOUND_PER_TOKEN_S * num_tokens
 
 FailureHandler = Callable[[str], None]
 
@@ -86,6 +100,9 @@ class TPLeader:
             raise
         self.channel = PlanChannel()
         self.lifeline.watch(lambda rank: self.fail(f"rank {rank} exited or became unreachable"))
+        # (deadline, bound) of the step in flight, None between steps.
+        self._step_deadline: tuple[float, float] | None = None
+        threading.Thread(target=self._watch_steps, name="aioserve-tp-step-watch", daemon=True).start()
         logger.info("tensor parallel: %d ranks over %d node(s) met at %s:%d", self.world_size, config.nnodes,
                     host, self.store.port)
 
@@ -100,7 +117,21 @@ class TPLeader:
 
     def send(self, plan: Any) -> None:
         """Broadcast a step's plan (on the executor's thread, before the forward)."""
+        bound = step_bound(plan.num_tokens)
+        self._step_deadline = (time.monotonic() + bound, bound)
         self.channel.send(plan)
+
+    def step_done(self) -> None:
+        """The step's forward returned on every rank (its collectives completed)."""
+        self._step_deadline = None
+
+    def _watch_steps(self) -> None:
+        while not self._closed and not self.failed:
+            in_flight = self._step_deadline
+            if in_flight is not None and time.monotonic() > in_flight[0]:
+                self.fail(f"a step did not complete within {in_flight[1]:.1f} s: a rank is hung")
+                return
+            time.sleep(WATCH_INTERVAL_S)
 
     def fail(self, reason: str) -> None:
         """The group is broken: report once, cut every follower loose."""
