@@ -99,6 +99,7 @@ class GrammarCompiler:
                 # Not strict: any members, of any JSON type.
                 return compiler.compile_json_schema('{"type": "object"}', any_whitespace=False, strict_mode=False)
             if kind == "regex":
+                assert spec.regex is not None  # the kind names the field that is set
                 return compiler.compile_regex(spec.regex)
             if kind == "choice":
                 return compiler.compile_grammar(choice_grammar(spec.choice or []))

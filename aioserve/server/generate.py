@@ -45,8 +45,8 @@ async def _prompts(ctx: ServingContext, body: GenerateRequest) -> tuple[list[lis
     if not ids or any(isinstance(p, list) and not p for p in ids):  # token id 0 is not empty
         raise APIError("input_ids must not be empty", param="input_ids")
     if isinstance(ids[0], int):
-        return [list(ids)], False  # type: ignore[arg-type]
-    return [list(p) for p in ids], True  # type: ignore[union-attr]
+        return [list(ids)], False
+    return [list(p) for p in ids], True
 
 
 def _request_ids(body: GenerateRequest, num_prompts: int) -> list[str]:

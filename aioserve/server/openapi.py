@@ -263,7 +263,7 @@ def _post(summary: str, operation_id: str, body: str | None, schema: JsonDict, e
 
 
 # Probes and scrapers get no API key: these say so by an empty security list.
-OPEN = {"security": []}
+OPEN: JsonDict = {"security": []}
 
 
 def paths() -> JsonDict:

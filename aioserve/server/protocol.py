@@ -120,10 +120,10 @@ class SamplingFields(RequestModel):
             max_tokens=max_tokens,
             temperature=1.0 if self.temperature is None else self.temperature,
             top_p=1.0 if self.top_p is None else self.top_p,
-            top_k=-1 if self.top_k in (None, 0) else self.top_k,  # type: ignore[arg-type]
+            top_k=-1 if self.top_k in (None, 0) else self.top_k,
             min_p=self.min_p or 0.0,
             seed=self.seed,
-            stop=list(self.stop or []),  # type: ignore[arg-type]
+            stop=list(self.stop or []),
             stop_token_ids=list(self.stop_token_ids or []),
             ignore_eos=self.ignore_eos,
             min_tokens=self.min_tokens,
