@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import logging
+import os
 import sys
 import types
 import typing
@@ -140,14 +141,23 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("model_tag", nargs="?", metavar="MODEL", help="the model, as --model names it")
     add_options(serve, EngineConfig, ServerArgs)
     add_unsupported(serve)
+    commands.add_parser(
+        "build-kernels", help="build the native CPU kernels ahead of the first start",
+        description="Build (or find in the cache) the C++ CPU kernels of native/ for this Python, torch and CPU, "
+        "into $AIOSERVE_NATIVE_CACHE (default ~/.cache/aioserve/native). Needs g++ and the Python headers. "
+        "Exits 1 when they cannot be built.",
+    )
     return parser
 
 
-def _parse(argv: Sequence[str] | None) -> tuple[argparse.Namespace, ServerArgs]:
-    """argv -> the namespace and its ServerArgs; a usage error (argparse's
-    exit 2 with its message) for a bad flag or a bad combination of them."""
+def _parse(argv: Sequence[str] | None) -> tuple[argparse.Namespace, ServerArgs | None]:
+    """argv -> the namespace and its ServerArgs (None for a command other than
+    serve); a usage error (argparse's exit 2 with its message) for a bad flag
+    or a bad combination of them."""
     parser = build_parser()
     ns = parser.parse_args(argv)
+    if ns.command != "serve":
+        return ns, None
     serve = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction)).choices["serve"]
     positional = getattr(ns, "model_tag", None)
     if positional is not None:
@@ -164,16 +174,56 @@ def _parse(argv: Sequence[str] | None) -> tuple[argparse.Namespace, ServerArgs]:
 def parse_serve_args(argv: Sequence[str]) -> ServerArgs:
     """`aioserve serve` flags -> ServerArgs, exiting with argparse's message on
     a bad one: lets a script check flags before it starts a server with them."""
-    return _parse(["serve", *argv])[1]
+    args = _parse(["serve", *argv])[1]
+    assert args is not None
+    return args
+
+
+def _wants_cpu_kernels(args: ServerArgs) -> bool:
+    device = args.engine.device
+    if device == "auto":
+        import torch
+
+        return not torch.cuda.is_available()
+    return device == "cpu"
+
+
+def prepare_native_kernels(args: ServerArgs) -> None:
+    """Before the server listens: the native CPU kernels built or loaded
+    (`build`), left to a background build (`background`), or turned off."""
+    if args.native_kernels == "off":
+        os.environ["AIOSERVE_NATIVE"] = "0"  # the engine's processes (TP ranks too) read it
+    elif args.native_kernels == "build" and _wants_cpu_kernels(args):
+        from aioserve.cpu.native import build_with_progress
+
+        build_with_progress()
+
+
+def build_kernels() -> int:
+    from aioserve.cpu.native import build_with_progress, cache_root, enabled
+
+    if not enabled():
+        print("aioserve: AIOSERVE_NATIVE=0 (or no native/ sources): nothing to build", file=sys.stderr)
+        return 1
+    module = build_with_progress()
+    if module is None:
+        return 1
+    print(f"aioserve: native CPU kernels ready: {module.__file__} (cache: {cache_root()})", file=sys.stderr)
+    return 0
 
 
 def main(argv: list[str] | None = None) -> None:
     ns, args = _parse(argv)
+    level = getattr(ns, "log_level", "info")
     logging.basicConfig(
-        level=ns.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr
+        level=level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr
     )
+    if ns.command == "build-kernels":
+        sys.exit(build_kernels())
     from aioserve.runtime import run_server
 
+    assert args is not None
+    prepare_native_kernels(args)
     try:
         run_server(args)
     except (FileNotFoundError, PermissionError) as exc:  # a model that cannot be had: the message says why

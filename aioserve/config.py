@@ -238,6 +238,12 @@ class ServerArgs:
         "(default: $AIOSERVE_API_KEY)",
     )
     tokenizer_workers: int = option(4, help="threads that tokenize requests", group="HTTP")
+    native_kernels: str = option(
+        "build", group="model", choices=("build", "background", "off"),
+        help="the C++ CPU kernels (native/, about 40 s to build once per environment, then cached): build "
+        "(or load) them before listening; background: listen at once, torch fallbacks serving (slower) until "
+        "the build is done; off: torch fallbacks only (as AIOSERVE_NATIVE=0). Not needed on CUDA",
+    )
     max_request_bytes: int = option(
         DEFAULT_MAX_REQUEST_BYTES, parse=parse_bytes, group="HTTP",
         help="larger request bodies get 413 before they are read (a 128K-token prompt is well under 1 MiB "
@@ -255,6 +261,30 @@ class ServerArgs:
     )
     ssl_keyfile: str | None = option(None, help="the TLS private key (PEM), with --ssl-certfile: serve HTTPS", group="HTTP")
     ssl_certfile: str | None = option(None, help="the TLS certificate chain (PEM), with --ssl-keyfile", group="HTTP")
+    backlog: int = option(
+        2048, group="HTTP",
+        help="connections the kernel queues for accepting (listen backlog; capped by net.core.somaxconn): "
+        "past it, a burst's connections are refused or reset",
+    )
+    request_body_timeout: float = option(
+        30.0, group="HTTP",
+        help="seconds a request body may stall (nothing arriving) before the request gets 408 and its "
+        "connection is closed",
+    )
+    # Bounds on one request (server/body_checks.py), checked on the parsed JSON
+    # before it is validated or any work is built; each a 400 naming its option.
+    max_choices_per_request: int = option(
+        1024, group="HTTP",
+        help="prompts × n one request may ask for (each choice is a generation of its own)",
+    )
+    max_messages_per_request: int = option(4096, help="chat messages in one request", group="HTTP")
+    max_token_ids_per_request: int = option(
+        262144, group="HTTP",
+        help="token ids in one request's prompts (and in stop_token_ids, /detokenize's tokens)",
+    )
+    max_logit_bias_entries: int = option(1024, help="logit_bias entries in one request", group="HTTP")
+    max_stop_sequences: int = option(16, help="stop strings in one request", group="HTTP")
+    max_tools_per_request: int = option(128, help="tools in one chat request (OpenAI's limit)", group="HTTP")
     log_level: str = option("info", choices=("debug", "info", "warning", "error"), help="logging level", group="HTTP")
 
     def __post_init__(self) -> None:

@@ -17,7 +17,7 @@ import itertools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from functools import partial
-from typing import Any
+from typing import Any, cast
 
 from tqdm import tqdm
 
@@ -25,7 +25,7 @@ from aioserve.config import DEMO_MODEL, EngineConfig
 from aioserve.grammar import compiler_for
 from aioserve.output_stream import OutputStream, PromptLogprobs, TopLogprobs
 from aioserve.sampling_params import SamplingParams
-from aioserve.scheduler.factory import build_scheduler
+from aioserve.launch import build_scheduler
 from aioserve.scheduler.request import Request, RequestEvent
 from aioserve.tokenizer import Tokenizer
 
@@ -78,14 +78,14 @@ class LLM:
         """Generate for every prompt (text, or token ids), all batched together."""
         self._check_tp()
         if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
-            prompts = [prompts]  # type: ignore[list-item]
+            prompts = [prompts]
         if sampling_params is None or isinstance(sampling_params, SamplingParams):
             sampling_params = [sampling_params or SamplingParams()] * len(prompts)
         if len(sampling_params) != len(prompts):
             raise ValueError("give one SamplingParams, or one per prompt")
         bar = tqdm(total=len(prompts), desc="generating", disable=not use_tqdm)
         try:
-            outputs, requests = self._prepare(prompts, sampling_params, bar)
+            outputs, requests = self._prepare(cast(Sequence[Prompt], prompts), sampling_params, bar)  # one prompt is wrapped above
         except BaseException:
             bar.close()
             raise

@@ -103,6 +103,11 @@ class OutputStream:
         delta.finish_reason = self.finish_reason
         return delta
 
+    def end(self, reason: str) -> None:
+        """Finished without a final event (its reader left): for bookkeeping."""
+        if not self.finished:
+            self.finish_reason = reason
+
     def whole(self) -> OutputDelta:
         """Everything so far, as one delta."""
         return OutputDelta(

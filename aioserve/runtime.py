@@ -32,9 +32,9 @@ from pathlib import Path
 from typing import Any, Coroutine
 
 from aioserve.config import ServerArgs
-from aioserve.engine.tp_follower import run_node
-from aioserve.engine.tp_world import DistributedInitError, is_distributed
-from aioserve.scheduler.factory import build_scheduler
+from aioserve.tp.follower import run_node
+from aioserve.tp.world import DistributedInitError, is_distributed
+from aioserve.launch import build_scheduler
 from aioserve.server.app import create_app
 from aioserve.server.context import InFlight, ServingContext
 from aioserve.server.generation_defaults import load_generation_defaults
@@ -72,6 +72,10 @@ class FatalFailure:
         # A finished scheduler task is what /health reports as 503.
         if self.ctx is not None and self.ctx.scheduler_task is not None:
             self.ctx.scheduler_task.cancel()
+        if self.ctx is not None:  # every running request ends with a clean error, not a cut connection
+            self.ctx.failure = self.reason
+            for generation in list(self.ctx.generations):
+                generation.fail(f"the server failed and is exiting: {self.reason}")
         self.loop.call_later(FAILURE_GRACE_S, self.stop.set)
 
     def _watchdog(self) -> None:
@@ -114,6 +118,7 @@ async def serve(args: ServerArgs) -> str | None:
     config = Config()
     config.bind = [f"{args.host}:{args.port}"]
     config.accesslog = None
+    config.backlog = args.backlog
     config.errorlog = logging.getLogger("hypercorn.error")
     config.graceful_timeout = 3.0
     if args.ssl_certfile is not None:  # HTTPS (ServerArgs checks the key comes with it)
@@ -134,6 +139,7 @@ async def serve(args: ServerArgs) -> str | None:
             await asyncio.wait({ctx.scheduler_task}, timeout=30)
         scheduler.shutdown()
         tokenizer.shutdown()
+        await ctx.body_parser.close()
     return failure.reason
 
 
@@ -195,7 +201,7 @@ class Drain:
             left = self._unfinished()
             logger.warning("aborting %d requests still running after %.0f s", len(left), self.timeout)
             for generation in left:
-                generation.close()  # each stream gets its final (abort) event
+                generation.abort()  # each stream gets its final (abort) event
             # Let the handlers write those last events before the listener closes.
             await self._all_finished_within(LAST_EVENTS_S)
         self.stop.set()

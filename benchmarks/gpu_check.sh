@@ -5,15 +5,16 @@
 # Usage, on the GPU machine, from the repository root:
 #     bash benchmarks/gpu_check.sh PHASE        # PHASE: setup | tests | bench | bench-8b | all
 # Before the session, on the CPU machine:
-#     python benchmarks/gpu/prepare_models.py    # -> .gpu_models/ (4 MiB)
-#     python benchmarks/gpu/make_bundle.py       # -> .whl/ (27 MiB: trimmed FlashInfer + server wheels)
+#     python tools/gpu/prepare_models.py    # -> .gpu_models/ (4 MiB)
+#     python tools/gpu/make_bundle.py       # -> .whl/ (27 MiB: trimmed FlashInfer + server wheels)
 # Both are git-ignored: each device `run` names them in carry: [".whl", ".gpu_models"].
 # Then one `run` call per phase, in order (each <= 10 min wall; the machine
 # stays warm ~30 s between calls and keeps /tmp, so the wheels and the JIT
 # cache survive; a phase run on a fresh machine redoes the install first):
 #     run: bash benchmarks/gpu_check.sh setup      (install, versions, JIT warm-up: minutes of nvcc)
-#     run: bash benchmarks/gpu_check.sh tests      (pytest: the GPU tests, then CUDA runs of CPU-side tests;
-#                                                  a step cut by its timeout while nvcc compiles: run it again,
+#     run: bash benchmarks/gpu_check.sh tests      (the GPU tests, then CUDA runs of CPU-side tests, through
+#                                                  tools/gpu/isolated_tests.py: no test can hide another;
+#                                                  a test cut by its timeout while nvcc compiles: run it again,
 #                                                  the JIT cache in /tmp is warm by then)
 #     run: bash benchmarks/gpu_check.sh bench      (Qwen3-0.6B dummy: offline x3, roofline with/without graphs)
 #     run: bash benchmarks/gpu_check.sh bench-8b   (Llama-3-8B-shaped dummy: offline x3, roofline)
@@ -22,7 +23,8 @@
 # What comes back (at most 8 files, as the device tool allows):
 #     $OUT/steps.txt            one line per step: phase, step, status, seconds
 #     $OUT/<phase>.log          the phase's whole console (setup.log, tests.log, bench.log)
-#     $OUT/tests/gpu.xml, $OUT/tests/cuda.xml   junit of the two pytest runs
+#     $OUT/tests/gpu-summary.txt, cuda-summary.txt   one line per test: outcome, seconds, node id
+#     $OUT/tests/gpu-reruns.log  the console of each failure rerun alone with CUDA_LAUNCH_BLOCKING=1
 #     $OUT/bench/results.json   every benchmark JSON of this machine so far, by run name
 #     $OUT/bench/summary.md     the tables for the closing note
 # Environment: GPU_CHECK_BUDGET (seconds for the whole call, default 560),
@@ -182,14 +184,22 @@ phase_setup() {
 phase_tests() {
     ensure_ready
     mkdir -p "$OUT/tests"
-    step pytest-gpu 420 "$PY" -m pytest -m gpu -p no:cacheprovider -q --durations=15 \
-        --junitxml "$OUT/tests/gpu.xml" tests/test_gpu.py tests/test_gpu_fast_path.py
+    # The GPU tests, file by file with -x: a failure ends its process (a CUDA
+    # fault is sticky and would fail every later test), is rerun alone with
+    # CUDA_LAUNCH_BLOCKING=1 so its log names the faulting kernel, and the
+    # file goes on in a fresh process. One line per test in summary.txt.
+    step pytest-gpu 420 "$PY" tools/gpu/isolated_tests.py --out "$WORK/gpu-tests" --timeout 240 \
+        --budget 400 -m gpu tests/test_gpu.py tests/test_gpu_fast_path.py
+    cp "$WORK/gpu-tests/summary.txt" "$OUT/tests/gpu-summary.txt" 2>/dev/null
+    # The logs of failures only (what comes back is capped at 8 files).
+    cat "$WORK"/gpu-tests/rerun-*.log > "$OUT/tests/gpu-reruns.log" 2>/dev/null
     # CPU-side suites that run on CUDA when it is there (device auto): the
     # default backend on CUDA (FlashInfer) against transformers in fp32, the
     # batch-invariance and plan-seam checks, the sampler.
-    step pytest-cuda 300 "$PY" -m pytest -p no:cacheprovider -q --maxfail=3 --durations=10 \
-        --junitxml "$OUT/tests/cuda.xml" tests/test_greedy_matches_hf.py tests/test_batching_invariance.py \
+    step pytest-cuda 300 "$PY" tools/gpu/isolated_tests.py --out "$WORK/cuda-tests" --timeout 240 \
+        --budget 280 tests/test_greedy_matches_hf.py tests/test_batching_invariance.py \
         tests/test_plan_seam.py tests/test_sampler.py
+    cp "$WORK/cuda-tests/summary.txt" "$OUT/tests/cuda-summary.txt" 2>/dev/null
 }
 
 offline() {  # offline NAME MODEL [extra options]
@@ -206,8 +216,29 @@ roofline() {  # roofline NAME MODEL [extra options]
         --json "$RESULTS/roofline-$name.json"
 }
 
+# What users see: the server over HTTP (Qwen3-0.6B-shaped dummy, defaults:
+# FlashInfer, graphs, overlap), streamed completions at concurrency 1, 16, 64.
+serving_run() {
+    local port=8123 log="$WORK/serve.log" pid c
+    "$PY" -m aioserve serve --model "$QWEN" --load-format dummy --dtype bfloat16 --port $port >"$log" 2>&1 &
+    pid=$!
+    for _ in $(seq 1 240); do
+        curl -sf "http://127.0.0.1:$port/health" >/dev/null && break
+        kill -0 $pid 2>/dev/null || { tail -20 "$log"; return 1; }
+        sleep 1
+    done
+    for c in 1 16 64; do
+        "$PY" benchmarks/serving.py --base-url "http://127.0.0.1:$port" -n $((c * 4)) --max-concurrency $c \
+            --input-len 256 --output-len 256 --prompts-as-ids --no-progress --label "qwen3-c$c" \
+            --json "$RESULTS/serving-qwen3-c$c.json" || break
+    done
+    kill -INT $pid; wait $pid
+}
+export -f serving_run
+
 phase_bench() {
     ensure_ready
+    step serving-qwen3 300 bash -c serving_run
     offline qwen3-graphs-overlap "$QWEN"
     roofline qwen3-graphs "$QWEN"
     offline qwen3-no-graphs "$QWEN" --disable-cuda-graph
@@ -256,6 +287,10 @@ for name, rows in runs.items():
             lines.append(f"| {name[9:]} | {r['batch']} | {r['bound_ms']:.2f} | {r['measured_ms']:.2f} | {fmt(host)} "
                          f"| {fmt(gpu)} | {below} | {r['of_bound']:.2f} | {r['batch'] / r['measured_ms'] * 1e3:.0f} "
                          f"| {r['batch'] / r['bound_ms'] * 1e3:.0f} |")
+lines += ["", "## Serving over HTTP (streamed completions, 256 in / 256 out; benchmarks/serving.py's tables)", ""]
+for name, r in runs.items():
+    if name.startswith("serving-"):
+        lines += ["```", r["table"], "```"]
 (out / "summary.md").write_text("\n".join(lines) + "\n")
 print("\n".join(lines))
 EOF

@@ -13,6 +13,8 @@ histogram (aioserve:event_loop_lag_seconds) from /metrics.
 from __future__ import annotations
 
 import argparse
+from pathlib import Path
+import sys
 import asyncio
 import json
 import time
@@ -21,7 +23,8 @@ from dataclasses import dataclass
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
-from aioserve.server_process import ServerProcess
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tools"))
+from server_process import ServerProcess  # noqa: E402
 
 PAYLOADS = {
     "12 MB words": "hello " * 2_000_000,

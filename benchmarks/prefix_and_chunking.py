@@ -18,6 +18,7 @@ every server as written (so does --server-args "FLAGS", the older spelling).
 from __future__ import annotations
 
 import argparse
+from pathlib import Path
 import asyncio
 import json
 import logging
@@ -30,7 +31,8 @@ import httpx
 import numpy as np
 
 from aioserve.cli import parse_serve_args
-from aioserve.server_process import ServerProcess
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tools"))
+from server_process import ServerProcess  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from serving import BenchConfig, run_benchmark  # noqa: E402

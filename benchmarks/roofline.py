@@ -39,7 +39,7 @@ from aioserve.batch_plan import BatchPlan
 from aioserve.cli import add_options, engine_config
 from aioserve.config import EngineConfig
 from aioserve.engine.engine import Engine
-from aioserve.native import cpu_kernels
+from aioserve.cpu.native import cpu_kernels
 from aioserve.sampling_params import SamplingParams
 from aioserve.scheduler.request import Request
 from aioserve.scheduler.sampling_batch import SampleRow, SamplingBatchBuilder

@@ -13,6 +13,7 @@ the server as written (so does --server-args "FLAGS", the older spelling).
 from __future__ import annotations
 
 import argparse
+from pathlib import Path
 import asyncio
 import json
 import logging
@@ -21,7 +22,8 @@ import sys
 import tempfile
 
 from aioserve.cli import parse_serve_args
-from aioserve.server_process import ServerProcess
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tools"))
+from server_process import ServerProcess  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from serving import BenchConfig, run_benchmark  # noqa: E402

@@ -1,4 +1,4 @@
-// CPU kernels for aioserve, JIT-built by aioserve/native.py with
+// CPU kernels for aioserve, JIT-built by aioserve/cpu/native.py with
 // torch.utils.cpp_extension (-O3 -march=native: built on the machine that runs it)
 // into one Python module. Each kernel has a pure-torch twin in the package,
 // and a test checks that both agree. Each source file binds its own kernels.

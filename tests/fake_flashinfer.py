@@ -1,19 +1,76 @@
-"""A stand-in for the two FlashInfer wrappers aioserve uses, in plain torch
+"""A stand-in for the FlashInfer entry points aioserve uses, in plain torch
 on CPU, read off FlashInfer's documented semantics: paged KV described by
 (indptr, indices, last_page_len), queries by qo_indptr, causal attention
 aligned to the end of each request's KV, `window_left` inclusive, NHD
 layout, and CUDA-graph mode planning into caller-owned buffers that `run`
-reads back. With it the FlashInfer backend's planning, row routing and
-graph buffers run on CPU against the torch_native reference; the real
-kernels are tested on a GPU (tests/test_gpu_fast_path.py).
+reads back; the fused RMSNorm, RoPE and SiLU-and-mul.
+
+It also models what the real kernels do with memory, and raises
+`KernelFault` where they would fault or read the wrong bytes: a vector load
+or store off its alignment (computed address by address from the kernels'
+own loop: RMSNorm loads gcd(16 / itemsize, d) elements at a time, SiLU-and-mul
+and RoPE 16 bytes), a layout the kernel indexes as if it were dense, a head
+dim no kernel is built for, a wrong index dtype. These checks are written
+from the kernels, not from aioserve/kernel_contracts.py, so a contract
+written too loosely there fails here. One liberty: the wrappers accept
+float32 so the CPU tests can compare them token for token with the float32
+torch reference (the real ones refuse it with a Python error, and
+kernel_contracts.paged_attention keeps float32 away from them).
+With it the FlashInfer backend's planning, row routing and graph buffers,
+and the layers' fused-op choices, run on CPU; the real kernels are tested
+on a GPU (tests/test_gpu_fast_path.py).
 """
 
 from __future__ import annotations
 
+from math import gcd
 from types import SimpleNamespace
 
 import torch
 import torch.nn.functional as F
+
+HALF = (torch.float16, torch.bfloat16)
+ROPE_KERNEL_HEAD_DIMS = (64, 128, 256, 512)  # DISPATCH_HEAD_DIM of the cos/sin-cache RoPE kernel
+PAGED_KERNEL_HEAD_DIMS = (64, 128, 256)
+
+
+class KernelFault(RuntimeError):
+    """What the real kernel would do instead: `CUDA error: misaligned address`,
+    or read the wrong bytes, or find no kernel for the shape."""
+
+
+def _need(condition: bool, message: str) -> None:
+    if not condition:
+        raise KernelFault(message)
+
+
+def _vector_loads(name: str, t: torch.Tensor, offsets: torch.Tensor, vector_bytes: int) -> None:
+    """Every address a kernel loads or stores a `vector_bytes` vector at:
+    t's data pointer plus `offsets` elements."""
+    addresses = t.data_ptr() + offsets.long() * t.element_size()
+    bad = addresses % vector_bytes != 0
+    if bool(bad.any()):
+        first = int(offsets.flatten()[bad.flatten()][0])
+        raise KernelFault(f"misaligned address: {vector_bytes}-byte access to {name} at element offset {first}")
+
+
+def _row_starts(t: torch.Tensor) -> torch.Tensor:
+    """The element offset of every row (every index but the last) of t."""
+    grids = torch.meshgrid(*[torch.arange(n) for n in t.shape[:-1]], indexing="ij")
+    starts = torch.zeros(t.shape[:-1], dtype=torch.long)
+    for dim, grid in enumerate(grids):
+        starts += grid * t.stride(dim)
+    return starts.flatten()
+
+
+def _vectors_of_rows(t: torch.Tensor, d: int, vector: int, start: int = 0) -> torch.Tensor:
+    """Offsets of the vectors a kernel reads across `d` elements from `start` in each row."""
+    return (_row_starts(t)[:, None] + start + torch.arange(0, d - d % vector, vector)[None, :]).flatten()
+
+
+def _half_only(*tensors: torch.Tensor) -> None:
+    _need(tensors[0].dtype in HALF, f"no kernel for {tensors[0].dtype} (float16/bfloat16 only)")
+    _need(all(t.dtype == tensors[0].dtype for t in tensors), "inputs of mixed dtypes are read as the first's type")
 
 
 def _attend(q, k_cache, v_cache, qo_indptr, indptr, indices, last_page_len, scale, window_left, out):
@@ -54,11 +111,25 @@ class _Wrapper:
         buffer[: value.shape[0]].copy_(value)
         return buffer
 
+    @staticmethod
+    def _check_plan(head_dim, *arrays):
+        _need(head_dim in PAGED_KERNEL_HEAD_DIMS, f"no paged attention kernel for head_dim {head_dim}")
+        for array in arrays:
+            _need(array.dtype == torch.int32, f"plan arrays are read as int32, got {array.dtype}")
+            _need(array.is_contiguous(), "plan arrays are read densely")
+
     def _run(self, q, paged_kv_cache, out, window_left, qo_indptr):
         p = self.planned
         k_cache, v_cache = paged_kv_cache
         assert k_cache.shape[1:] == (p.page_size, p.num_kv_heads, p.head_dim) and q.shape[1] == p.num_qo_heads
         assert q.dtype == p.q_data_type and k_cache.dtype == p.kv_data_type
+        for name, t in (("q", q), ("out", out)):
+            if t is not None and t.numel():
+                _need(t.stride(-1) == 1, f"{name}'s last dim is read densely")
+                _vector_loads(name, t, _row_starts(t), 16)
+        for name, t in (("k_cache", k_cache), ("v_cache", v_cache)):  # too many rows to list: pointer and strides
+            _need(t.stride(-1) == 1, f"{name}'s last dim is read densely")
+            _vector_loads(name, t, torch.tensor([0, *t.stride()[:-1]]), 16)
         out = torch.empty_like(q) if out is None else out
         window = p.window_left if window_left is None else window_left
         return _attend(q, k_cache, v_cache, qo_indptr, p.indptr, p.indices, p.last_page_len, p.sm_scale, window, out)
@@ -75,6 +146,7 @@ class BatchDecodeWithPagedKVCacheWrapper(_Wrapper):
         assert indptr.device.type == "cpu", "plan takes host arrays"
         if self.graph:
             assert last_page_len.shape[0] == self.buffers["last_page_len"].shape[0], "a graph wrapper's batch is fixed"
+        self._check_plan(head_dim, indptr, indices, last_page_len)
         self.plans += 1
         self.planned = SimpleNamespace(
             indptr=self._store("indptr", indptr), indices=self._store("indices", indices),
@@ -95,6 +167,7 @@ class BatchPrefillWithPagedKVCacheWrapper(_Wrapper):
              kv_data_type=None, sm_scale=None):
         assert causal, "aioserve's extends are causal"
         assert qo_indptr.device.type == "cpu", "plan takes host arrays"
+        self._check_plan(head_dim_qk, qo_indptr, paged_kv_indptr, paged_kv_indices, paged_kv_last_page_len)
         self.plans += 1
         self.planned = SimpleNamespace(
             qo_indptr=qo_indptr, indptr=paged_kv_indptr, indices=paged_kv_indices,
@@ -117,29 +190,68 @@ fake_flashinfer = SimpleNamespace(
 # -- the fused elementwise ops (flashinfer.norm / rope / activation) ----------------
 
 
-def _rmsnorm(x, weight, eps=1e-6, out=None):
+def _norm_vector_bytes(x: torch.Tensor) -> int:
+    return gcd(16 // x.element_size(), x.shape[-1]) * x.element_size()  # RMSNorm's VEC_SIZE, in bytes
+
+
+def _check_norm(x, weight, *others):
+    _half_only(x, weight, *others)
+    _need(x.dim() in (2, 3), f"no norm kernel for {x.dim()}-D input")
+    vector = _norm_vector_bytes(x)
+    for name, t in (("input", x), *((f"residual", o) for o in others)):
+        _need(t.stride(-1) == 1, f"{name}'s last dim is read densely")
+        _vector_loads(name, t, _vectors_of_rows(t, t.shape[-1], vector // t.element_size()), vector)
+    _vector_loads("weight", weight, torch.arange(0, x.shape[-1], vector // x.element_size()), vector)
+
+
+def _rmsnorm_math(x, weight, eps):
     x32 = x.float()
     return (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps) * weight.float()).to(x.dtype)
 
 
+def _rmsnorm(x, weight, eps=1e-6, out=None):
+    _check_norm(x, weight)
+    return _rmsnorm_math(x, weight, eps)
+
+
 def _fused_add_rmsnorm(x, residual, weight, eps=1e-6):
+    _need(x.dim() == 2, "fused_add_rmsnorm takes 2-D rows")
+    _check_norm(x, weight, residual)
     residual.add_(x)  # residual += input, then input = norm(residual)
-    x.copy_(_rmsnorm(residual, weight, eps))
+    x.copy_(_rmsnorm_math(residual, weight, eps))
 
 
 def _apply_rope_with_cos_sin_cache_inplace(positions, query, key, head_size, cos_sin_cache, is_neox=True):
-    assert is_neox and cos_sin_cache.dtype == torch.float32
+    assert is_neox
+    _need(cos_sin_cache.dtype == torch.float32, "cos_sin_cache should be float32")
+    _need(positions.dtype in (torch.int32, torch.int64), f"positions are read as int32/int64, got {positions.dtype}")
+    _need(head_size in ROPE_KERNEL_HEAD_DIMS, f"no RoPE kernel specialised for head_dim {head_size}")
+    _half_only(query, key)
+    q, k = query.view(query.shape[0], -1, head_size), key.view(key.shape[0], -1, head_size)
+    for name, t in (("query", q), ("key", k)):
+        _vector_loads(name, t, _vectors_of_rows(t, head_size, 16 // t.element_size()), 16)
     half = cos_sin_cache.shape[1] // 2
     cos, sin = cos_sin_cache[positions, :half][:, None, :], cos_sin_cache[positions, half:][:, None, :]
-    for t in (query.view(query.shape[0], -1, head_size), key.view(key.shape[0], -1, head_size)):
+    for t in (q, k):
         first, second = t[..., :half].float(), t[..., half:].float()
         rotated = torch.cat((first * cos - second * sin, second * cos + first * sin), dim=-1)
         t.copy_(rotated.to(t.dtype))
 
 
 def _silu_and_mul(x, out=None):
-    gate, up = x.chunk(2, dim=-1)
-    return (F.silu(gate.float()) * up.float()).to(x.dtype)
+    _half_only(x)
+    d = x.shape[-1] // 2
+    _need(x.is_contiguous(), "silu_and_mul reads row t at t * 2d: a strided input is read wrong")
+    vector = 16 // x.element_size()
+    rows = torch.arange(x.numel() // x.shape[-1])[:, None] * 2 * d
+    lanes = torch.arange(0, d - d % vector, vector)[None, :]
+    _vector_loads("input (gate half)", x, (rows + lanes).flatten(), 16)
+    _vector_loads("input (up half)", x, (rows + d + lanes).flatten(), 16)
+    result = (F.silu(x[..., :d].float()) * x[..., d:].float()).to(x.dtype)
+    out = torch.empty(x.shape[:-1] + (d,), dtype=x.dtype) if out is None else out
+    _vector_loads("out", out, (torch.arange(out.numel() // d)[:, None] * d + lanes).flatten(), 16)
+    out.copy_(result)
+    return out
 
 
 fake_flashinfer.norm = SimpleNamespace(rmsnorm=_rmsnorm, fused_add_rmsnorm=_fused_add_rmsnorm)

@@ -6,7 +6,7 @@ import os
 import time
 from pathlib import Path
 
-from aioserve.server_process import ServerProcess
+from server_process import ServerProcess
 
 
 class RunningServer(ServerProcess):

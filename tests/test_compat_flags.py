@@ -16,7 +16,7 @@ import pytest
 
 from aioserve.cli import parse_serve_args
 from aioserve.config import DEMO_MODEL, EngineConfig, ServerArgs
-from aioserve.server_process import free_port
+from server_process import free_port
 
 MODEL = "/models/qwen3"
 

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from aioserve import cpu_info
+from aioserve.cpu import isa as cpu_info
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -42,7 +42,7 @@ def test_avx2_emulation_hides_wider_flags(monkeypatch: pytest.MonkeyPatch, fresh
 @pytest.mark.skipif("avx2" not in cpu_info.cpu_flags(), reason="the CPU has no AVX2")
 def test_the_native_kernels_built_for_avx2_pass_their_tests() -> None:
     env = {**os.environ, cpu_info.ISA_ENV: "avx2"}
-    probe = "import aioserve.native as n; k = n.cpu_kernels(wait=True); print(k.gemm_block_width())"
+    probe = "import aioserve.cpu.native as n; k = n.cpu_kernels(wait=True); print(k.gemm_block_width())"
     width = subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True, text=True, timeout=600)
     assert width.stdout.split()[-1] == "16", width.stderr[-2000:]  # two 8-float AVX2 vectors a block
     tests = ["test_native.py", "test_native_gemm.py", "test_native_elementwise.py", "test_native_decoder.py",

@@ -1,4 +1,4 @@
-"""The CPU matmul tuner (aioserve/layers/cpu_matmul.py): whatever storage
+"""The CPU matmul tuner (aioserve/cpu/matmul.py): whatever storage
 order and form it picks, every layer computes x W^T, and a tied embedding
 keeps embedding the same rows."""
 
@@ -7,7 +7,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from aioserve.layers.cpu_matmul import FORMS, ROW_BUCKETS, MatmulChoice, choose, cpu_matmul, tune_cpu_matmuls
+from aioserve.cpu.matmul import FORMS, ROW_BUCKETS, MatmulChoice, choose, cpu_matmul, tune_cpu_matmuls
 from aioserve.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from aioserve.layers.linear import MergedColumnParallelLinear, RowParallelLinear
 
@@ -59,7 +59,7 @@ def test_tuning_reorders_weights_in_place_and_layers_agree() -> None:
 
 
 def test_choices_are_kept_between_starts(tmp_path, monkeypatch) -> None:
-    import aioserve.layers.cpu_matmul as cpu_matmul_module
+    import aioserve.cpu.matmul as cpu_matmul_module
 
     path = tmp_path / "choices.json"
     monkeypatch.setenv("AIOSERVE_MATMUL_CACHE", str(path))
@@ -81,7 +81,7 @@ def test_choices_are_kept_between_starts(tmp_path, monkeypatch) -> None:
 
 def test_a_very_large_weight_keeps_its_order(monkeypatch) -> None:
     """Past LARGE_WEIGHT_BYTES only the stored (row-major) order is timed."""
-    import aioserve.layers.cpu_matmul as cpu_matmul_module
+    import aioserve.cpu.matmul as cpu_matmul_module
 
     monkeypatch.setattr(cpu_matmul_module, "LARGE_WEIGHT_BYTES", 1024)
     choice = choose(torch.randn(64, 32))  # 8 KiB: "very large" here

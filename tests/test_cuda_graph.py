@@ -19,9 +19,9 @@ from aioserve.engine.cuda_graph import (
     pad_decode_plan,
     padded_size,
 )
-from aioserve.engine.engine import kv_budget_bytes
-from aioserve.layers import native_elementwise
-from aioserve.native import cpu_kernels
+from aioserve.engine.loading import kv_budget_bytes
+from aioserve.cpu import elementwise as native_elementwise
+from aioserve.cpu.native import cpu_kernels
 from hf_reference import hf_encode
 
 TEXTS = ["Once upon a time", "The cat sat on the", "1 2 3 4 5", "hello world " * 5, "a b c"]

@@ -20,9 +20,10 @@ from aioserve.attention.flashinfer_args import paged_kv_args, qo_indptr, window_
 from aioserve.attention.torch_native import kv_slots
 from aioserve.engine.cuda_graph import EagerCapture
 from aioserve.kvcache.kv_pool import KVPool
-from aioserve.native import cpu_kernels
+from aioserve.cpu.native import cpu_kernels
 from fake_flashinfer import fake_flashinfer
 from hf_reference import hf_encode
+from tiny_models import build_checkpoint
 
 TEXTS = ["Once upon a time", "The cat sat on the", "1 2 3 4 5 6 7 8 9", "hello world " * 6, "a b c"]
 
@@ -80,10 +81,18 @@ def _run(model: Path, prompts: list[list[int]], fake: bool, graphs: bool, **opti
         llm.close()
 
 
+@pytest.fixture(scope="module")
+def head_dim_64(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """The tiny fixtures at head_dim 64: the enforcing fake, like the real
+    wrappers, has no kernel for the fixtures' 16 and 32."""
+    root = tmp_path_factory.mktemp("hd64")
+    return {arch: build_checkpoint(arch, root / arch, overrides={"head_dim": 64}) for arch in ("llama3-rope", "mistral", "qwen3")}
+
+
 @pytest.mark.parametrize("page_size", [1, 4, 16])
 @pytest.mark.parametrize("arch", ["llama3-rope", "mistral", "qwen3"])  # mistral: GQA + sliding window 24
-def test_flashinfer_backend_matches_torch_native(tiny_checkpoints: dict[str, Path], arch: str, page_size: int) -> None:
-    model = tiny_checkpoints[arch]
+def test_flashinfer_backend_matches_torch_native(head_dim_64: dict[str, Path], arch: str, page_size: int) -> None:
+    model = head_dim_64[arch]
     prompts = [hf_encode(model, t) for t in TEXTS]
     # Small prefill chunks: steps mix decodes with extends over a cached prefix.
     options = dict(page_size=page_size, max_prefill_tokens=16, dtype="float32")
@@ -93,8 +102,8 @@ def test_flashinfer_backend_matches_torch_native(tiny_checkpoints: dict[str, Pat
 
 @pytest.mark.skipif(cpu_kernels() is None, reason="native kernels could not be built here")
 @pytest.mark.parametrize("page_size", [1, 16])
-def test_flashinfer_graph_buffers_match_eager(tiny_checkpoints: dict[str, Path], page_size: int) -> None:
-    model = tiny_checkpoints["mistral"]
+def test_flashinfer_graph_buffers_match_eager(head_dim_64: dict[str, Path], page_size: int) -> None:
+    model = head_dim_64["mistral"]
     prompts = [hf_encode(model, t) for t in TEXTS]
     options = dict(page_size=page_size, dtype="float32", cuda_graph_max_bs=6, max_running_requests=8)
     reference = _run(model, prompts, fake=False, graphs=False, **options)

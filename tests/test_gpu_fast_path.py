@@ -12,7 +12,9 @@ What is proven:
 * overlap on and off give the same tokens with FlashInfer and graphs;
 * a server with the defaults finishes 64 concurrent streams, each with the
   tokens it asked for, and is left holding nothing;
-* `auto` picks FlashInfer on CUDA when it imports.
+* `auto` picks FlashInfer on CUDA when it imports;
+* the fused ops follow their contracts: the demo model's shapes fall back
+  where the kernels would fault, Llama/Qwen3 shapes take every fused op.
 """
 
 from __future__ import annotations
@@ -261,6 +263,30 @@ def test_auto_picks_flashinfer_on_cuda_when_it_imports(stories_path: Path, extra
             assert (llm.engine.graph_runner is not None) == can
         finally:
             llm.close()
+
+
+# -- kernel contracts on the real kernels (aioserve/kernel_contracts.py) ----------------
+
+
+@needs_flashinfer
+def test_fused_ops_follow_their_contracts_on_cuda(stories_path: Path, extra_models: dict[str, Path]) -> None:
+    """stories260K (head_dim 8, intermediate 172) faulted with "misaligned
+    address": it must now serve, RoPE and SiLU-and-mul in torch; the Llama
+    and Qwen3 shapes (head_dim 64, 128) take every fused op."""
+    from aioserve.layers import flashinfer_elementwise
+
+    params = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
+    for path, all_fused in ((stories_path, False), (extra_models["llama-hd64-gqa"], True), (extra_models["qwen3-hd128"], True)):
+        flashinfer_elementwise.forget_decisions()
+        outputs = run(path, encoded(path, 3), [params] * 3)
+        torch.cuda.synchronize()  # a fault surfaces here, in this test
+        assert [len(o) for o in outputs] == [16] * 3
+        report = flashinfer_elementwise.report()
+        if all_fused:
+            assert report == {op: {"fused": True, "fell_back": []} for op in report}, report
+        else:
+            assert not report["rope"]["fused"] and not report["silu_and_mul"]["fused"], report
+            assert report["rmsnorm"]["fused"] and report["fused_add_rmsnorm"]["fused"], report
 
 
 # -- a server under load -----------------------------------------------------------------

@@ -21,7 +21,7 @@ import pytest
 from aioserve.config import DEMO_MODEL
 from aioserve.models.model_config import ModelConfig
 from aioserve.models.source import DEMO_MODEL_DIR, resolve_model_path
-from aioserve.server_process import free_port
+from server_process import free_port
 
 REPO = Path(__file__).resolve().parents[1]
 DEMO_FILES = {
@@ -148,3 +148,5 @@ def test_sdist_and_wheel_carry_the_demo_model(tmp_path: Path) -> None:
     assert in_sdist >= DEMO_FILES and in_wheel >= DEMO_FILES
     weights = zipfile.ZipFile(wheel).read("aioserve/demo_model/model.safetensors")
     assert weights == (DEMO_MODEL_DIR / "model.safetensors").read_bytes()
+    # Chat works on a fresh install: the demo model's chat template is in the wheel.
+    assert json.loads(zipfile.ZipFile(wheel).read("aioserve/demo_model/tokenizer_config.json"))["chat_template"]

@@ -11,7 +11,7 @@ from aioserve import LLM, SamplingParams
 from aioserve.attention.torch_native import TorchNativeBackend
 from aioserve.batch_plan import BatchPlan
 from aioserve.kvcache.kv_pool import KVPool
-from aioserve.native import cpu_kernels
+from aioserve.cpu.native import cpu_kernels
 
 pytestmark = pytest.mark.skipif(cpu_kernels() is None, reason="native kernels could not be built here")
 

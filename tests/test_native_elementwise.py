@@ -11,11 +11,11 @@ import torch
 from aioserve import LLM, SamplingParams
 from aioserve.engine.sampler import sample
 from aioserve.kvcache.kv_pool import KVPool
-from aioserve.layers import native_elementwise
+from aioserve.cpu import elementwise as native_elementwise
 from aioserve.layers.activation import silu_and_mul
 from aioserve.layers.norm import RMSNorm
 from aioserve.layers.rotary import RopeScaling, RotaryEmbedding
-from aioserve.native import cpu_kernels
+from aioserve.cpu.native import cpu_kernels
 from test_sampler import tensors
 
 pytestmark = pytest.mark.skipif(cpu_kernels() is None, reason="native kernels could not be built here")

@@ -10,14 +10,15 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-import aioserve.engine.engine as engine_module
-import aioserve.layers.cpu_matmul as cpu_matmul_module
+import aioserve.cpu.fast_paths as fast_paths_module
+import aioserve.engine.loading as loading_module
+import aioserve.cpu.matmul as cpu_matmul_module
 import aioserve.layers.embedding as embedding_module
 from aioserve import LLM, SamplingParams
-from aioserve.layers.cpu_matmul import is_packed, pack_cpu_weights, packed_rows
+from aioserve.cpu.matmul import is_packed, pack_cpu_weights, packed_rows
 from aioserve.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from aioserve.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
-from aioserve.native import cpu_kernels
+from aioserve.cpu.native import cpu_kernels
 
 pytestmark = pytest.mark.skipif(cpu_kernels() is None, reason="native kernels could not be built here")
 
@@ -195,13 +196,15 @@ def test_a_start_before_the_kernels_are_built_packs_once_they_are(tiny_checkpoin
     prompts = ["Once upon a time", "The quick brown fox"]
     building = lambda wait=True: None  # noqa: E731
     monkeypatch.setattr(cpu_matmul_module, "cpu_kernels", building)
-    monkeypatch.setattr(engine_module, "cpu_kernels", building)
+    monkeypatch.setattr(loading_module, "cpu_kernels", building)
+    monkeypatch.setattr(fast_paths_module, "cpu_kernels", building)
     llm = LLM(str(tiny_checkpoints["qwen3"]), page_size=4, device="cpu")
     head = llm.engine.model.lm_head
     blas = [o.token_ids for o in llm.generate(prompts, params)]
     assert not is_packed(head.weight)
     monkeypatch.setattr(cpu_matmul_module, "cpu_kernels", cpu_kernels)
-    monkeypatch.setattr(engine_module, "cpu_kernels", cpu_kernels)  # the build is done
+    monkeypatch.setattr(loading_module, "cpu_kernels", cpu_kernels)  # the build is done
+    monkeypatch.setattr(fast_paths_module, "cpu_kernels", cpu_kernels)
     assert [o.token_ids for o in llm.generate(prompts, params)] == blas
     assert is_packed(head.weight) and head.matmul_choice.packed_features is not None
     llm.close()

@@ -26,8 +26,8 @@ from aioserve.server.app import create_app
 
 DOCUMENT_URI = "urn:aioserve-openapi"
 HTTP_METHODS = ("get", "put", "post", "delete", "options", "head", "patch", "trace")
-# The chat page and its files are for browsers, not API clients.
-NOT_API = {"/"}
+# The chat page, its files and its config are for browsers, not API clients.
+NOT_API = {"/", "/page-config"}
 
 # What OpenAPI 3.1 asks of the parts of a document this server writes (no
 # openapi-spec-validator in the test dependencies): enough to catch a
@@ -312,7 +312,7 @@ def test_errors_and_streams_are_described(document: dict[str, Any]) -> None:
 
 
 def test_open_routes_need_no_key(document: dict[str, Any]) -> None:
-    assert document["security"] == [{"apiKey": []}]
+    assert "security" not in document  # no --api-key here (tests/test_auth.py checks the other case)
     for path in ("/health", "/metrics"):
         assert document["paths"][path]["get"]["security"] == []
 
@@ -344,7 +344,7 @@ def test_the_document_is_built_once(chat_server) -> None:
 
     first = httpx.get(f"{chat_server.url}/openapi.json", timeout=30).content
     assert first == httpx.get(f"{chat_server.url}/openapi.json", timeout=30).content
-    assert openapi._document_bytes() is openapi._document_bytes()  # cached, not rebuilt per call
+    assert openapi._document_bytes(False) is openapi._document_bytes(False)  # cached, not rebuilt per call
 
 
 # -- real responses against the document ----------------------------------------------------

@@ -1,6 +1,6 @@
 """The forward thread keeps its thread count while the event loop's thread
 runs its own torch ops on one thread, and serving leaves no OpenMP team on
-the loop's thread (see aioserve/openmp.py for why either would cost a CPU
+the loop's thread (see aioserve/cpu/openmp.py for why either would cost a CPU
 step half its speed)."""
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from pathlib import Path
 import torch
 
 from aioserve import LLM, SamplingParams
-from aioserve.openmp import this_thread_single_threaded
+from aioserve.cpu.openmp import this_thread_single_threaded
 
 
 def _threads() -> int:

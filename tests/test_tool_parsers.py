@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import random
+from pathlib import Path
 
 import pytest
 
@@ -16,7 +17,7 @@ from aioserve.server.content import ContentDelta, ContentProcessor
 from aioserve.server.reasoning import PARSERS as REASONING_PARSERS
 from aioserve.server.tool_parsers.forced import NamedCall, RequiredCalls
 from aioserve.server.tools import ToolPlan, template_messages
-from conftest import SHARED
+from real_vocab_models import build_fixture_tokenizer
 
 
 def run(processor: ContentProcessor, text: str, pieces: int, seed: int = 0, reason: str = "stop") -> tuple[ContentDelta, str]:
@@ -104,27 +105,26 @@ def test_forced_calls_stream_their_arguments() -> None:
         assert calls(message) == [("a", {"s": "]}"}), ("b", {})] and reason == "tool_calls"
 
 
-def test_detection_from_real_templates() -> None:
+def _real_tokenizer(name: str, root: Path):
+    """Qwen3's or Llama 3's tokenizer: its real chat template and special
+    tokens over a small vocabulary (tests/real_vocab_models.py)."""
     from transformers import AutoTokenizer
 
-    folder = SHARED / "tokenizers"
-    if not (folder / "qwen3" / "tokenizer_config.json").exists():
-        pytest.skip("shared/tokenizers not found")
-    qwen = AutoTokenizer.from_pretrained(str(folder / "qwen3")).chat_template
-    llama = AutoTokenizer.from_pretrained(str(folder / "llama3-8b-instruct")).chat_template
+    build_fixture_tokenizer(name, root / name)
+    return AutoTokenizer.from_pretrained(str(root / name))
+
+
+def test_detection_from_real_templates(tmp_path: Path) -> None:
+    qwen = _real_tokenizer("qwen3", tmp_path).chat_template
+    llama = _real_tokenizer("llama3", tmp_path).chat_template
     assert tool_parsers.detect(qwen) == "hermes"
     assert tool_parsers.detect(llama) is None  # Llama 3.0's template knows no tools
     assert tool_parsers.resolve("llama3", llama).name == "llama3_json"
     assert tool_parsers.resolve("none", qwen) is None
 
 
-def test_templates_that_ignore_tools_get_them_in_the_system_message() -> None:
-    from transformers import AutoTokenizer
-
-    folder = SHARED / "tokenizers" / "llama3-8b-instruct"
-    if not folder.exists():
-        pytest.skip("shared/tokenizers not found")
-    tokenizer = AutoTokenizer.from_pretrained(str(folder))
+def test_templates_that_ignore_tools_get_them_in_the_system_message(tmp_path: Path) -> None:
+    tokenizer = _real_tokenizer("llama3", tmp_path)
     tool = {"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}
     plan = ToolPlan("auto", [tool], format=tool_parsers.FORMATS["llama3_json"])
     messages = [

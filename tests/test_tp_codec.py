@@ -14,12 +14,12 @@ import torch
 from aioserve import batch_plan
 from aioserve.batch_plan import BatchPlan, PromptLogprobRequest, SamplingTensors
 from aioserve.config import EngineConfig
-from aioserve.engine import tp_codec
+from aioserve.tp import codec as tp_codec
 from aioserve.engine.engine import Engine
 from aioserve.engine.executor import ThreadExecutor
 from aioserve.sampling_params import SamplingParams
 from aioserve.scheduler import Request, Scheduler
-from aioserve.scheduler.factory import model_facts
+from aioserve.launch import model_facts
 
 
 def _filled(cls: type, seed: int) -> object:

@@ -13,8 +13,8 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
-from aioserve import distributed
-from aioserve.distributed import TPGroup, all_gather_last_dim, tp_group_as
+from aioserve.tp import distributed
+from aioserve.tp.distributed import TPGroup, all_gather_last_dim, tp_group_as
 from aioserve.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from aioserve.layers.linear import (
     ColumnParallelLinear,

@@ -13,9 +13,10 @@ from safetensors.torch import load_file, save_file
 from aioserve import LLM, SamplingParams
 from aioserve.engine import dtypes
 from aioserve.engine.dtypes import compute_dtype, kv_cache_dtype, resolve_dtype
-import aioserve.engine.engine as engine_module
-import aioserve.layers.cpu_matmul as cpu_matmul_module
-from aioserve.layers.cpu_matmul import is_packed
+import aioserve.cpu.fast_paths as fast_paths_module
+import aioserve.engine.loading as loading_module
+import aioserve.cpu.matmul as cpu_matmul_module
+from aioserve.cpu.matmul import is_packed
 from aioserve.models.model_config import ModelConfig
 from aioserve.models.weight_loader import build_model
 
@@ -104,7 +105,8 @@ def test_without_the_kernels_half_weights_are_widened_for_blas(
     path = bfloat16_copy(tiny_checkpoints["llama"], tmp_path / "bf16")
     building = lambda wait=True: None  # noqa: E731
     monkeypatch.setattr(cpu_matmul_module, "cpu_kernels", building)
-    monkeypatch.setattr(engine_module, "cpu_kernels", building)
+    monkeypatch.setattr(loading_module, "cpu_kernels", building)
+    monkeypatch.setattr(fast_paths_module, "cpu_kernels", building)
     llm = LLM(str(path), dtype="bfloat16", cpu_half_compute="float32", device="cpu", page_size=4)
     weight = llm.engine.model.model.layers[0].mlp.down_proj.weight
     assert not is_packed(weight) and weight.dtype == torch.float32

@@ -101,8 +101,9 @@ def build_tokenizer(folder: Path, vocab_size: int = 320) -> int:
     return tokenizer.get_vocab_size()
 
 
-def build_checkpoint(name: str, folder: Path, seed: int = 0) -> Path:
-    """Write the tiny `name` checkpoint (see ARCHITECTURES) into `folder`."""
+def build_checkpoint(name: str, folder: Path, seed: int = 0, overrides: dict | None = None) -> Path:
+    """Write the tiny `name` checkpoint (see ARCHITECTURES) into `folder`,
+    with `overrides` on its config fields (other shapes of the same family)."""
     import transformers
 
     config_class, extra, save_options = ARCHITECTURES[name]
@@ -110,7 +111,7 @@ def build_checkpoint(name: str, folder: Path, seed: int = 0) -> Path:
 
     vocab = build_tokenizer(folder)
     eos = Tokenizer.from_file(str(folder / "tokenizer.json")).token_to_id("<|im_end|>")
-    fields = {**TINY, **extra}
+    fields = {**TINY, **extra, **(overrides or {})}
     # A few embedding rows beyond the tokenizer, as real checkpoints often have.
     config = getattr(transformers, config_class)(vocab_size=vocab + 8, eos_token_id=eos, bos_token_id=None, **fields)
     torch.manual_seed(seed)

@@ -4,8 +4,7 @@ from __future__ import annotations
 
 import logging
 
-import torch
-
+import aioserve.kernel_contracts as kernel_contracts
 from aioserve.attention.backend import AttentionBackend, AttentionMetadata, AttentionShape
 from aioserve.kvcache.kv_pool import KVPool
 from aioserve.layers import flashinfer_elementwise
@@ -13,18 +12,16 @@ from aioserve.layers import flashinfer_elementwise
 logger = logging.getLogger(__name__)
 
 BACKENDS = ("auto", "torch_native", "flashinfer")
-FLASHINFER_DTYPES = (torch.float16, torch.bfloat16)
-FLASHINFER_HEAD_DIMS = (64, 128, 256)  # what its paged kernels are built for
+FLASHINFER_HEAD_DIMS = kernel_contracts.PAGED_HEAD_DIMS  # what its paged kernels are built for
 
 
 def flashinfer_unusable(pool: KVPool, shape: AttentionShape) -> str | None:
     """Why FlashInfer cannot serve this engine, or None if it can."""
     if pool.buffer.device.type != "cuda":
         return "it needs CUDA"
-    if shape.q_dtype not in FLASHINFER_DTYPES or pool.dtype not in FLASHINFER_DTYPES:
-        return f"its kernels take float16/bfloat16, not {shape.q_dtype} math over a {pool.dtype} cache"
-    if shape.head_dim not in FLASHINFER_HEAD_DIMS:
-        return f"its kernels take head dims {FLASHINFER_HEAD_DIMS}, not {shape.head_dim}"
+    why = kernel_contracts.paged_attention(shape.head_dim, shape.q_dtype, pool.dtype)
+    if why is not None:
+        return why
     if flashinfer_elementwise.load_flashinfer() is None:
         why = flashinfer_elementwise.import_error
         return f"flashinfer does not import ({why}; install the gpu extra: pip install 'aioserve[gpu]')"

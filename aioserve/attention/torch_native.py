@@ -21,7 +21,7 @@ import torch.nn.functional as F
 from aioserve.attention.backend import AttentionBackend, AttentionMetadata
 from aioserve.batch_plan import BatchPlan
 from aioserve.kvcache.kv_pool import KVPool
-from aioserve.native import cpu_kernels
+from aioserve.cpu.native import cpu_kernels
 
 
 def kv_slots(page_rows: torch.Tensor, length: int, page_size: int) -> torch.Tensor:
@@ -126,6 +126,7 @@ class TorchNativeMetadata(AttentionMetadata):
     def _decode_mask(self, window: int | None) -> torch.Tensor:
         """[B, 1, 1, max_len]: valid positions, within the window if any."""
         if window not in self._decode_masks:
+            assert window is not None  # the full mask (key None) is made with the plan
             self._decode_masks[window] = self._decode_masks[None] & (
                 self._decode_k_pos > self._decode_q_pos - window
             )
@@ -238,7 +239,7 @@ class GraphDecodeMetadata(AttentionMetadata):
         self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, sliding_window: int | None
     ) -> torch.Tensor:
         self.pool.store(layer, self.out_cache_loc, k, v)
-        return self.kernels.paged_decode_attention(  # type: ignore[attr-defined]
+        return self.kernels.paged_decode_attention(
             q, self.pool.keys(layer), self.pool.values(layer), self.pages, self.lens, self.pool.page_size, scale,
             sliding_window or 0,
         )

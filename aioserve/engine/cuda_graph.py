@@ -32,7 +32,7 @@ import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, replace
-from typing import Protocol
+from typing import Any, Protocol
 
 import torch
 from torch import nn
@@ -118,7 +118,7 @@ class CudaGraphCapture:
     each smaller graph fits in the blocks the larger ones freed."""
 
     def __init__(self) -> None:
-        self.pool: tuple[int, int] | None = None
+        self.pool: torch.cuda._POOL_HANDLE | None = None
 
     def __call__(self, step: Callable[[], None]) -> CapturedStep:
         graph = torch.cuda.CUDAGraph()
@@ -144,7 +144,7 @@ class DecodeGraphRunner:
         self.attention = attention
         self.batch_sizes = graph_batch_sizes(max_bs)
         self.max_bs = self.batch_sizes[-1]
-        long = dict(dtype=torch.long, device=device)
+        long: dict[str, Any] = dict(dtype=torch.long, device=device)
         self.input_ids = torch.zeros(self.max_bs, **long)
         self.positions = torch.zeros(self.max_bs, **long)
         self.out_cache_loc = torch.full((self.max_bs,), SCRATCH_SLOT, **long)
@@ -152,11 +152,18 @@ class DecodeGraphRunner:
         attention.init_graph_buffers(self.max_bs, max_pages_per_request)
         self.steps: dict[int, CapturedStep] = {}
         self.replays = 0  # decode steps served by a graph
+        on_cuda = device.type == "cuda"
+        free_before = torch.cuda.mem_get_info(device)[0] if on_cuda else 0
         start = time.perf_counter()
         with torch.inference_mode():
             for bs in reversed(self.batch_sizes):
                 self.steps[bs] = self._capture(bs, capture)
         self.capture_seconds = time.perf_counter() - start
+        used = (free_before - torch.cuda.mem_get_info(device)[0]) if on_cuda else 0
+        logger.info(
+            "captured decode graphs for batch sizes %d..%d (%d graphs) in %.1f s, %.0f MiB",
+            self.batch_sizes[0], self.max_bs, len(self.batch_sizes), self.capture_seconds, used / 2**20,
+        )
 
     def _dummy_plan(self, batch_size: int) -> BatchPlan:
         """Every row padding: what the graphs are captured over."""

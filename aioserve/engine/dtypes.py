@@ -22,7 +22,7 @@ import logging
 
 import torch
 
-from aioserve.cpu_info import cpu_flags
+from aioserve.cpu.isa import cpu_flags
 
 logger = logging.getLogger(__name__)
 

@@ -8,7 +8,7 @@ next plan at once.
 * CPU: one dedicated forward thread. torch ops release the GIL, so the loop
   keeps serving HTTP and preparing the next plan meanwhile. The engine is
   built on that thread too (`start_executor`), so that it is the only thread
-  with an OpenMP team (see aioserve/openmp.py: the loading thread's team,
+  with an OpenMP team (see aioserve/cpu/openmp.py: the loading thread's team,
   left alive beside the forward thread's, made a tiny-llama decode step at
   16 requests 11 ms instead of 7 on 2 cores).
 * CUDA: a launcher thread enqueues each step on the engine's own stream and
@@ -33,24 +33,33 @@ import torch
 
 from aioserve.batch_plan import BatchPlan, StepOutput
 from aioserve.config import EngineConfig
-from aioserve.engine.engine import Engine, resolve_device
+from aioserve.engine.engine import Engine
+from aioserve.engine.loading import resolve_device
 
 T = TypeVar("T")
 
 
 class PlanBroadcaster(Protocol):
-    """Rank 0's link to the follower ranks (engine/tp_leader.py)."""
+    """Rank 0's link to the follower ranks (tp/leader.py)."""
 
     @property
     def failed(self) -> bool: ...
 
     def send(self, plan: BatchPlan) -> None: ...
 
+    def step_done(self) -> None: ...
+
     def fail(self, reason: str) -> None: ...
+
+    def fail_after_error(self, what: str, exc: BaseException) -> str: ...
 
     def stop_followers(self) -> None: ...
 
     def close(self) -> None: ...
+
+
+class TensorParallelFailure(RuntimeError):
+    """A step failed under tensor parallelism; the group is broken."""
 
 
 def _fatal_on_error(leader: PlanBroadcaster | None, what: str, fn: Callable[..., T], *args: object) -> T:
@@ -59,9 +68,10 @@ def _fatal_on_error(leader: PlanBroadcaster | None, what: str, fn: Callable[...,
     try:
         return fn(*args)
     except Exception as exc:
-        if leader is not None:
-            leader.fail(f"{what} raised on rank 0: {exc!r}")
-        raise
+        if leader is None:
+            raise
+        # The step's requests fail with the group's reason (which rank went away), not the collective's error.
+        raise TensorParallelFailure(leader.fail_after_error(what, exc)) from exc
 
 
 def _shutdown(leader: PlanBroadcaster | None, threads: list[concurrent.futures.ThreadPoolExecutor]) -> None:
@@ -104,7 +114,10 @@ class ThreadExecutor:
     def _step(self, plan: BatchPlan) -> StepOutput:
         if self.leader is not None:
             self.leader.send(plan)
-        return self.engine.forward(plan)
+        output = self.engine.forward(plan)
+        if self.leader is not None:
+            self.leader.step_done()
+        return output
 
     def submit(self, plan: BatchPlan) -> "asyncio.Future[StepOutput]":
         what = f"step {plan.step}"
@@ -139,6 +152,8 @@ class CudaStreamExecutor:
     def _wait(self, launched: concurrent.futures.Future) -> StepOutput:
         output, done = launched.result()
         done.synchronize()
+        if self.leader is not None:
+            self.leader.step_done()
         return output
 
     def submit(self, plan: BatchPlan) -> "asyncio.Future[StepOutput]":

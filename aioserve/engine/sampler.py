@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import torch
 
 from aioserve.batch_plan import SamplingTensors
-from aioserve.layers.native_elementwise import elementwise_kernels
+from aioserve.cpu.elementwise import elementwise_kernels
 
 
 @dataclass
@@ -208,3 +208,16 @@ def _greedy(kernels: object, logits: torch.Tensor) -> SamplerOutput:
     return SamplerOutput(
         token_ids.masked_fill_(~usable, 0), torch.where(usable, 0.0, float("nan")), None, None
     )
+
+
+def prompt_logprobs(
+    logits: torch.Tensor, target_ids: torch.Tensor, num_top: int
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    """Each prompt position's logprob of the token that follows it, and the
+    `num_top` best at that position (ids, logprobs), from the raw logits."""
+    normalizer = torch.logsumexp(logits, dim=-1, keepdim=True)
+    chosen = (logits.gather(1, target_ids[:, None]) - normalizer).squeeze(1)
+    if not num_top:
+        return chosen, None, None
+    values, top_ids = logits.topk(num_top, dim=-1)
+    return chosen, top_ids, values - normalizer

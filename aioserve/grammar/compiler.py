@@ -54,8 +54,7 @@ class GrammarCompiler:
         self._compiler: xgr.GrammarCompiler | None = None
         self._lock = threading.Lock()  # the lazy vocabulary build and the cache
         self._cache: OrderedDict[tuple[str, str], CompiledGrammar] = OrderedDict()
-        self.hits = 0
-        self.misses = 0
+        self.hits = 0  # compiles the cache saved (read by the tests)
 
     def _xgrammar(self) -> xgr.GrammarCompiler:
         import xgrammar as xgr  # here, not at the top: it takes ~1 s to import, and most servers never need it
@@ -82,7 +81,6 @@ class GrammarCompiler:
             # Else every request with it would fail at its first step.
             raise GrammarError(f"the {_WHAT[key[0]]} matches no text this vocabulary can spell", key[0])
         with self._lock:
-            self.misses += 1
             self._cache[key] = grammar
             while len(self._cache) > self.cache_size:
                 self._cache.popitem(last=False)
@@ -101,6 +99,7 @@ class GrammarCompiler:
                 # Not strict: any members, of any JSON type.
                 return compiler.compile_json_schema('{"type": "object"}', any_whitespace=False, strict_mode=False)
             if kind == "regex":
+                assert spec.regex is not None  # the kind names the field that is set
                 return compiler.compile_regex(spec.regex)
             if kind == "choice":
                 return compiler.compile_grammar(choice_grammar(spec.choice or []))

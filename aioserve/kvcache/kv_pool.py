@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from aioserve.layers.native_elementwise import elementwise_kernels
+from aioserve.cpu.elementwise import elementwise_kernels
 
 RESERVED_PAGES = 1
 
@@ -36,10 +36,6 @@ class KVPool:
             (num_layers, 2, num_pages * page_size, num_kv_heads, head_dim), dtype=dtype, device=device
         )
         self.buffer[:, :, : RESERVED_PAGES * page_size].zero_()
-
-    @property
-    def num_slots(self) -> int:
-        return self.num_pages * self.page_size
 
     def keys(self, layer: int) -> torch.Tensor:
         return self.buffer[layer, 0]

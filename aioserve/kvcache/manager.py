@@ -35,9 +35,16 @@ def create_prefix_cache(kind: str, page_size: int) -> PrefixCache:
 class KVManager:
     def __init__(self, num_pages: int, page_size: int, max_requests: int, max_pages_per_request: int, cache: str) -> None:
         self.page_size = page_size
+        self._shape = (num_pages, max_requests, max_pages_per_request, cache)
+        self.reset()
+
+    def reset(self) -> None:
+        """Every page free, every slot free, no cached prefix: a fresh state in
+        this same object (the scheduler's parts all hold it)."""
+        num_pages, max_requests, max_pages_per_request, cache = self._shape
         self.allocator = PageAllocator(num_pages)
         self.table = PageTable(max_requests, max_pages_per_request)
-        self.cache = create_prefix_cache(cache, page_size)
+        self.cache = create_prefix_cache(cache, self.page_size)
 
     @property
     def num_usable_pages(self) -> int:

@@ -5,15 +5,15 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from aioserve.layers.flashinfer_elementwise import flashinfer_ops
-from aioserve.layers.native_elementwise import elementwise_kernels
+from aioserve.layers.flashinfer_elementwise import SILU_AND_MUL
+from aioserve.cpu.elementwise import elementwise_kernels
 
 
 def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
     kernels = elementwise_kernels() if gate_up.is_cpu else None
     if kernels is not None:
         return kernels.silu_and_mul(gate_up)
-    fused = flashinfer_ops(gate_up)
+    fused = SILU_AND_MUL.kernel(gate_up)
     if fused is not None:
         return fused.activation.silu_and_mul(gate_up)
     gate, up = gate_up.chunk(2, dim=-1)

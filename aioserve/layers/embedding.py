@@ -6,8 +6,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from aioserve.distributed import all_gather_last_dim, all_reduce, get_tp_group
-from aioserve.layers.cpu_matmul import MatmulChoice, is_packed, packed_rows
+from aioserve.tp.distributed import all_gather_last_dim, all_reduce, get_tp_group
+from aioserve.cpu.matmul import MatmulChoice, is_packed, packed_rows
 from aioserve.layers.linear import linear
 
 
@@ -64,7 +64,7 @@ class ParallelLMHead(VocabParallelEmbedding):
     def tie_to(self, embedding: VocabParallelEmbedding) -> None:
         self.weight = embedding.weight
 
-    def forward(self, hidden: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         """float32 logits (the weights' rounding kept) where the packed CPU
         kernel writes them directly; hidden's dtype elsewhere. The packed
         kernel's logits live in a buffer that the next call overwrites: they

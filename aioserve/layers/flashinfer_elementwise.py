@@ -3,8 +3,14 @@
 On CUDA a small step is bound by kernel launches, and the torch forms of
 these ops are several kernels each (RoPE about ten); FlashInfer has one
 fused kernel for each (RMSNorm with the residual add, RoPE in place from a
-cos/sin cache, SiLU-and-mul), the ones SGLang uses. They take half precision
-only; float32 math, CPU tensors, a missing FlashInfer, or
+cos/sin cache, SiLU-and-mul), the ones SGLang uses.
+
+A fused kernel is taken only where its contract (aioserve/kernel_contracts.py)
+holds: half precision, the layout and the 16-byte alignment its vector loads
+need, a head dim it is built for. The check runs once per input layout
+(dtype, device, trailing shape, strides, pointer alignment: not per token),
+each `FusedOp` keeps its decisions, and the first fall-back for a reason is
+logged once. float32 math, CPU tensors, a missing FlashInfer, or
 AIOSERVE_FLASHINFER_ELEMENTWISE=0 (or `ENABLED = False`, read at every
 call) leave the torch forms in charge. benchmarks/gpu_check.sh times steps
 with them and without.
@@ -14,19 +20,25 @@ from __future__ import annotations
 
 import logging
 import os
+from collections.abc import Callable
 from types import ModuleType
 
 import torch
 
+import aioserve.kernel_contracts as kernel_contracts
+
 logger = logging.getLogger(__name__)
 
 ENABLED = os.environ.get("AIOSERVE_FLASHINFER_ELEMENTWISE", "1") != "0"
-HALF = (torch.float16, torch.bfloat16)
-DEVICE_TYPES = ("cuda",)  # the CPU tests add "cpu" to run a torch stand-in through the same calls
+HALF = kernel_contracts.HALF
+DEVICE_TYPES = ("cuda",)  # the CPU tests add "cpu" to run a stand-in through the same calls
 
 _flashinfer: ModuleType | None = None
 _tried = False
 import_error: str | None = None  # why flashinfer did not import, once tried
+
+# One input's part in a layout's key: what a contract can depend on, minus the token count.
+LayoutKey = tuple[torch.dtype, str, tuple[int, ...], tuple[int, ...], int]
 
 
 def load_flashinfer() -> ModuleType | None:
@@ -46,8 +58,63 @@ def load_flashinfer() -> ModuleType | None:
     return _flashinfer
 
 
-def flashinfer_ops(x: torch.Tensor) -> ModuleType | None:
-    """FlashInfer for this CUDA half-precision tensor, or None for the torch forms."""
-    if not (ENABLED and x.device.type in DEVICE_TYPES and x.dtype in HALF):
-        return None
-    return load_flashinfer()
+def _layout(t: torch.Tensor) -> LayoutKey:
+    return (t.dtype, t.device.type, tuple(t.shape[1:]), t.stride(), t.data_ptr() % kernel_contracts.ALIGNMENT)
+
+
+class FusedOp:
+    """One fused entry point: which input layouts it may take, decided once each."""
+
+    def __init__(self, name: str, contract: Callable[..., str | None]) -> None:
+        self.name = name
+        self.contract = contract
+        self.decisions: dict[tuple[LayoutKey, ...], str | None] = {}  # layout -> why not fused (None: fused)
+        self._logged: set[str] = set()
+
+    @staticmethod
+    def may_take(first: torch.Tensor) -> bool:
+        """The cheap part, read at every call: enabled, a device FlashInfer
+        runs on, half precision, FlashInfer imported."""
+        if not (ENABLED and first.device.type in DEVICE_TYPES and first.dtype in HALF):
+            return False
+        return load_flashinfer() is not None
+
+    def kernel(self, *tensors: torch.Tensor) -> ModuleType | None:
+        """FlashInfer when these inputs may go to the fused kernel, else None
+        (the caller runs the torch form). `tensors` are the contract's arguments."""
+        if not self.may_take(tensors[0]):
+            return None
+        key = tuple(_layout(t) for t in tensors)
+        if key not in self.decisions:
+            why = self.contract(*tensors)
+            self.decisions[key] = why
+            if why is not None and why not in self._logged:
+                self._logged.add(why)
+                logger.info("%s: the torch form, not FlashInfer's kernel, because %s", self.name, why)
+        return _flashinfer if self.decisions[key] is None else None
+
+    def fell_back(self) -> set[str]:
+        return {why for why in self.decisions.values() if why is not None}
+
+    def fused(self) -> bool:
+        """Whether some layout took the fused kernel."""
+        return any(why is None for why in self.decisions.values())
+
+
+RMSNORM = FusedOp("rmsnorm", kernel_contracts.rmsnorm)
+FUSED_ADD_RMSNORM = FusedOp("fused_add_rmsnorm", kernel_contracts.fused_add_rmsnorm)
+ROPE = FusedOp("rope", kernel_contracts.rope)
+SILU_AND_MUL = FusedOp("silu_and_mul", kernel_contracts.silu_and_mul)
+FUSED_OPS = (RMSNORM, FUSED_ADD_RMSNORM, ROPE, SILU_AND_MUL)
+
+
+def forget_decisions() -> None:
+    """Start every op's decisions afresh (tests that swap the module or the devices)."""
+    for op in FUSED_OPS:
+        op.decisions.clear()
+        op._logged.clear()
+
+
+def report() -> dict[str, dict[str, object]]:
+    """Per op: whether it was fused for some layout, and every reason it was not."""
+    return {op.name: {"fused": op.fused(), "fell_back": sorted(op.fell_back())} for op in FUSED_OPS}

@@ -1,7 +1,7 @@
 """RMSNorm, computed in float32 like Hugging Face's, optionally fused with
 the residual add that precedes it. On CPU, one native kernel does both; on
-CUDA in half precision, FlashInfer's (for 2-D rows: Qwen3's per-head q/k
-norms over strided views stay in torch)."""
+CUDA in half precision, FlashInfer's where its contract holds (2-D rows, and
+Qwen3's per-head q/k norms over [tokens, heads, head_dim] views)."""
 
 from __future__ import annotations
 
@@ -9,8 +9,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from aioserve.layers.flashinfer_elementwise import flashinfer_ops
-from aioserve.layers.native_elementwise import elementwise_kernels
+from aioserve.layers.flashinfer_elementwise import FUSED_ADD_RMSNORM, RMSNORM
+from aioserve.cpu.elementwise import elementwise_kernels
 
 
 class RMSNorm(nn.Module):
@@ -42,14 +42,17 @@ class RMSNorm(nn.Module):
         if kernels is not None:
             out = kernels.rms_norm(x, residual, self.weight, self.eps)
             return out if residual is None else (out, residual)
-        fused = flashinfer_ops(x) if x.dim() == 2 and x.is_contiguous() else None
-        if fused is not None and self.weight.dtype == x.dtype:
-            if residual is None:
+        if residual is None:
+            fused = RMSNORM.kernel(x, self.weight)
+            if fused is not None:
                 return fused.norm.rmsnorm(x, self.weight, self.eps)
-            # In place: residual += x, then x = norm(residual) (x is this
-            # layer's fresh output, and the old residual is not needed again).
-            fused.norm.fused_add_rmsnorm(x, residual, self.weight, self.eps)
-            return x, residual
+        else:
+            fused = FUSED_ADD_RMSNORM.kernel(x, residual, self.weight)
+            if fused is not None:
+                # In place: residual += x, then x = norm(residual) (x is this
+                # layer's fresh output, and the old residual is not needed again).
+                fused.norm.fused_add_rmsnorm(x, residual, self.weight, self.eps)
+                return x, residual
         if residual is None:
             return self._norm(x)
         summed = x + residual

@@ -13,8 +13,8 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from aioserve.layers.flashinfer_elementwise import flashinfer_ops
-from aioserve.layers.native_elementwise import elementwise_kernels
+from aioserve.layers.flashinfer_elementwise import ROPE
+from aioserve.cpu.elementwise import elementwise_kernels
 
 
 @dataclass
@@ -96,6 +96,9 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
 
 
 class RotaryEmbedding(nn.Module):
+    cos_cache: torch.Tensor  # buffers (register_buffer), declared for the type checker
+    sin_cache: torch.Tensor
+
     def __init__(self, head_dim: int, max_positions: int, theta: float, scaling: RopeScaling) -> None:
         super().__init__()
         inv_freq, attention_factor = rope_inv_freq(head_dim, theta, scaling)
@@ -116,7 +119,8 @@ class RotaryEmbedding(nn.Module):
         if kernels is not None:
             kernels.rotary_embedding(positions, q, k, self.cos_cache, self.sin_cache)
             return q, k
-        fused = flashinfer_ops(q)
+        # (FlashInfer's cos/sin cache is built only where the kernel may be taken.)
+        fused = ROPE.kernel(q, k, positions, self._cos_sin_halves()) if ROPE.may_take(q) else None
         if fused is not None:
             fused.rope.apply_rope_with_cos_sin_cache_inplace(
                 positions, q, k, q.shape[-1], self._cos_sin_halves(), is_neox=True

@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from aioserve.distributed import kv_heads_per_rank
+from aioserve.tp.distributed import kv_heads_per_rank
 from aioserve.layers.rotary import RopeScaling
 
 
@@ -31,7 +31,6 @@ class ModelConfig:
     sliding_windows: list[int | None]  # per layer; None = full attention
     torch_dtype: str | None
     eos_token_ids: list[int] = field(default_factory=list)
-    bos_token_id: int | None = None
 
     @classmethod
     def from_dict(cls, raw: dict[str, Any], generation: dict[str, Any] | None = None) -> "ModelConfig":
@@ -65,7 +64,6 @@ class ModelConfig:
             sliding_windows=_sliding_windows(raw, arch, num_layers),
             torch_dtype=raw.get("dtype") or raw.get("torch_dtype"),
             eos_token_ids=_eos_ids(raw, generation or {}),
-            bos_token_id=raw.get("bos_token_id"),
         )
 
     @classmethod
@@ -80,10 +78,6 @@ class ModelConfig:
         """KV heads each tensor-parallel rank holds (replicated when there
         are fewer KV heads than ranks)."""
         return kv_heads_per_rank(self.num_kv_heads, tp_size)
-
-    def kv_bytes_per_token(self, dtype_size: int, tp_size: int = 1) -> int:
-        kv_heads = self.kv_heads_per_rank(tp_size)
-        return self.num_layers * 2 * kv_heads * self.head_dim * dtype_size
 
 
 def _as_list(value: Any) -> list[int]:

@@ -24,9 +24,9 @@ from dataclasses import dataclass
 
 from aioserve.batch_plan import StepOutput
 from aioserve.config import EngineConfig
-from aioserve.engine.executor import StepExecutor
+from aioserve.engine.executor import StepExecutor, TensorParallelFailure
 from aioserve.kvcache.manager import KVManager
-from aioserve.openmp import this_thread_single_threaded
+from aioserve.cpu.openmp import this_thread_single_threaded
 from aioserve.scheduler.client import SchedulerInfo
 from aioserve.scheduler.output_processor import OutputProcessor
 from aioserve.scheduler.plan_builder import ScheduledStep
@@ -58,7 +58,7 @@ class Scheduler:
         self.facts = facts
         self.executor = executor
         # Built on the event loop's thread, which must start no OpenMP team
-        # (aioserve/openmp.py): zeroing a long-context page table (Qwen3:
+        # (aioserve/cpu/openmp.py): zeroing a long-context page table (Qwen3:
         # 256 x 2560 slots) ran in parallel and left a second team, and the
         # forward's regions then waited for wake-ups (a Qwen3-0.6B decode
         # step ~30 -> ~45 ms).
@@ -212,7 +212,7 @@ class Scheduler:
     async def run(self, until_idle: bool = False) -> None:
         """Schedule and execute steps until stop() (or, with until_idle, until
         nothing is left to do)."""
-        with this_thread_single_threaded():  # the loop's thread: see aioserve/openmp.py
+        with this_thread_single_threaded():  # the loop's thread: see aioserve/cpu/openmp.py
             await self._run(until_idle)
 
     async def _run(self, until_idle: bool) -> None:
@@ -253,7 +253,10 @@ class Scheduler:
         try:
             output = await future
         except Exception as exc:  # a failed forward fails its requests, not the loop
-            logger.exception("step %d failed", step.plan.step)
+            if isinstance(exc, TensorParallelFailure):  # a rank went away: no traceback of ours to show
+                logger.error("step %d failed: %s", step.plan.step, exc)
+            else:
+                logger.exception("step %d failed", step.plan.step)
             for entry in step.entries:
                 if not entry.request.finished:
                     self._fail(entry.request, f"forward failed: {exc}")
@@ -299,7 +302,8 @@ class Scheduler:
         # and are served from the fresh one.
         for request in list(self.running):
             self._fail(request, f"KV integrity check failed: {message}")
-        self.kv = self.table.kv = self.planner.kv = self._new_kv()
+        with this_thread_single_threaded():  # zeroing the page table: see __init__
+            self.kv.reset()
 
     def _notify(self) -> None:
         if self._wake is not None:

@@ -10,7 +10,7 @@ from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.middleware import Middleware
 from starlette.middleware.cors import CORSMiddleware
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 from starlette.responses import Response
 from starlette.routing import Route
 from starlette.types import ASGIApp, Receive, Scope, Send
@@ -19,12 +19,13 @@ from aioserve.server import misc_routes
 from aioserve.server.chat import create_chat_completion
 from aioserve.server.completions import create_completion
 from aioserve.server.context import RETRY_AFTER_S, ServingContext
-from aioserve.server.errors import APIError, api_error_handler, unexpected_error_handler
+from aioserve.server.errors import APIError, api_error_handler, client_left_handler, unexpected_error_handler
 from aioserve.server.generate import generate
 from aioserve.server.metrics import metrics_endpoint
 from aioserve.server.openapi import openapi_json
 from aioserve.server.page import page_routes
 from aioserve.server.request_metrics import stamp_arrival
+from aioserve.server.upload_guard import UploadGuard
 
 logger = logging.getLogger(__name__)
 
@@ -49,12 +50,13 @@ class APIKeyCheck:
 
     def __init__(self, app: ASGIApp, api_key: str) -> None:
         self.app = app
-        self.expected = f"Bearer {api_key}".encode()
+        self.expected = api_key.encode()
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "http" and not _is_open(scope["path"]) and not _is_preflight(scope):
-            given = dict(scope["headers"]).get(b"authorization", b"")
-            if not secrets.compare_digest(given, self.expected):
+            # The scheme is case-insensitive (RFC 9110): "bearer KEY" is accepted too.
+            scheme, _, given = dict(scope["headers"]).get(b"authorization", b"").partition(b" ")
+            if not (secrets.compare_digest(given.strip(), self.expected) and scheme.lower() == b"bearer"):
                 response = APIError("invalid or missing API key", status=401, code="invalid_api_key").response()
                 await response(scope, receive, send)
                 return
@@ -81,6 +83,11 @@ class ServingGate:
                 self.ctx.metrics.error(error.type, error.status)
                 await error.response()(scope, receive, send)
                 return
+            try:
+                await self.app(scope, receive, send)
+            finally:  # a request that failed before it was submitted gives back its reservation
+                self.ctx.admitted(scope)
+            return
         await self.app(scope, receive, send)
 
 
@@ -99,7 +106,7 @@ def build_middleware(
 ) -> list[Middleware]:
     """Outermost first. CORS wraps the key check so that its headers are on
     a 401 too (else the page sees an opaque network error, not "bad key")."""
-    middleware = [Middleware(ServingGate, ctx=ctx)] if ctx is not None else []
+    middleware = [Middleware(ServingGate, ctx=ctx), Middleware(UploadGuard, ctx=ctx)] if ctx is not None else []
     origins = parse_origins(allowed_origins)
     if origins:
         logger.info("CORS allowed for %s", ", ".join(origins))
@@ -121,7 +128,10 @@ async def http_error_handler(request: Request, exc: Exception) -> Response:
     """Unknown routes and wrong methods, in the same error shape."""
     assert isinstance(exc, HTTPException)
     kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
-    return APIError(f"{exc.detail}: {request.method} {request.url.path}", status=exc.status_code, type=kind).response()
+    return APIError(  # a 405's Allow header (RFC 9110) comes with the exception
+        f"{exc.detail}: {request.method} {request.url.path}", status=exc.status_code, type=kind,
+        headers=dict(exc.headers or {}),
+    ).response()
 
 
 def create_app(ctx: ServingContext) -> Starlette:
@@ -147,6 +157,7 @@ def create_app(ctx: ServingContext) -> Starlette:
         ),
         exception_handlers={
             APIError: api_error_handler,
+            ClientDisconnect: client_left_handler,
             HTTPException: http_error_handler,
             Exception: unexpected_error_handler,
         },

@@ -26,6 +26,7 @@ from aioserve.server.responses import (
     ChatLogprobs,
     ChatMessage,
     Usage,
+    openai_finish_reason,
 )
 from aioserve.server.structured import compile_grammar, structured_request
 from aioserve.server.tools import ToolPlan, content_processors, plan_tools, template_messages
@@ -63,7 +64,7 @@ async def create_chat_completion(request: Request) -> Response:
     ctx: ServingContext = request.app.state.ctx
     body = await parse_body(request, ChatCompletionRequest)
     ctx.check_model(body.model)
-    ctx.check_capacity(body.n)
+    ctx.check_capacity(body.n, request.scope)
     if body.top_logprobs and not body.logprobs:
         raise APIError("top_logprobs needs logprobs: true", param="top_logprobs")
     tools = plan_tools(ctx, body)
@@ -80,6 +81,7 @@ async def create_chat_completion(request: Request) -> Response:
     generation = Generation(ctx, new_id("chatcmpl"), arrival_time(request), incremental=body.stream)
     try:
         generation.start([prompt_ids], params, body.n, grammar)
+        ctx.admitted(request.scope)
     except APIError as exc:  # the prompt is the rendered messages
         if exc.param == "prompt":
             exc.param = "messages"
@@ -112,7 +114,8 @@ class ChatBuilder:
             if delta.model_fields_set or update.finish_reason:
                 choices.append(
                     ChatChunkChoice(
-                        index=update.choice.index, delta=delta, logprobs=logprobs, finish_reason=update.finish_reason
+                        index=update.choice.index, delta=delta, logprobs=logprobs,
+                        finish_reason=openai_finish_reason(update.finish_reason),
                     )
                 )
         return [self._chunk(choices)] if choices else []
@@ -126,7 +129,7 @@ class ChatBuilder:
                 index=update.choice.index,
                 message=_message(update.message),
                 logprobs=self._logprobs(update),
-                finish_reason=update.finish_reason,
+                finish_reason=openai_finish_reason(update.finish_reason),
             )
             for update in results
         ]

@@ -11,6 +11,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from aioserve.server.assembly import ChoiceUpdate, respond
+from aioserve.server.body_checks import prompt_count
 from aioserve.server.context import ServingContext
 from aioserve.server.errors import APIError
 from aioserve.server.generation import Choice, Generation, new_id
@@ -18,7 +19,7 @@ from aioserve.server.logprobs import completion_logprobs, prompt_text_offsets
 from aioserve.server.protocol import CompletionRequest
 from aioserve.server.request_body import parse_body
 from aioserve.server.request_metrics import arrival_time
-from aioserve.server.responses import Completion, CompletionChoice, CompletionLogprobs, Usage
+from aioserve.server.responses import Completion, CompletionChoice, CompletionLogprobs, Usage, openai_finish_reason
 from aioserve.server.structured import compile_grammar, structured_request
 from aioserve.server.wire import WireModel
 
@@ -44,7 +45,7 @@ async def create_completion(request: Request) -> Response:
     ctx: ServingContext = request.app.state.ctx
     body = await parse_body(request, CompletionRequest)
     ctx.check_model(body.model)
-    ctx.check_capacity(body.n)
+    ctx.check_capacity(prompt_count(body.prompt) * body.n, request.scope)
     if body.best_of is not None and body.best_of != body.n:
         raise APIError("best_of is not supported (only best_of == n)", param="best_of")
     if body.suffix:
@@ -63,6 +64,7 @@ async def create_completion(request: Request) -> Response:
                 p.text_offsets = await ctx.tokenizer.run_async(prompt_text_offsets, ctx.tokenizer, p.ids)
     generation = Generation(ctx, new_id("cmpl"), arrival_time(request), incremental=body.stream)
     generation.start([p.ids for p in prompts], params, body.n, grammar)
+    ctx.admitted(request.scope)
     builder = CompletionBuilder(ctx, body, generation.request_id, prompts)
     return await respond(request, generation, builder, stream=body.stream, include_usage=body.include_usage)
 
@@ -116,7 +118,7 @@ class CompletionBuilder:
             index=update.choice.index,
             text=prompt_text + update.content.content,
             logprobs=self._logprobs(update, echo),
-            finish_reason=update.finish_reason,
+            finish_reason=openai_finish_reason(update.finish_reason),
         )
 
     def _logprobs(self, update: ChoiceUpdate, echo: bool) -> CompletionLogprobs | None:

@@ -9,7 +9,7 @@ SGLang supports and we do not (structural tags) is refused with a 400.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, cast
 
 from pydantic import Field, RootModel, field_validator
 
@@ -54,7 +54,7 @@ class GenerateSamplingParams(RequestModel):
 
     def structured(self) -> StructuredRequest | None:
         given = [
-            StructuredRequest(StructuredOutputParams(**{kind: value}), f"sampling_params.{field}")
+            StructuredRequest(StructuredOutputParams(**{kind: cast(Any, value)}), f"sampling_params.{field}")
             for field, kind, value in (
                 ("json_schema", "json", self.json_schema), ("regex", "regex", self.regex),
                 ("ebnf", "grammar", self.ebnf),

@@ -147,6 +147,7 @@ class Generation:
                 self._observe(choice, event, emitted)
                 grouped[choice] = choice.stream.add(event, grouped.get(choice))
             yield [(c, d) for c, d in grouped.items() if d.changed]
+        self.ctx.generations.discard(self)
 
     def _observe(self, choice: Choice, event: RequestEvent, now: float) -> None:
         """Latency metrics, at the time the scheduler emitted the event."""
@@ -163,11 +164,30 @@ class Generation:
             metrics.finished(event.finish_reason)
             metrics.e2e_request_latency.observe(now - self.arrival)
 
-    def close(self) -> None:
-        """Abort whatever still runs (the client left, or an error)."""
+    def fail(self, reason: str) -> None:
+        """End every unfinished choice with an error event (the server failed:
+        a rank died or hung), so its handler answers with a clean error."""
+        now = time.monotonic()
+        for choice in self.choices:
+            if not choice.stream.finished:
+                self._queue.put_nowait((choice, RequestEvent(finish_reason="error", error=reason), now))
+
+    def abort(self) -> None:
+        """Abort whatever still runs; its final (abort) events still come to
+        `deltas()`, for a handler that is reading them (the drain's timeout)."""
         for choice in self.choices:
             if not choice.stream.finished:
                 self.ctx.scheduler.abort(choice.rid)
+
+    def close(self) -> None:
+        """Abort whatever still runs and mark it finished now: nobody reads
+        this generation any more (the client left, or an error), so the abort
+        events the scheduler sends back would never be folded in, and the
+        drain on shutdown must not wait for them."""
+        self.abort()
+        for choice in self.choices:
+            choice.stream.end("abort")
+        self.ctx.generations.discard(self)
 
     def usage(self) -> Usage:
         """Each prompt counts once, however many choices it has."""

@@ -56,7 +56,7 @@ class SchedulerCollector:
 
 def metrics_endpoint(ctx: ServingContext):
     registry = ctx.metrics.registry
-    registry.register(SchedulerCollector(ctx))  # type: ignore[arg-type]
+    registry.register(SchedulerCollector(ctx))
 
     async def metrics(request: Request) -> Response:
         return Response(generate_latest(registry), media_type="text/plain; version=0.0.4")

@@ -69,7 +69,9 @@ async def tokenize(request: Request) -> Response:
             raise from_validation_error(exc) from None
         tokens = await encode_messages(ctx, chat, plan_tools(ctx, chat))
     else:
-        tokens = await ctx.tokenizer.encode_async(body.prompt, body.add_special_tokens)  # type: ignore[arg-type]
+        assert body.prompt is not None
+        ctx.check_prompt_chars(len(body.prompt), "prompt")  # bounded as the generation routes are
+        tokens = await ctx.tokenizer.encode_async(body.prompt, body.add_special_tokens)
     return json_response(TokenizeResponse(tokens=tokens, count=len(tokens), max_model_len=ctx.max_model_len))
 
 

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import importlib.metadata
 import json
+import os
 import typing
 from collections.abc import Iterator
 from functools import cache
@@ -262,7 +263,7 @@ def _post(summary: str, operation_id: str, body: str | None, schema: JsonDict, e
 
 
 # Probes and scrapers get no API key: these say so by an empty security list.
-OPEN = {"security": []}
+OPEN: JsonDict = {"security": []}
 
 
 def paths() -> JsonDict:
@@ -325,11 +326,6 @@ def paths() -> JsonDict:
 # -- the document ------------------------------------------------------------------------
 
 
-def openapi_document() -> JsonDict:
-    """A fresh copy of the document (callers may change it)."""
-    return json.loads(_document_bytes())
-
-
 def _version() -> str:
     """The installed distribution's version (the package root is above this module)."""
     try:
@@ -339,8 +335,10 @@ def _version() -> str:
 
 
 @cache
-def _document_bytes() -> bytes:
-    document = {
+def _document_bytes(secured: bool) -> bytes:
+    """With an API key, the bearer scheme applies to every route but the
+    open ones; without one, the document declares no security at all."""
+    document: dict = {
         "openapi": OPENAPI_VERSION,
         "info": {
             "title": "aioserve",
@@ -348,21 +346,18 @@ def _document_bytes() -> bytes:
             "description": "OpenAI-compatible (and SGLang /generate) LLM inference server.",
         },
         "paths": paths(),
-        "components": {
-            "schemas": all_schemas(),
-            "securitySchemes": {
-                "apiKey": {
-                    "type": "http",
-                    "scheme": "bearer",
-                    "description": "Checked only when the server runs with --api-key or AIOSERVE_API_KEY.",
-                }
-            },
-        },
-        "security": [{"apiKey": []}],
+        "components": {"schemas": all_schemas()},
     }
+    if secured:
+        document["components"]["securitySchemes"] = {
+            "apiKey": {"type": "http", "scheme": "bearer", "description": "the server's --api-key (or AIOSERVE_API_KEY)"}
+        }
+        document["security"] = [{"apiKey": []}]
     return json.dumps(document).encode()
 
 
 async def openapi_json(request: Request) -> Response:
-    return Response(_document_bytes(), media_type="application/json")
+    ctx = getattr(request.app.state, "ctx", None)
+    secured = bool((ctx is not None and ctx.args.api_key) or os.environ.get("AIOSERVE_API_KEY"))
+    return Response(_document_bytes(secured), media_type="application/json")
 

@@ -15,6 +15,14 @@ from aioserve.server.wire import WireModel
 FinishReason = str
 
 
+def openai_finish_reason(reason: str | None) -> FinishReason | None:
+    """OpenAI's set has no "abort": a request cut short (the drain's timeout on
+    shutdown, an abort) reports "length", as a truncated output does, which
+    every client accepts and treats as incomplete. ("error" is followed by an
+    error event or answered with an error body.) SGLang's /generate keeps "abort"."""
+    return "length" if reason == "abort" else reason
+
+
 class PromptTokensDetails(WireModel):
     cached_tokens: int
 

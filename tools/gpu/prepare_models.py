@@ -8,7 +8,7 @@ gzipped (about a fifth of its size; `benchmarks/gpu_check.sh setup` unpacks
 it). stories260K needs no copy: the tests find it in the package
 (aioserve/demo_model, tests/conftest.py's STORIES).
 
-    python benchmarks/gpu/prepare_models.py            # then: du -sh .gpu_models
+    python tools/gpu/prepare_models.py            # then: du -sh .gpu_models
 
 `.gpu_models/` is not tracked (an ignore line keeps it out of git) but
 travels to the GPU machine with the working tree when listed in `carry`.

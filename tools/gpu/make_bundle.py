@@ -483,7 +483,7 @@ def rewrite_metadata(metadata: str, new_version: str) -> str:
         out.append(line)
         if line.startswith("Summary: "):
             out[-1] = (
-                line + " [trimmed by aioserve benchmarks/gpu/make_bundle.py: JIT sources "
+                line + " [trimmed by aioserve tools/gpu/make_bundle.py: JIT sources "
                 "for fa2/fa3 paged attention, sampling, norm, rope, activation, page only]"
             )
     return "\n".join(out)

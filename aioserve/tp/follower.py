@@ -6,7 +6,7 @@ and an idle follower just sleeps in gloo's receive (no spinning core). The
 follower ends when rank 0 says stop (exit 0), or with a log line and exit
 code 1 when rank 0 vanishes (its lifeline closes) or a step raises.
 
-Run as `python -m aioserve.engine.tp_follower '<json>'` by the first process
+Run as `python -m aioserve.tp.follower '<json>'` by the first process
 of a node (tp_world.spawn_followers); `run_node` is what `aioserve serve
 --node-rank K` (K > 0) runs.
 """
@@ -24,11 +24,12 @@ import time
 from typing import Any
 
 from aioserve.config import EngineConfig
-from aioserve.distributed import destroy_tensor_parallel, init_tensor_parallel
-from aioserve.engine.engine import Engine, resolve_device
-from aioserve.engine.tp_channel import PlanChannel
-from aioserve.engine.tp_lifeline import FollowerLifeline
-from aioserve.engine.tp_world import (
+from aioserve.tp.distributed import destroy_tensor_parallel, init_tensor_parallel
+from aioserve.engine.engine import Engine
+from aioserve.engine.loading import resolve_device
+from aioserve.tp.channel import PlanChannel
+from aioserve.tp.lifeline import FollowerLifeline
+from aioserve.tp.world import (
     LIFELINE_KEY,
     DistributedInitError,
     RankSpec,

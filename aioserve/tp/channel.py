@@ -13,8 +13,8 @@ from typing import Any
 
 import torch
 
-from aioserve.distributed import host_broadcast
-from aioserve.engine import tp_codec
+from aioserve.tp.distributed import host_broadcast
+import aioserve.tp.codec as tp_codec
 
 PLAN = 1
 STOP = 2

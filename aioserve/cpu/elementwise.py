@@ -12,7 +12,7 @@ from __future__ import annotations
 import os
 from types import ModuleType
 
-from aioserve.native import cpu_kernels
+from aioserve.cpu.native import cpu_kernels
 
 ENABLED = os.environ.get("AIOSERVE_NATIVE_ELEMENTWISE", "1") != "0"
 

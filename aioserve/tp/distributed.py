@@ -11,7 +11,7 @@ Two process groups back it:
 * the *host* group (always gloo) carries small CPU-side data: the batch plan
   broadcast, start-up agreement. An idle follower waits in it for the next
   plan for as long as the server is idle, so its timeout is effectively
-  infinite; a rank that dies is noticed by the lifeline (engine/tp_lifeline.py),
+  infinite; a rank that dies is noticed by the lifeline (tp/lifeline.py),
   not by a timeout.
 """
 

@@ -1,0 +1,85 @@
+"""The CPU's fast paths, behind one object: the native packed matmul's
+weights, the decode-only step as one native DecoderStack call, and the
+greedy screen over the LM head.
+
+All three need the native kernels (aioserve/cpu/native.py). When they are still
+building, the engine starts with BLAS (tuned) and the torch forms, and
+`upgrade()`, the single point where that changes, called between steps on
+the thread that runs them (nothing else reads the weights then), packs the
+weights and starts the native paths once the kernels are in.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import cast
+
+import torch
+
+from aioserve.config import EngineConfig
+from aioserve.cpu.greedy_screen import GreedyScreen
+from aioserve.cpu.decode_stack import NativeDecodeRunner, unsupported_reason
+from aioserve.kvcache.kv_pool import KVPool
+from aioserve.models.llama import LlamaForCausalLM
+from aioserve.cpu.matmul import MatmulModule, pack_cpu_weights, tune_cpu_matmuls
+from aioserve.cpu.native import cpu_kernels
+
+logger = logging.getLogger(__name__)
+
+
+class CpuFastPaths:
+    def __init__(
+        self, model: LlamaForCausalLM, pool: KVPool, config: EngineConfig,
+        weight_dtype: torch.dtype, dtype: torch.dtype, tp_size: int,
+    ) -> None:
+        self.model, self.pool, self.config = model, pool, config
+        self.weight_dtype, self.dtype, self.tp_size = weight_dtype, dtype, tp_size
+        self.decode_runner: NativeDecodeRunner | None = None
+        self.greedy_screen: GreedyScreen | None = None
+        # Weights waiting to be packed for the native matmul (the kernels are building).
+        self._unpacked: list[MatmulModule] = []
+        matmuls = cast("list[MatmulModule]", [m for m in model.modules() if hasattr(m, "matmul_choice")])
+        if not pack_cpu_weights(matmuls, weight_dtype, dtype):
+            for module in matmuls:  # BLAS multiplies at the math's width
+                module.weight.data = module.weight.data.to(dtype)
+            self._unpacked = matmuls
+            if config.cpu_matmul_tuning:
+                tune_cpu_matmuls(matmuls)
+        self._start_native_paths()
+
+    @property
+    def waiting_for_kernels(self) -> bool:
+        return bool(self._unpacked)
+
+    def upgrade(self) -> bool:
+        """Between steps: once the kernels are built, pack the weights and
+        start the native paths. True when that happened (the engine then
+        takes the new decode runner)."""
+        if not self._unpacked or cpu_kernels(wait=False) is None:
+            return False
+        pack_cpu_weights(self._unpacked, self.weight_dtype, self.dtype)
+        self._unpacked = []
+        self._start_native_paths()
+        return True
+
+    def _start_native_paths(self) -> None:
+        self._start_native_decode()
+        lm_head = getattr(self.model, "lm_head", None)
+        kernels = cpu_kernels(wait=False)
+        if lm_head is not None and kernels is not None:
+            # Greedy rows' argmax from a half copy of the LM head (greedy_screen.py).
+            self.greedy_screen = GreedyScreen.build(lm_head, kernels, self.tp_size)
+
+    def _start_native_decode(self) -> None:
+        """Decode-only steps through the native DecoderStack when it can run
+        this model (otherwise, once, the reason in the log)."""
+        if not self.config.cuda_graph:  # --disable-cuda-graph: no captured decode of any kind
+            return
+        reason = unsupported_reason(self.model, self.pool.buffer.device)
+        if reason is None:
+            kernels = cpu_kernels(wait=False)
+            assert kernels is not None
+            self.decode_runner = NativeDecodeRunner(self.model, self.pool, kernels)
+            logger.info("decode-only steps run as one native call (DecoderStack)")
+        elif not self._unpacked:  # while the kernels build, packing comes later and this is retried
+            logger.info("decode steps run the modules: %s", reason)

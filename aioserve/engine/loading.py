@@ -1,0 +1,147 @@
+"""Everything an engine is built from, decided before its first step: the
+device, the checkpoint and its config, the three dtypes, the model with its
+weights, the context limit, the prefill budget and the KV pool's size.
+`load` returns them as plain data; engine.py builds the pool and the
+backends on top."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from aioserve.config import DEFAULT_CPU_KV_BYTES, EngineConfig
+from aioserve.engine.dtypes import compute_dtype, kv_cache_dtype, resolve_dtype
+from aioserve.kvcache.kv_pool import RESERVED_PAGES, KVPool
+from aioserve.models.llama import LlamaForCausalLM
+from aioserve.models.model_config import ModelConfig
+from aioserve.models.source import resolve_model_path
+from aioserve.models.weight_loader import build_model
+from aioserve.cpu.native import cpu_kernels
+
+logger = logging.getLogger(__name__)
+
+# Prefill tokens per step when --max-prefill-tokens is not given. On CPU a
+# prefill step runs at the matmul rate, so a burst prefilled in one step
+# makes every request in it wait for all of them: 64 concurrent 64-token
+# prompts on qwen3-0.6b (2 cores) had a mean TTFT of 20 s in one 4096-token
+# step and 12 s in chunks of 256, at the same output tok/s. On a GPU a big
+# step costs little more than a small one.
+DEFAULT_MAX_PREFILL_TOKENS = {"cuda": 8192, "cpu": 256}
+
+
+@dataclass
+class LoadedModel:
+    device: torch.device
+    model_path: Path
+    model_config: ModelConfig
+    weight_dtype: torch.dtype  # what was asked (the weights' values are rounded to it)
+    dtype: torch.dtype  # what the math runs in
+    kv_dtype: torch.dtype  # what the KV cache holds
+    max_model_len: int
+    max_prefill_tokens: int
+    model: LlamaForCausalLM  # every registered architecture is one (models/registry.py)
+    num_pages: int  # what this rank's memory holds; ranks then take the smallest
+
+
+def kv_budget_bytes(total: int, free: int, mem_fraction_static: float) -> int:
+    """GPU bytes for the KV pool: the static share of the device's memory
+    less what is in use already (weights, the CUDA context, other
+    processes). Activations and CUDA graphs live in the remaining share."""
+    if not 0 < mem_fraction_static <= 1:
+        raise ValueError(f"mem_fraction_static must be in (0, 1], got {mem_fraction_static}")
+    return max(0, int(total * mem_fraction_static) - (total - free))
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(name)
+
+
+def _prepare_device(device: torch.device, config: EngineConfig) -> None:
+    if device.type == "cpu" and config.num_threads:
+        torch.set_num_threads(config.num_threads)
+    if device.type == "cuda":
+        # cuDNN's attention builds a new plan for every new sequence length
+        # (~1.8 ms of CPU per layer call, measured on an H100): serving
+        # never repeats a length, so leave SDPA to flash / mem-efficient.
+        torch.backends.cuda.enable_cudnn_sdp(False)
+
+
+def max_model_len(config: EngineConfig, model_config: ModelConfig) -> int:
+    limit = model_config.max_position_embeddings
+    asked = config.max_model_len
+    if asked is not None and asked > limit:
+        raise ValueError(f"max_model_len {asked} exceeds the model's max_position_embeddings {limit}")
+    return asked or limit
+
+
+def matmul_load_dtype(device: torch.device, weight_dtype: torch.dtype, dtype: torch.dtype) -> torch.dtype | None:
+    """Half weights computed in float32 on a CPU whose native kernels are
+    built load half: the packed matmul reads them so (see build_model)."""
+    if device.type != "cpu" or dtype != torch.float32 or weight_dtype == torch.float32:
+        return None
+    return weight_dtype if cpu_kernels(wait=False) is not None else None
+
+
+def pool_pages(config: EngineConfig, loaded: LoadedModel, tp_size: int) -> int:
+    """Pages this rank's memory gives the KV pool: a GPU's static share
+    less what is in use, a CPU's --kv-cache-memory; never more than every
+    running request at full context could use."""
+    if config.num_pages is not None:
+        return config.num_pages
+    mc = loaded.model_config
+    page_bytes = KVPool.bytes_per_page(
+        mc.num_layers, config.page_size, mc.kv_heads_per_rank(tp_size), mc.head_dim, loaded.kv_dtype
+    )
+    if loaded.device.type == "cuda":
+        free, total = torch.cuda.mem_get_info(loaded.device)
+        budget = kv_budget_bytes(total, free, config.mem_fraction_static)
+        if budget < (RESERVED_PAGES + 1) * page_bytes:
+            raise ValueError(
+                f"--mem-fraction-static {config.mem_fraction_static} leaves no room for the KV pool: "
+                f"{(total - free) / 2**30:.1f} GiB of the GPU's {total / 2**30:.1f} GiB are in use already"
+            )
+    else:
+        budget = config.kv_cache_memory or DEFAULT_CPU_KV_BYTES
+    pages_per_request = -(-loaded.max_model_len // config.page_size)
+    useful = config.max_running_requests * pages_per_request + RESERVED_PAGES
+    return max(RESERVED_PAGES + 1, min(budget // page_bytes, useful))
+
+
+def load(config: EngineConfig, tp_size: int) -> LoadedModel:
+    device = resolve_device(config.device)
+    _prepare_device(device, config)
+    model_path = resolve_model_path(config.model, config.revision)
+    model_config = ModelConfig.from_path(model_path)
+    weight_dtype = resolve_dtype(config.dtype, model_config.torch_dtype)
+    dtype = compute_dtype(weight_dtype, device, config.cpu_half_compute)
+    model = build_model(
+        model_config, model_path, dtype, device, config.load_format, config.seed,
+        round_to=weight_dtype, matmul_dtype=matmul_load_dtype(device, weight_dtype, dtype),
+    )
+    loaded = LoadedModel(
+        device=device,
+        model_path=model_path,
+        model_config=model_config,
+        weight_dtype=weight_dtype,
+        dtype=dtype,
+        kv_dtype=kv_cache_dtype(config.kv_cache_dtype, config.dtype, weight_dtype, dtype),
+        max_model_len=max_model_len(config, model_config),
+        max_prefill_tokens=config.max_prefill_tokens or DEFAULT_MAX_PREFILL_TOKENS.get(device.type, 8192),
+        model=model,
+        num_pages=0,
+    )
+    loaded.num_pages = pool_pages(config, loaded, tp_size)
+    return loaded
+
+
+def describe(loaded: LoadedModel) -> str:
+    def name(dtype: torch.dtype) -> str:
+        return str(dtype).removeprefix("torch.")
+
+    return (f"loaded {loaded.model_path} ({loaded.model_config.architecture}; weights {name(loaded.weight_dtype)}, "
+            f"compute {name(loaded.dtype)}, KV {name(loaded.kv_dtype)}) on {loaded.device}")

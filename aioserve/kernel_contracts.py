@@ -1,0 +1,151 @@
+"""What each FlashInfer kernel aioserve calls requires of its arguments, in one place.
+
+A CUDA kernel does not check its inputs: handed a pointer 8 bytes off the
+16-byte boundary its vector loads need, it faults with "misaligned address",
+and the error is sticky (every later CUDA call of the process fails, far
+from its cause). So every call site asks the matching function here first,
+once per input layout (layers/flashinfer_elementwise.py), and takes the
+torch form when the answer is a reason instead of None.
+
+The contracts, read off FlashInfer's kernels (include/flashinfer/*.cuh) and
+their bindings (csrc/*.cu):
+
+| entry point | dtypes | layout | alignment (bytes) | shapes |
+|---|---|---|---|---|
+| norm.rmsnorm | x, weight: one half type | 2-D rows or 3-D [T, H, D], last dim contiguous | data and row/head strides: multiples of V = gcd(16 / itemsize, D) * itemsize | weight [D] |
+| norm.fused_add_rmsnorm | x, residual, weight: one half type | 2-D, last dim contiguous | as rmsnorm, for x and residual | same shape |
+| activation.silu_and_mul | one half type | contiguous (rows are read at token * 2d) | data 16; d * itemsize % 16 (the up half and each output row start at a multiple of d) | last dim even |
+| rope.apply_rope_with_cos_sin_cache_inplace | q, k: one half type; cache float32; positions int32/int64 | q, k 3-D, last dim contiguous; cache and positions contiguous | q, k data and strides 16 | head_dim in 64/128/256/512 (the specialised kernel; other head dims take a different path), cache [P, head_dim] |
+| Batch{Decode,Prefill}WithPagedKVCacheWrapper | q and cache: float16/bfloat16 | q [T, Hq, D] contiguous; cache NHD [pages, page_size, Hk, D] | data 16 | head_dim in 64/128/256; plan arrays int32 |
+
+KV append and sampling are torch ops in aioserve (kvcache/kv_pool.py,
+engine/sampler.py), not FlashInfer calls, so they have no contract here.
+tests/fake_flashinfer.py models what the real kernels would do with a
+violation (it raises), independently of these functions, so a contract
+written too loosely here fails the CPU tests.
+"""
+
+from __future__ import annotations
+
+from math import gcd
+
+import torch
+
+ALIGNMENT = 16  # bytes: the widest vector load or store these kernels issue
+HALF = (torch.float16, torch.bfloat16)
+ROPE_HEAD_DIMS = (64, 128, 256, 512)
+PAGED_HEAD_DIMS = (64, 128, 256)
+INDEX_DTYPE = torch.int32  # the paged wrappers' indptr / indices / last_page_len
+POSITION_DTYPES = (torch.int32, torch.int64)
+
+
+def _misaligned(name: str, t: torch.Tensor, bytes_: int, dims: tuple[int, ...]) -> str | None:
+    """Why `t`'s data pointer, or its stride along one of `dims`, is not a
+    multiple of `bytes_`; None when all are."""
+    if t.data_ptr() % bytes_:
+        return f"{name}'s data starts {t.data_ptr() % bytes_} bytes off a {bytes_}-byte boundary"
+    for dim in dims:
+        if t.shape[dim] > 1 and (t.stride(dim) * t.element_size()) % bytes_:
+            return f"{name}'s stride along dim {dim} ({t.stride(dim) * t.element_size()} bytes) is not a multiple of {bytes_}"
+    return None
+
+
+def _half(*named: tuple[str, torch.Tensor]) -> str | None:
+    dtype = named[0][1].dtype
+    if dtype not in HALF:
+        return f"{named[0][0]} is {dtype}, the kernel takes float16/bfloat16"
+    for name, t in named[1:]:
+        if t.dtype != dtype:
+            return f"{name} is {t.dtype}, not {dtype} like {named[0][0]}"
+    return None
+
+
+def _same_device(*tensors: torch.Tensor) -> str | None:
+    devices = {t.device for t in tensors}
+    return None if len(devices) == 1 else f"inputs on several devices {sorted(map(str, devices))}"
+
+
+def norm_vector_bytes(d: int, itemsize: int) -> int:
+    """The width of RMSNorm's loads: gcd(16 / itemsize, d) elements."""
+    return gcd(ALIGNMENT // itemsize, d) * itemsize
+
+
+def rmsnorm(x: torch.Tensor, weight: torch.Tensor) -> str | None:
+    """norm.rmsnorm(x, weight) over the last dim of a 2-D or 3-D x."""
+    if x.dim() not in (2, 3):
+        return f"x is {x.dim()}-D, the kernel takes 2-D rows or 3-D [tokens, heads, dim]"
+    why = _half(("x", x), ("weight", weight)) or _same_device(x, weight)
+    if why:
+        return why
+    if x.stride(-1) != 1 or not weight.is_contiguous():
+        return "the last dim of x (and weight) must be contiguous"
+    if weight.shape != (x.shape[-1],):
+        return f"weight {tuple(weight.shape)} does not match the last dim {x.shape[-1]}"
+    vector = norm_vector_bytes(x.shape[-1], x.element_size())
+    return _misaligned("x", x, vector, tuple(range(x.dim() - 1))) or _misaligned("weight", weight, vector, ())
+
+
+def fused_add_rmsnorm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor) -> str | None:
+    """norm.fused_add_rmsnorm(x, residual, weight): residual += x; x = norm(residual), in place."""
+    if x.dim() != 2 or residual.shape != x.shape:
+        return f"x {tuple(x.shape)} and residual {tuple(residual.shape)} must be one 2-D shape"
+    why = rmsnorm(x, weight) or _half(("x", x), ("residual", residual)) or _same_device(x, residual)
+    if why:
+        return why
+    if residual.stride(-1) != 1:
+        return "the last dim of residual must be contiguous"
+    return _misaligned("residual", residual, norm_vector_bytes(x.shape[-1], x.element_size()), (0,))
+
+
+def silu_and_mul(x: torch.Tensor) -> str | None:
+    """activation.silu_and_mul(x): silu(x[..., :d]) * x[..., d:]."""
+    why = _half(("x", x))
+    if why:
+        return why
+    if x.shape[-1] % 2:
+        return f"the last dim {x.shape[-1]} is odd"
+    if not x.is_contiguous():
+        return "x must be contiguous (the kernel reads row t at t * 2d)"
+    d_bytes = x.shape[-1] // 2 * x.element_size()
+    if d_bytes % ALIGNMENT:
+        return (f"the up half starts {d_bytes} bytes into each row, not a multiple of {ALIGNMENT} "
+                f"(intermediate size {x.shape[-1] // 2})")
+    return _misaligned("x", x, ALIGNMENT, ())
+
+
+def rope(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos_sin_cache: torch.Tensor) -> str | None:
+    """rope.apply_rope_with_cos_sin_cache_inplace over q [T, Hq, D] and k [T, Hk, D]."""
+    if q.dim() != 3 or k.dim() != 3 or q.shape[0] != k.shape[0] or q.shape[2] != k.shape[2]:
+        return f"q {tuple(q.shape)} and k {tuple(k.shape)} must be [tokens, heads, head_dim] alike"
+    head_dim = q.shape[2]
+    if head_dim not in ROPE_HEAD_DIMS:
+        return f"head_dim {head_dim} is not one its RoPE kernel is built for {ROPE_HEAD_DIMS}"
+    why = _half(("q", q), ("k", k)) or _same_device(q, k, positions, cos_sin_cache)
+    if why:
+        return why
+    if positions.dtype not in POSITION_DTYPES or positions.dim() != 1 or positions.shape[0] != q.shape[0]:
+        return f"positions must be int32/int64 [tokens], not {positions.dtype} {tuple(positions.shape)}"
+    if cos_sin_cache.dtype != torch.float32 or cos_sin_cache.dim() != 2 or cos_sin_cache.shape[1] != head_dim:
+        return f"the cos/sin cache must be float32 [positions, {head_dim}]"
+    if not (cos_sin_cache.is_contiguous() and positions.is_contiguous()):
+        return "the cos/sin cache and positions must be contiguous"
+    if q.stride(-1) != 1 or k.stride(-1) != 1:
+        return "the last dim of q and k must be contiguous"
+    return _misaligned("q", q, ALIGNMENT, (0, 1)) or _misaligned("k", k, ALIGNMENT, (0, 1))
+
+
+def paged_attention(head_dim: int, q_dtype: torch.dtype, kv_dtype: torch.dtype) -> str | None:
+    """The paged decode/prefill wrappers for a model: decided once, when the backend is chosen."""
+    if q_dtype not in HALF or kv_dtype not in HALF:
+        return f"its kernels take float16/bfloat16, not {q_dtype} math over a {kv_dtype} cache"
+    if head_dim not in PAGED_HEAD_DIMS:
+        return f"its kernels take head dims {PAGED_HEAD_DIMS}, not {head_dim}"
+    return None
+
+
+def paged_plan_arrays(*arrays: torch.Tensor) -> str | None:
+    """indptr / indices / last_page_len (and qo_indptr) handed to `plan`."""
+    for t in arrays:
+        if t.dtype != INDEX_DTYPE or not t.is_contiguous():
+            return f"plan arrays must be contiguous {INDEX_DTYPE}, not {t.dtype}"
+    return None

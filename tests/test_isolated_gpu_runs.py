@@ -1,0 +1,62 @@
+"""tools/gpu/isolated_tests.py, the GPU session's test runner, on CPU:
+a test that poisons its process (as a sticky CUDA fault does) cannot turn
+the tests after it into failures; a failure is rerun alone with
+CUDA_LAUNCH_BLOCKING=1; a hung test is cut at its timeout and a dead
+process named; every test gets its own line."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+RUNNER = Path(__file__).resolve().parents[1] / "tools" / "gpu" / "isolated_tests.py"
+
+SUITE = '''
+import os, signal, time
+import pytest
+
+POISON = os.path.join(os.path.dirname(__file__), "poisoned-")
+
+def test_a():
+    pass
+
+def test_b_faults():
+    print("CUDA_LAUNCH_BLOCKING =", os.environ.get("CUDA_LAUNCH_BLOCKING"))
+    open(POISON + str(os.getpid()), "w").close()  # every later test of this process now fails
+    raise RuntimeError("CUDA error: misaligned address")
+
+def test_c():
+    assert not os.path.exists(POISON + str(os.getpid())), "a sticky error from an earlier test"
+
+def test_d_hangs():
+    time.sleep(120)
+
+def test_e_skips():
+    pytest.skip("not here")
+
+def test_f_dies():
+    os.kill(os.getpid(), signal.SIGKILL)
+
+def test_g():
+    pass
+'''
+
+
+def test_one_line_per_test_and_no_test_hides_another(tmp_path: Path) -> None:
+    (tmp_path / "test_suite.py").write_text(SUITE)
+    out = tmp_path / "out"
+    done = subprocess.run(
+        [sys.executable, str(RUNNER), "--out", str(out), "--timeout", "4", "test_suite.py"],
+        cwd=tmp_path, capture_output=True, text=True, timeout=120,
+    )
+    assert done.returncode == 1, done.stdout + done.stderr
+    lines = (out / "summary.txt").read_text().splitlines()
+    outcomes = {line.split()[-1].split("::")[1]: line.split()[0] for line in lines}
+    assert outcomes == {
+        "test_a": "passed", "test_b_faults": "failed", "test_c": "passed", "test_d_hangs": "timeout",
+        "test_e_skips": "skipped", "test_f_dies": "crashed", "test_g": "passed",
+    }
+    reruns = sorted(out.glob("rerun-*.log"))
+    assert len(reruns) == 2  # the failure and the crash; not the hang
+    assert "CUDA_LAUNCH_BLOCKING = 1" in reruns[0].read_text()

@@ -1,0 +1,136 @@
+"""Run pytest tests so that one cannot hide the others, with a line per test.
+
+A CUDA fault is sticky: after the first "misaligned address" every later
+CUDA call of the process fails, so one bad test turned 27 others into errors
+far from its cause (issue 26). Here the tests run file by file with `-x`;
+when one fails, the process ends, that test is run again alone with
+CUDA_LAUNCH_BLOCKING=1 (so its log names the faulting kernel), and the file
+goes on in a fresh process from the test after it. A test that hangs is
+cut at its timeout and reported, and the rest go on.
+
+Usage (benchmarks/gpu_check.sh tests does this):
+    python tools/gpu/isolated_tests.py --out DIR [--timeout S] [--budget S] [-m MARK] FILE...
+Writes DIR/summary.txt (one line per test: outcome, seconds, node id),
+DIR/<n>.log (each pytest process's console) and DIR/rerun-<n>.log (each
+isolated rerun); exits 1 if any test failed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+PLUGIN_DIR = Path(__file__).resolve().parent  # holds lines_plugin.py, loaded with -p
+OK = ("passed", "skipped")
+
+
+@dataclass
+class Outcome:
+    nodeid: str
+    outcome: str  # passed | failed | error | skipped | timeout | crashed | not run (| X-then-passed-alone)
+    seconds: float
+
+
+def collect(files: list[str], mark: str | None) -> list[str]:
+    args = [sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider", *files]
+    if mark:
+        args += ["-m", mark]
+    listed = subprocess.run(args, capture_output=True, text=True).stdout.splitlines()
+    return [line.strip() for line in listed if "::" in line]
+
+
+def run_pytest(nodeids: list[str], lines: Path, log: Path, timeout: float, budget: float, env: dict[str, str]) -> bool:
+    """One pytest process over `nodeids`, stopping at the first failure.
+    False if it was killed: no test finished for `timeout` seconds, or the budget ran out."""
+    args = [sys.executable, "-m", "pytest", "-x", "-q", "-p", "no:cacheprovider", "-p", "lines_plugin",
+            "-o", "addopts=", *nodeids]
+    env = {**env, "PYTHONPATH": f"{PLUGIN_DIR}{os.pathsep}{env.get('PYTHONPATH', '')}", "TEST_LINES_FILE": str(lines)}
+    start = last_progress = time.monotonic()
+    seen = 0
+    with log.open("w") as out:
+        # Its own session: a kill takes the test's children (servers, compilers) with it.
+        process = subprocess.Popen(args, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+        while process.poll() is None:
+            time.sleep(0.5)
+            now = time.monotonic()
+            size = lines.stat().st_size if lines.exists() else 0
+            if size != seen:
+                seen, last_progress = size, now
+            if now - last_progress > timeout or now - start > budget:
+                os.killpg(process.pid, signal.SIGKILL)
+                process.wait()
+                out.write(f"\n#### killed: no test finished in {timeout:.0f} s, or the budget ran out\n")
+                return False
+    return True
+
+
+def read_lines(lines: Path) -> dict[str, Outcome]:
+    found: dict[str, Outcome] = {}
+    if lines.exists():
+        for line in lines.read_text().splitlines():
+            record = json.loads(line)
+            found[record["nodeid"]] = Outcome(record["nodeid"], record["outcome"], record["seconds"])
+    lines.unlink(missing_ok=True)
+    return found
+
+
+def run_isolated(nodeids: list[str], out: Path, timeout: float, budget: float) -> list[Outcome]:
+    """Every test's outcome; a failure is rerun alone with CUDA_LAUNCH_BLOCKING=1."""
+    start = time.monotonic()
+    results: dict[str, Outcome] = {}
+    remaining = list(nodeids)
+    runs = 0
+    while remaining and (left := budget - (time.monotonic() - start)) > 10:
+        runs += 1
+        lines = out / f"{runs}.lines"
+        finished = run_pytest(remaining, lines, out / f"{runs}.log", timeout, left, dict(os.environ))
+        got = read_lines(lines)
+        results.update(got)
+        # The first test that did not pass or skip ends this process's share.
+        stop = next((i for i, n in enumerate(remaining) if got.get(n, Outcome(n, "", 0)).outcome not in OK), None)
+        if stop is None:
+            break
+        culprit = remaining[stop]
+        if culprit not in got:  # killed while it ran, or the process died under it
+            results[culprit] = Outcome(culprit, "crashed" if finished else "timeout", 0.0 if finished else timeout)
+        if results[culprit].outcome != "timeout":
+            blocking = {**os.environ, "CUDA_LAUNCH_BLOCKING": "1"}
+            rerun = out / f"rerun-{runs}.lines"
+            run_pytest([culprit], rerun, out / f"rerun-{runs}.log", timeout, max(left, 10), blocking)
+            alone = read_lines(rerun).get(culprit)
+            if alone is not None and alone.outcome in OK:
+                first = results[culprit]
+                results[culprit] = Outcome(culprit, f"{first.outcome}-then-{alone.outcome}-alone", first.seconds)
+        remaining = remaining[stop + 1 :]
+    return [results.get(n, Outcome(n, "not run", 0.0)) for n in nodeids]
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("files", nargs="+")
+    parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--timeout", type=float, default=300, help="seconds one test may take")
+    parser.add_argument("--budget", type=float, default=1e9, help="seconds for the whole run")
+    parser.add_argument("-m", dest="mark", default=None, help="pytest -m expression for collection")
+    args = parser.parse_args()
+    args.out.mkdir(parents=True, exist_ok=True)
+    outcomes = run_isolated(collect(args.files, args.mark), args.out, args.timeout, args.budget)
+    summary = "\n".join(f"{o.outcome:<22} {o.seconds:7.1f}s  {o.nodeid}" for o in outcomes)
+    (args.out / "summary.txt").write_text(summary + "\n")
+    print(summary)
+    counts: dict[str, int] = {}
+    for o in outcomes:
+        counts[o.outcome] = counts.get(o.outcome, 0) + 1
+    print(", ".join(f"{n} {k}" for k, n in sorted(counts.items())))
+    return 0 if all(o.outcome in OK for o in outcomes) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
