@@ -165,6 +165,7 @@ class StepOutput:
     prompt_logprobs: torch.Tensor | None = None  # [P] float32
     prompt_top_ids: torch.Tensor | None = None  # [P, N]
     prompt_top_logprobs: torch.Tensor | None = None  # [P, N]
+    prompt_ranks: torch.Tensor | None = None  # [P] int64: each prompt token's rank (1: the likeliest)
 
     def to(self, device: torch.device) -> "StepOutput":
         """Copies issued without waiting (D2H lands in pinned memory); the

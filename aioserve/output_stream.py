@@ -62,6 +62,7 @@ class OutputStream:
         self.matched_stop: str | int | None = None  # the stop string, or the token id that stopped it
         self.num_cached_tokens = 0
         self.prompt_logprobs: PromptLogprobs | None = None
+        self.prompt_logprob_ranks: list[int] = []  # each prompt token's rank, beside prompt_logprobs[1:]
         self.error: str | None = None
 
     @property
@@ -77,6 +78,7 @@ class OutputStream:
             self.num_cached_tokens = event.num_cached_tokens
         if event.prompt_logprobs is not None:
             self.prompt_logprobs = event.prompt_logprobs
+            self.prompt_logprob_ranks = event.prompt_logprob_ranks or []
         if event.error:
             self.error = event.error
         text = ""
@@ -87,10 +89,11 @@ class OutputStream:
             stopped_here = event.finish_reason == "stop" and not self.params.include_stop_str_in_output
             piece = "" if stopped_here else self._detok.step(event.token_id)
             self._detok_text += piece
-            text, stop_string_hit = self._stops.feed(piece)
+            # As in vLLM, min_tokens holds back stop strings as it holds back EOS and stop ids.
+            text, stop_string_hit = self._stops.feed(piece, active=len(self.token_ids) >= self.params.min_tokens)
             if stop_string_hit:
                 self.finish_reason = "stop"
-                self.matched_stop = self._first_stop_string()
+                self.matched_stop = self._stops.matched
                 if self._end_request is not None:
                     self._end_request()
         if event.finish_reason is not None and not self.finished:
@@ -122,8 +125,12 @@ class OutputStream:
             stream.top_logprobs.append(event.top_logprobs)
             stream.text_offsets.append(offset)
 
-    def _first_stop_string(self) -> str:
-        """The stop string that matched: the earliest in the text (the matcher
-        would have stopped at any earlier one), ties broken as the matcher does."""
-        hits = [(i, s) for s in self.params.stop if s and (i := self._detok_text.find(s)) >= 0]
-        return min(hits)[1] if hits else ""
+    @property
+    def stop_reason(self) -> str | int | None:
+        """vLLM's `stop_reason`: the stop string or stop token id that ended
+        the output; None when it ended otherwise (EOS, length, abort)."""
+        if self.finish_reason != "stop" or self.matched_stop is None:
+            return None
+        if isinstance(self.matched_stop, int) and self.matched_stop not in self.params.stop_token_ids:
+            return None  # the model's EOS
+        return self.matched_stop

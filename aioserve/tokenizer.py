@@ -211,15 +211,22 @@ class StopStringMatcher:
         self.include_stop = include_stop
         self._hold = max((len(s) for s in self.stops), default=1) - 1
         self._pending = ""
+        self.matched: str | None = None  # the stop string that ended the text
 
-    def feed(self, text: str) -> tuple[str, bool]:
-        """Text safe to emit now, and whether a stop string was reached."""
+    def feed(self, text: str, active: bool = True) -> tuple[str, bool]:
+        """Text safe to emit now, and whether a stop string was reached.
+        While not `active` (min_tokens not yet generated) no stop string
+        counts: the text passes, and none held back can match later."""
         if not self.stops:
             return text, False
+        if not active:
+            emitted, self._pending = self._pending + text, ""
+            return emitted, False
         self._pending += text
         hits = [(i, s) for s in self.stops if (i := self._pending.find(s)) >= 0]
         if hits:
             index, stop = min(hits)
+            self.matched = stop
             emitted = self._pending[: index + (len(stop) if self.include_stop else 0)]
             self._pending = ""
             return emitted, True

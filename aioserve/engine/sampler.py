@@ -212,12 +212,15 @@ def _greedy(kernels: object, logits: torch.Tensor) -> SamplerOutput:
 
 def prompt_logprobs(
     logits: torch.Tensor, target_ids: torch.Tensor, num_top: int
-) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
-    """Each prompt position's logprob of the token that follows it, and the
-    `num_top` best at that position (ids, logprobs), from the raw logits."""
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None, torch.Tensor]:
+    """Each prompt position's logprob of the token that follows it, the
+    `num_top` best at that position (ids, logprobs), from the raw logits,
+    and the following token's rank there (1: the likeliest; vLLM reports it)."""
     normalizer = torch.logsumexp(logits, dim=-1, keepdim=True)
-    chosen = (logits.gather(1, target_ids[:, None]) - normalizer).squeeze(1)
+    target = logits.gather(1, target_ids[:, None])
+    chosen = (target - normalizer).squeeze(1)
+    ranks = (logits > target).sum(dim=-1) + 1
     if not num_top:
-        return chosen, None, None
+        return chosen, None, None, ranks
     values, top_ids = logits.topk(num_top, dim=-1)
-    return chosen, top_ids, values - normalizer
+    return chosen, top_ids, values - normalizer, ranks

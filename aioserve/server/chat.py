@@ -14,6 +14,7 @@ from aioserve.server.context import ServingContext
 from aioserve.server.errors import APIError
 from aioserve.server.generation import Choice, Generation, new_id
 from aioserve.server.logprobs import chat_logprobs
+from aioserve.server.prompt_logprobs import vllm_prompt_logprobs
 from aioserve.server.protocol import ChatCompletionRequest
 from aioserve.server.request_body import parse_body
 from aioserve.server.request_metrics import arrival_time
@@ -49,6 +50,8 @@ async def encode_messages(ctx: ServingContext, body: ChatCompletionRequest, tool
     # One dict, so that chat_template_kwargs may set add_generation_prompt too
     # (as vLLM lets it) instead of colliding with the field of that name.
     kwargs = {"add_generation_prompt": body.add_generation_prompt, **tools.template_kwargs()}
+    if body.continue_final_message:
+        kwargs["continue_final_message"] = True
     extra = body.chat_template_kwargs or {}
     if reserved := sorted(TEMPLATE_CALL_ARGUMENTS & extra.keys()):
         raise APIError(f"chat_template_kwargs may not set {', '.join(reserved)}", param="chat_template_kwargs")
@@ -76,7 +79,7 @@ async def create_chat_completion(request: Request) -> Response:
     prompt_ids = await encode_messages(ctx, body, tools)
     grammar = await compile_grammar(ctx, constraint)
     logprobs = (body.top_logprobs or 0) if body.logprobs else None
-    params = body.sampling_params(body.token_limit, logprobs, None, ctx.generation_defaults)
+    params = body.sampling_params(body.token_limit, logprobs, body.prompt_logprobs, ctx.generation_defaults)
     params.structured_outputs = constraint.spec if constraint else None
     generation = Generation(ctx, new_id("chatcmpl"), arrival_time(request), incremental=body.stream)
     try:
@@ -101,10 +104,17 @@ class ChatBuilder:
         self.created = int(time.time())
 
     def opening(self, choices: list[Choice]) -> list[WireModel]:
-        # The role comes first, in a chunk of its own, as OpenAI sends it.
+        # The role comes first, in a chunk of its own, as OpenAI sends it;
+        # with echo, the final message's text follows in one of its own (as vLLM sends it).
         role = ChatDelta(role="assistant", content="")
         first = [ChatChunkChoice(index=c.index, delta=role, logprobs=None, finish_reason=None) for c in choices]
-        return [self._chunk(first)]
+        chunks: list[WireModel] = [self._chunk(first)]
+        if echoed := self.body.echoed_text:
+            echo = ChatDelta(content=echoed)
+            chunks.append(self._chunk([
+                ChatChunkChoice(index=c.index, delta=echo, logprobs=None, finish_reason=None) for c in choices
+            ]))
+        return chunks
 
     def chunk(self, updates: list[ChoiceUpdate]) -> list[WireModel]:
         choices = []
@@ -116,6 +126,7 @@ class ChatBuilder:
                     ChatChunkChoice(
                         index=update.choice.index, delta=delta, logprobs=logprobs,
                         finish_reason=openai_finish_reason(update.finish_reason),
+                        stop_reason=_stop_reason(update),
                     )
                 )
         return [self._chunk(choices)] if choices else []
@@ -127,14 +138,22 @@ class ChatBuilder:
         choices = [
             ChatChoice(
                 index=update.choice.index,
-                message=_message(update.message),
+                message=_message(update.message, self.body.echoed_text),
                 logprobs=self._logprobs(update),
                 finish_reason=openai_finish_reason(update.finish_reason),
+                stop_reason=_stop_reason(update),
             )
             for update in results
         ]
+        prompt_logprobs = None
+        if self.body.prompt_logprobs is not None and results:
+            choice = results[0].choice  # every choice shares the prompt
+            prompt_logprobs = vllm_prompt_logprobs(
+                self.ctx.tokenizer, choice.prompt_ids, choice.stream, self.body.prompt_logprobs
+            )
         return ChatCompletion(
-            id=self.request_id, created=self.created, model=self.ctx.model_name, choices=choices, usage=usage
+            id=self.request_id, created=self.created, model=self.ctx.model_name, choices=choices, usage=usage,
+            prompt_logprobs=prompt_logprobs,
         )
 
     def _chunk(self, choices: list[ChatChunkChoice], usage: Usage | None = None) -> ChatCompletionChunk:
@@ -162,12 +181,17 @@ def _delta(content: ContentDelta, force_content: bool) -> ChatDelta:
     return ChatDelta(**fields)
 
 
-def _message(message: ContentDelta) -> ChatMessage:
+def _stop_reason(update: ChoiceUpdate) -> int | str | None:
+    return update.choice.stream.stop_reason if update.finish_reason else None
+
+
+def _message(message: ContentDelta, echoed: str = "") -> ChatMessage:
     # A whole message's calls carry no stream index.
     calls = [{k: v for k, v in call.items() if k != "index"} for call in message.tool_calls]
+    content = echoed + message.content
     return ChatMessage(
         # OpenAI answers a message that is only tool calls with content null.
-        content=message.content if message.content or not calls else None,
+        content=content if content or not calls else None,
         reasoning_content=message.reasoning_content or None,
         tool_calls=calls or None,
     )

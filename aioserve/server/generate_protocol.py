@@ -18,6 +18,7 @@ from aioserve.server.errors import APIError
 from aioserve.server.generation_defaults import or_default
 from aioserve.server.protocol import RequestModel, check_logit_bias_keys
 from aioserve.server.structured import StructuredRequest
+from aioserve.server.unhonoured_fields import GENERATE_FIELDS
 from aioserve.server.wire import WireModel
 
 
@@ -72,6 +73,8 @@ class GenerateSamplingParams(RequestModel):
 
 
 class GenerateRequest(RequestModel):
+    unhonoured = GENERATE_FIELDS
+
     text: str | list[str] | None = None
     input_ids: list[int] | list[list[int]] | None = None
     sampling_params: GenerateSamplingParams = Field(default_factory=GenerateSamplingParams)

@@ -14,14 +14,16 @@ import re
 
 import json
 from collections.abc import Mapping
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import (
     BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr, field_validator, model_validator,
 )
 
 from aioserve.sampling_params import SamplingParams
+from aioserve.server.errors import APIError
 from aioserve.server.generation_defaults import or_default
+from aioserve.server.unhonoured_fields import OPENAI_FIELDS, refuse_unhonoured
 
 
 def check_logit_bias_keys(value: dict[str, float] | None) -> dict[str, float] | None:
@@ -35,10 +37,14 @@ def check_logit_bias_keys(value: dict[str, float] | None) -> dict[str, float] | 
 
 class RequestModel(BaseModel):
     model_config = ConfigDict(extra="ignore")
+    # Fields other servers take and aioserve cannot honour -> why: a 400 naming
+    # the field when one asks for something (server/unhonoured_fields.py).
+    unhonoured: ClassVar[Mapping[str, str]] = {}
 
     @model_validator(mode="before")
     @classmethod
     def _null_means_default(cls, data: Any) -> Any:
+        refuse_unhonoured(data, cls.unhonoured)
         if isinstance(data, dict):
             return {key: value for key, value in data.items() if value is not None}
         return data
@@ -73,6 +79,8 @@ class StructuredOutputsField(RequestModel):
 class SamplingFields(RequestModel):
     """Fields completions and chat share."""
 
+    unhonoured = OPENAI_FIELDS
+
     model: str | None = None
     temperature: float | None = Field(None, ge=0.0, le=2.0)
     top_p: float | None = Field(None, gt=0.0, le=1.0)
@@ -94,6 +102,8 @@ class SamplingFields(RequestModel):
     user: str | None = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    # vLLM's: the N likeliest tokens at each prompt position, with the prompt token's own logprob and rank.
+    prompt_logprobs: StrictInt | None = Field(None, ge=0, le=SamplingParams.MAX_TOP_LOGPROBS)
     # Constrained decoding (server/structured.py turns these into StructuredOutputParams).
     response_format: ResponseFormat | None = None
     structured_outputs: StructuredOutputsField | None = None
@@ -101,6 +111,13 @@ class SamplingFields(RequestModel):
     guided_regex: str | None = None
     guided_choice: list[str] | None = None
     guided_grammar: str | None = None
+
+    @model_validator(mode="after")
+    def _prompt_logprobs_whole_only(self) -> SamplingFields:
+        # As vLLM: the prompt's logprobs come with a whole response, not a stream.
+        if self.stream and self.prompt_logprobs is not None:
+            raise APIError("prompt_logprobs is not available when stream is true", param="prompt_logprobs")
+        return self
 
     @field_validator("stop")
     @classmethod
@@ -272,10 +289,34 @@ class ChatCompletionRequest(SamplingFields):
     logprobs: StrictBool = False
     top_logprobs: StrictInt | None = Field(None, ge=0, le=20)
     add_generation_prompt: bool = True
+    # vLLM's: the final (assistant) message is left open and the output continues it.
+    continue_final_message: StrictBool = False
+    # vLLM's: the output's content begins with the final message's, when that is the assistant's.
+    echo: StrictBool = False
     chat_template_kwargs: dict[str, Any] | None = None
     tools: list[ToolDefinition] | None = None
     tool_choice: Literal["none", "auto", "required"] | dict[str, Any] | None = None
     parallel_tool_calls: bool = True
+
+    @model_validator(mode="after")
+    def _continue_or_open(self) -> ChatCompletionRequest:
+        if self.continue_final_message and self.add_generation_prompt:
+            raise APIError(
+                "continue_final_message and add_generation_prompt cannot both be true "
+                "(set add_generation_prompt to false to continue the final message)",
+                param="continue_final_message",
+            )
+        if self.continue_final_message and self.messages[-1].role != "assistant":
+            raise APIError("continue_final_message needs the final message to be the assistant's", param="messages")
+        return self
+
+    @property
+    def echoed_text(self) -> str:
+        """What `echo` puts before the output: the final message's text when it is the assistant's."""
+        last = self.messages[-1]
+        if not self.echo or last.role != "assistant":
+            return ""
+        return "\n".join(p.text for p in last.content) if isinstance(last.content, list) else last.content or ""
 
     @property
     def token_limit(self) -> int | None:

@@ -109,7 +109,9 @@ def _check_content_type(request: Request) -> None:
 
 
 def _known_fields(model: type[BaseModel]) -> frozenset[str]:
-    return frozenset(model.model_fields) | {f.alias for f in model.model_fields.values() if f.alias}
+    """Its fields, and the ones it refuses by name (RequestModel.unhonoured)."""
+    refused = getattr(model, "unhonoured", {})
+    return frozenset(model.model_fields) | {f.alias for f in model.model_fields.values() if f.alias} | set(refused)
 
 
 def _log_unknown_fields(model: type[BaseModel], unknown: list[str]) -> None:

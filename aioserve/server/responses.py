@@ -47,11 +47,24 @@ class CompletionLogprobs(WireModel):
     text_offset: list[int]
 
 
+# vLLM's prompt_logprobs: None for the first prompt token, then for each
+# token {token id: {"logprob", "rank", "decoded_token"}}, the prompt's own
+# token and the N likeliest (server/prompt_logprobs.py).
+PromptLogprobsList = list[dict[str, dict[str, Any]] | None]
+
+
 class CompletionChoice(WireModel):
+    """`stop_reason` (vLLM's): the stop string or stop token id that ended
+    the choice; null when EOS, the length or an abort did."""
+
+    omit_when_none = ("prompt_logprobs",)
+
     index: int
     text: str
     logprobs: CompletionLogprobs | None
     finish_reason: FinishReason | None
+    stop_reason: int | str | None = None
+    prompt_logprobs: PromptLogprobsList | None = None
 
 
 class Completion(WireModel):
@@ -104,15 +117,21 @@ class ChatChoice(WireModel):
     message: ChatMessage
     logprobs: ChatLogprobs | None
     finish_reason: FinishReason | None
+    stop_reason: int | str | None = None
 
 
 class ChatCompletion(WireModel):
+    """`prompt_logprobs` (vLLM's): of the rendered prompt, one list for all choices."""
+
+    omit_when_none = ("prompt_logprobs",)
+
     id: str
     object: Literal["chat.completion"] = "chat.completion"
     created: int
     model: str
     choices: list[ChatChoice]
     usage: Usage
+    prompt_logprobs: PromptLogprobsList | None = None
 
 
 class ChatDelta(WireModel):
@@ -129,6 +148,7 @@ class ChatChunkChoice(WireModel):
     delta: ChatDelta
     logprobs: ChatLogprobs | None
     finish_reason: FinishReason | None
+    stop_reason: int | str | None = None
 
 
 class ChatCompletionChunk(WireModel):
