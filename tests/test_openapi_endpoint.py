@@ -412,7 +412,7 @@ def test_the_checker_rejects_what_the_document_forbids(spec: OpenAPIDocument) ->
     """Guards the tests above against a schema that accepts anything."""
     good = {
         "id": "cmpl-1", "object": "text_completion", "created": 1, "model": "m",
-        "choices": [{"index": 0, "text": "x", "logprobs": None, "finish_reason": "length"}],
+        "choices": [{"index": 0, "text": "x", "logprobs": None, "finish_reason": "length", "stop_reason": None}],
         "usage": {"prompt_tokens": 1, "completion_tokens": 1, "total_tokens": 2,
                   "prompt_tokens_details": {"cached_tokens": 0}},
     }
