@@ -204,9 +204,14 @@ class ServerArgs:
     # checks them against aioserve.server.tool_parsers.CHOICES and server.reasoning.PARSERS.
     tool_call_parser: str = option(
         "auto", group="model",
-        choices=("auto", "none", "hermes", "llama3_json", "qwen", "qwen3", "qwen25", "llama3", "llama"),
+        choices=(
+            "auto", "none", "hermes", "llama3_json", "mistral", "pythonic", "qwen3_coder", "qwen", "qwen3", "qwen25",
+            "llama3", "llama", "llama4_pythonic", "qwen3_xml",
+        ),
         help="how the model writes tool calls: hermes (Qwen's <tool_call>{json}</tool_call>), llama3_json "
-        '({"name": ..., "parameters": ...}), none, or auto: the format the chat template teaches',
+        '({"name": ..., "parameters": ...}), mistral ([TOOL_CALLS]...), pythonic ([f(x=1)], Llama 3.2/4), '
+        "qwen3_coder (Qwen3-Coder's <function=...><parameter=...> XML), none, or auto: the format the chat "
+        "template teaches",
     )
     reasoning_parser: str | None = option(
         None, group="model", choices=("qwen3", "deepseek_r1"),

@@ -34,7 +34,7 @@ def test_reasoning_split(name: str, text: str, reasoning: str, content: str) -> 
 def test_reasoning_then_tool_calls() -> None:
     text = '<think>\nThe user wants weather.\n</think>\n\n<tool_call>\n{"name": "w", "arguments": {"c": "P"}}\n</tool_call>'
     for pieces in (1, 4, len(text)):
-        processor = Chained(new_reasoning_parser("qwen3"), tool_parsers.FORMATS["hermes"].new_parser())
+        processor = Chained(new_reasoning_parser("qwen3"), tool_parsers.FORMATS["hermes"].new_parser([], False))
         message, reason = run(processor, text, pieces, seed=pieces)
         assert message.reasoning_content == "The user wants weather."
         assert message.content == "" and calls(message) == [("w", {"c": "P"})] and reason == "tool_calls"

@@ -81,6 +81,8 @@ async def create_chat_completion(request: Request) -> Response:
     logprobs = (body.top_logprobs or 0) if body.logprobs else None
     params = body.sampling_params(body.token_limit, logprobs, body.prompt_logprobs, ctx.generation_defaults)
     params.structured_outputs = constraint.spec if constraint else None
+    if tools.keeps_special_tokens:  # the format's markers are special tokens (Mistral's [TOOL_CALLS])
+        params.skip_special_tokens = False
     generation = Generation(ctx, new_id("chatcmpl"), arrival_time(request), incremental=body.stream)
     try:
         generation.start([prompt_ids], params, body.n, grammar)

@@ -37,6 +37,11 @@ class ToolPlan:
     named: str | None = None
     format: tool_parsers.ToolFormat | None = None
     grammar: StructuredRequest | None = None
+    stream: bool = False  # a stream's calls go out with their arguments in pieces
+
+    @property
+    def keeps_special_tokens(self) -> bool:
+        return self.mode == "auto" and self.format is not None and self.format.keeps_special_tokens
 
     def template_kwargs(self) -> dict[str, Any]:
         return {"tools": self.tools} if self.tools else {}
@@ -48,7 +53,7 @@ class ToolPlan:
         if self.mode == "required":
             return RequiredCalls()
         if self.mode == "auto" and self.format is not None:
-            return self.format.new_parser()
+            return self.format.new_parser(self.tools, self.stream)
         return None
 
 
@@ -84,7 +89,7 @@ def plan_tools(ctx: ServingContext, body: ChatCompletionRequest) -> ToolPlan:
             f"({', '.join(tool_parsers.FORMATS)}); this chat template's could not be detected",
             param="tool_choice",
         )
-    return ToolPlan(choice, tools, format=fmt)
+    return ToolPlan(choice, tools, format=fmt, stream=body.stream)
 
 
 def template_messages(plan: ToolPlan, messages: list[dict[str, Any]], template: str | None) -> list[dict[str, Any]]:
