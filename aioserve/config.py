@@ -24,6 +24,20 @@ GROUPS = ("model", "KV cache", "scheduling", "distributed", "HTTP")
 ATTENTION_BACKENDS = ("auto", "torch_native", "flashinfer")
 
 
+def _json_object(text: str) -> dict[str, Any]:
+    """A flag's JSON object; a usage error that says so when it is not one."""
+    import argparse
+    import json
+
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise argparse.ArgumentTypeError(f"not JSON: {exc}") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError("must be a JSON object")
+    return value
+
+
 def parse_bytes(text: str) -> int:
     """'4GiB', '512M', '1e9' -> bytes."""
     match = re.fullmatch(r"\s*([\d.e+]+)\s*([kmgt]?)(i?b)?\s*", text.lower())
@@ -199,6 +213,11 @@ class ServerArgs:
     served_model_name: str | None = option(None, help="the name clients use (default: --model)", group="model")
     chat_template: str | None = option(
         None, help="a Jinja file that replaces the tokenizer's chat template", group="model"
+    )
+    default_chat_template_kwargs: dict[str, Any] | None = option(
+        None, group="model", parse=_json_object,
+        help='JSON object of chat template arguments every chat request starts from (vLLM\'s flag), e.g. '
+        '\'{"enable_thinking": false}\'; a request\'s chat_template_kwargs win',
     )
     # Spelled out: config imports nothing of the project; tests/test_tool_parsers.py
     # checks them against aioserve.server.tool_parsers.CHOICES and server.reasoning.PARSERS.

@@ -46,8 +46,11 @@ def qwen3_path(tmp_path_factory):
 def server(qwen3_path):
     from server_harness import start_server
 
+    # Thinking off unless a request turns it on: a thinking model's grammar
+    # starts after its thought, which a random-weight model never ends.
     server = start_server(
-        qwen3_path, "--served-model-name", MODEL, "--reasoning-parser", "qwen3", "--device", "cpu", "--num-pages", "2000"
+        qwen3_path, "--served-model-name", MODEL, "--reasoning-parser", "qwen3", "--device", "cpu", "--num-pages", "2000",
+        "--default-chat-template-kwargs", '{"enable_thinking": false}',
     )
     yield server
     server.stop()
@@ -174,7 +177,7 @@ def test_a_conversation_with_tool_results_round_trips(server, client, qwen3_path
         [{**m, "content": "", "tool_calls": [
             {**c, "function": {**c["function"], "arguments": json.loads(c["function"]["arguments"])}}
             for c in m["tool_calls"]]} if m.get("tool_calls") else m for m in messages],
-        tools=TOOLS, tokenize=False, add_generation_prompt=True,
+        tools=TOOLS, tokenize=False, add_generation_prompt=True, enable_thinking=False,  # the server default
     )
     assert '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "days": 2}}\n</tool_call>' in rendered
     assert "<tool_response>\n{\"forecast\": \"sunny, 24°C\"}\n</tool_response>" in rendered
@@ -185,7 +188,7 @@ def test_auto_tool_calls_and_reasoning_are_parsed_from_the_text(server) -> None:
     """A regex makes the random model write a think block and a call in
     Qwen's format; the parsers turn them into reasoning_content and tool_calls."""
     regex = r'<think>\n[a-z]{1,8}( [a-z]{1,8}){0,3}\n</think>\n\n<tool_call>\n\{"name": "get_time", "arguments": \{"tz": "(UTC|CET)"\}\}\n</tool_call>'
-    body = dict(messages=ASK, tools=TOOLS, max_tokens=80, seed=3, structured_outputs={"regex": regex})
+    body = dict(messages=ASK, tools=TOOLS, max_tokens=80, seed=3, structured_outputs={"regex": regex})  # thinking off: the regex writes the thought
     whole = chat(server, **body).json()
     assert_matches(whole, "CreateChatCompletionResponse")
     choice = whole["choices"][0]
@@ -200,9 +203,30 @@ def test_auto_tool_calls_and_reasoning_are_parsed_from_the_text(server) -> None:
 def test_enable_thinking_reaches_the_template(server) -> None:
     tokens = [
         chat(server, messages=ASK, max_tokens=1, chat_template_kwargs=kwargs).json()["usage"]["prompt_tokens"]
-        for kwargs in ({}, {"enable_thinking": False})
+        for kwargs in ({"enable_thinking": True}, {})  # the server's default: false
     ]
     assert tokens[1] == tokens[0] + 4  # "<think>", "\n\n", "</think>", "\n\n"
+
+
+def test_a_thinking_model_thinks_before_its_grammar(server, qwen3_path) -> None:
+    """With thinking on, the grammar starts after </think>: a bias that makes
+    </think> the likeliest token puts it first (no JSON grammar allows it),
+    and the answer after it is the schema's JSON. With thinking off the same
+    request is JSON from its first token."""
+    from transformers import AutoTokenizer
+
+    end_think = AutoTokenizer.from_pretrained(str(qwen3_path)).convert_tokens_to_ids("</think>")
+    schema = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"], "additionalProperties": False}
+    body = dict(
+        messages=ASK, max_tokens=40, seed=1, logit_bias={str(end_think): 100, **BIAS},
+        response_format={"type": "json_schema", "json_schema": {"name": "answer", "schema": schema}},
+    )
+    thought = chat(server, **body, chat_template_kwargs={"enable_thinking": True}).json()
+    content = thought["choices"][0]["message"]["content"]
+    assert content.startswith("</think>"), thought  # free while thinking
+    assert isinstance(json.loads(content.removeprefix("</think>"))["ok"], bool)
+    direct = chat(server, **body).json()["choices"][0]["message"]["content"]
+    assert isinstance(json.loads(direct)["ok"], bool)  # grammar from the first token: no </think>
 
 
 def test_vllm_and_sglang_spellings(server) -> None:

@@ -30,6 +30,7 @@ from aioserve.server.responses import (
     openai_finish_reason,
 )
 from aioserve.server.structured import compile_grammar, structured_request
+from aioserve.server.thinking import after_reasoning, chat_template_kwargs, thinks_first
 from aioserve.server.tools import ToolPlan, content_processors, plan_tools, template_messages
 from aioserve.server.wire import WireModel
 from aioserve.tokenizer import ChatTemplateError
@@ -52,7 +53,7 @@ async def encode_messages(ctx: ServingContext, body: ChatCompletionRequest, tool
     kwargs = {"add_generation_prompt": body.add_generation_prompt, **tools.template_kwargs()}
     if body.continue_final_message:
         kwargs["continue_final_message"] = True
-    extra = body.chat_template_kwargs or {}
+    extra = chat_template_kwargs(ctx, body)
     if reserved := sorted(TEMPLATE_CALL_ARGUMENTS & extra.keys()):
         raise APIError(f"chat_template_kwargs may not set {', '.join(reserved)}", param="chat_template_kwargs")
     kwargs.update(extra)
@@ -78,6 +79,9 @@ async def create_chat_completion(request: Request) -> Response:
         constraint = tools.grammar
     prompt_ids = await encode_messages(ctx, body, tools)
     grammar = await compile_grammar(ctx, constraint)
+    thinking = await thinks_first(ctx, body, prompt_ids)
+    if grammar is not None and thinking:
+        grammar = await after_reasoning(ctx, grammar)
     logprobs = (body.top_logprobs or 0) if body.logprobs else None
     params = body.sampling_params(body.token_limit, logprobs, body.prompt_logprobs, ctx.generation_defaults)
     params.structured_outputs = constraint.spec if constraint else None
@@ -94,7 +98,7 @@ async def create_chat_completion(request: Request) -> Response:
     builder = ChatBuilder(ctx, body, generation.request_id)
     return await respond(
         request, generation, builder, stream=body.stream, include_usage=body.include_usage,
-        new_processor=content_processors(ctx, tools),
+        new_processor=content_processors(ctx, tools, thinking),
     )
 
 

@@ -115,10 +115,12 @@ def template_messages(plan: ToolPlan, messages: list[dict[str, Any]], template: 
     return out
 
 
-def content_processors(ctx: ServingContext, plan: ToolPlan) -> Callable[[object], ContentProcessor]:
+def content_processors(ctx: ServingContext, plan: ToolPlan, thinking: bool = False) -> Callable[[object], ContentProcessor]:
     """A new processor per choice: reasoning (--reasoning-parser), then tool calls.
-    A forced call (required / named) is JSON from the first token: no reasoning."""
-    reasoning = ctx.args.reasoning_parser if plan.mode not in ("required", "named") else None
+    A forced call (required / named) is JSON from the first token, unless the
+    model thinks first (its grammar then starts after the thought)."""
+    forced = plan.mode in ("required", "named")
+    reasoning = ctx.args.reasoning_parser if thinking or not forced else None
 
     def new_processor(choice: object) -> ContentProcessor:
         tools = plan.new_parser()
