@@ -297,3 +297,39 @@ def test_streamed_json_schema_with_n_and_logprobs(server) -> None:
             Pet.model_validate_json(text)
         else:
             assert finish[index] == "length" and logprob_count[index] == 120
+
+
+def test_bounded_strings_stay_valid_json_under_a_control_character_bias(server, qwen3_path) -> None:
+    """A bias toward every token holding a control character (TAB, NUL, ...)
+    and toward the backslash: a maxLength string may then only take such a
+    character escaped, so every output is strict JSON (json.loads) that
+    validates, and some carry the escaped character the model was pushed to."""
+    from jsonschema import Draft202012Validator
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(str(qwen3_path))
+    control = [i for i in range(len(tokenizer)) if any(ord(c) < 0x20 for c in tokenizer.decode([i]))]
+    backslash = tokenizer.convert_tokens_to_ids("\\")
+    assert control and isinstance(backslash, int)
+    bias = {**{str(i): 8.0 for i in control}, str(backslash): 6.0, **BIAS}
+    schema = {
+        "type": "object", "additionalProperties": False, "required": ["name", "code"],
+        "properties": {"name": {"type": "string", "minLength": 1, "maxLength": 10},
+                       "code": {"type": "string", "maxLength": 4}},
+    }
+    escaped = 0
+    for seed in range(6):
+        response = chat(
+            server, messages=ASK, max_tokens=80, seed=seed, temperature=1.0, logit_bias=bias,
+            response_format={"type": "json_schema", "json_schema": {"name": "tag", "schema": schema}},
+        ).json()
+        choice = response["choices"][0]
+        if choice["finish_reason"] != "stop":
+            continue
+        value = json.loads(choice["message"]["content"])  # strict: a raw control character raises
+        assert not list(Draft202012Validator(schema).iter_errors(value)), value
+        escaped += "\\" in choice["message"]["content"]
+    assert escaped, "the bias should have led some output to an escape"
+    # Unconstrained, the same bias does write raw control characters: the grammar is what keeps them out.
+    free = chat(server, messages=ASK, max_tokens=20, seed=0, logit_bias=bias).json()
+    assert any(ord(c) < 0x20 and c not in "\n" for c in free["choices"][0]["message"]["content"])

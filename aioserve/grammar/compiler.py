@@ -22,6 +22,7 @@ import weakref
 from collections import OrderedDict
 from typing import TYPE_CHECKING, Any
 
+from aioserve.grammar.json_strings import strict_json_schema_grammar
 from aioserve.grammar.matcher import CompiledGrammar
 from aioserve.sampling_params import StructuredOutputParams
 from aioserve.tokenizer import Tokenizer
@@ -93,8 +94,8 @@ class GrammarCompiler:
         compiler = self._xgrammar()
         try:
             if kind == "json":
-                schema = _schema_text(spec.json)
-                return compiler.compile_json_schema(schema, any_whitespace=False)
+                # Bounded strings rewritten to admit no raw control character (json_strings.py).
+                return compiler.compile_grammar(strict_json_schema_grammar(_schema_text(spec.json)))
             if kind == "json_object":
                 # Not strict: any members, of any JSON type.
                 return compiler.compile_json_schema('{"type": "object"}', any_whitespace=False, strict_mode=False)
