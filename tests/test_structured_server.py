@@ -333,3 +333,17 @@ def test_bounded_strings_stay_valid_json_under_a_control_character_bias(server, 
     # Unconstrained, the same bias does write raw control characters: the grammar is what keeps them out.
     free = chat(server, messages=ASK, max_tokens=20, seed=0, logit_bias=bias).json()
     assert any(ord(c) < 0x20 and c not in "\n" for c in free["choices"][0]["message"]["content"])
+
+
+def test_tokenize_honours_chat_template_kwargs(server) -> None:
+    """/v1/tokenize (and vLLM's /tokenize) count a chat as the chat request
+    renders it, chat_template_kwargs included: the counts agree."""
+    for kwargs in ({"enable_thinking": True}, {}):
+        prompt_tokens = chat(server, messages=ASK, max_tokens=1, chat_template_kwargs=kwargs).json()["usage"]["prompt_tokens"]
+        for path in ("/v1/tokenize", "/tokenize"):
+            response = httpx.post(f"{server.url}{path}", json={"model": MODEL, "messages": ASK, "chat_template_kwargs": kwargs})
+            assert response.status_code == 200, response.text
+            assert response.json()["count"] == prompt_tokens, (path, kwargs)
+    tokens = httpx.post(f"{server.url}/v1/tokenize", json={"prompt": "Hello world", "add_special_tokens": False}).json()["tokens"]
+    text = httpx.post(f"{server.url}/v1/detokenize", json={"tokens": tokens}).json()["prompt"]
+    assert text == "Hello world"

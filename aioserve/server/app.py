@@ -15,7 +15,8 @@ from starlette.responses import Response
 from starlette.routing import Route
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from aioserve.server import misc_routes
+from aioserve.server import info_routes, misc_routes
+from aioserve.server.docs_routes import docs_routes
 from aioserve.server.chat import create_chat_completion
 from aioserve.server.completions import create_completion
 from aioserve.server.context import RETRY_AFTER_S, ServingContext
@@ -32,8 +33,8 @@ logger = logging.getLogger(__name__)
 
 # Open even with --api-key: probes and scrapers (/health, /metrics), and the
 # chat page with its files (it asks the user for the key before any call).
-OPEN_PATHS = ("/health", "/metrics", "/")
-OPEN_PREFIXES = ("/static/",)
+OPEN_PATHS = ("/health", "/metrics", "/", "/docs")
+OPEN_PREFIXES = ("/static/", "/docs/assets/")
 
 
 def _is_open(path: str) -> bool:
@@ -148,6 +149,11 @@ def create_app(ctx: ServingContext) -> Starlette:
         Route("/server_info", misc_routes.server_info, methods=["GET"]),
         Route("/metrics", metrics_endpoint(ctx), methods=["GET"]),
         Route("/openapi.json", openapi_json, methods=["GET"]),
+        Route("/v1/tokenize", misc_routes.tokenize, methods=["POST"]),
+        Route("/v1/detokenize", misc_routes.detokenize, methods=["POST"]),
+        Route("/version", info_routes.version, methods=["GET"]),
+        Route("/get_model_info", info_routes.get_model_info, methods=["GET"]),
+        *docs_routes(),
         *page_routes(),
     ]
     app = Starlette(

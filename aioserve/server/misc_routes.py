@@ -63,7 +63,8 @@ async def tokenize(request: Request) -> Response:
     if body.messages is not None:
         try:
             chat = ChatCompletionRequest(
-                messages=body.messages, tools=body.tools, add_generation_prompt=body.add_generation_prompt
+                messages=body.messages, tools=body.tools, add_generation_prompt=body.add_generation_prompt,
+                continue_final_message=body.continue_final_message, chat_template_kwargs=body.chat_template_kwargs,
             )
         except ValidationError as exc:
             raise from_validation_error(exc) from None

@@ -16,7 +16,6 @@ and cached for the life of the process.
 
 from __future__ import annotations
 
-import importlib.metadata
 import json
 import os
 import typing
@@ -49,6 +48,7 @@ from aioserve.server.responses import (
     ServerInfo,
     TokenizeResponse,
 )
+from aioserve.server.info_routes import ModelInfo, VersionResponse, package_version
 from aioserve.server.wire import WireModel
 
 OPENAPI_VERSION = "3.1.0"
@@ -61,7 +61,7 @@ REQUEST_MODELS: tuple[type[BaseModel], ...] = (
 )
 RESPONSE_MODELS: tuple[type[BaseModel], ...] = (
     Completion, ChatCompletion, ChatCompletionChunk, ModelList, ModelCard, GenerateOutput, GenerateBatch,
-    ErrorResponse, TokenizeResponse, DetokenizeResponse, FlushCacheResponse, ServerInfo,
+    ErrorResponse, TokenizeResponse, DetokenizeResponse, FlushCacheResponse, ServerInfo, VersionResponse, ModelInfo,
 )
 # The request and the response each have a class named ChatMessage; the
 # response's takes OpenAI's name for it, so both keep a short name.
@@ -320,6 +320,28 @@ def paths() -> JsonDict:
             }
         },
         "/openapi.json": _get("This document", "openapi", {"type": "object"}),
+        "/v1/tokenize": _post("Tokenize a prompt or chat messages (as /tokenize)", "tokenizeV1", "TokenizeRequest",
+                              ref("TokenizeResponse"), POST_ERRORS),
+        "/v1/detokenize": _post("Decode token ids (as /detokenize)", "detokenizeV1", "DetokenizeRequest",
+                                ref("DetokenizeResponse"), POST_ERRORS),
+        "/version": _get("The server's version (vLLM's route)", "version", ref("VersionResponse")),
+        "/get_model_info": _get("The served model (SGLang's route)", "getModelInfo", ref("ModelInfo")),
+        "/docs": {
+            "get": {
+                "summary": "Swagger UI over this document",
+                "operationId": "docs",
+                **OPEN,
+                "responses": {"200": {"description": "HTML page", "content": {"text/html": {"schema": {"type": "string"}}}}},
+            }
+        },
+        "/docs/assets/docs-init.js": {
+            "get": {
+                "summary": "The Swagger UI page's start-up script",
+                "operationId": "docsInit",
+                **OPEN,
+                "responses": {"200": {"description": "JavaScript", "content": {"text/javascript": {"schema": {"type": "string"}}}}},
+            }
+        },
     }
 
 
@@ -327,11 +349,7 @@ def paths() -> JsonDict:
 
 
 def _version() -> str:
-    """The installed distribution's version (the package root is above this module)."""
-    try:
-        return importlib.metadata.version("aioserve")
-    except importlib.metadata.PackageNotFoundError:
-        return "0+unknown"
+    return package_version()
 
 
 @cache

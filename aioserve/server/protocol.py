@@ -330,6 +330,9 @@ class TokenizeRequest(RequestModel):
     tools: list[ToolDefinition] | None = None  # rendered by the chat template, as in a chat request
     add_special_tokens: bool = True
     add_generation_prompt: bool = True
+    # As a chat request takes them: the count matches the chat request's prompt.
+    continue_final_message: bool = False
+    chat_template_kwargs: dict[str, Any] | None = None
 
 
 class DetokenizeRequest(RequestModel):
