@@ -142,3 +142,13 @@ def test_ssl_files_serve_https(stories_path: Path, tmp_path: Path) -> None:
     finally:
         process.terminate()
         process.wait(timeout=30)
+
+
+def test_default_chat_template_kwargs_and_new_tool_parsers(capsys: pytest.CaptureFixture[str]) -> None:
+    args = launch("vllm serve Qwen/Qwen3-8B --default-chat-template-kwargs '{\"enable_thinking\": false}'")
+    assert args.default_chat_template_kwargs == {"enable_thinking": False}
+    for parser in ("mistral", "pythonic", "llama4_pythonic", "qwen3_coder"):
+        assert launch(f"vllm serve Qwen/Qwen3-8B --enable-auto-tool-choice --tool-call-parser {parser}").tool_call_parser == parser
+    with pytest.raises(SystemExit):
+        launch("vllm serve Qwen/Qwen3-8B --default-chat-template-kwargs '[1]'")
+    assert "must be a JSON object" in capsys.readouterr().err
