@@ -17,6 +17,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from aioserve.server import info_routes, misc_routes
 from aioserve.server.docs_routes import docs_routes
+from aioserve.server.responses_api import create_response
 from aioserve.server.chat import create_chat_completion
 from aioserve.server.completions import create_completion
 from aioserve.server.context import RETRY_AFTER_S, ServingContext
@@ -151,6 +152,7 @@ def create_app(ctx: ServingContext) -> Starlette:
         Route("/openapi.json", openapi_json, methods=["GET"]),
         Route("/v1/tokenize", misc_routes.tokenize, methods=["POST"]),
         Route("/v1/detokenize", misc_routes.detokenize, methods=["POST"]),
+        Route("/v1/responses", create_response, methods=["POST"]),
         Route("/version", info_routes.version, methods=["GET"]),
         Route("/get_model_info", info_routes.get_model_info, methods=["GET"]),
         *docs_routes(),

@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 
 from pydantic import BaseModel
 from starlette.requests import Request
 from starlette.responses import Response
 
 from aioserve.server.assembly import ChoiceUpdate, respond
-from aioserve.server.content import ContentDelta
+from aioserve.server.content import ContentDelta, ContentProcessor
 from aioserve.server.context import ServingContext
 from aioserve.server.errors import APIError
 from aioserve.server.generation import Choice, Generation, new_id
@@ -67,6 +68,19 @@ async def encode_messages(ctx: ServingContext, body: ChatCompletionRequest, tool
 async def create_chat_completion(request: Request) -> Response:
     ctx: ServingContext = request.app.state.ctx
     body = await parse_body(request, ChatCompletionRequest)
+    generation, new_processor = await start_chat(request, ctx, body, "chatcmpl")
+    builder = ChatBuilder(ctx, body, generation.request_id)
+    return await respond(
+        request, generation, builder, stream=body.stream, include_usage=body.include_usage,
+        new_processor=new_processor,
+    )
+
+
+async def start_chat(
+    request: Request, ctx: ServingContext, body: ChatCompletionRequest, id_prefix: str
+) -> tuple[Generation, Callable[[object], ContentProcessor]]:
+    """Render, constrain and start a chat request (for /v1/chat/completions
+    and /v1/responses): its Generation and each choice's content processor."""
     ctx.check_model(body.model)
     ctx.check_capacity(body.n, request.scope)
     if body.top_logprobs and not body.logprobs:
@@ -87,7 +101,7 @@ async def create_chat_completion(request: Request) -> Response:
     params.structured_outputs = constraint.spec if constraint else None
     if tools.keeps_special_tokens:  # the format's markers are special tokens (Mistral's [TOOL_CALLS])
         params.skip_special_tokens = False
-    generation = Generation(ctx, new_id("chatcmpl"), arrival_time(request), incremental=body.stream)
+    generation = Generation(ctx, new_id(id_prefix), arrival_time(request), incremental=body.stream)
     try:
         generation.start([prompt_ids], params, body.n, grammar)
         ctx.admitted(request.scope)
@@ -95,11 +109,7 @@ async def create_chat_completion(request: Request) -> Response:
         if exc.param == "prompt":
             exc.param = "messages"
         raise
-    builder = ChatBuilder(ctx, body, generation.request_id)
-    return await respond(
-        request, generation, builder, stream=body.stream, include_usage=body.include_usage,
-        new_processor=content_processors(ctx, tools, thinking),
-    )
+    return generation, content_processors(ctx, tools, thinking)
 
 
 class ChatBuilder:

@@ -49,6 +49,7 @@ from aioserve.server.responses import (
     TokenizeResponse,
 )
 from aioserve.server.info_routes import ModelInfo, VersionResponse, package_version
+from aioserve.server.responses_api import ResponsesRequest
 from aioserve.server.wire import WireModel
 
 OPENAPI_VERSION = "3.1.0"
@@ -57,7 +58,7 @@ JsonDict = dict[str, Any]
 
 
 REQUEST_MODELS: tuple[type[BaseModel], ...] = (
-    CompletionRequest, ChatCompletionRequest, GenerateRequest, TokenizeRequest, DetokenizeRequest,
+    CompletionRequest, ChatCompletionRequest, GenerateRequest, TokenizeRequest, DetokenizeRequest, ResponsesRequest,
 )
 RESPONSE_MODELS: tuple[type[BaseModel], ...] = (
     Completion, ChatCompletion, ChatCompletionChunk, ModelList, ModelCard, GenerateOutput, GenerateBatch,
@@ -324,6 +325,11 @@ def paths() -> JsonDict:
                               ref("TokenizeResponse"), POST_ERRORS),
         "/v1/detokenize": _post("Decode token ids (as /detokenize)", "detokenizeV1", "DetokenizeRequest",
                                 ref("DetokenizeResponse"), POST_ERRORS),
+        "/v1/responses": _generating(
+            "OpenAI Responses API (stateless: previous_response_id is refused)", "createResponse", "ResponsesRequest",
+            {"type": "object", "description": "A Response object"},
+            {"type": "object", "description": "A typed stream event (response.created ... response.completed)"},
+        ),
         "/version": _get("The server's version (vLLM's route)", "version", ref("VersionResponse")),
         "/get_model_info": _get("The served model (SGLang's route)", "getModelInfo", ref("ModelInfo")),
         "/docs": {
