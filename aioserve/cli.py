@@ -168,7 +168,8 @@ def _parse(argv: Sequence[str] | None) -> tuple[argparse.Namespace, ServerArgs |
     try:
         return ns, server_args(ns)
     except ValueError as exc:
-        serve.error(str(exc))
+        serve.error(str(exc))  # exits
+        raise
 
 
 def parse_serve_args(argv: Sequence[str]) -> ServerArgs:

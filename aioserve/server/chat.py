@@ -9,6 +9,7 @@ from pydantic import BaseModel
 from starlette.requests import Request
 from starlette.responses import Response
 
+from aioserve.scheduler.constraint import ConstraintFactory
 from aioserve.server.assembly import ChoiceUpdate, respond
 from aioserve.server.content import ContentDelta, ContentProcessor
 from aioserve.server.context import ServingContext
@@ -92,10 +93,11 @@ async def start_chat(
             raise APIError(f"tool_choice {tools.mode!r} forces the output; {constraint.param} cannot also", param=constraint.param)
         constraint = tools.grammar
     prompt_ids = await encode_messages(ctx, body, tools)
-    grammar = await compile_grammar(ctx, constraint)
+    compiled = await compile_grammar(ctx, constraint)
     thinking = await thinks_first(ctx, body, prompt_ids)
-    if grammar is not None and thinking:
-        grammar = await after_reasoning(ctx, grammar)
+    grammar: ConstraintFactory | None = compiled
+    if compiled is not None and thinking:
+        grammar = await after_reasoning(ctx, compiled)
     logprobs = (body.top_logprobs or 0) if body.logprobs else None
     params = body.sampling_params(body.token_limit, logprobs, body.prompt_logprobs, ctx.generation_defaults)
     params.structured_outputs = constraint.spec if constraint else None

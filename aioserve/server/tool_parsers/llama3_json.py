@@ -74,11 +74,11 @@ class Llama3JsonToolParser:
                 out.tool_calls.extend(step.chunks)
                 if not step.closed:
                     break
-                text = self._reader.text
+                written = self._reader.text
                 self._reader = None
                 if step.not_a_call:
                     self._mode = "text"
-                    out.content, self._buffer = text + self._buffer, ""
+                    out.content, self._buffer = written + self._buffer, ""
                     break
                 self._calls += 1
                 continue
