@@ -340,11 +340,11 @@ def test_the_document_is_behind_the_api_key() -> None:
 
 
 def test_the_document_is_built_once(chat_server) -> None:
-    from aioserve.server import openapi
+    from aioserve.server import routes
 
     first = httpx.get(f"{chat_server.url}/openapi.json", timeout=30).content
     assert first == httpx.get(f"{chat_server.url}/openapi.json", timeout=30).content
-    assert openapi._document_bytes(False) is openapi._document_bytes(False)  # cached, not rebuilt per call
+    assert routes._document_bytes(False) is routes._document_bytes(False)  # cached, not rebuilt per call
 
 
 # -- real responses against the document ----------------------------------------------------

@@ -89,7 +89,7 @@ class ServingContext:
         bound = self.args.max_waiting_requests
         if bound is None:
             return
-        waiting = self.scheduler.info().waiting + self.admitting
+        waiting = self.scheduler.num_waiting + self.admitting
         if waiting + new_requests > bound:
             raise APIError(
                 f"the server is at capacity: {waiting} requests are waiting for admission "
