@@ -51,9 +51,15 @@ class PlanBroadcaster(Protocol):
 
     def fail(self, reason: str) -> None: ...
 
+    def fail_after_error(self, what: str, exc: BaseException) -> str: ...
+
     def stop_followers(self) -> None: ...
 
     def close(self) -> None: ...
+
+
+class TensorParallelFailure(RuntimeError):
+    """A step failed under tensor parallelism; the group is broken."""
 
 
 def _fatal_on_error(leader: PlanBroadcaster | None, what: str, fn: Callable[..., T], *args: object) -> T:
@@ -62,9 +68,10 @@ def _fatal_on_error(leader: PlanBroadcaster | None, what: str, fn: Callable[...,
     try:
         return fn(*args)
     except Exception as exc:
-        if leader is not None:
-            leader.fail(f"{what} raised on rank 0: {exc!r}")
-        raise
+        if leader is None:
+            raise
+        # The step's requests fail with the group's reason (which rank went away), not the collective's error.
+        raise TensorParallelFailure(leader.fail_after_error(what, exc)) from exc
 
 
 def _shutdown(leader: PlanBroadcaster | None, threads: list[concurrent.futures.ThreadPoolExecutor]) -> None:

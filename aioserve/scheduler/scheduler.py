@@ -24,7 +24,7 @@ from dataclasses import dataclass
 
 from aioserve.batch_plan import StepOutput
 from aioserve.config import EngineConfig
-from aioserve.engine.executor import StepExecutor
+from aioserve.engine.executor import StepExecutor, TensorParallelFailure
 from aioserve.kvcache.manager import KVManager
 from aioserve.cpu.openmp import this_thread_single_threaded
 from aioserve.scheduler.client import SchedulerInfo
@@ -271,7 +271,10 @@ class Scheduler:
         try:
             output = await future
         except Exception as exc:  # a failed forward fails its requests, not the loop
-            logger.exception("step %d failed", step.plan.step)
+            if isinstance(exc, TensorParallelFailure):  # a rank went away: no traceback of ours to show
+                logger.error("step %d failed: %s", step.plan.step, exc)
+            else:
+                logger.exception("step %d failed", step.plan.step)
             for entry in step.entries:
                 if not entry.request.finished:
                     self._fail(entry.request, f"forward failed: {exc}")

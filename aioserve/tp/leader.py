@@ -46,6 +46,8 @@ logger = logging.getLogger(__name__)
 STEP_BOUND_BASE_S = 30.0
 STEP_BOUND_PER_TOKEN_S = 0.02
 WATCH_INTERVAL_S = 0.25
+# How long a failed step waits for a lifeline to name the rank that went away.
+LIFELINE_GRACE_S = 1.0
 
 
 def step_bound(num_tokens: int) -> float:
@@ -62,6 +64,7 @@ class TPLeader:
             raise DistributedInitError("only node 0 runs rank 0 (the HTTP server and the scheduler)")
         self.on_failure: FailureHandler = on_failure or (lambda reason: None)
         self.failure: str | None = None
+        self._failed = threading.Event()
         self._fail_lock = threading.Lock()
         self._closed = False
         self._stop_sent = False
@@ -139,9 +142,20 @@ class TPLeader:
             if self.failure is not None or self._closed:
                 return
             self.failure = reason
+            self._failed.set()
         logger.error("tensor parallelism failed: %s; stopping every rank", reason)
         self.lifeline.close()
         self.on_failure(reason)
+
+    def fail_after_error(self, what: str, exc: BaseException) -> str:
+        """A step raised on rank 0: fail the group, and say why. A collective
+        that raised usually means a peer went away, and that peer's lifeline
+        names it within moments (a dead process's sockets close at once):
+        wait that long for it, so clients read the cause ("rank 1 exited"),
+        not the symptom (gloo's read error)."""
+        self._failed.wait(LIFELINE_GRACE_S)
+        self.fail(f"{what} raised on rank 0: {exc!r}")
+        return self.failure or f"{what} raised on rank 0: {exc!r}"
 
     def stop_followers(self) -> None:
         """Tell the followers to exit (on the executor's thread, after the last step)."""
