@@ -31,9 +31,9 @@ def parse_bytes(text: str) -> int:
         number = float(match.group(1)) if match else None
     except ValueError:  # '1.2.3' passes the pattern
         number = None
-    if number is None:
+    if match is None or number is None:
         raise ValueError(f"not a size: {text!r} (e.g. 4GiB, 512MiB, 1000000)")
-    return int(number * 1024 ** "_kmgt".index(match.group(2) or "_"))  # type: ignore[union-attr]
+    return int(number * 1024 ** "_kmgt".index(match.group(2) or "_"))
 
 
 def option(
