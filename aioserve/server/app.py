@@ -15,7 +15,7 @@ from starlette.responses import Response
 from starlette.routing import Route
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from aioserve.server import misc_routes
+from aioserve.server import misc_routes, worker_routes
 from aioserve.server.chat import create_chat_completion
 from aioserve.server.completions import create_completion
 from aioserve.server.context import RETRY_AFTER_S, ServingContext
@@ -146,6 +146,12 @@ def create_app(ctx: ServingContext) -> Starlette:
         Route("/detokenize", misc_routes.detokenize, methods=["POST"]),
         Route("/flush_cache", misc_routes.flush_cache, methods=["POST"]),
         Route("/server_info", misc_routes.server_info, methods=["GET"]),
+        Route("/get_server_info", misc_routes.server_info, methods=["GET"]),  # SGLang's worker routes (a router's)
+        Route("/model_info", worker_routes.model_info, methods=["GET"]),
+        Route("/get_model_info", worker_routes.model_info, methods=["GET"]),
+        Route("/get_load", worker_routes.get_load, methods=["GET"]),
+        Route("/health_generate", worker_routes.health_generate, methods=["GET"]),
+        Route("/version", worker_routes.version_info, methods=["GET"]),
         Route("/metrics", metrics_endpoint(ctx), methods=["GET"]),
         Route("/openapi.json", openapi_json, methods=["GET"]),
         *page_routes(),

@@ -23,6 +23,7 @@ from aioserve.server.responses import (
 )
 from aioserve.server.tools import plan_tools
 from aioserve.server.wire import json_response
+from aioserve.server.worker_routes import model_path, package_version
 
 
 def _ctx(request: Request) -> ServingContext:
@@ -91,7 +92,8 @@ async def flush_cache(request: Request) -> Response:
 
 
 async def server_info(request: Request) -> Response:
-    """Configuration, KV pool occupancy and scheduler counters (for ops and tests)."""
+    """Configuration, KV pool occupancy and scheduler counters (for ops and
+    tests); also GET /get_server_info, SGLang's older name."""
     ctx = _ctx(request)
     info = ctx.scheduler.info(check_integrity=True)
     engine = ctx.args.engine
@@ -102,6 +104,12 @@ async def server_info(request: Request) -> Response:
             overlap=engine.overlap,
             cache=engine.cache,
             tensor_parallel=TensorParallelInfo(tp_size=engine.tp_size, nnodes=engine.nnodes, ranks=ctx.tp_layout),
+            served_model_name=ctx.model_name,
+            model_path=model_path(ctx),
+            tp_size=engine.tp_size,
+            dp_size=1,
+            max_running_requests=engine.max_running_requests,
+            version=package_version(),
             **vars(info),  # the SchedulerInfo dataclass's fields, flattened
         )
     )

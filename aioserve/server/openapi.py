@@ -50,6 +50,7 @@ from aioserve.server.responses import (
     TokenizeResponse,
 )
 from aioserve.server.wire import WireModel
+from aioserve.server.worker_routes import ModelInfo, VersionInfo, WorkerLoad
 
 OPENAPI_VERSION = "3.1.0"
 REF_TEMPLATE = "#/components/schemas/{model}"
@@ -62,6 +63,7 @@ REQUEST_MODELS: tuple[type[BaseModel], ...] = (
 RESPONSE_MODELS: tuple[type[BaseModel], ...] = (
     Completion, ChatCompletion, ChatCompletionChunk, ModelList, ModelCard, GenerateOutput, GenerateBatch,
     ErrorResponse, TokenizeResponse, DetokenizeResponse, FlushCacheResponse, ServerInfo,
+    ModelInfo, WorkerLoad, VersionInfo,
 )
 # The request and the response each have a class named ChatMessage; the
 # response's takes OpenAI's name for it, so both keep a short name.
@@ -306,6 +308,21 @@ def paths() -> JsonDict:
         "/flush_cache": _post("Empty the prefix cache (400 while requests run)", "flushCache", None,
                               ref("FlushCacheResponse"), (400, 401, 500, 503)),
         "/server_info": _get("Configuration, KV pool occupancy, scheduler counters", "serverInfo", ref("ServerInfo")),
+        # SGLang's worker endpoints, for a router in front of replicas (server/worker_routes.py).
+        "/get_server_info": _get("/server_info under SGLang's older name", "getServerInfo", ref("ServerInfo")),
+        "/model_info": _get("The model, in SGLang's fields", "modelInfo", ref("ModelInfo")),
+        "/get_model_info": _get("/model_info under SGLang's older name", "getModelInfo", ref("ModelInfo")),
+        "/get_load": _get("Requests and KV tokens held, as SGLang's list (one entry)", "getLoad",
+                          {"type": "array", "items": ref("WorkerLoad")}),
+        "/health_generate": {
+            "get": {
+                "summary": "200 once a one-token generation came back; 503 if it failed or the server is unhealthy",
+                "operationId": "healthGenerate",
+                "responses": {"200": {"description": "Healthy (empty body)"}, "503": {"description": "Unhealthy"},
+                              **_errors(401)},
+            }
+        },
+        "/version": _get("The aioserve version", "version", ref("VersionInfo")),
         "/metrics": {
             "get": {
                 "summary": "Prometheus metrics",
