@@ -216,8 +216,9 @@ class ServerArgs:
     )
     router_args: str | None = option(
         None, group="distributed",
-        help="with --dp: further sglang-router flags in one string, e.g. '--prometheus-port 29001'; they come "
-        "last, so they override aioserve's (python -m sglang_router.launch_router --help lists them)",
+        help="with --dp: further sglang-router flags in one string, e.g. --router-args='--prometheus-port 29001' "
+        "(the = keeps a lone flag from being read as aioserve's); they come last, so they override aioserve's "
+        "(python -m sglang_router.launch_router --help lists them)",
     )
     native_kernels: str = option(
         "build", group="model", choices=("build", "background", "off"),

@@ -5,7 +5,8 @@ prompts sharing a long prefix land where it is cached (cache_aware, against
 round_robin); killing a replica mid-run loses only requests in flight, later
 ones all succeed, and the restarted replica is routed to again. The
 endpoints the router called on the replicas are read from their access logs
-and printed (run with -s), with the figures."""
+and printed (run with -s), with the figures. vllm-router, in front of the
+same replicas, gives the same answers and uses both."""
 
 from __future__ import annotations
 
@@ -179,12 +180,16 @@ def shared_prefix(group: int, policy: str) -> str:
 
 
 def run_rounds(base: str, policy: str, groups: int, rounds: int) -> list[list[int]]:
-    """Round r sends each group's prefix with its r-th suffix, one request
-    after another; cached_tokens per [round][group]."""
-    return [
-        [completion(base, shared_prefix(g, policy) + f"Then {story(r + g, 2)}", max_tokens=4)[1] for g in range(groups)]
-        for r in range(rounds)
-    ]
+    """Round r sends each group's prefix with its r-th suffix, all groups at
+    once (sglang-router's cache_aware sends a prefix it has not seen to the
+    least busy replica, so a round sent one by one would all go to the
+    first); cached_tokens per [round][group]."""
+
+    def send(r: int, g: int) -> int:
+        return completion(base, shared_prefix(g, policy) + f"Then {story(r + g, 2)}", max_tokens=4)[1]
+
+    with ThreadPoolExecutor(groups) as pool:
+        return [list(pool.map(lambda g: send(r, g), range(groups))) for r in range(rounds)]
 
 
 # -- the test ------------------------------------------------------------------------------
@@ -241,7 +246,9 @@ def test_two_replicas_behind_sglang_router(replicas: list[Replica], stories_path
         flushed = httpx.post(f"{router.url}/flush_cache", timeout=30)  # fanned out to both replicas
         assert flushed.status_code == 200, flushed.text
         groups, rounds = 9, 3
+        before = [r.finished() for r in replicas]
         cached = run_rounds(router.url, "cache_aware", groups, rounds)
+        figures["cache_aware: shared-prefix requests per replica"] = [r.finished() - n for r, n in zip(replicas, before)]
         repeats = [c for row in cached[1:] for c in row]
         figures["cache_aware: repeats with cached_tokens > 0"] = f"{sum(c > 0 for c in repeats)}/{len(repeats)}"
         figures["cache_aware: cached tokens"] = sum(map(sum, cached))
@@ -258,7 +265,7 @@ def test_two_replicas_behind_sglang_router(replicas: list[Replica], stories_path
         b.wait_healthy()
         router.wait_workers_healthy(2, timeout=30)
         with ThreadPoolExecutor(4) as pool:
-            list(pool.map(lambda i: completion(router.url, f"After the restart {story(i, 5)}"), range(12)))
+            list(pool.map(lambda i: completion(router.url, f"{story(i + 5, 4)} {i} after the restart"), range(12)))
         figures["requests on the restarted replica (of 12)"] = b.finished()
         assert b.finished() > 0
     finally:
