@@ -154,3 +154,28 @@ def test_dp_2_serves_restarts_a_replica_and_dies_with_its_parent(stories_path: P
         if parent.poll() is None:
             parent.kill()
             parent.wait()
+
+
+def test_the_kubernetes_manifest_passes_flags_both_take() -> None:
+    """deploy/kubernetes.yaml: the workers' flags parse as `aioserve serve`'s,
+    the router's as sglang-router's, and the router gets --dp's failover flags."""
+    yaml = pytest.importorskip("yaml")
+    manifest = Path(__file__).resolve().parents[1] / "deploy" / "kubernetes.yaml"
+    documents = [d for d in yaml.safe_load_all(manifest.read_text()) if d]
+    deployments = {d["metadata"]["name"]: d for d in documents if d["kind"] == "Deployment"}
+    services = {d["metadata"]["name"]: d for d in documents if d["kind"] == "Service"}
+    assert set(deployments) == {"aioserve-worker", "aioserve-router"}
+    assert set(services) == {"aioserve-worker", "aioserve"}
+
+    worker = deployments["aioserve-worker"]["spec"]["template"]["spec"]["containers"][0]
+    assert parse_serve_args(worker["args"]).port == 8000
+
+    router = deployments["aioserve-router"]["spec"]["template"]["spec"]["containers"][0]
+    flags = router["args"]
+    names, values = ROUTER_FAILOVER_FLAGS[::2], ROUTER_FAILOVER_FLAGS[1::2]
+    assert [f"{name}={value}" for name, value in zip(names, values) if f"{name}={value}" not in flags] == []
+    launch = pytest.importorskip("sglang_router.launch_router", reason="sglang-router is not installed")
+    parsed = launch.parse_router_args([f.replace("$(POD_NAMESPACE)", "default") for f in flags])
+    assert parsed.service_discovery and parsed.policy == "cache_aware"
+    assert parsed.selector == {"app": "aioserve-worker"}
+    assert parsed.service_discovery_port == 8000
