@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import json
 import re
-import signal
 import subprocess
 import sys
 import tempfile
@@ -38,6 +37,17 @@ REPLICA_FLAGS = ("--served-model-name", MODEL_NAME, "--num-threads", "1", "--acc
 STORY_WORDS = "cat dog sun tree ball girl boy park cake bird fish boat rain moon star hat".split()
 # "127.0.0.1:5000 - - [date] "GET /health 1.1" 200 0 "-" "user agent""
 ACCESS_LINE = re.compile(r'"(GET|POST) (\S+) [\d.]+" (\d+) \S+ "[^"]*" "([^"]*)"')
+
+
+def stop_process(process: subprocess.Popen) -> None:
+    """SIGTERM, and SIGKILL if it is still there 30 s later."""
+    if process.poll() is None:
+        process.terminate()
+        try:
+            process.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
 
 
 @dataclass
@@ -70,14 +80,9 @@ class Replica:
     def finished(self) -> int:
         return httpx.get(f"{self.url}/server_info", timeout=30).json()["stats"]["finished"]
 
-    def stop(self, sig: int = signal.SIGTERM) -> None:
-        if self.process is not None and self.process.poll() is None:
-            self.process.send_signal(sig)
-            try:
-                self.process.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                self.process.kill()
-                self.process.wait()
+    def stop(self) -> None:
+        if self.process is not None:
+            stop_process(self.process)
 
     def router_calls(self) -> Counter[str]:
         """What the router asked of this replica: the access log's lines
@@ -125,12 +130,7 @@ class Router:
             time.sleep(0.2)
 
     def stop(self) -> None:
-        self.process.terminate()
-        try:
-            self.process.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            self.process.kill()
-            self.process.wait()
+        stop_process(self.process)
 
 
 # -- requests -----------------------------------------------------------------------------
@@ -192,6 +192,23 @@ def run_rounds(base: str, policy: str, groups: int, rounds: int) -> list[list[in
         return [list(pool.map(lambda g: send(r, g), range(groups))) for r in range(rounds)]
 
 
+def same_answers_as_one_replica(
+    router: Router, replicas: list[Replica], prompts: list[str], messages: list[str], concurrency: int
+) -> list[int]:
+    """Completions and streamed chats through the router, `concurrency` at a
+    time, answer as replica 0 alone does (asked first, one by one); returns
+    how many of them each replica served."""
+    reference = [completion(replicas[0].url, p)[0] for p in prompts]
+    chat_reference = [streamed_chat(replicas[0].url, m) for m in messages]
+    before = [r.finished() for r in replicas]
+    with ThreadPoolExecutor(concurrency) as pool:
+        texts = list(pool.map(lambda p: completion(router.url, p)[0], prompts))
+        chats = list(pool.map(lambda m: streamed_chat(router.url, m), messages))
+    assert texts == reference
+    assert chats == chat_reference
+    return [r.finished() - n for r, n in zip(replicas, before)]
+
+
 # -- the test ------------------------------------------------------------------------------
 
 
@@ -225,20 +242,10 @@ def test_two_replicas_behind_sglang_router(replicas: list[Replica], stories_path
     logs = a.log.parent
     figures: dict[str, object] = {"router": f"sglang-router {sglang_router.version.__version__}"}
 
-    # A single replica's greedy answers, straight from replica a.
-    reference = [completion(a.url, p)[0] for p in COMPLETION_PROMPTS]
-    chat_reference = [streamed_chat(a.url, m) for m in CHAT_MESSAGES]
-
     router = Router.start(replicas, "cache_aware", logs / "router-cache_aware.log")
     try:
         # 1. 60 requests through the router, 8 at a time: the same answers, both replicas serving.
-        before = [r.finished() for r in replicas]
-        with ThreadPoolExecutor(8) as pool:
-            texts = list(pool.map(lambda p: completion(router.url, p)[0], COMPLETION_PROMPTS))
-            chats = list(pool.map(lambda m: streamed_chat(router.url, m), CHAT_MESSAGES))
-        assert texts == reference
-        assert chats == chat_reference
-        served = [r.finished() - n for r, n in zip(replicas, before)]
+        served = same_answers_as_one_replica(router, replicas, COMPLETION_PROMPTS, CHAT_MESSAGES, concurrency=8)
         figures["requests per replica (60 through the router)"] = served
         assert sum(served) == 60 and min(served) > 0, served
 
@@ -248,7 +255,9 @@ def test_two_replicas_behind_sglang_router(replicas: list[Replica], stories_path
         groups, rounds = 9, 3
         before = [r.finished() for r in replicas]
         cached = run_rounds(router.url, "cache_aware", groups, rounds)
-        figures["cache_aware: shared-prefix requests per replica"] = [r.finished() - n for r, n in zip(replicas, before)]
+        figures["cache_aware: shared-prefix requests per replica"] = [
+            r.finished() - n for r, n in zip(replicas, before)
+        ]
         repeats = [c for row in cached[1:] for c in row]
         figures["cache_aware: repeats with cached_tokens > 0"] = f"{sum(c > 0 for c in repeats)}/{len(repeats)}"
         figures["cache_aware: cached tokens"] = sum(map(sum, cached))
@@ -306,24 +315,20 @@ def test_vllm_router_routes_to_the_replicas(replicas: list[Replica]) -> None:
     with log.open("a") as out:
         process = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT)
     router = Router(f"http://127.0.0.1:{port}", process, log)
+    calls_before = replicas[0].router_calls() + replicas[1].router_calls()
     try:
         router.wait_workers_healthy(2)
         prompts, messages = COMPLETION_PROMPTS[:12], CHAT_MESSAGES[:4]
-        reference = [completion(replicas[0].url, p)[0] for p in prompts]
-        chat_reference = [streamed_chat(replicas[0].url, m) for m in messages]
-        before = [r.finished() for r in replicas]
-        with ThreadPoolExecutor(4) as pool:
-            texts = list(pool.map(lambda p: completion(router.url, p)[0], prompts))
-            chats = list(pool.map(lambda m: streamed_chat(router.url, m), messages))
-        assert texts == reference
-        assert chats == chat_reference
+        served = same_answers_as_one_replica(router, replicas, prompts, messages, concurrency=4)
         generated = httpx.post(
             f"{router.url}/generate", json={"text": "Once upon", "sampling_params": {"max_new_tokens": 4}}, timeout=60
         )
         assert generated.status_code == 200 and generated.json()["meta_info"]["completion_tokens"] == 4
-        served = [r.finished() - n for r, n in zip(replicas, before)]
-        print(f"\nvllm-router: requests per replica {served} (of 17)")
+        calls = replicas[0].router_calls() + replicas[1].router_calls() - calls_before
+        # It passes the client's user agent on with the requests it routes: those are not counted here.
+        print(f"\nvllm-router: requests per replica {served} (of 16); it called {dict(sorted(calls.items()))}")
         assert min(served) > 0, served
+        assert calls["GET /health"] > 0 and calls["POST /tokenize"] > 0
     finally:
         router.stop()
 

@@ -11,7 +11,8 @@ fanned out from the router's; the generation routes themselves. Routes the
 router merely passes through (`/get_model_info`, `/get_server_info`,
 `/health_generate`, `/version`) answer too. vllm-router first asks
 `POST /v1/completions/render` (and the chat twin) and, given a 404, sends
-the request on unrendered: those are left unanswered on purpose.
+the request on unrendered: those are left unanswered on purpose; it then
+calls `POST /tokenize` (misc_routes', vLLM's shape) to route by token ids.
 `/server_info` itself is misc_routes' (with SGLang's fields among ours).
 """
 
