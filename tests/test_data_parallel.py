@@ -108,8 +108,9 @@ def _replica_pid(url: str) -> int | None:
         return None
 
 
-@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc; the parent-death signal is Linux's")
-def test_dp_2_serves_restarts_a_replica_and_dies_with_its_parent(stories_path: Path) -> None:
+def _start_dp_2(stories_path: Path) -> tuple[subprocess.Popen, str, list[str], Path]:
+    """`aioserve serve --dp 2` on the CPU (a GPU machine may have one GPU),
+    once it answers: the process, its URL, the replicas' URLs, its log."""
     pytest.importorskip("sglang_router", reason="sglang-router is not installed: pip install -e '.[router]'")
     port, base = free_port(), free_port()
     while base + 1 == port or base == port:
@@ -117,15 +118,30 @@ def test_dp_2_serves_restarts_a_replica_and_dies_with_its_parent(stories_path: P
     log = Path(tempfile.mkstemp(prefix="aioserve-dp-", suffix=".log")[1])
     command = [
         sys.executable, "-m", "aioserve", "serve", "--model", str(stories_path), "--served-model-name", MODEL_NAME,
-        "--dp", "2", "--port", str(port), "--dp-base-port", str(base), "--num-threads", "1",
+        "--dp", "2", "--port", str(port), "--dp-base-port", str(base), "--device", "cpu", "--num-threads", "1",
         "--router-args", f"--prometheus-port {free_port()} --prometheus-host 127.0.0.1",
     ]
     url = f"http://127.0.0.1:{port}"
-    replicas = [f"http://127.0.0.1:{base}", f"http://127.0.0.1:{base + 1}"]
     with log.open("w") as out:
         parent = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT)
     try:
         _wait(lambda: _ready(url), 120, f"--dp 2 did not answer:\n{log.read_text()[-3000:]}")
+    except BaseException:
+        parent.kill()
+        parent.wait()
+        raise
+    return parent, url, [f"http://127.0.0.1:{base}", f"http://127.0.0.1:{base + 1}"], log
+
+
+LINUX_ONLY = pytest.mark.skipif(
+    not sys.platform.startswith("linux"), reason="reads /proc; the parent-death signal is Linux's"
+)
+
+
+@LINUX_ONLY
+def test_dp_2_serves_restarts_a_replica_and_dies_with_its_parent(stories_path: Path) -> None:
+    parent, url, replicas, log = _start_dp_2(stories_path)
+    try:
         children = _children(parent.pid)
         assert len(children) == 3, children  # two replicas and the router
 
@@ -150,6 +166,22 @@ def test_dp_2_serves_restarts_a_replica_and_dies_with_its_parent(stories_path: P
         parent.wait()
         _wait(lambda: not any(_alive(pid) for pid in children), 30,
               f"children outlived the parent: {[p for p in children if _alive(p)]}")
+    finally:
+        if parent.poll() is None:
+            parent.kill()
+            parent.wait()
+
+
+@LINUX_ONLY
+def test_sigterm_stops_the_router_and_drains_the_replicas(stories_path: Path) -> None:
+    parent, url, replicas, log = _start_dp_2(stories_path)
+    try:
+        children = _children(parent.pid)
+        parent.send_signal(signal.SIGTERM)
+        assert parent.wait(timeout=60) == 0, log.read_text()[-3000:]
+        _wait(lambda: not any(_alive(pid) for pid in children), 10, "children outlived the parent")
+        text = log.read_text()
+        assert "stopping the router; the replicas drain" in text and text.count("SIGTERM: draining") == 2
     finally:
         if parent.poll() is None:
             parent.kill()
