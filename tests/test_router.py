@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import re
+import signal
 import subprocess
 import sys
 import tempfile
@@ -277,10 +278,27 @@ def test_two_replicas_behind_sglang_router(replicas: list[Replica], stories_path
             list(pool.map(lambda i: completion(router.url, f"{story(i + 5, 4)} {i} after the restart"), range(12)))
         figures["requests on the restarted replica (of 12)"] = b.finished()
         assert b.finished() > 0
+
+        # 5. b hangs (SIGSTOP: alive, answering nothing): its health checks time out and
+        # the router takes it out; requests then all go to a; b back once it answers again.
+        b.process.send_signal(signal.SIGSTOP)  # type: ignore[union-attr]
+        try:
+            frozen_at = time.monotonic()
+            while b.url in router.healthy_workers():
+                assert time.monotonic() - frozen_at < 15, "a hung replica stayed in the router's rotation"
+                time.sleep(0.2)
+            figures["a hung replica taken out after (s)"] = round(time.monotonic() - frozen_at, 1)
+            served_by_a = a.finished()
+            with ThreadPoolExecutor(4) as pool:
+                list(pool.map(lambda i: completion(router.url, f"{story(i + 9, 4)} {i} while b hangs"), range(8)))
+            assert a.finished() - served_by_a == 8
+        finally:
+            b.process.send_signal(signal.SIGCONT)  # type: ignore[union-attr]
+        router.wait_workers_healthy(2, timeout=15)
     finally:
         router.stop()
 
-    # 5. The same shared-prefix rounds under round_robin, for comparison.
+    # 6. The same shared-prefix rounds under round_robin, for comparison.
     rr = Router.start(replicas, "round_robin", logs / "router-round_robin.log")
     try:
         httpx.post(f"{rr.url}/flush_cache", timeout=30).raise_for_status()
@@ -349,7 +367,11 @@ class FailoverOutcomes:
 
 def failover_run(router: Router, victim: Replica, total: int = 30, kill_after: int = 10) -> FailoverOutcomes:
     """`total` requests (completions and streamed chats, 4 at a time); the
-    victim gets SIGKILL once `kill_after` of them were sent."""
+    victim gets SIGKILL once `kill_after` of them were sent. The completions
+    share 6 long prefixes: before the kill the router has sent some of them
+    to the victim, so after it cache_aware keeps choosing the victim for
+    those until the health check or the circuit breaker takes it out (the
+    router's retries, meanwhile, must find the other replica)."""
     lock = threading.Lock()
     state: dict[str, object] = {"killed": False}
     in_flight: set[int] = set()
@@ -370,7 +392,7 @@ def failover_run(router: Router, victim: Replica, total: int = 30, kill_after: i
             if i % 3 == 2:
                 streamed_chat(router.url, f"After the storm the {story(i, 4)}", max_tokens=24)
             else:
-                completion(router.url, f"Failover {i}: {story(i, 6)}", max_tokens=24)
+                completion(router.url, shared_prefix(i % 6, "failover") + f"Then {story(i, 2)}", max_tokens=24)
         except Exception as exc:  # noqa: BLE001 - recorded, judged by the caller
             failed[i] = repr(exc)
         finally:
