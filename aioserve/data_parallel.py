@@ -111,6 +111,7 @@ def router_command(args: ServerArgs, worker_urls: list[str]) -> list[str]:
     command = [
         sys.executable, "-m", ROUTER_MODULE,
         "--host", args.host, "--port", str(args.port),
+        "--prometheus-host", args.host,  # its metrics where the router listens, not on every interface
         "--worker-urls", *worker_urls,
         "--policy", args.router_policy,
         "--log-level", ROUTER_LOG_LEVELS[args.log_level],

@@ -54,7 +54,8 @@ def test_the_router_command() -> None:
     command = router_command(args, ["http://127.0.0.1:9001", "http://127.0.0.1:9002"])
     assert command[:3] == [sys.executable, "-m", "sglang_router.launch_router"]
     text = " ".join(command)
-    assert "--host 0.0.0.0 --port 9000 --worker-urls http://127.0.0.1:9001 http://127.0.0.1:9002" in text
+    assert "--host 0.0.0.0 --port 9000 --prometheus-host 0.0.0.0" in text
+    assert "--worker-urls http://127.0.0.1:9001 http://127.0.0.1:9002" in text
     assert "--policy round_robin" in text and "--api-key k" in text
     assert " ".join(ROUTER_FAILOVER_FLAGS) in text
     assert command[-2:] == ["--health-check-interval-secs", "5"]  # last: it overrides the failover flags
