@@ -1,8 +1,10 @@
 """`aioserve serve --dp N`: the replicas' flags (the parent's, less --dp),
 their ports, devices and threads, the router's command line; and a real
 `--dp 2` deployment: it answers on the public port, both replicas serve, a
-replica killed is restarted (requests meanwhile go to the other), and
-neither the replicas nor the router outlive the parent, however it ends."""
+replica killed is restarted (requests meanwhile go to the other), --api-key
+holds through the router, and neither the replicas nor the router outlive
+the parent, however it ends. Also: both programs take the flags of
+deploy/kubernetes.yaml."""
 
 from __future__ import annotations
 
@@ -90,14 +92,15 @@ def _wait(condition, timeout: float, what: str) -> None:  # type: ignore[no-unty
         time.sleep(0.2)
 
 
-def _completion(url: str, prompt: str) -> httpx.Response:
+def _completion(url: str, prompt: str, api_key: str | None = None) -> httpx.Response:
     body = {"model": MODEL_NAME, "prompt": prompt, "max_tokens": 8, "temperature": 0}
-    return httpx.post(f"{url}/v1/completions", json=body, timeout=60)
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    return httpx.post(f"{url}/v1/completions", json=body, headers=headers, timeout=60)
 
 
-def _ready(url: str) -> bool:
+def _ready(url: str, api_key: str | None = None) -> bool:
     try:
-        return _completion(url, "ready?").status_code == 200
+        return _completion(url, "ready?", api_key).status_code == 200
     except httpx.HTTPError:
         return False
 
@@ -109,9 +112,11 @@ def _replica_pid(url: str) -> int | None:
         return None
 
 
-def _start_dp_2(stories_path: Path) -> tuple[subprocess.Popen, str, list[str], Path]:
-    """`aioserve serve --dp 2` on the CPU (a GPU machine may have one GPU),
-    once it answers: the process, its URL, the replicas' URLs, its log."""
+def _start_dp_2(
+    stories_path: Path, *flags: str, api_key: str | None = None
+) -> tuple[subprocess.Popen, str, list[str], Path]:
+    """`aioserve serve --dp 2 [flags]` on the CPU (a GPU machine may have one
+    GPU), once it answers: the process, its URL, the replicas' URLs, its log."""
     pytest.importorskip("sglang_router", reason="sglang-router is not installed: pip install -e '.[router]'")
     port, base = free_port(), free_port()
     while base + 1 == port or base == port:
@@ -120,13 +125,13 @@ def _start_dp_2(stories_path: Path) -> tuple[subprocess.Popen, str, list[str], P
     command = [
         sys.executable, "-m", "aioserve", "serve", "--model", str(stories_path), "--served-model-name", MODEL_NAME,
         "--dp", "2", "--port", str(port), "--dp-base-port", str(base), "--device", "cpu", "--num-threads", "1",
-        "--router-args", f"--prometheus-port {free_port()} --prometheus-host 127.0.0.1",
+        "--router-args", f"--prometheus-port {free_port()} --prometheus-host 127.0.0.1", *flags,
     ]
     url = f"http://127.0.0.1:{port}"
     with log.open("w") as out:
         parent = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT)
     try:
-        _wait(lambda: _ready(url), 120, f"--dp 2 did not answer:\n{log.read_text()[-3000:]}")
+        _wait(lambda: _ready(url, api_key), 120, f"--dp 2 did not answer:\n{log.read_text()[-3000:]}")
     except BaseException:
         parent.kill()
         parent.wait()
@@ -174,9 +179,16 @@ def test_dp_2_serves_restarts_a_replica_and_dies_with_its_parent(stories_path: P
 
 
 @LINUX_ONLY
-def test_sigterm_stops_the_router_and_drains_the_replicas(stories_path: Path) -> None:
-    parent, url, replicas, log = _start_dp_2(stories_path)
+def test_api_key_and_sigterm(stories_path: Path) -> None:
+    """With --api-key the replicas want the key, the router sends it to them
+    (they register and serve) and wants it from clients; SIGTERM stops the
+    router, drains the replicas and exits 0, leaving no child."""
+    parent, url, replicas, log = _start_dp_2(stories_path, "--api-key", "sesame", api_key="sesame")
     try:
+        assert _completion(url, "Once upon a time", "sesame").status_code == 200
+        assert _completion(url, "Once upon a time").status_code == 401
+        assert _completion(url, "Once upon a time", "wrong").status_code == 401
+        assert httpx.get(f"{replicas[0]}/server_info", timeout=5).status_code == 401
         children = _children(parent.pid)
         parent.send_signal(signal.SIGTERM)
         assert parent.wait(timeout=60) == 0, log.read_text()[-3000:]
