@@ -115,7 +115,7 @@ async def serve(args: ServerArgs) -> str | None:
 
     config = Config()
     config.bind = [f"{args.host}:{args.port}"]
-    config.accesslog = None
+    config.accesslog = logging.getLogger("hypercorn.access") if args.access_log else None
     config.backlog = args.backlog
     config.errorlog = logging.getLogger("hypercorn.error")
     config.graceful_timeout = 3.0

@@ -90,6 +90,11 @@ def with_path_parameter(operation: JsonDict, name: str, description: str) -> Jso
     return {**operation, "parameters": [parameter]}
 
 
+def status_only(summary: str, operation_id: str, responses: JsonDict, errors: tuple[int, ...] = ()) -> JsonDict:
+    """An endpoint that answers by its status alone."""
+    return {"summary": summary, "operationId": operation_id, "responses": {**responses, **_errors(*errors)}}
+
+
 def probe(summary: str, operation_id: str, responses: JsonDict) -> JsonDict:
     """An open endpoint (probes and scrapers get no API key): an empty security list says so."""
-    return {"summary": summary, "operationId": operation_id, "security": [], "responses": responses}
+    return {**status_only(summary, operation_id, responses), "security": []}

@@ -39,6 +39,7 @@ from aioserve.server.responses import (
     TokenizeResponse,
 )
 from aioserve.server.wire import WireModel
+from aioserve.server.worker_routes import ModelInfo, VersionInfo, WorkerLoad
 
 REF_TEMPLATE = "#/components/schemas/{model}"
 JsonDict = dict[str, Any]
@@ -49,6 +50,7 @@ REQUEST_MODELS: tuple[type[BaseModel], ...] = (
 RESPONSE_MODELS: tuple[type[BaseModel], ...] = (
     Completion, ChatCompletion, ChatCompletionChunk, ModelList, ModelCard, GenerateOutput, GenerateBatch,
     ErrorResponse, TokenizeResponse, DetokenizeResponse, FlushCacheResponse, ServerInfo,
+    ModelInfo, WorkerLoad, VersionInfo,
 )
 # The request and the response each have a class named ChatMessage; the
 # response's takes OpenAI's name for it, so both keep a short name.

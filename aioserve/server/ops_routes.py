@@ -9,6 +9,7 @@ from aioserve.server.context import ServingContext
 from aioserve.server.errors import APIError
 from aioserve.server.responses import FlushCacheResponse, ServerInfo, TensorParallelInfo
 from aioserve.server.wire import json_response
+from aioserve.server.worker_routes import model_path, package_version
 
 
 async def health(request: Request) -> Response:
@@ -22,7 +23,8 @@ async def flush_cache(request: Request) -> Response:
 
 
 async def server_info(request: Request) -> Response:
-    """Configuration, KV pool occupancy and scheduler counters (for ops and tests)."""
+    """Configuration, KV pool occupancy and scheduler counters (for ops and
+    tests); also GET /get_server_info, SGLang's older name."""
     ctx: ServingContext = request.app.state.ctx
     engine = ctx.args.engine
     return json_response(
@@ -32,6 +34,12 @@ async def server_info(request: Request) -> Response:
             overlap=engine.overlap,
             cache=engine.cache,
             tensor_parallel=TensorParallelInfo(tp_size=engine.tp_size, nnodes=engine.nnodes, ranks=ctx.tp_layout),
+            served_model_name=ctx.model_name,
+            model_path=model_path(ctx),
+            tp_size=engine.tp_size,
+            dp_size=1,
+            max_running_requests=engine.max_running_requests,
+            version=package_version(),
             **vars(ctx.scheduler.info(check_integrity=True)),  # ServerInfo has SchedulerInfo's fields (responses.py)
         )
     )

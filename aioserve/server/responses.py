@@ -207,6 +207,14 @@ class ServerConfigInfo(BaseModel):
     overlap: bool
     cache: str
     tensor_parallel: TensorParallelInfo
+    # SGLang's names for what a router reads when a worker registers
+    # (server/worker_routes.py): its served name, model and sizes.
+    served_model_name: str
+    model_path: str
+    tp_size: int
+    dp_size: int  # replicas inside this server: always 1 (--dp runs each as a server of its own)
+    max_running_requests: int
+    version: str
 
 
 def _scheduler_info_fields() -> dict[str, Any]:

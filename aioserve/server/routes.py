@@ -10,7 +10,7 @@ from functools import cache
 from starlette.requests import Request
 from starlette.responses import Response
 
-from aioserve.server import model_routes, ops_routes, token_routes
+from aioserve.server import model_routes, ops_routes, token_routes, worker_routes
 from aioserve.server import openapi_operations as op
 from aioserve.server.chat import create_chat_completion
 from aioserve.server.completions import create_completion
@@ -62,6 +62,21 @@ ENDPOINTS: tuple[Endpoint, ...] = (
         (400, 401, 500, 503))),
     Endpoint("/server_info", "GET", ops_routes.server_info, op.get(
         "Configuration, KV pool occupancy, scheduler counters", "serverInfo", ref("ServerInfo"))),
+    # SGLang's worker endpoints, for a router in front of replicas (server/worker_routes.py).
+    Endpoint("/get_server_info", "GET", ops_routes.server_info, op.get(
+        "/server_info under SGLang's older name", "getServerInfo", ref("ServerInfo"))),
+    Endpoint("/model_info", "GET", worker_routes.model_info, op.get(
+        "The model, in SGLang's fields", "modelInfo", ref("ModelInfo"))),
+    Endpoint("/get_model_info", "GET", worker_routes.model_info, op.get(
+        "/model_info under SGLang's older name", "getModelInfo", ref("ModelInfo"))),
+    Endpoint("/get_load", "GET", worker_routes.get_load, op.get(
+        "Requests and KV tokens held, as SGLang's list (one entry)", "getLoad",
+        {"type": "array", "items": ref("WorkerLoad")})),
+    Endpoint("/health_generate", "GET", worker_routes.health_generate, op.status_only(
+        "200 once a one-token generation came back; 503 if it failed or the server is unhealthy",
+        "healthGenerate", _HEALTH, (401,))),
+    Endpoint("/version", "GET", worker_routes.version_info, op.get(
+        "The aioserve version", "version", ref("VersionInfo"))),
     Endpoint("/metrics", "GET", metrics, op.probe("Prometheus metrics", "metrics", _METRICS), open=True),
     Endpoint("/openapi.json", "GET", openapi_json, op.get("This document", "openapi", {"type": "object"})),
 )
