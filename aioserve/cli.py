@@ -19,7 +19,10 @@ from typing import Any, Callable, TypeVar
 
 from aioserve.config import DEMO_MODEL, GROUPS, UNSUPPORTED_FLAGS, EngineConfig, ServerArgs, parse_bytes
 
-__all__ = ["add_options", "build_parser", "engine_config", "main", "parse_bytes", "parse_serve_args", "server_args"]
+__all__ = [
+    "add_options", "build_parser", "engine_config", "main", "parse_bytes", "parse_serve_args", "serve_argv",
+    "server_args",
+]
 
 Config = TypeVar("Config")
 
@@ -172,6 +175,23 @@ def _parse(argv: Sequence[str] | None) -> tuple[argparse.Namespace, ServerArgs |
         raise
 
 
+def serve_argv(args: ServerArgs) -> list[str]:
+    """The `aioserve serve` flags that give back `args` (parse_serve_args'
+    inverse): the options that differ from their defaults. --dp starts its
+    replicas with these."""
+    argv: list[str] = []
+    for config in (args.engine, args):
+        for f, _ in option_fields(type(config)):
+            value = getattr(config, f.name)
+            if f.default is not dataclasses.MISSING and value == f.default:
+                continue
+            if isinstance(value, bool):
+                argv.append(flag(f))  # the flag that flips the default
+            elif value is not None:
+                argv.append(f"{flag(f)}={value}")  # one word: a value may start with "-"
+    return argv
+
+
 def parse_serve_args(argv: Sequence[str]) -> ServerArgs:
     """`aioserve serve` flags -> ServerArgs, exiting with argparse's message on
     a bad one: lets a script check flags before it starts a server with them."""
@@ -225,6 +245,12 @@ def main(argv: list[str] | None = None) -> None:
 
     assert args is not None
     prepare_native_kernels(args)
+    if args.dp_size < 1:
+        build_parser().error("--dp must be at least 1")
+    if args.dp_size > 1:
+        from aioserve.data_parallel import run_data_parallel
+
+        sys.exit(run_data_parallel(args, serve_argv))
     try:
         run_server(args)
     except (FileNotFoundError, PermissionError) as exc:  # a model that cannot be had: the message says why

@@ -45,9 +45,9 @@ def parse_bytes(text: str) -> int:
         number = float(match.group(1)) if match else None
     except ValueError:  # '1.2.3' passes the pattern
         number = None
-    if number is None:
+    if match is None or number is None:
         raise ValueError(f"not a size: {text!r} (e.g. 4GiB, 512MiB, 1000000)")
-    return int(number * 1024 ** "_kmgt".index(match.group(2) or "_"))  # type: ignore[union-attr]
+    return int(number * 1024 ** "_kmgt".index(match.group(2) or "_"))
 
 
 def option(
@@ -192,6 +192,10 @@ class EngineConfig:
         "ranks give up meeting after AIOSERVE_DIST_INIT_TIMEOUT seconds (default 120)",
     )
 
+# Spelled out: config imports nothing of the project; tests/test_router.py
+# checks them against sglang-router's --policy choices.
+ROUTER_POLICIES = ("cache_aware", "round_robin", "power_of_two", "random")
+
 
 # Flags of vLLM and SGLang whose feature aioserve does not have: the CLI knows
 # them so that it can say why, instead of argparse's "unrecognized arguments".
@@ -262,6 +266,28 @@ class ServerArgs:
         "(default: $AIOSERVE_API_KEY)",
     )
     tokenizer_workers: int = option(4, help="threads that tokenize requests", group="HTTP")
+    dp_size: int = option(
+        1, aliases=("--dp", "--data-parallel-size"), group="distributed",
+        help="replicas of the whole server (each with its --tp ranks) on this machine, on loopback ports from "
+        "--dp-base-port, behind sglang-router on --host/--port (the router extra: pip install "
+        "'aioserve[router]'); a replica that exits is restarted, the router routes around it meanwhile",
+    )
+    dp_base_port: int | None = option(
+        None, group="distributed",
+        help="with --dp: replica i listens on 127.0.0.1 at this port + i (default: --port + 1)",
+    )
+    router_policy: str = option(
+        "cache_aware", choices=ROUTER_POLICIES, group="distributed",
+        help="with --dp: how the router picks a replica; cache_aware sends a prompt to the replica whose "
+        "requests shared the longest prefix with it (its radix cache likely holds it), the least loaded one "
+        "when the load is uneven",
+    )
+    router_args: str | None = option(
+        None, group="distributed",
+        help="with --dp: further sglang-router flags in one string, e.g. --router-args='--prometheus-port 29001' "
+        "(the = keeps a lone flag from being read as aioserve's); they come last, so they override aioserve's "
+        "(python -m sglang_router.launch_router --help lists them)",
+    )
     native_kernels: str = option(
         "build", group="model", choices=("build", "background", "off"),
         help="the C++ CPU kernels (native/, about 40 s to build once per environment, then cached): build "
@@ -310,6 +336,11 @@ class ServerArgs:
     max_stop_sequences: int = option(16, help="stop strings in one request", group="HTTP")
     max_tools_per_request: int = option(128, help="tools in one chat request (OpenAI's limit)", group="HTTP")
     log_level: str = option("info", choices=("debug", "info", "warning", "error"), help="logging level", group="HTTP")
+    access_log: bool = option(
+        False, group="HTTP",
+        help="log every HTTP request (client, method, path, status) at info level, through the logger "
+        "hypercorn.access: what a router or a probe calls shows in the log",
+    )
 
     def __post_init__(self) -> None:
         """Combinations no single flag can check (the CLI reports these as usage errors)."""

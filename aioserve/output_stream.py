@@ -83,7 +83,7 @@ class OutputStream:
             self.error = event.error
         text = ""
         if event.token_id is not None:
-            self._add_token(event, delta)
+            self._add_token(event.token_id, event, delta)
             # A token that stops the request (EOS, stop_token_ids) is in the
             # token ids but, as in vLLM, its text is not, unless asked for.
             stopped_here = event.finish_reason == "stop" and not self.params.include_stop_str_in_output
@@ -117,11 +117,12 @@ class OutputStream:
             self.text, self.token_ids, self.logprobs, self.top_logprobs, self.text_offsets, self.finish_reason
         )
 
-    def _add_token(self, event: RequestEvent, delta: OutputDelta) -> None:
+    def _add_token(self, token_id: int, event: RequestEvent, delta: OutputDelta) -> None:
+        assert event.logprob is not None  # a token's event carries its logprob (OutputProcessor._event)
         offset = len(self._detok_text)
         for stream in (self, delta):
-            stream.token_ids.append(event.token_id)  # type: ignore[arg-type]
-            stream.logprobs.append(event.logprob)  # type: ignore[arg-type]
+            stream.token_ids.append(token_id)
+            stream.logprobs.append(event.logprob)
             stream.top_logprobs.append(event.top_logprobs)
             stream.text_offsets.append(offset)
 

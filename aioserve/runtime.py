@@ -117,7 +117,7 @@ async def serve(args: ServerArgs) -> str | None:
 
     config = Config()
     config.bind = [f"{args.host}:{args.port}"]
-    config.accesslog = None
+    config.accesslog = logging.getLogger("hypercorn.access") if args.access_log else None
     config.backlog = args.backlog
     config.errorlog = logging.getLogger("hypercorn.error")
     config.graceful_timeout = 3.0
@@ -130,7 +130,7 @@ async def serve(args: ServerArgs) -> str | None:
     )
     try:
         if failure.reason is None:  # the group may have broken while we started
-            await hypercorn_serve(create_app(ctx), config, shutdown_trigger=stop.wait)  # type: ignore[arg-type]
+            await hypercorn_serve(create_app(ctx), config, shutdown_trigger=stop.wait)  # type: ignore[arg-type]  # ASGI scopes: MutableMapping to starlette, TypedDicts to hypercorn
     finally:
         logger.info("shutting down")
         lag_timer.cancel()
@@ -143,7 +143,7 @@ async def serve(args: ServerArgs) -> str | None:
     return failure.reason
 
 
-def _load_tokenizer_beside_the_engine(args: ServerArgs) -> Future[Tokenizer] | None:
+def _load_tokenizer_beside_the_engine(args: ServerArgs) -> Future[Tokenizer | None] | None:
     """Start loading the tokenizer on a thread of its own, when its folder is
     known before the engine resolves the model (a local folder): its load
     (0.1-0.8 s through load_hf_tokenizer, Qwen's 151k vocabulary the longest;
@@ -163,7 +163,7 @@ def _load_tokenizer_beside_the_engine(args: ServerArgs) -> Future[Tokenizer] | N
 
     future = pool.submit(load)
     pool.shutdown(wait=False)
-    return future  # type: ignore[return-value]
+    return future
 
 
 def _on_scheduler_exit(failure: FatalFailure, task: asyncio.Task) -> None:

@@ -25,14 +25,14 @@ class StructuredOutputParams:
     compiled (by the server or the offline API, which know the vocabulary)
     before the request reaches the scheduler.
 
-    * `json`: a JSON schema (a dict, or its JSON text);
+    * `json`: a JSON schema (a dict, a boolean schema, or its JSON text);
     * `json_object`: any JSON object;
     * `regex`: the whole output matches it;
     * `choice`: the output is one of these strings;
     * `grammar`: an EBNF grammar (xgrammar's GBNF dialect, `root ::= ...`).
     """
 
-    json: dict[str, Any] | str | None = None
+    json: dict[str, Any] | bool | str | None = None
     json_object: bool = False
     regex: str | None = None
     choice: list[str] | None = None

@@ -192,9 +192,15 @@ class IncrementalDetokenizer:
 
     def __init__(self, tokenizer: Tokenizer, prompt_ids: list[int], skip_special_tokens: bool = True) -> None:
         self._rust = tokenizer.rust
-        self._stream = DecodeStream(ids=prompt_ids[-_DECODE_CONTEXT:], skip_special_tokens=skip_special_tokens)
+        self._context = prompt_ids[-_DECODE_CONTEXT:]
+        self._skip_special_tokens = skip_special_tokens
+        self._stream: DecodeStream | None = None
 
     def step(self, token_id: int) -> str:
+        if self._stream is None:
+            # Made at the first token, not before: the prompt's ids are checked
+            # by the scheduler when it accepts the request, after the stream exists.
+            self._stream = DecodeStream(ids=self._context, skip_special_tokens=self._skip_special_tokens)
         try:
             return self._stream.step(self._rust, token_id) or ""
         except Exception:  # ids beyond the tokenizer's vocabulary (padded embeddings)

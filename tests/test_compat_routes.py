@@ -1,5 +1,6 @@
-"""Routes vLLM and SGLang users call: GET /version, GET /get_model_info and
-GET /docs (Swagger UI from the swagger-ui-bundle package's files, no CDN)."""
+"""Routes vLLM and SGLang users call: GET /version, GET /get_model_info (both
+served by worker_routes.py) and GET /docs (Swagger UI from the
+swagger-ui-bundle package's files, no CDN)."""
 
 from __future__ import annotations
 
@@ -24,7 +25,7 @@ def test_get_model_info(stories_server: Any, stories_path: Any) -> None:
     info = get(stories_server, "/get_model_info").json()
     assert info["model_path"] == str(stories_path) and info["tokenizer_path"] == str(stories_path)
     assert info["is_generation"] is True
-    assert info["max_model_len"] == stories_server.info()["max_model_len"]
+    assert info["max_context_length"] == stories_server.info()["max_model_len"]
 
 
 def test_docs_serves_swagger_ui_from_local_assets(stories_server: Any) -> None:

@@ -340,11 +340,11 @@ def test_the_document_is_behind_the_api_key() -> None:
 
 
 def test_the_document_is_built_once(chat_server) -> None:
-    from aioserve.server import openapi
+    from aioserve.server import routes
 
     first = httpx.get(f"{chat_server.url}/openapi.json", timeout=30).content
     assert first == httpx.get(f"{chat_server.url}/openapi.json", timeout=30).content
-    assert openapi._document_bytes(False) is openapi._document_bytes(False)  # cached, not rebuilt per call
+    assert routes._document_bytes(False) is routes._document_bytes(False)  # cached, not rebuilt per call
 
 
 # -- real responses against the document ----------------------------------------------------
@@ -377,6 +377,12 @@ EXCHANGES: list[tuple[str, str, str, dict[str, Any] | None]] = [
     ("/detokenize", "POST", "/detokenize", {"tokens": [5, 6, 7]}),
     ("/flush_cache", "POST", "/flush_cache", None),
     ("/server_info", "GET", "/server_info", None),
+    ("/get_server_info", "GET", "/get_server_info", None),
+    ("/model_info", "GET", "/model_info", None),
+    ("/get_model_info", "GET", "/get_model_info", None),
+    ("/get_load", "GET", "/get_load", None),
+    ("/health_generate", "GET", "/health_generate", None),
+    ("/version", "GET", "/version", None),
     ("/health", "GET", "/health", None),
     ("/metrics", "GET", "/metrics", None),
     ("/openapi.json", "GET", "/openapi.json", None),

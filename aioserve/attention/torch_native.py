@@ -87,7 +87,7 @@ class GatherWorkspace:
 
 class TorchNativeMetadata(AttentionMetadata):
     def __init__(
-        self, pool: KVPool, plan: BatchPlan, host_plan: BatchPlan, workspace: GatherWorkspace, kernels: object | None
+        self, pool: KVPool, plan: BatchPlan, host_plan: BatchPlan, workspace: GatherWorkspace, kernels: ModuleType | None
     ) -> None:
         self.pool = pool
         self.workspace = workspace
@@ -208,7 +208,7 @@ class TorchNativeMetadata(AttentionMetadata):
         self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scale: float, window: int | None
     ) -> torch.Tensor:
         if self.kernels is not None:
-            return self.kernels.paged_decode_attention(  # type: ignore[attr-defined]
+            return self.kernels.paged_decode_attention(
                 q, keys, values, self.decode_pages, self.decode_lens, self.pool.page_size, scale, window or 0
             )
         batch, num_heads, dim = q.shape
@@ -266,7 +266,7 @@ class TorchNativeBackend(AttentionBackend):
     # -- graph seam (CPU, native kernels only) ----------------------------------------
 
     @property
-    def supports_graphs(self) -> bool:  # type: ignore[override]
+    def supports_graphs(self) -> bool:
         """Only the native CPU decode kernel reads its lengths from tensors;
         the torch path sizes its gather from host lengths, which a CUDA graph
         would freeze. (CPU has no graphs: this serves the runner's tests.)"""

@@ -10,6 +10,7 @@ else shares its batch, and every tensor-parallel rank samples the same token.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from types import ModuleType
 
 import torch
 
@@ -198,12 +199,12 @@ def sample(logits: torch.Tensor, st: SamplingTensors) -> SamplerOutput:
     return SamplerOutput(token_ids, chosen, top_ids, top_logprobs)
 
 
-def _greedy(kernels: object, logits: torch.Tensor) -> SamplerOutput:
+def _greedy(kernels: ModuleType, logits: torch.Tensor) -> SamplerOutput:
     """Greedy rows of unadjusted logits, no logprobs wanted: what sample()
     gives them in four ops instead of a dozen (a single-stream decode step's
     sampling on a CPU is mostly per-op overhead). The chosen logit is the
     row's max, so the max alone says whether the row was usable."""
-    maxes, token_ids = kernels.row_max_argmax(logits)  # type: ignore[attr-defined]
+    maxes, token_ids = kernels.row_max_argmax(logits)
     usable = maxes.isfinite()
     return SamplerOutput(
         token_ids.masked_fill_(~usable, 0), torch.where(usable, 0.0, float("nan")), None, None

@@ -117,7 +117,7 @@ _WHAT = {
 }
 
 
-def _schema_text(schema: dict[str, Any] | str | None) -> str:
+def _schema_text(schema: dict[str, Any] | bool | str | None) -> str:
     if isinstance(schema, str):
         try:
             schema = json.loads(schema)

@@ -15,26 +15,22 @@ from starlette.responses import Response
 from starlette.routing import Route
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from aioserve.server import info_routes, misc_routes
-from aioserve.server.docs_routes import docs_routes
-from aioserve.server.responses_api import create_response
-from aioserve.server.chat import create_chat_completion
-from aioserve.server.completions import create_completion
 from aioserve.server.context import RETRY_AFTER_S, ServingContext
 from aioserve.server.errors import APIError, api_error_handler, client_left_handler, unexpected_error_handler
-from aioserve.server.generate import generate
-from aioserve.server.metrics import metrics_endpoint
-from aioserve.server.openapi import openapi_json
+from aioserve.server.metrics import register_scheduler_metrics
+from aioserve.server.docs_routes import docs_assets
 from aioserve.server.page import page_routes
+from aioserve.server.routes import ENDPOINTS
 from aioserve.server.request_metrics import stamp_arrival
 from aioserve.server.upload_guard import UploadGuard
 
 logger = logging.getLogger(__name__)
 
 
-# Open even with --api-key: probes and scrapers (/health, /metrics), and the
-# chat page with its files (it asks the user for the key before any call).
-OPEN_PATHS = ("/health", "/metrics", "/", "/docs")
+# Open even with --api-key: probes and scrapers (the route table's open
+# endpoints: /health, /metrics), and the chat page with its files (it asks
+# the user for the key before any call).
+OPEN_PATHS = (*(endpoint.path for endpoint in ENDPOINTS if endpoint.open), "/")
 OPEN_PREFIXES = ("/static/", "/docs/assets/")
 
 
@@ -137,25 +133,10 @@ async def http_error_handler(request: Request, exc: Exception) -> Response:
 
 
 def create_app(ctx: ServingContext) -> Starlette:
+    register_scheduler_metrics(ctx)
     routes = [
-        Route("/v1/completions", create_completion, methods=["POST"]),
-        Route("/v1/chat/completions", create_chat_completion, methods=["POST"]),
-        Route("/v1/models", misc_routes.list_models, methods=["GET"]),
-        Route("/v1/models/{model:path}", misc_routes.retrieve_model, methods=["GET"]),
-        Route("/generate", generate, methods=["POST"]),
-        Route("/health", misc_routes.health, methods=["GET"]),
-        Route("/tokenize", misc_routes.tokenize, methods=["POST"]),
-        Route("/detokenize", misc_routes.detokenize, methods=["POST"]),
-        Route("/flush_cache", misc_routes.flush_cache, methods=["POST"]),
-        Route("/server_info", misc_routes.server_info, methods=["GET"]),
-        Route("/metrics", metrics_endpoint(ctx), methods=["GET"]),
-        Route("/openapi.json", openapi_json, methods=["GET"]),
-        Route("/v1/tokenize", misc_routes.tokenize, methods=["POST"]),
-        Route("/v1/detokenize", misc_routes.detokenize, methods=["POST"]),
-        Route("/v1/responses", create_response, methods=["POST"]),
-        Route("/version", info_routes.version, methods=["GET"]),
-        Route("/get_model_info", info_routes.get_model_info, methods=["GET"]),
-        *docs_routes(),
+        *(Route(endpoint.path, endpoint.handler, methods=[endpoint.method]) for endpoint in ENDPOINTS),
+        *docs_assets(),
         *page_routes(),
     ]
     app = Starlette(

@@ -12,6 +12,7 @@ scheduler requests."""
 from __future__ import annotations
 
 import re
+from collections.abc import Sized
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -84,7 +85,7 @@ def prompt_count(prompt: Any) -> int:
     return 1 if isinstance(prompt, str) or (prompt and isinstance(prompt[0], int)) else max(len(prompt), 1)
 
 
-def _check_len(value: Any, kind: type, limit: int, what: str, option: str, param: str) -> None:
+def _check_len(value: Any, kind: type[Sized], limit: int, what: str, option: str, param: str) -> None:
     if isinstance(value, kind) and len(value) > limit:
         raise _over(f"too many {what}", len(value), limit, option, param)
 

@@ -15,7 +15,12 @@ import signal
 import struct
 import sys
 
-from body_checks import BodyRejected, RequestLimits, decode  # this script's own folder is on sys.path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # the checker reads the package's module; the script runs beside it
+    from aioserve.server.body_checks import BodyRejected, RequestLimits, decode
+else:
+    from body_checks import BodyRejected, RequestLimits, decode  # this script's own folder is on sys.path
 
 FRAME_HEADER = struct.Struct("!Q")
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import MutableMapping
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -81,7 +82,7 @@ class ServingContext:
                 code="model_not_found",
             )
 
-    def check_capacity(self, new_requests: int = 1, scope: dict[str, Any] | None = None) -> None:
+    def check_capacity(self, new_requests: int = 1, scope: MutableMapping[str, Any] | None = None) -> None:
         """--max-waiting-requests: refuse at once, before any tokenizing, when
         the queue is full, so that a load balancer can send the work elsewhere.
         Requests count from the moment they are accepted: those still being
@@ -91,7 +92,7 @@ class ServingContext:
         bound = self.args.max_waiting_requests
         if bound is None:
             return
-        waiting = self.scheduler.info().waiting + self.admitting
+        waiting = self.scheduler.num_waiting + self.admitting
         if waiting + new_requests > bound:
             raise APIError(
                 f"the server is at capacity: {waiting} requests are waiting for admission "
@@ -105,7 +106,7 @@ class ServingContext:
             self.admitting += new_requests
             scope[ADMITTING_KEY] = scope.get(ADMITTING_KEY, 0) + new_requests
 
-    def admitted(self, scope: dict[str, Any]) -> None:
+    def admitted(self, scope: MutableMapping[str, Any]) -> None:
         """The request's reservation ends: its requests are in the scheduler's
         queue now, or it failed (app.ServingGate calls this when a request ends)."""
         self.admitting -= scope.pop(ADMITTING_KEY, 0)

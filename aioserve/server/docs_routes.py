@@ -8,12 +8,13 @@ import logging
 
 from starlette.requests import Request
 from starlette.responses import HTMLResponse, Response
-from starlette.routing import BaseRoute, Mount, Route
+from starlette.routing import BaseRoute, Mount
 from starlette.staticfiles import StaticFiles
 
 logger = logging.getLogger(__name__)
 
 ASSETS = "/docs/assets"
+DOCS_INIT = f"{ASSETS}/docs-init.js"
 
 PAGE = f"""<!doctype html>
 <html lang="en">
@@ -27,7 +28,7 @@ PAGE = f"""<!doctype html>
 <div id="swagger-ui"></div>
 <script src="{ASSETS}/swagger-ui-bundle.js"></script>
 <script src="{ASSETS}/swagger-ui-standalone-preset.js"></script>
-<script src="{ASSETS}/docs-init.js"></script>
+<script src="{DOCS_INIT}"></script>
 </body>
 </html>
 """
@@ -49,14 +50,11 @@ async def docs_init(request: Request) -> Response:
     return Response(INIT, media_type="text/javascript")
 
 
-def docs_routes() -> list[BaseRoute]:
+def docs_assets() -> list[BaseRoute]:
+    """Swagger UI's files (the page and its start-up script are in the route table)."""
     try:
         from swagger_ui_bundle import swagger_ui_path
     except ImportError:  # a dependency, but an install may lack it: the API still serves
-        logger.warning("swagger-ui-bundle is not installed; GET /docs will answer 404")
+        logger.warning("swagger-ui-bundle is not installed; GET /docs will show no UI")
         return []
-    return [
-        Route("/docs", docs_page, methods=["GET"]),
-        Route(f"{ASSETS}/docs-init.js", docs_init, methods=["GET"]),
-        Mount(ASSETS, app=StaticFiles(directory=swagger_ui_path), name="docs-assets"),
-    ]
+    return [Mount(ASSETS, app=StaticFiles(directory=swagger_ui_path), name="docs-assets")]

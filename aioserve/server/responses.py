@@ -4,10 +4,13 @@ spec has them (tests/test_openapi_spec.py checks every body against it)."""
 
 from __future__ import annotations
 
+import dataclasses
+import typing
 from typing import Any, Literal
 
-from pydantic import BaseModel
+from pydantic import BaseModel, create_model
 
+from aioserve.scheduler import SchedulerInfo
 from aioserve.server.wire import WireModel
 
 # Ours are stop | length | abort | error; OpenAI's spec adds tool_calls and
@@ -193,7 +196,7 @@ class ErrorResponse(WireModel):
     error: ErrorDetail
 
 
-# -- the small endpoints (misc_routes.py) ------------------------------------------------
+# -- the small endpoints (model_routes, token_routes, ops_routes) ------------------------------------------------
 
 
 class TokenizeResponse(BaseModel):
@@ -216,24 +219,35 @@ class TensorParallelInfo(BaseModel):
     ranks: list[dict[str, Any]]  # per rank: heads, KV heads, MLP columns, vocab rows, KV pool
 
 
-class ServerInfo(BaseModel):
-    """GET /server_info: the scheduler's snapshot (scheduler/client.py
-    SchedulerInfo, flattened) with the configuration around it."""
+class ServerConfigInfo(BaseModel):
+    """What /server_info tells of the configuration."""
 
     model: str
     max_model_len: int
-    page_size: int
-    kv_pages_total: int
-    kv_pages_free: int
-    kv_pages_cached: int
-    kv_pages_evictable: int
-    kv_integrity: str  # "ok", what the integrity check found, or "not checked"
-    running: int
-    waiting: int
     overlap: bool
     cache: str
-    max_prefill_tokens: int
-    stats: dict[str, int]
     tensor_parallel: TensorParallelInfo
     # The model's sampling defaults a request's unset fields take (--generation-config).
     generation_defaults: dict[str, Any] = {}
+    # SGLang's names for what a router reads when a worker registers
+    # (server/worker_routes.py): its served name, model and sizes.
+    served_model_name: str
+    model_path: str
+    tp_size: int
+    dp_size: int  # replicas inside this server: always 1 (--dp runs each as a server of its own)
+    max_running_requests: int
+    version: str
+
+
+def _scheduler_info_fields() -> dict[str, Any]:
+    hints = typing.get_type_hints(SchedulerInfo)
+    return {field.name: (hints[field.name], ...) for field in dataclasses.fields(SchedulerInfo)}
+
+
+# GET /server_info: the configuration and the scheduler's snapshot, flattened.
+# The snapshot's fields are SchedulerInfo's own (scheduler/client.py), read
+# from the dataclass, so a counter added there reaches /server_info and the
+# OpenAPI document with no copy kept here.
+ServerInfo = create_model(
+    "ServerInfo", __base__=ServerConfigInfo, __doc__="GET /server_info", **_scheduler_info_fields()
+)

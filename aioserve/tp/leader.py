@@ -142,10 +142,12 @@ class TPLeader:
             if self.failure is not None or self._closed:
                 return
             self.failure = reason
-            self._failed.set()
         logger.error("tensor parallelism failed: %s; stopping every rank", reason)
         self.lifeline.close()
         self.on_failure(reason)
+        # Set last: a failed step waiting on it (fail_after_error) then fails its
+        # requests after on_failure has been scheduled, so they see the server failed.
+        self._failed.set()
 
     def fail_after_error(self, what: str, exc: BaseException) -> str:
         """A step raised on rank 0: fail the group, and say why. A collective
