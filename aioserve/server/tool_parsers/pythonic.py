@@ -18,6 +18,7 @@ import re
 from typing import Any
 
 from aioserve.server.content import ContentDelta
+from aioserve.server.tool_parsers.calls import arguments_object
 from aioserve.server.tool_parsers.streamed_call import arguments_chunk, header_chunk
 
 START, END = "<|python_start|>", "<|python_end|>"
@@ -140,10 +141,5 @@ def tools_prompt(tools: list[dict[str, Any]]) -> str:
 
 
 def render_call(name: str, arguments: Any) -> str:
-    if isinstance(arguments, str):
-        try:
-            arguments = json.loads(arguments)
-        except json.JSONDecodeError:
-            arguments = {}
-    listed = ", ".join(f"{key}={value!r}" for key, value in (arguments or {}).items())
+    listed = ", ".join(f"{key}={value!r}" for key, value in arguments_object(arguments).items())
     return f"[{name}({listed})]"

@@ -24,6 +24,7 @@ from typing import Any
 
 from aioserve.server.content import ContentDelta
 from aioserve.server.tool_parsers.json_scan import partial_suffix
+from aioserve.server.tool_parsers.calls import arguments_object
 from aioserve.server.tool_parsers.streamed_call import arguments_chunk, header_chunk
 
 START, END = "<tool_call>", "</tool_call>"
@@ -153,13 +154,8 @@ def tools_prompt(tools: list[dict[str, Any]]) -> str:
 
 
 def render_call(name: str, arguments: Any) -> str:
-    if isinstance(arguments, str):
-        try:
-            arguments = json.loads(arguments)
-        except json.JSONDecodeError:
-            arguments = {}
     parameters = "".join(
         f"<parameter={key}>\n{value if isinstance(value, str) else json.dumps(value, ensure_ascii=False)}\n</parameter>\n"
-        for key, value in (arguments or {}).items()
+        for key, value in arguments_object(arguments).items()
     )
     return f"<tool_call>\n<function={name}>\n{parameters}</function>\n</tool_call>"
