@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import importlib.util
+import os
 import sys
 from pathlib import Path
 from types import ModuleType
@@ -36,19 +37,13 @@ def _soak_module() -> ModuleType:
     return module
 
 
-def _own_rss() -> int:
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith("VmRSS:"):
-            return int(line.split()[1]) * 1024
-    raise RuntimeError("no VmRSS")
-
-
 def test_a_cpu_kv_pool_is_resident_once_built() -> None:
     """The pool's memory is written when it is made, not by the requests that
     later use its pages: RSS rises by the pool's size at once."""
-    before = _own_rss()
+    rss_bytes = _soak_module().rss_bytes
+    before = rss_bytes(os.getpid())
     pool = KVPool(4, 2049, 16, 4, 64, torch.float32, torch.device("cpu"))  # 64 MiB + a reserved page
-    grown = _own_rss() - before
+    grown = rss_bytes(os.getpid()) - before
     size = pool.buffer.numel() * pool.buffer.element_size()
     assert grown >= 0.95 * size, f"RSS grew {grown / 2**20:.1f} MiB for a {size / 2**20:.1f} MiB pool"
     assert not pool.buffer.any()  # written with zeros: padded positions read finite numbers
