@@ -118,7 +118,8 @@ class EngineConfig:
     num_pages: int | None = option(None, help="KV pool size in pages (overrides the memory budget)", group="KV cache")
     kv_cache_memory: int | None = option(
         None, parse=parse_bytes, group="KV cache",
-        help="KV pool bytes on CPU, e.g. 4GiB (default: 4GiB, capped by what the requests could use)",
+        help="KV pool bytes on CPU, e.g. 4GiB (default: 4GiB, capped by what the requests could use); "
+        "written at startup, so the server's RSS holds the whole pool from the start",
     )
     mem_fraction_static: float = option(
         0.85, group="KV cache", aliases=("--gpu-memory-utilization",),
