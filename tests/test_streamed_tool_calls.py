@@ -85,3 +85,25 @@ def test_streamed_call_round_trips_through_the_openai_stream_helper(parser_serve
     whole = client.chat.completions.create(**request)
     (whole_call,) = whole.choices[0].message.tool_calls
     assert (whole_call.function.name, json.loads(whole_call.function.arguments)) == ("get_weather", ARGUMENTS)
+
+
+def test_streamed_call_round_trips_through_langchain(parser_server: tuple[str, Any]) -> None:
+    """langchain-openai's ChatOpenAI, streaming with bound tools: the chunks it
+    adds together (AIMessageChunk's tool_call_chunks, merged by index) make
+    one call with the parsed arguments, as its non-streamed invoke does."""
+    langchain_openai = pytest.importorskip("langchain_openai", reason="langchain-openai not installed")
+    name, server = parser_server
+    model = langchain_openai.ChatOpenAI(
+        model="tiny-chat", base_url=f"{server.url}/v1", api_key="none", temperature=0, max_tokens=200,
+        extra_body={"structured_outputs": {"choice": [OUTPUTS[name]]}},
+    ).bind_tools(TOOLS)
+    question = "Weather in Paris for 3 days?"
+    chunks = list(model.stream(question))
+    assert sum(1 for chunk in chunks if chunk.tool_call_chunks) >= 3, "the name, then the arguments in pieces"
+    message = chunks[0]
+    for chunk in chunks[1:]:
+        message = message + chunk
+    (call,) = message.tool_calls
+    assert call["name"] == "get_weather" and call["args"] == ARGUMENTS and call["id"]
+    (whole_call,) = model.invoke(question).tool_calls
+    assert (whole_call["name"], whole_call["args"]) == ("get_weather", ARGUMENTS)
