@@ -13,27 +13,34 @@ known; the engine, which runs steps in order, fills them in.
 from __future__ import annotations
 
 import copy
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field, fields, replace
+from typing import TYPE_CHECKING, TypeVar
 
 import torch
 
+if TYPE_CHECKING:
+    from _typeshed import DataclassInstance
 
-def _move(obj: object, device: torch.device) -> dict[str, object]:
-    """Fields of a dataclass with every tensor moved to `device`, without
+_Plain = TypeVar("_Plain", bound="DataclassInstance")
+
+
+def _move(obj: _Plain, device: torch.device, **nested: object) -> _Plain:
+    """A copy of a dataclass with every tensor moved to `device` (and the
+    `nested` fields, already moved, in place of its own), without
     waiting: an upload goes through pinned memory (torch's caching host
     allocator keeps the blocks, so that is a small memcpy, not a cudaHostAlloc),
     because a copy from pageable memory may wait for the stream, i.e. for the
     step still running; a download lands in pinned memory by itself."""
     moved: dict[str, object] = {}
     upload = device.type == "cuda"
-    for f in fields(obj):  # type: ignore[arg-type]
+    for f in fields(obj):
         value = getattr(obj, f.name)
         if isinstance(value, torch.Tensor):
             if upload and value.device.type == "cpu" and value.numel():
                 value = value.pin_memory()
             value = value.to(device, non_blocking=True)
-        moved[f.name] = value
-    return moved
+            moved[f.name] = value
+    return replace(obj, **moved, **nested)
 
 
 @dataclass
@@ -88,7 +95,7 @@ class SamplingTensors:
         )
 
     def to(self, device: torch.device) -> "SamplingTensors":
-        return SamplingTensors(**_move(self, device))  # type: ignore[arg-type]
+        return _move(self, device)
 
 
 @dataclass
@@ -100,7 +107,7 @@ class PromptLogprobRequest:
     num_top: int
 
     def to(self, device: torch.device) -> "PromptLogprobRequest":
-        return PromptLogprobRequest(**_move(self, device))  # type: ignore[arg-type]
+        return _move(self, device)
 
 
 @dataclass
@@ -146,12 +153,11 @@ class BatchPlan:
             if self.prompt_logprobs is not None:
                 plan.prompt_logprobs = copy.copy(self.prompt_logprobs)
             return plan
-        moved = _move(self, device)
-        if self.sampling is not None:
-            moved["sampling"] = self.sampling.to(device)
-        if self.prompt_logprobs is not None:
-            moved["prompt_logprobs"] = self.prompt_logprobs.to(device)
-        return BatchPlan(**moved)  # type: ignore[arg-type]
+        return _move(
+            self, device,
+            sampling=self.sampling.to(device) if self.sampling is not None else None,
+            prompt_logprobs=self.prompt_logprobs.to(device) if self.prompt_logprobs is not None else None,
+        )
 
 
 @dataclass
@@ -165,8 +171,9 @@ class StepOutput:
     prompt_logprobs: torch.Tensor | None = None  # [P] float32
     prompt_top_ids: torch.Tensor | None = None  # [P, N]
     prompt_top_logprobs: torch.Tensor | None = None  # [P, N]
+    prompt_ranks: torch.Tensor | None = None  # [P] int64: each prompt token's rank (1: the likeliest)
 
     def to(self, device: torch.device) -> "StepOutput":
         """Copies issued without waiting (D2H lands in pinned memory); the
         caller synchronizes before reading, e.g. on a CUDA event."""
-        return StepOutput(**_move(self, device))  # type: ignore[arg-type]
+        return _move(self, device)

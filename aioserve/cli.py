@@ -10,15 +10,19 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import logging
+import os
 import sys
 import types
 import typing
 from collections.abc import Sequence
 from typing import Any, Callable, TypeVar
 
-from aioserve.config import GROUPS, EngineConfig, ServerArgs, parse_bytes
+from aioserve.config import DEMO_MODEL, GROUPS, UNSUPPORTED_FLAGS, EngineConfig, ServerArgs, parse_bytes
 
-__all__ = ["add_options", "build_parser", "engine_config", "main", "parse_bytes", "parse_serve_args", "server_args"]
+__all__ = [
+    "add_options", "build_parser", "engine_config", "main", "parse_bytes", "parse_serve_args", "serve_argv",
+    "server_args",
+]
 
 Config = TypeVar("Config")
 
@@ -88,7 +92,35 @@ def add_options(parser: argparse.ArgumentParser, *classes: type) -> None:
                     kwargs["default"] = f.default
                     if f.default is not None:
                         help_text += " (default: %(default)s)"
-            groups[meta["group"]].add_argument(flag(f), *meta.get("aliases", ()), help=help_text, **kwargs)
+            group = groups[meta["group"]]
+            group.add_argument(flag(f), *meta.get("aliases", ()), help=help_text, **kwargs)
+            for switch, value in meta.get("switches", {}).items():
+                # SUPPRESS: the option's own action already set its default.
+                group.add_argument(
+                    switch, dest=f.name, action="store_const", const=value, default=argparse.SUPPRESS,
+                    help=f"same as {flag(f)}" + ("" if kind is bool else f" {value}"),
+                )
+
+
+class _Unsupported(argparse.Action):
+    """A flag of vLLM or SGLang whose feature aioserve lacks: a usage error that says why."""
+
+    def __init__(self, option_strings: list[str], dest: str, reason: str = "", **kwargs: Any) -> None:
+        self.reason = reason
+        super().__init__(option_strings, dest, **kwargs)
+
+    def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace, values: Any,
+                 option_string: str | None = None) -> None:
+        parser.error(f"{option_string} is not supported: {self.reason}")
+
+
+def add_unsupported(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("not supported (vLLM and SGLang flags aioserve refuses, with the reason)")
+    for name, takes_value, reason in UNSUPPORTED_FLAGS:
+        group.add_argument(
+            name, action=_Unsupported, reason=reason, nargs=None if takes_value else 0,
+            dest=argparse.SUPPRESS, default=argparse.SUPPRESS, help=reason.replace("%", "%%"),
+        )
 
 
 def _build(cls: type[Config], ns: argparse.Namespace, **nested: Any) -> Config:
@@ -108,25 +140,119 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="aioserve", description="OpenAI-compatible LLM server")
     commands = parser.add_subparsers(dest="command", required=True)
     serve = commands.add_parser("serve", help="start the HTTP server", description="Start the HTTP server.")
+    # `vllm serve MODEL`'s spelling; --model (or SGLang's --model-path) names it too.
+    serve.add_argument("model_tag", nargs="?", metavar="MODEL", help="the model, as --model names it")
     add_options(serve, EngineConfig, ServerArgs)
+    add_unsupported(serve)
+    commands.add_parser(
+        "build-kernels", help="build the native CPU kernels ahead of the first start",
+        description="Build (or find in the cache) the C++ CPU kernels of native/ for this Python, torch and CPU, "
+        "into $AIOSERVE_NATIVE_CACHE (default ~/.cache/aioserve/native). Needs g++ and the Python headers. "
+        "Exits 1 when they cannot be built.",
+    )
     return parser
+
+
+def _parse(argv: Sequence[str] | None) -> tuple[argparse.Namespace, ServerArgs | None]:
+    """argv -> the namespace and its ServerArgs (None for a command other than
+    serve); a usage error (argparse's exit 2 with its message) for a bad flag
+    or a bad combination of them."""
+    parser = build_parser()
+    ns = parser.parse_args(argv)
+    if ns.command != "serve":
+        return ns, None
+    serve = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction)).choices["serve"]
+    positional = getattr(ns, "model_tag", None)
+    if positional is not None:
+        given = ns.model
+        if given not in (DEMO_MODEL, positional):
+            serve.error(f"the model is named twice: {positional!r} and --model {given!r}")
+        ns.model = positional
+    try:
+        return ns, server_args(ns)
+    except ValueError as exc:
+        serve.error(str(exc))  # exits
+        raise
+
+
+def serve_argv(args: ServerArgs) -> list[str]:
+    """The `aioserve serve` flags that give back `args` (parse_serve_args'
+    inverse): the options that differ from their defaults. --dp starts its
+    replicas with these."""
+    argv: list[str] = []
+    for config in (args.engine, args):
+        for f, _ in option_fields(type(config)):
+            value = getattr(config, f.name)
+            if f.default is not dataclasses.MISSING and value == f.default:
+                continue
+            if isinstance(value, bool):
+                argv.append(flag(f))  # the flag that flips the default
+            elif value is not None:
+                argv.append(f"{flag(f)}={value}")  # one word: a value may start with "-"
+    return argv
 
 
 def parse_serve_args(argv: Sequence[str]) -> ServerArgs:
     """`aioserve serve` flags -> ServerArgs, exiting with argparse's message on
     a bad one: lets a script check flags before it starts a server with them."""
-    return server_args(build_parser().parse_args(["serve", *argv]))
+    args = _parse(["serve", *argv])[1]
+    assert args is not None
+    return args
+
+
+def _wants_cpu_kernels(args: ServerArgs) -> bool:
+    device = args.engine.device
+    if device == "auto":
+        import torch
+
+        return not torch.cuda.is_available()
+    return device == "cpu"
+
+
+def prepare_native_kernels(args: ServerArgs) -> None:
+    """Before the server listens: the native CPU kernels built or loaded
+    (`build`), left to a background build (`background`), or turned off."""
+    if args.native_kernels == "off":
+        os.environ["AIOSERVE_NATIVE"] = "0"  # the engine's processes (TP ranks too) read it
+    elif args.native_kernels == "build" and _wants_cpu_kernels(args):
+        from aioserve.cpu.native import build_with_progress
+
+        build_with_progress()
+
+
+def build_kernels() -> int:
+    from aioserve.cpu.native import build_with_progress, cache_root, enabled
+
+    if not enabled():
+        print("aioserve: AIOSERVE_NATIVE=0 (or no native/ sources): nothing to build", file=sys.stderr)
+        return 1
+    module = build_with_progress()
+    if module is None:
+        return 1
+    print(f"aioserve: native CPU kernels ready: {module.__file__} (cache: {cache_root()})", file=sys.stderr)
+    return 0
 
 
 def main(argv: list[str] | None = None) -> None:
-    ns = build_parser().parse_args(argv)
+    ns, args = _parse(argv)
+    level = getattr(ns, "log_level", "info")
     logging.basicConfig(
-        level=ns.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr
+        level=level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr
     )
+    if ns.command == "build-kernels":
+        sys.exit(build_kernels())
     from aioserve.runtime import run_server
 
+    assert args is not None
+    prepare_native_kernels(args)
+    if args.dp_size < 1:
+        build_parser().error("--dp must be at least 1")
+    if args.dp_size > 1:
+        from aioserve.data_parallel import run_data_parallel
+
+        sys.exit(run_data_parallel(args, serve_argv))
     try:
-        run_server(server_args(ns))
+        run_server(args)
     except (FileNotFoundError, PermissionError) as exc:  # a model that cannot be had: the message says why
         logging.getLogger("aioserve").error("%s", exc)
         sys.exit(1)

@@ -24,6 +24,20 @@ GROUPS = ("model", "KV cache", "scheduling", "distributed", "HTTP")
 ATTENTION_BACKENDS = ("auto", "torch_native", "flashinfer")
 
 
+def _json_object(text: str) -> dict[str, Any]:
+    """A flag's JSON object; a usage error that says so when it is not one."""
+    import argparse
+    import json
+
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise argparse.ArgumentTypeError(f"not JSON: {exc}") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError("must be a JSON object")
+    return value
+
+
 def parse_bytes(text: str) -> int:
     """'4GiB', '512M', '1e9' -> bytes."""
     match = re.fullmatch(r"\s*([\d.e+]+)\s*([kmgt]?)(i?b)?\s*", text.lower())
@@ -31,9 +45,9 @@ def parse_bytes(text: str) -> int:
         number = float(match.group(1)) if match else None
     except ValueError:  # '1.2.3' passes the pattern
         number = None
-    if number is None:
+    if match is None or number is None:
         raise ValueError(f"not a size: {text!r} (e.g. 4GiB, 512MiB, 1000000)")
-    return int(number * 1024 ** "_kmgt".index(match.group(2) or "_"))  # type: ignore[union-attr]
+    return int(number * 1024 ** "_kmgt".index(match.group(2) or "_"))
 
 
 def option(
@@ -44,17 +58,23 @@ def option(
     choices: tuple[str, ...] | None = None,
     parse: Callable[[str], Any] | None = None,
     aliases: tuple[str, ...] = (),
+    switches: dict[str, Any] | None = None,
 ) -> Any:
     """A dataclass field that is also a CLI option: `--kebab-name` from the
     field name, type from the annotation unless `parse` turns the text into the
     value, required when there is no default. A bool that defaults to True is
     offered as `--disable-kebab-name`, one that defaults to False as a switch;
     either way `help` says what the flag does. `aliases` are further flags for
-    the same option (the spellings users of other servers type)."""
+    the same option (the spellings users of other servers type); `switches`
+    are flags without a value that set the option to theirs (vLLM's
+    `--no-enable-prefix-caching` is `--cache naive`)."""
     if group not in GROUPS:
         raise ValueError(f"unknown option group {group!r} (choose from {', '.join(GROUPS)})")
     return field(
-        default=default, metadata={"help": help, "group": group, "choices": choices, "parse": parse, "aliases": aliases},
+        default=default, metadata={
+            "help": help, "group": group, "choices": choices, "parse": parse, "aliases": aliases,
+            "switches": switches or {},
+        },
     )
 
 
@@ -67,7 +87,7 @@ DEMO_MODEL = "stories260K"
 @dataclass
 class EngineConfig:
     model: str = option(
-        DEMO_MODEL, group="model",
+        DEMO_MODEL, group="model", aliases=("--model-path",),
         help="a local Hugging Face folder, a Hugging Face model id (fetched into the hub cache, HF_HOME), or "
         f"{DEMO_MODEL}: the 260K-parameter demo model built into the package",
     )
@@ -98,7 +118,8 @@ class EngineConfig:
     num_pages: int | None = option(None, help="KV pool size in pages (overrides the memory budget)", group="KV cache")
     kv_cache_memory: int | None = option(
         None, parse=parse_bytes, group="KV cache",
-        help="KV pool bytes on CPU, e.g. 4GiB (default: 4GiB, capped by what the requests could use)",
+        help="KV pool bytes on CPU, e.g. 4GiB (default: 4GiB, capped by what the requests could use); "
+        "written at startup, so the server's RSS holds the whole pool from the start",
     )
     mem_fraction_static: float = option(
         0.85, group="KV cache", aliases=("--gpu-memory-utilization",),
@@ -109,12 +130,21 @@ class EngineConfig:
         "auto", group="KV cache",
         help="auto | float32 | bfloat16 | float16 (auto: the weights' dtype when --dtype is given, else the math's)",
     )
-    cache: str = option("radix", choices=("radix", "naive"), help="prefix cache", group="KV cache")
+    cache: str = option(
+        "radix", choices=("radix", "naive"), help="prefix cache", group="KV cache",
+        switches={
+            "--enable-prefix-caching": "radix", "--no-enable-prefix-caching": "naive", "--disable-radix-cache": "naive",
+        },
+    )
 
-    max_model_len: int | None = option(None, help="context limit (default: the model's)", group="scheduling")
-    max_running_requests: int = option(256, help="requests decoding at once (page-table slots)", group="scheduling")
+    max_model_len: int | None = option(
+        None, help="context limit (default: the model's)", group="scheduling", aliases=("--context-length",)
+    )
+    max_running_requests: int = option(
+        256, help="requests decoding at once (page-table slots)", group="scheduling", aliases=("--max-num-seqs",)
+    )
     max_prefill_tokens: int | None = option(
-        None, group="scheduling",
+        None, group="scheduling", aliases=("--max-num-batched-tokens", "--chunked-prefill-size"),
         help="prefill tokens per step; longer prompts are chunked (default: 8192 on GPU; 256 on CPU, where "
         "prefill is compute-bound: small chunks give a burst's first requests their first token sooner at the "
         "same throughput)",
@@ -134,6 +164,7 @@ class EngineConfig:
         True, group="scheduling",
         help="run decode-only steps eagerly through the modules: no captured CUDA graph on a GPU (graphs need "
         "the flashinfer backend), no native whole-step call (DecoderStack) on a CPU",
+        aliases=("--enforce-eager",),
     )
     cuda_graph_max_bs: int = option(
         256, group="scheduling",
@@ -162,6 +193,22 @@ class EngineConfig:
         "ranks give up meeting after AIOSERVE_DIST_INIT_TIMEOUT seconds (default 120)",
     )
 
+# Spelled out: config imports nothing of the project; tests/test_router.py
+# checks them against sglang-router's --policy choices.
+ROUTER_POLICIES = ("cache_aware", "round_robin", "power_of_two", "random")
+
+
+# Flags of vLLM and SGLang whose feature aioserve does not have: the CLI knows
+# them so that it can say why, instead of argparse's "unrecognized arguments".
+# Each: (the flag, whether it takes a value, why aioserve refuses it).
+UNSUPPORTED_FLAGS: tuple[tuple[str, bool, str], ...] = (
+    (
+        "--trust-remote-code", False,
+        "aioserve never runs Python code shipped with a model: it serves only the architectures it implements "
+        "itself (Llama, Mistral, Qwen2, Qwen3), none of which needs remote code; drop the flag",
+    ),
+)
+
 
 @dataclass
 class ServerArgs:
@@ -172,17 +219,43 @@ class ServerArgs:
     chat_template: str | None = option(
         None, help="a Jinja file that replaces the tokenizer's chat template", group="model"
     )
+    default_chat_template_kwargs: dict[str, Any] | None = option(
+        None, group="model", parse=_json_object,
+        help='JSON object of chat template arguments every chat request starts from (vLLM\'s flag), e.g. '
+        '\'{"enable_thinking": false}\'; a request\'s chat_template_kwargs win',
+    )
     # Spelled out: config imports nothing of the project; tests/test_tool_parsers.py
     # checks them against aioserve.server.tool_parsers.CHOICES and server.reasoning.PARSERS.
     tool_call_parser: str = option(
         "auto", group="model",
-        choices=("auto", "none", "hermes", "llama3_json", "qwen", "qwen3", "qwen25", "llama3", "llama"),
+        choices=(
+            "auto", "none", "hermes", "llama3_json", "mistral", "pythonic", "qwen3_coder", "qwen", "qwen3", "qwen25",
+            "llama3", "llama", "llama4_pythonic", "qwen3_xml",
+        ),
         help="how the model writes tool calls: hermes (Qwen's <tool_call>{json}</tool_call>), llama3_json "
-        '({"name": ..., "parameters": ...}), none, or auto: the format the chat template teaches',
+        '({"name": ..., "parameters": ...}), mistral ([TOOL_CALLS]...), pythonic ([f(x=1)], Llama 3.2/4), '
+        "qwen3_coder (Qwen3-Coder's <function=...><parameter=...> XML), none, or auto: the format the chat "
+        "template teaches",
     )
     reasoning_parser: str | None = option(
         None, group="model", choices=("qwen3", "deepseek_r1"),
         help="split a thinking model's <think>...</think> into reasoning_content (default: no split)",
+    )
+    enable_reasoning: bool = option(
+        False, group="model",
+        help="vLLM before 0.10: reasoning is split whenever --reasoning-parser names a parser, which this "
+        "switch requires (as vLLM did)",
+    )
+    auto_tool_choice: bool = option(
+        True, group="model", switches={"--enable-auto-tool-choice": True},
+        help='answer tool_choice "auto" with a 400, as vLLM does without --enable-auto-tool-choice '
+        "(which is aioserve's default)",
+    )
+    generation_config: str = option(
+        "auto", group="model",
+        help="where a request's unset sampling fields (temperature, top_p, top_k, min_p, repetition_penalty) "
+        "take their defaults from: auto (the model's generation_config.json), vllm or none "
+        "(aioserve's neutral defaults), or a folder holding a generation_config.json",
     )
     allowed_origins: str | None = option(
         None, group="HTTP",
@@ -194,6 +267,34 @@ class ServerArgs:
         "(default: $AIOSERVE_API_KEY)",
     )
     tokenizer_workers: int = option(4, help="threads that tokenize requests", group="HTTP")
+    dp_size: int = option(
+        1, aliases=("--dp", "--data-parallel-size"), group="distributed",
+        help="replicas of the whole server (each with its --tp ranks) on this machine, on loopback ports from "
+        "--dp-base-port, behind sglang-router on --host/--port (the router extra: pip install "
+        "'aioserve[router]'); a replica that exits is restarted, the router routes around it meanwhile",
+    )
+    dp_base_port: int | None = option(
+        None, group="distributed",
+        help="with --dp: replica i listens on 127.0.0.1 at this port + i (default: --port + 1)",
+    )
+    router_policy: str = option(
+        "cache_aware", choices=ROUTER_POLICIES, group="distributed",
+        help="with --dp: how the router picks a replica; cache_aware sends a prompt to the replica whose "
+        "requests shared the longest prefix with it (its radix cache likely holds it), the least loaded one "
+        "when the load is uneven",
+    )
+    router_args: str | None = option(
+        None, group="distributed",
+        help="with --dp: further sglang-router flags in one string, e.g. --router-args='--prometheus-port 29001' "
+        "(the = keeps a lone flag from being read as aioserve's); they come last, so they override aioserve's "
+        "(python -m sglang_router.launch_router --help lists them)",
+    )
+    native_kernels: str = option(
+        "build", group="model", choices=("build", "background", "off"),
+        help="the C++ CPU kernels (native/, about 40 s to build once per environment, then cached): build "
+        "(or load) them before listening; background: listen at once, torch fallbacks serving (slower) until "
+        "the build is done; off: torch fallbacks only (as AIOSERVE_NATIVE=0). Not needed on CUDA",
+    )
     max_request_bytes: int = option(
         DEFAULT_MAX_REQUEST_BYTES, parse=parse_bytes, group="HTTP",
         help="larger request bodies get 413 before they are read (a 128K-token prompt is well under 1 MiB "
@@ -209,7 +310,45 @@ class ServerArgs:
         help="on SIGTERM/SIGINT, seconds running requests get to finish before the rest are aborted "
         "(new requests get 503 meanwhile; a second signal exits at once)",
     )
+    ssl_keyfile: str | None = option(None, help="the TLS private key (PEM), with --ssl-certfile: serve HTTPS", group="HTTP")
+    ssl_certfile: str | None = option(None, help="the TLS certificate chain (PEM), with --ssl-keyfile", group="HTTP")
+    backlog: int = option(
+        2048, group="HTTP",
+        help="connections the kernel queues for accepting (listen backlog; capped by net.core.somaxconn): "
+        "past it, a burst's connections are refused or reset",
+    )
+    request_body_timeout: float = option(
+        30.0, group="HTTP",
+        help="seconds a request body may stall (nothing arriving) before the request gets 408 and its "
+        "connection is closed",
+    )
+    # Bounds on one request (server/body_checks.py), checked on the parsed JSON
+    # before it is validated or any work is built; each a 400 naming its option.
+    max_choices_per_request: int = option(
+        1024, group="HTTP",
+        help="prompts × n one request may ask for (each choice is a generation of its own)",
+    )
+    max_messages_per_request: int = option(4096, help="chat messages in one request", group="HTTP")
+    max_token_ids_per_request: int = option(
+        262144, group="HTTP",
+        help="token ids in one request's prompts (and in stop_token_ids, /detokenize's tokens)",
+    )
+    max_logit_bias_entries: int = option(1024, help="logit_bias entries in one request", group="HTTP")
+    max_stop_sequences: int = option(16, help="stop strings in one request", group="HTTP")
+    max_tools_per_request: int = option(128, help="tools in one chat request (OpenAI's limit)", group="HTTP")
     log_level: str = option("info", choices=("debug", "info", "warning", "error"), help="logging level", group="HTTP")
+    access_log: bool = option(
+        False, group="HTTP",
+        help="log every HTTP request (client, method, path, status) at info level, through the logger "
+        "hypercorn.access: what a router or a probe calls shows in the log",
+    )
+
+    def __post_init__(self) -> None:
+        """Combinations no single flag can check (the CLI reports these as usage errors)."""
+        if self.enable_reasoning and self.reasoning_parser is None:
+            raise ValueError("--enable-reasoning needs --reasoning-parser (qwen3 or deepseek_r1)")
+        if (self.ssl_keyfile is None) != (self.ssl_certfile is None):
+            raise ValueError("--ssl-keyfile and --ssl-certfile go together: HTTPS needs both the key and the certificate")
 
     @property
     def model_name(self) -> str:

@@ -17,7 +17,7 @@ import itertools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from functools import partial
-from typing import Any
+from typing import Any, cast
 
 from tqdm import tqdm
 
@@ -78,25 +78,23 @@ class LLM:
         """Generate for every prompt (text, or token ids), all batched together."""
         self._check_tp()
         if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
-            prompts = [prompts]  # type: ignore[list-item]
+            prompts = [prompts]
         if sampling_params is None or isinstance(sampling_params, SamplingParams):
             sampling_params = [sampling_params or SamplingParams()] * len(prompts)
         if len(sampling_params) != len(prompts):
             raise ValueError("give one SamplingParams, or one per prompt")
         bar = tqdm(total=len(prompts), desc="generating", disable=not use_tqdm)
         try:
-            outputs, requests = self._prepare(prompts, sampling_params, bar)
+            outputs, requests = self._prepare(cast(Sequence[Prompt], prompts), sampling_params, bar)  # one prompt is wrapped above
         except BaseException:
             bar.close()
             raise
         integrity_failures = len(self.scheduler.integrity_failures)
         rids = [request.rid for request in requests]
         try:
-            # Everything is valid: submit it all. (Submitting as we validated
-            # left the earlier prompts of a call queued when a later one was
-            # rejected, and the next call ran them.)
-            for request in requests:
-                self.scheduler.submit(request)
+            # Checked together, queued together: a rejected prompt (a
+            # ValueError) leaves none of the call's others queued for the next call.
+            self.scheduler.submit_all(requests)
             self._run = self._loop.create_task(self.scheduler.run(until_idle=True))
             self._loop.run_until_complete(self._run)
         except asyncio.CancelledError:
@@ -117,14 +115,12 @@ class LLM:
     def _prepare(
         self, prompts: Sequence[Prompt], sampling_params: Sequence[SamplingParams], bar: tqdm
     ) -> tuple[list[GenerationOutput], list[Request]]:
-        """Validate and encode every prompt and build its request, submitting
-        none: a ValueError (bad params, a grammar that does not compile,
-        RequestRejected for an impossible prompt) leaves the scheduler untouched."""
+        """Encode every prompt and build its request, submitting none (the
+        scheduler's submit_all checks them: bad params, an impossible prompt);
+        a grammar that does not compile raises here."""
         outputs, requests = [], []
         for prompt, params in zip(prompts, sampling_params):
-            params.validate(self.engine.vocab_size)
             ids = self.encode(prompt)
-            self.scheduler.validate(len(ids), params.max_tokens)  # RequestRejected (a ValueError) if impossible
             output = GenerationOutput(prompt if isinstance(prompt, str) else None, ids)
             rid = f"offline-{next(self._ids)}"
             stream = OutputStream(self.tokenizer, ids, params, end_request=partial(self.scheduler.abort, rid, "stop"))
@@ -153,7 +149,10 @@ class LLM:
     def _grammar(self, params: SamplingParams):
         """The compiled grammar of a constrained request (GrammarError, a ValueError, if it does not compile)."""
         spec = params.structured_outputs
-        return None if spec is None else compiler_for(self.tokenizer, self.engine.vocab_size).compile(spec)
+        if spec is None:
+            return None
+        spec.validate()  # before compiling: a remote $ref would compile to an unconstrained schema
+        return compiler_for(self.tokenizer, self.engine.vocab_size).compile(spec)
 
     @staticmethod
     def _sink(stream: OutputStream, output: GenerationOutput, bar: tqdm) -> Callable[[RequestEvent], None]:

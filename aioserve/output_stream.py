@@ -62,6 +62,7 @@ class OutputStream:
         self.matched_stop: str | int | None = None  # the stop string, or the token id that stopped it
         self.num_cached_tokens = 0
         self.prompt_logprobs: PromptLogprobs | None = None
+        self.prompt_logprob_ranks: list[int] = []  # each prompt token's rank, beside prompt_logprobs[1:]
         self.error: str | None = None
 
     @property
@@ -77,20 +78,22 @@ class OutputStream:
             self.num_cached_tokens = event.num_cached_tokens
         if event.prompt_logprobs is not None:
             self.prompt_logprobs = event.prompt_logprobs
+            self.prompt_logprob_ranks = event.prompt_logprob_ranks or []
         if event.error:
             self.error = event.error
         text = ""
         if event.token_id is not None:
-            self._add_token(event, delta)
+            self._add_token(event.token_id, event, delta)
             # A token that stops the request (EOS, stop_token_ids) is in the
             # token ids but, as in vLLM, its text is not, unless asked for.
             stopped_here = event.finish_reason == "stop" and not self.params.include_stop_str_in_output
             piece = "" if stopped_here else self._detok.step(event.token_id)
             self._detok_text += piece
-            text, stop_string_hit = self._stops.feed(piece)
+            # As in vLLM, min_tokens holds back stop strings as it holds back EOS and stop ids.
+            text, stop_string_hit = self._stops.feed(piece, active=len(self.token_ids) >= self.params.min_tokens)
             if stop_string_hit:
                 self.finish_reason = "stop"
-                self.matched_stop = self._first_stop_string()
+                self.matched_stop = self._stops.matched
                 if self._end_request is not None:
                     self._end_request()
         if event.finish_reason is not None and not self.finished:
@@ -103,22 +106,32 @@ class OutputStream:
         delta.finish_reason = self.finish_reason
         return delta
 
+    def end(self, reason: str) -> None:
+        """Finished without a final event (its reader left): for bookkeeping."""
+        if not self.finished:
+            self.finish_reason = reason
+
     def whole(self) -> OutputDelta:
         """Everything so far, as one delta."""
         return OutputDelta(
             self.text, self.token_ids, self.logprobs, self.top_logprobs, self.text_offsets, self.finish_reason
         )
 
-    def _add_token(self, event: RequestEvent, delta: OutputDelta) -> None:
+    def _add_token(self, token_id: int, event: RequestEvent, delta: OutputDelta) -> None:
+        assert event.logprob is not None  # a token's event carries its logprob (OutputProcessor._event)
         offset = len(self._detok_text)
         for stream in (self, delta):
-            stream.token_ids.append(event.token_id)  # type: ignore[arg-type]
-            stream.logprobs.append(event.logprob)  # type: ignore[arg-type]
+            stream.token_ids.append(token_id)
+            stream.logprobs.append(event.logprob)
             stream.top_logprobs.append(event.top_logprobs)
             stream.text_offsets.append(offset)
 
-    def _first_stop_string(self) -> str:
-        """The stop string that matched: the earliest in the text (the matcher
-        would have stopped at any earlier one), ties broken as the matcher does."""
-        hits = [(i, s) for s in self.params.stop if s and (i := self._detok_text.find(s)) >= 0]
-        return min(hits)[1] if hits else ""
+    @property
+    def stop_reason(self) -> str | int | None:
+        """vLLM's `stop_reason`: the stop string or stop token id that ended
+        the output; None when it ended otherwise (EOS, length, abort)."""
+        if self.finish_reason != "stop" or self.matched_stop is None:
+            return None
+        if isinstance(self.matched_stop, int) and self.matched_stop not in self.params.stop_token_ids:
+            return None  # the model's EOS
+        return self.matched_stop

@@ -37,6 +37,7 @@ from aioserve.tp.world import DistributedInitError, is_distributed
 from aioserve.launch import build_scheduler
 from aioserve.server.app import create_app
 from aioserve.server.context import InFlight, ServingContext
+from aioserve.server.generation_defaults import load_generation_defaults
 from aioserve.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
@@ -71,6 +72,10 @@ class FatalFailure:
         # A finished scheduler task is what /health reports as 503.
         if self.ctx is not None and self.ctx.scheduler_task is not None:
             self.ctx.scheduler_task.cancel()
+        if self.ctx is not None:  # every running request ends with a clean error, not a cut connection
+            self.ctx.failure = self.reason
+            for generation in list(self.ctx.generations):
+                generation.fail(f"the server failed and is exiting: {self.reason}")
         self.loop.call_later(FAILURE_GRACE_S, self.stop.set)
 
     def _watchdog(self) -> None:
@@ -98,7 +103,8 @@ async def serve(args: ServerArgs) -> str | None:
         args.engine.tokenizer or engine.model_path, args.chat_template, args.tokenizer_workers
     )
     ctx = ServingContext(
-        args, scheduler, tokenizer, engine.max_model_len, engine.vocab_size, tp_layout=engine.tp_layout
+        args, scheduler, tokenizer, engine.max_model_len, engine.vocab_size, tp_layout=engine.tp_layout,
+        generation_defaults=load_generation_defaults(args.generation_config, engine.model_path),
     )
     ctx.scheduler_task = asyncio.create_task(scheduler.run(), name="scheduler")
     ctx.scheduler_task.add_done_callback(partial(_on_scheduler_exit, failure))
@@ -111,17 +117,20 @@ async def serve(args: ServerArgs) -> str | None:
 
     config = Config()
     config.bind = [f"{args.host}:{args.port}"]
-    config.accesslog = None
+    config.accesslog = logging.getLogger("hypercorn.access") if args.access_log else None
+    config.backlog = args.backlog
     config.errorlog = logging.getLogger("hypercorn.error")
     config.graceful_timeout = 3.0
+    if args.ssl_certfile is not None:  # HTTPS (ServerArgs checks the key comes with it)
+        config.certfile, config.keyfile = args.ssl_certfile, args.ssl_keyfile
     logger.info(
-        "serving %s as %r at http://%s:%d (KV pool: %d tokens, max context %d, overlap %s, cache %s, tp %d)",
-        engine.model_path, args.model_name, args.host, args.port, engine.kv_capacity_tokens,
-        engine.max_model_len, "on" if args.engine.overlap else "off", args.engine.cache, args.engine.tp_size,
+        "serving %s as %r at %s://%s:%d (KV pool: %d tokens, max context %d, overlap %s, cache %s, tp %d)",
+        engine.model_path, args.model_name, "https" if args.ssl_certfile else "http", args.host, args.port,
+        engine.kv_capacity_tokens, engine.max_model_len, "on" if args.engine.overlap else "off", args.engine.cache, args.engine.tp_size,
     )
     try:
         if failure.reason is None:  # the group may have broken while we started
-            await hypercorn_serve(create_app(ctx), config, shutdown_trigger=stop.wait)  # type: ignore[arg-type]
+            await hypercorn_serve(create_app(ctx), config, shutdown_trigger=stop.wait)  # type: ignore[arg-type]  # ASGI scopes: MutableMapping to starlette, TypedDicts to hypercorn
     finally:
         logger.info("shutting down")
         lag_timer.cancel()
@@ -130,10 +139,11 @@ async def serve(args: ServerArgs) -> str | None:
             await asyncio.wait({ctx.scheduler_task}, timeout=30)
         scheduler.shutdown()
         tokenizer.shutdown()
+        await ctx.body_parser.close()
     return failure.reason
 
 
-def _load_tokenizer_beside_the_engine(args: ServerArgs) -> Future[Tokenizer] | None:
+def _load_tokenizer_beside_the_engine(args: ServerArgs) -> Future[Tokenizer | None] | None:
     """Start loading the tokenizer on a thread of its own, when its folder is
     known before the engine resolves the model (a local folder): its load
     (0.1-0.8 s through load_hf_tokenizer, Qwen's 151k vocabulary the longest;
@@ -153,7 +163,7 @@ def _load_tokenizer_beside_the_engine(args: ServerArgs) -> Future[Tokenizer] | N
 
     future = pool.submit(load)
     pool.shutdown(wait=False)
-    return future  # type: ignore[return-value]
+    return future
 
 
 def _on_scheduler_exit(failure: FatalFailure, task: asyncio.Task) -> None:
@@ -191,7 +201,7 @@ class Drain:
             left = self._unfinished()
             logger.warning("aborting %d requests still running after %.0f s", len(left), self.timeout)
             for generation in left:
-                generation.close()  # each stream gets its final (abort) event
+                generation.abort()  # each stream gets its final (abort) event
             # Let the handlers write those last events before the listener closes.
             await self._all_finished_within(LAST_EVENTS_S)
         self.stop.set()

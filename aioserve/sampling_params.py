@@ -25,14 +25,14 @@ class StructuredOutputParams:
     compiled (by the server or the offline API, which know the vocabulary)
     before the request reaches the scheduler.
 
-    * `json`: a JSON schema (a dict, or its JSON text);
+    * `json`: a JSON schema (a dict, a boolean schema, or its JSON text);
     * `json_object`: any JSON object;
     * `regex`: the whole output matches it;
     * `choice`: the output is one of these strings;
     * `grammar`: an EBNF grammar (xgrammar's GBNF dialect, `root ::= ...`).
     """
 
-    json: dict[str, Any] | str | None = None
+    json: dict[str, Any] | bool | str | None = None
     json_object: bool = False
     regex: str | None = None
     choice: list[str] | None = None
@@ -62,12 +62,9 @@ class StructuredOutputParams:
         if kind == "json":
             # One key for a schema however it is spaced; key order is kept
             # (properties are generated in the schema's order).
-            schema = self.json
+            schema = self._parsed_schema()
             if isinstance(schema, str):
-                try:
-                    schema = json.loads(schema)
-                except json.JSONDecodeError:
-                    return kind, schema  # compiling it reports the error
+                return kind, schema  # not JSON: compiling it reports the error
             return kind, json.dumps(schema)
         if kind == "choice":
             return kind, json.dumps(self.choice)
@@ -75,12 +72,43 @@ class StructuredOutputParams:
             return kind, ""
         return kind, str(getattr(self, kind))
 
+    def _parsed_schema(self) -> Any:
+        """The schema as data; text that is not JSON stays text."""
+        if isinstance(self.json, str):
+            try:
+                return json.loads(self.json)
+            except json.JSONDecodeError:
+                return self.json
+        return self.json
+
     def validate(self) -> None:
         kind = self.kind()
         if kind == "choice" and (not self.choice or not all(isinstance(c, str) and c for c in self.choice)):
             raise SamplingParamsError("choice must be a non-empty list of non-empty strings", "structured_outputs.choice")
         if kind in ("regex", "grammar") and not getattr(self, kind):
             raise SamplingParamsError(f"{kind} must not be empty", f"structured_outputs.{kind}")
+        if kind == "json":
+            if (ref := _remote_ref(self._parsed_schema())) is not None:
+                raise SamplingParamsError(
+                    f"the JSON schema refers to {ref!r}: remote $ref targets are never fetched; inline the "
+                    "definition (or refer to it inside the schema, as #/$defs/...)", "structured_outputs.json",
+                )
+
+
+def _remote_ref(schema: Any) -> str | None:
+    """The first "$ref" that points outside the schema (anything but "#..."),
+    which the grammar compiler would otherwise silently leave unconstrained."""
+    stack = [schema]
+    while stack:
+        node = stack.pop()
+        if isinstance(node, dict):
+            ref = node.get("$ref")
+            if isinstance(ref, str) and not ref.startswith("#"):
+                return ref
+            stack.extend(node.values())
+        elif isinstance(node, list):
+            stack.extend(node)
+    return None
 
 
 @dataclass

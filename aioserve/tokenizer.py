@@ -192,9 +192,15 @@ class IncrementalDetokenizer:
 
     def __init__(self, tokenizer: Tokenizer, prompt_ids: list[int], skip_special_tokens: bool = True) -> None:
         self._rust = tokenizer.rust
-        self._stream = DecodeStream(ids=prompt_ids[-_DECODE_CONTEXT:], skip_special_tokens=skip_special_tokens)
+        self._context = prompt_ids[-_DECODE_CONTEXT:]
+        self._skip_special_tokens = skip_special_tokens
+        self._stream: DecodeStream | None = None
 
     def step(self, token_id: int) -> str:
+        if self._stream is None:
+            # Made at the first token, not before: the prompt's ids are checked
+            # by the scheduler when it accepts the request, after the stream exists.
+            self._stream = DecodeStream(ids=self._context, skip_special_tokens=self._skip_special_tokens)
         try:
             return self._stream.step(self._rust, token_id) or ""
         except Exception:  # ids beyond the tokenizer's vocabulary (padded embeddings)
@@ -211,15 +217,22 @@ class StopStringMatcher:
         self.include_stop = include_stop
         self._hold = max((len(s) for s in self.stops), default=1) - 1
         self._pending = ""
+        self.matched: str | None = None  # the stop string that ended the text
 
-    def feed(self, text: str) -> tuple[str, bool]:
-        """Text safe to emit now, and whether a stop string was reached."""
+    def feed(self, text: str, active: bool = True) -> tuple[str, bool]:
+        """Text safe to emit now, and whether a stop string was reached.
+        While not `active` (min_tokens not yet generated) no stop string
+        counts: the text passes, and none held back can match later."""
         if not self.stops:
             return text, False
+        if not active:
+            emitted, self._pending = self._pending + text, ""
+            return emitted, False
         self._pending += text
         hits = [(i, s) for s in self.stops if (i := self._pending.find(s)) >= 0]
         if hits:
             index, stop = min(hits)
+            self.matched = stop
             emitted = self._pending[: index + (len(stop) if self.include_stop else 0)]
             self._pending = ""
             return emitted, True

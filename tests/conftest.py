@@ -31,9 +31,12 @@ def pytest_sessionstart(session: pytest.Session) -> None:
     # Build (or load) the native kernels before any test runs: an engine
     # started while they build serves with the torch twins and switches to
     # them mid-run, and outputs compared across runs must come from one path.
-    from aioserve.cpu.native import cpu_kernels
+    # As `aioserve serve` does, with its progress lines on the console.
+    from aioserve.cpu.native import build_with_progress
 
-    cpu_kernels(wait=True)
+    capture = session.config.pluginmanager.getplugin("capturemanager")
+    with capture.global_and_fixture_disabled():
+        build_with_progress()
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
@@ -56,6 +59,32 @@ def stories_path() -> Path:
     if not (STORIES / "model.safetensors").exists():
         pytest.skip(f"stories260K not found at {STORIES}")
     return STORIES
+
+
+@pytest.fixture(scope="session")
+def templateless_stories_path(stories_path: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A copy of stories260K without the chat template it ships with: for the
+    paths a model without one takes (a 400 on chat, the page's completion mode)."""
+    import shutil
+
+    folder = tmp_path_factory.mktemp("stories-no-template")
+    for item in stories_path.iterdir():
+        if item.is_file():
+            shutil.copy(item, folder / item.name)
+    config = json.loads((folder / "tokenizer_config.json").read_text())
+    config.pop("chat_template", None)
+    (folder / "tokenizer_config.json").write_text(json.dumps(config))
+    return folder
+
+
+@pytest.fixture(scope="session")
+def templateless_server(templateless_stories_path: Path):
+    """stories260K without a chat template."""
+    from server_harness import start_server
+
+    server = start_server(templateless_stories_path, "--served-model-name", "stories260K", "--page-size", "4")
+    yield server
+    server.stop()
 
 
 @pytest.fixture(scope="session")

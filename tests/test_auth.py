@@ -54,3 +54,18 @@ def test_guarded_routes_want_the_key(guarded_server, method: str, path: str, bod
 @pytest.mark.parametrize("path", OPEN)
 def test_probes_metrics_and_the_page_stay_open(guarded_server, path: str) -> None:
     assert httpx.get(guarded_server.url + path, timeout=30).status_code == 200
+
+
+def test_the_bearer_scheme_is_case_insensitive(guarded_server) -> None:
+    for scheme in ("bearer", "BEARER", "Bearer"):
+        response = httpx.get(f"{guarded_server.url}/v1/models", headers={"Authorization": f"{scheme} {KEY}"}, timeout=10)
+        assert response.status_code == 200, scheme
+    wrong = httpx.get(f"{guarded_server.url}/v1/models", headers={"Authorization": f"Basic {KEY}"}, timeout=10)
+    assert wrong.status_code == 401
+
+
+def test_openapi_declares_the_key_when_one_is_set(guarded_server) -> None:
+    response = httpx.get(f"{guarded_server.url}/openapi.json", headers={"Authorization": f"Bearer {KEY}"}, timeout=10)
+    document = response.json()
+    assert document["security"] == [{"apiKey": []}]
+    assert document["components"]["securitySchemes"]["apiKey"]["scheme"] == "bearer"

@@ -22,7 +22,7 @@ from server_harness import RunningServer, start_server
 
 STATIC = Path(__file__).resolve().parents[1] / "aioserve" / "server" / "static"
 KEY = "page-s3cret"
-STATS = re.compile(r"^\d+ tokens · [\d.]+ tokens/s · time to first token \d+ ms$")
+STATS = re.compile(r"^\d+ tokens? · ([\d.]+|–) tokens/s · time to first token \d+ ms$")
 
 # Records the reply's text length at every animation frame, i.e. at each paint.
 SAMPLE_PAINTS = """() => {
@@ -66,11 +66,12 @@ def page(browser: Browser):
 
 
 @pytest.fixture(scope="module")
-def keyed_server(stories_path: Path):
+def keyed_server(templateless_stories_path: Path):
     # On the CPU even where there is a GPU: the reply must last long enough to
-    # watch it grow and press Stop mid-stream.
+    # watch it grow and press Stop mid-stream. Without a chat template: the
+    # page's completion mode.
     server = start_server(
-        stories_path, "--api-key", KEY, "--served-model-name", "stories260K", "--page-size", "4", "--device", "cpu"
+        templateless_stories_path, "--api-key", KEY, "--served-model-name", "stories260K", "--page-size", "4", "--device", "cpu"
     )
     yield server
     server.stop()
@@ -104,8 +105,11 @@ def test_page_and_its_files_are_served(stories_server: RunningServer) -> None:
 
 
 def test_stream_then_stop(page: Page, keyed_server: RunningServer, tmp_path: Path) -> None:
-    """stories260K: no chat template (completion fallback), an API key, a
-    long reply that grows paint by paint until Stop aborts it on the server."""
+    """stories260K without a chat template (completion mode, known before the
+    first prompt), an API key, a long reply that grows paint by paint until
+    Stop aborts it on the server."""
+    responses: list[tuple[str, int]] = []
+    page.on("response", lambda response: responses.append((response.url, response.status)))
     page.goto(keyed_server.url)
     expect(page.locator("#model")).to_have_text("this server wants an API key")
     expect(page.locator("#key-label")).to_have_class(re.compile("wanted"))
@@ -113,6 +117,7 @@ def test_stream_then_stop(page: Page, keyed_server: RunningServer, tmp_path: Pat
     page.press("#api-key", "Tab")  # `change`: the page stores the key and asks again
     expect(page.locator("#model")).to_have_text("stories260K")
     assert page.evaluate("sessionStorage.getItem('aioserve.apiKey')") == KEY
+    expect(page.locator("#mode")).to_be_visible()  # completion mode before anything was sent
 
     before = keyed_server.info()["stats"]
     page.evaluate(SAMPLE_PAINTS)
@@ -120,7 +125,10 @@ def test_stream_then_stop(page: Page, keyed_server: RunningServer, tmp_path: Pat
     # Several distinct lengths, paint by paint: the text grows, not all at once.
     page.wait_for_function("() => new Set(window.__lengths.filter(n => n > 0)).size >= 6")
     expect(page.locator(".turn.reply.streaming")).to_have_count(1)
-    expect(page.locator("#mode")).to_be_visible()  # fell back to /v1/completions
+    # The reply reads as the whole text: the prompt, then its continuation
+    # (stories260K goes on with ", there was..."), never a bare ", ".
+    assert page.locator(".turn.reply").text_content().startswith("Once upon a time")
+    assert page.locator(".turn.reply .text").text_content().startswith(",")
     assert keyed_server.info()["running"] == 1
     shot = Path(os.environ.get("AIOSERVE_SCREENSHOT") or tmp_path / "chat-page.png")
     page.screenshot(path=str(shot))
@@ -147,6 +155,9 @@ def test_stream_then_stop(page: Page, keyed_server: RunningServer, tmp_path: Pat
     time.sleep(0.3)
     assert len(page.locator(".turn.reply .text").text_content()) == final, "text kept coming after Stop"
     assert STATS.match(page.locator("#stats").text_content())
+    # Completion mode was known up front: no chat request, so no 400 for one.
+    assert not [url for url, _ in responses if "/v1/chat/completions" in url], responses
+    assert not [(url, status) for url, status in responses if status == 400], responses
 
 
 def test_chat_turns_render_as_text(page: Page, chat_server: RunningServer) -> None:
@@ -172,3 +183,20 @@ def test_chat_turns_render_as_text(page: Page, chat_server: RunningServer) -> No
     assert page.locator("#transcript img, #transcript b").count() == 0
     assert page.evaluate("window.__pwned") is None
     assert STATS.match(page.locator("#stats").text_content())
+
+
+def test_stats_after_a_failure_and_after_one_token(page: Page, chat_server: RunningServer) -> None:
+    """A request refused before its first token leaves no "waiting for the
+    first token" behind; one token reads "1 token"."""
+    page.goto(chat_server.url)
+    expect(page.locator("#model")).to_have_text("tiny-chat")
+    send(page, "hello", max_tokens=100_000, temperature=0)  # past the context: a 400
+    expect(page.locator(".turn.reply .note.error")).to_have_count(1)
+    expect(page.locator("#send")).to_be_enabled()
+    expect(page.locator("#stats")).to_have_text("no tokens")
+
+    send(page, "hello", max_tokens=1, temperature=0)
+    expect(page.locator(".turn.reply")).to_have_count(2)
+    expect(page.locator("#send")).to_be_enabled()
+    expect(page.locator("#stats")).to_have_text(re.compile(r"^1 token · – tokens/s · time to first token \d+ ms$"))
+    expect(page.locator("#mode")).to_be_hidden()

@@ -31,7 +31,9 @@ def option_fields() -> list[dataclasses.Field]:
 
 
 def test_every_field_is_an_option_with_help() -> None:
-    by_dest = {a.dest: a for a in serve_parser()._actions}
+    by_dest: dict[str, argparse.Action] = {}
+    for action in serve_parser()._actions:  # the option's own action comes before its switches
+        by_dest.setdefault(action.dest, action)
     for f in option_fields():
         action = by_dest[f.name]
         kebab = f.name.replace("_", "-")

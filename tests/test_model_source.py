@@ -148,3 +148,5 @@ def test_sdist_and_wheel_carry_the_demo_model(tmp_path: Path) -> None:
     assert in_sdist >= DEMO_FILES and in_wheel >= DEMO_FILES
     weights = zipfile.ZipFile(wheel).read("aioserve/demo_model/model.safetensors")
     assert weights == (DEMO_MODEL_DIR / "model.safetensors").read_bytes()
+    # Chat works on a fresh install: the demo model's chat template is in the wheel.
+    assert json.loads(zipfile.ZipFile(wheel).read("aioserve/demo_model/tokenizer_config.json"))["chat_template"]

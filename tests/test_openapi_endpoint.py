@@ -26,8 +26,8 @@ from aioserve.server.app import create_app
 
 DOCUMENT_URI = "urn:aioserve-openapi"
 HTTP_METHODS = ("get", "put", "post", "delete", "options", "head", "patch", "trace")
-# The chat page and its files are for browsers, not API clients.
-NOT_API = {"/"}
+# The chat page, its files and its config are for browsers, not API clients.
+NOT_API = {"/", "/page-config"}
 
 # What OpenAPI 3.1 asks of the parts of a document this server writes (no
 # openapi-spec-validator in the test dependencies): enough to catch a
@@ -312,7 +312,7 @@ def test_errors_and_streams_are_described(document: dict[str, Any]) -> None:
 
 
 def test_open_routes_need_no_key(document: dict[str, Any]) -> None:
-    assert document["security"] == [{"apiKey": []}]
+    assert "security" not in document  # no --api-key here (tests/test_auth.py checks the other case)
     for path in ("/health", "/metrics"):
         assert document["paths"][path]["get"]["security"] == []
 
@@ -340,11 +340,11 @@ def test_the_document_is_behind_the_api_key() -> None:
 
 
 def test_the_document_is_built_once(chat_server) -> None:
-    from aioserve.server import openapi
+    from aioserve.server import routes
 
     first = httpx.get(f"{chat_server.url}/openapi.json", timeout=30).content
     assert first == httpx.get(f"{chat_server.url}/openapi.json", timeout=30).content
-    assert openapi._document_bytes() is openapi._document_bytes()  # cached, not rebuilt per call
+    assert routes._document_bytes(False) is routes._document_bytes(False)  # cached, not rebuilt per call
 
 
 # -- real responses against the document ----------------------------------------------------
@@ -377,6 +377,12 @@ EXCHANGES: list[tuple[str, str, str, dict[str, Any] | None]] = [
     ("/detokenize", "POST", "/detokenize", {"tokens": [5, 6, 7]}),
     ("/flush_cache", "POST", "/flush_cache", None),
     ("/server_info", "GET", "/server_info", None),
+    ("/get_server_info", "GET", "/get_server_info", None),
+    ("/model_info", "GET", "/model_info", None),
+    ("/get_model_info", "GET", "/get_model_info", None),
+    ("/get_load", "GET", "/get_load", None),
+    ("/health_generate", "GET", "/health_generate", None),
+    ("/version", "GET", "/version", None),
     ("/health", "GET", "/health", None),
     ("/metrics", "GET", "/metrics", None),
     ("/openapi.json", "GET", "/openapi.json", None),
@@ -412,7 +418,7 @@ def test_the_checker_rejects_what_the_document_forbids(spec: OpenAPIDocument) ->
     """Guards the tests above against a schema that accepts anything."""
     good = {
         "id": "cmpl-1", "object": "text_completion", "created": 1, "model": "m",
-        "choices": [{"index": 0, "text": "x", "logprobs": None, "finish_reason": "length"}],
+        "choices": [{"index": 0, "text": "x", "logprobs": None, "finish_reason": "length", "stop_reason": None}],
         "usage": {"prompt_tokens": 1, "completion_tokens": 1, "total_tokens": 2,
                   "prompt_tokens_details": {"cached_tokens": 0}},
     }

@@ -356,7 +356,7 @@ def test_sigterm_aborts_what_outlives_the_shutdown_timeout(wide_model: Path) -> 
     assert server.process.wait(60) == 0
     assert events[-1] == {"done": True}
     finishes = [c["finish_reason"] for e in events[:-1] for c in e["choices"] if c["finish_reason"]]
-    assert finishes == ["abort"]  # its final event came before the listener closed
+    assert finishes == ["length"]  # cut short ("abort" is not OpenAI's); its final event came before the listener closed
 
 
 def test_second_signal_exits_at_once(wide_model: Path) -> None:

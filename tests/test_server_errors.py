@@ -59,9 +59,8 @@ def test_malformed_bodies_and_routes(stories_server) -> None:
     assert_error(post(stories_server, "/v1/completions", json={"prompt": "x", "model": "other"}), 404, code="model_not_found")
 
 
-def test_bad_chat_requests(stories_server, chat_server) -> None:
-    # stories260K has no chat template.
-    error = assert_error(post(stories_server, "/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}]}), 400, "messages")
+def test_bad_chat_requests(templateless_server, chat_server) -> None:
+    error = assert_error(post(templateless_server, "/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}]}), 400, "messages")
     assert "chat template" in error["message"]
     for body, param in [
         ({"messages": []}, "messages"),

@@ -207,3 +207,23 @@ def test_constrained_requests_under_overlap(tmp_path_factory) -> None:
         assert step_sizes(3, 0) == [3] * tokens
     finally:
         llm.close()
+
+
+def test_bounded_json_strings_admit_escapes_and_no_raw_control_characters() -> None:
+    """The grammar of a maxLength string (grammar/json_strings.py): a raw TAB
+    or NUL is refused, its escape is taken and counts as one character."""
+    import xgrammar as xgr
+
+    from aioserve.grammar.json_strings import strict_json_schema_grammar
+
+    schema = json.dumps({"type": "object", "properties": {"s": {"type": "string", "maxLength": 3}}, "required": ["s"]})
+    grammar = strict_json_schema_grammar(schema)
+    info = xgr.TokenizerInfo([chr(c) for c in range(32, 127)] + ["\t", "\x00"])
+    compiled = xgr.GrammarCompiler(info).compile_grammar(grammar)
+
+    def accepts(text: str) -> bool:
+        return xgr.GrammarMatcher(compiled).accept_string(text)
+
+    assert accepts('{"s": "a\\tb"}') and accepts('{"s": "\\u0000xy"}') and accepts('{"s": "abc"}')
+    assert not accepts('{"s": "a\tb"}') and not accepts('{"s": "a\x00"}')
+    assert not accepts('{"s": "abcd"}') and not accepts('{"s": "\\t\\t\\t\\t"}')  # four characters, escaped or not

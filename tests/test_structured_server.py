@@ -46,8 +46,11 @@ def qwen3_path(tmp_path_factory):
 def server(qwen3_path):
     from server_harness import start_server
 
+    # Thinking off unless a request turns it on: a thinking model's grammar
+    # starts after its thought, which a random-weight model never ends.
     server = start_server(
-        qwen3_path, "--served-model-name", MODEL, "--reasoning-parser", "qwen3", "--device", "cpu", "--num-pages", "2000"
+        qwen3_path, "--served-model-name", MODEL, "--reasoning-parser", "qwen3", "--device", "cpu", "--num-pages", "2000",
+        "--default-chat-template-kwargs", '{"enable_thinking": false}',
     )
     yield server
     server.stop()
@@ -174,7 +177,7 @@ def test_a_conversation_with_tool_results_round_trips(server, client, qwen3_path
         [{**m, "content": "", "tool_calls": [
             {**c, "function": {**c["function"], "arguments": json.loads(c["function"]["arguments"])}}
             for c in m["tool_calls"]]} if m.get("tool_calls") else m for m in messages],
-        tools=TOOLS, tokenize=False, add_generation_prompt=True,
+        tools=TOOLS, tokenize=False, add_generation_prompt=True, enable_thinking=False,  # the server default
     )
     assert '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "days": 2}}\n</tool_call>' in rendered
     assert "<tool_response>\n{\"forecast\": \"sunny, 24°C\"}\n</tool_response>" in rendered
@@ -185,7 +188,7 @@ def test_auto_tool_calls_and_reasoning_are_parsed_from_the_text(server) -> None:
     """A regex makes the random model write a think block and a call in
     Qwen's format; the parsers turn them into reasoning_content and tool_calls."""
     regex = r'<think>\n[a-z]{1,8}( [a-z]{1,8}){0,3}\n</think>\n\n<tool_call>\n\{"name": "get_time", "arguments": \{"tz": "(UTC|CET)"\}\}\n</tool_call>'
-    body = dict(messages=ASK, tools=TOOLS, max_tokens=80, seed=3, structured_outputs={"regex": regex})
+    body = dict(messages=ASK, tools=TOOLS, max_tokens=80, seed=3, structured_outputs={"regex": regex})  # thinking off: the regex writes the thought
     whole = chat(server, **body).json()
     assert_matches(whole, "CreateChatCompletionResponse")
     choice = whole["choices"][0]
@@ -200,9 +203,30 @@ def test_auto_tool_calls_and_reasoning_are_parsed_from_the_text(server) -> None:
 def test_enable_thinking_reaches_the_template(server) -> None:
     tokens = [
         chat(server, messages=ASK, max_tokens=1, chat_template_kwargs=kwargs).json()["usage"]["prompt_tokens"]
-        for kwargs in ({}, {"enable_thinking": False})
+        for kwargs in ({"enable_thinking": True}, {})  # the server's default: false
     ]
     assert tokens[1] == tokens[0] + 4  # "<think>", "\n\n", "</think>", "\n\n"
+
+
+def test_a_thinking_model_thinks_before_its_grammar(server, qwen3_path) -> None:
+    """With thinking on, the grammar starts after </think>: a bias that makes
+    </think> the likeliest token puts it first (no JSON grammar allows it),
+    and the answer after it is the schema's JSON. With thinking off the same
+    request is JSON from its first token."""
+    from transformers import AutoTokenizer
+
+    end_think = AutoTokenizer.from_pretrained(str(qwen3_path)).convert_tokens_to_ids("</think>")
+    schema = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"], "additionalProperties": False}
+    body = dict(
+        messages=ASK, max_tokens=40, seed=1, logit_bias={str(end_think): 100, **BIAS},
+        response_format={"type": "json_schema", "json_schema": {"name": "answer", "schema": schema}},
+    )
+    thought = chat(server, **body, chat_template_kwargs={"enable_thinking": True}).json()
+    content = thought["choices"][0]["message"]["content"]
+    assert content.startswith("</think>"), thought  # free while thinking
+    assert isinstance(json.loads(content.removeprefix("</think>"))["ok"], bool)
+    direct = chat(server, **body).json()["choices"][0]["message"]["content"]
+    assert isinstance(json.loads(direct)["ok"], bool)  # grammar from the first token: no </think>
 
 
 def test_vllm_and_sglang_spellings(server) -> None:
@@ -273,3 +297,53 @@ def test_streamed_json_schema_with_n_and_logprobs(server) -> None:
             Pet.model_validate_json(text)
         else:
             assert finish[index] == "length" and logprob_count[index] == 120
+
+
+def test_bounded_strings_stay_valid_json_under_a_control_character_bias(server, qwen3_path) -> None:
+    """A bias toward every token holding a control character (TAB, NUL, ...)
+    and toward the backslash: a maxLength string may then only take such a
+    character escaped, so every output is strict JSON (json.loads) that
+    validates, and some carry the escaped character the model was pushed to."""
+    from jsonschema import Draft202012Validator
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(str(qwen3_path))
+    control = [i for i in range(len(tokenizer)) if any(ord(c) < 0x20 for c in tokenizer.decode([i]))]
+    backslash = tokenizer.convert_tokens_to_ids("\\")
+    assert control and isinstance(backslash, int)
+    bias = {**{str(i): 8.0 for i in control}, str(backslash): 6.0, **BIAS}
+    schema = {
+        "type": "object", "additionalProperties": False, "required": ["name", "code"],
+        "properties": {"name": {"type": "string", "minLength": 1, "maxLength": 10},
+                       "code": {"type": "string", "maxLength": 4}},
+    }
+    escaped = 0
+    for seed in range(6):
+        response = chat(
+            server, messages=ASK, max_tokens=80, seed=seed, temperature=1.0, logit_bias=bias,
+            response_format={"type": "json_schema", "json_schema": {"name": "tag", "schema": schema}},
+        ).json()
+        choice = response["choices"][0]
+        if choice["finish_reason"] != "stop":
+            continue
+        value = json.loads(choice["message"]["content"])  # strict: a raw control character raises
+        assert not list(Draft202012Validator(schema).iter_errors(value)), value
+        escaped += "\\" in choice["message"]["content"]
+    assert escaped, "the bias should have led some output to an escape"
+    # Unconstrained, the same bias does write raw control characters: the grammar is what keeps them out.
+    free = chat(server, messages=ASK, max_tokens=20, seed=0, logit_bias=bias).json()
+    assert any(ord(c) < 0x20 and c not in "\n" for c in free["choices"][0]["message"]["content"])
+
+
+def test_tokenize_honours_chat_template_kwargs(server) -> None:
+    """/v1/tokenize (and vLLM's /tokenize) count a chat as the chat request
+    renders it, chat_template_kwargs included: the counts agree."""
+    for kwargs in ({"enable_thinking": True}, {}):
+        prompt_tokens = chat(server, messages=ASK, max_tokens=1, chat_template_kwargs=kwargs).json()["usage"]["prompt_tokens"]
+        for path in ("/v1/tokenize", "/tokenize"):
+            response = httpx.post(f"{server.url}{path}", json={"model": MODEL, "messages": ASK, "chat_template_kwargs": kwargs})
+            assert response.status_code == 200, response.text
+            assert response.json()["count"] == prompt_tokens, (path, kwargs)
+    tokens = httpx.post(f"{server.url}/v1/tokenize", json={"prompt": "Hello world", "add_special_tokens": False}).json()["tokens"]
+    text = httpx.post(f"{server.url}/v1/detokenize", json={"tokens": tokens}).json()["prompt"]
+    assert text == "Hello world"

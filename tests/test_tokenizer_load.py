@@ -12,19 +12,25 @@ from transformers import AutoTokenizer
 
 from aioserve.tokenizer import load_hf_tokenizer
 
-SHARED = Path(__file__).resolve().parents[2] / "shared"
+from conftest import SHARED
+from real_vocab_models import REAL_VOCAB, build_fixture_tokenizer
 TEXT = "Hello world! <|im_end|> Once upon a time, 1234 \n\n  spaces <s></s> café 🙂"
 
 
-def _folders(tiny_checkpoints: dict[str, Path]) -> list[Path]:
+def _folders(tiny_checkpoints: dict[str, Path], root: Path) -> list[Path]:
+    """The tests' tokenizers, Qwen3's and Llama 3's (small vocabularies, real
+    templates and specials), and the full published ones where shared/ has them."""
     shared = [SHARED / "tokenizers" / name for name in ("llama3-8b-instruct", "qwen3", "tinyllama-v1.1")]
     shared.append(SHARED / "models" / "stories260K")
-    return [p for p in shared if p.is_dir()] + list(tiny_checkpoints.values())
+    for name in REAL_VOCAB:
+        build_fixture_tokenizer(name, root / name)
+    fixtures = [root / name for name in REAL_VOCAB]
+    return [p for p in shared if p.is_dir()] + fixtures + list(tiny_checkpoints.values())
 
 
-def test_the_light_load_gives_autotokenizers_tokenizer(tiny_checkpoints: dict[str, Path]) -> None:
-    folders = _folders(tiny_checkpoints)
-    assert len(folders) >= len(tiny_checkpoints)
+def test_the_light_load_gives_autotokenizers_tokenizer(tiny_checkpoints: dict[str, Path], tmp_path: Path) -> None:
+    folders = _folders(tiny_checkpoints, tmp_path)
+    assert len(folders) >= len(tiny_checkpoints) + len(REAL_VOCAB)
     for folder in folders:
         light, plain = load_hf_tokenizer(folder), AutoTokenizer.from_pretrained(str(folder))
         assert type(light) is type(plain), folder

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import random
+from pathlib import Path
 
 import pytest
 
@@ -16,7 +17,7 @@ from aioserve.server.content import ContentDelta, ContentProcessor
 from aioserve.server.reasoning import PARSERS as REASONING_PARSERS
 from aioserve.server.tool_parsers.forced import NamedCall, RequiredCalls
 from aioserve.server.tools import ToolPlan, template_messages
-from conftest import SHARED
+from real_vocab_models import build_fixture_tokenizer
 
 
 def run(processor: ContentProcessor, text: str, pieces: int, seed: int = 0, reason: str = "stop") -> tuple[ContentDelta, str]:
@@ -46,6 +47,14 @@ def check_everywhere(new_parser, text: str, content: str, expected_calls: list, 
             assert final == reason
 
 
+def whole_parser(name: str, tools: list | None = None):
+    return lambda: tool_parsers.FORMATS[name].new_parser(tools or [], False)
+
+
+def streamed_parser(name: str, tools: list | None = None):
+    return lambda: tool_parsers.FORMATS[name].new_parser(tools or [], True)
+
+
 HERMES_CASES = [
     ("Hello there, no tools needed.", "Hello there, no tools needed.", [], "stop"),
     ('<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "days": 3}}\n</tool_call>',
@@ -63,7 +72,9 @@ HERMES_CASES = [
 
 @pytest.mark.parametrize("text,content,expected,reason", HERMES_CASES)
 def test_hermes(text: str, content: str, expected: list, reason: str) -> None:
-    check_everywhere(tool_parsers.FORMATS["hermes"].new_parser, text, content, expected, reason)
+    check_everywhere(whole_parser("hermes"), text, content, expected, reason)
+    if expected and content == "" and "</tool_call>" in text:  # well-formed calls stream to the same message
+        check_everywhere(streamed_parser("hermes"), text, content, expected, reason)
 
 
 LLAMA_CASES = [
@@ -79,11 +90,85 @@ LLAMA_CASES = [
 
 @pytest.mark.parametrize("text,content,expected,reason", LLAMA_CASES)
 def test_llama3_json(text: str, content: str, expected: list, reason: str) -> None:
-    check_everywhere(tool_parsers.FORMATS["llama3_json"].new_parser, text, content, expected, reason)
+    check_everywhere(whole_parser("llama3_json"), text, content, expected, reason)
+    if expected or "name" not in text:
+        check_everywhere(streamed_parser("llama3_json"), text, content, expected, reason)
+
+
+MISTRAL_CASES = [
+    ("No tools here.", "No tools here.", [], "stop"),
+    ('[TOOL_CALLS] [{"name": "get_weather", "arguments": {"city": "Paris", "days": 3}}, {"name": "b", "arguments": {}}]',
+     "", [("get_weather", {"city": "Paris", "days": 3}), ("b", {})], "tool_calls"),
+    ('Checking.[TOOL_CALLS]get_weather[ARGS]{"city": "Nice", "q": "a}[b"}[TOOL_CALLS]b[CALL_ID]x1y2z3w4v[ARGS]{}',
+     "Checking.", [("get_weather", {"city": "Nice", "q": "a}[b"}), ("b", {})], "tool_calls"),
+]
+
+
+@pytest.mark.parametrize("text,content,expected,reason", MISTRAL_CASES)
+def test_mistral(text: str, content: str, expected: list, reason: str) -> None:
+    check_everywhere(streamed_parser("mistral"), text, content, expected, reason)
+
+
+PYTHONIC_CASES = [
+    ("Just text (with parens).", "Just text (with parens).", [], "stop"),
+    ('[get_weather(city="San Francisco, CA", days=3), search(q=\'a)b\', tags=["x", "y"], deep={"k": None}), now()]',
+     "", [("get_weather", {"city": "San Francisco, CA", "days": 3}),
+          ("search", {"q": "a)b", "tags": ["x", "y"], "deep": {"k": None}}), ("now", {})], "tool_calls"),
+    ('<|python_start|>[f(flag=True)]<|python_end|>', "", [("f", {"flag": True})], "tool_calls"),
+]
+
+
+@pytest.mark.parametrize("text,content,expected,reason", PYTHONIC_CASES)
+def test_pythonic(text: str, content: str, expected: list, reason: str) -> None:
+    check_everywhere(streamed_parser("pythonic"), text, content, expected, reason)
+
+
+CODER_TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": {
+    "type": "object", "properties": {"city": {"type": "string"}, "days": {"type": "integer"}, "zip": {"type": "string"}},
+}}}]
+CODER_CASES = [
+    ("Plain <b>text</b>.", "Plain <b>text</b>.", [], "stop"),
+    ("Let me look.\n<tool_call>\n<function=get_weather>\n<parameter=city>\nParis\n</parameter>\n"
+     "<parameter=days>\n3\n</parameter>\n<parameter=zip>\n75001\n</parameter>\n</function>\n</tool_call>\n"
+     "<tool_call>\n<function=now>\n</function>\n</tool_call>",
+     "Let me look.\n", [("get_weather", {"city": "Paris", "days": 3, "zip": "75001"}), ("now", {})], "tool_calls"),
+    ("<tool_call>\n<function=note>\n<parameter=text>\nline one\n<b>two</b>\n</parameter>\n</function>\n</tool_call>",
+     "", [("note", {"text": "line one\n<b>two</b>"})], "tool_calls"),
+]
+
+
+@pytest.mark.parametrize("text,content,expected,reason", CODER_CASES)
+def test_qwen3_coder(text: str, content: str, expected: list, reason: str) -> None:
+    check_everywhere(streamed_parser("qwen3_coder", CODER_TOOLS), text, content, expected, reason)
+
+
+@pytest.mark.parametrize(("name", "text"), [
+    ("hermes", '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "days": 3}}\n</tool_call>'),
+    ("llama3_json", '{"name": "get_weather", "parameters": {"city": "Paris", "days": 3}}'),
+    ("mistral", '[TOOL_CALLS]get_weather[ARGS]{"city": "Paris", "days": 3}'),
+    ("pythonic", '[get_weather(city="Paris", days=3)]'),
+    ("qwen3_coder", "<tool_call>\n<function=get_weather>\n<parameter=city>\nParis\n</parameter>\n"
+                    "<parameter=days>\n3\n</parameter>\n</function>\n</tool_call>"),
+])
+def test_streamed_arguments_arrive_in_openai_delta_form(name: str, text: str) -> None:
+    """Fed a character at a time: the first chunk of the call carries its id,
+    type and name (arguments empty), the later ones only argument text."""
+    processor = streamed_parser(name, CODER_TOOLS)()
+    chunks = []
+    for ch in text:
+        chunks += processor.feed(ch).tool_calls
+    rest, reason = processor.finish("stop")
+    chunks += rest.tool_calls
+    head, *tail = chunks
+    assert head["id"].startswith("call_") and head["type"] == "function"
+    assert head["function"] == {"name": "get_weather", "arguments": ""}
+    assert len(tail) >= 2 and all(set(c) == {"index", "function"} and set(c["function"]) == {"arguments"} for c in tail)
+    assert json.loads("".join(c["function"]["arguments"] for c in tail)) == {"city": "Paris", "days": 3}
+    assert reason == "tool_calls"
 
 
 def test_a_length_stop_is_reported_as_length() -> None:
-    message, reason = run(tool_parsers.FORMATS["hermes"].new_parser(), '<tool_call>\n{"name": "f", "arg', 3, reason="length")
+    message, reason = run(whole_parser("hermes")(), '<tool_call>\n{"name": "f", "arg', 3, reason="length")
     assert reason == "length" and not message.tool_calls
 
 
@@ -104,27 +189,26 @@ def test_forced_calls_stream_their_arguments() -> None:
         assert calls(message) == [("a", {"s": "]}"}), ("b", {})] and reason == "tool_calls"
 
 
-def test_detection_from_real_templates() -> None:
+def _real_tokenizer(name: str, root: Path):
+    """Qwen3's or Llama 3's tokenizer: its real chat template and special
+    tokens over a small vocabulary (tests/real_vocab_models.py)."""
     from transformers import AutoTokenizer
 
-    folder = SHARED / "tokenizers"
-    if not (folder / "qwen3" / "tokenizer_config.json").exists():
-        pytest.skip("shared/tokenizers not found")
-    qwen = AutoTokenizer.from_pretrained(str(folder / "qwen3")).chat_template
-    llama = AutoTokenizer.from_pretrained(str(folder / "llama3-8b-instruct")).chat_template
+    build_fixture_tokenizer(name, root / name)
+    return AutoTokenizer.from_pretrained(str(root / name))
+
+
+def test_detection_from_real_templates(tmp_path: Path) -> None:
+    qwen = _real_tokenizer("qwen3", tmp_path).chat_template
+    llama = _real_tokenizer("llama3", tmp_path).chat_template
     assert tool_parsers.detect(qwen) == "hermes"
     assert tool_parsers.detect(llama) is None  # Llama 3.0's template knows no tools
     assert tool_parsers.resolve("llama3", llama).name == "llama3_json"
     assert tool_parsers.resolve("none", qwen) is None
 
 
-def test_templates_that_ignore_tools_get_them_in_the_system_message() -> None:
-    from transformers import AutoTokenizer
-
-    folder = SHARED / "tokenizers" / "llama3-8b-instruct"
-    if not folder.exists():
-        pytest.skip("shared/tokenizers not found")
-    tokenizer = AutoTokenizer.from_pretrained(str(folder))
+def test_templates_that_ignore_tools_get_them_in_the_system_message(tmp_path: Path) -> None:
+    tokenizer = _real_tokenizer("llama3", tmp_path)
     tool = {"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}
     plan = ToolPlan("auto", [tool], format=tool_parsers.FORMATS["llama3_json"])
     messages = [

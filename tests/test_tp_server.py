@@ -8,10 +8,13 @@ rendezvous fails start-up with a clear message."""
 from __future__ import annotations
 
 import asyncio
+import json
 import os
+import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -214,3 +217,81 @@ def test_an_unreachable_rendezvous_fails_start_up(llama_path: Path) -> None:
     assert code == 1
     assert time.monotonic() - started < 40
     assert f"cannot reach rank 0's rendezvous at {addr}" in log.read_text()
+
+
+def _post_quietly(url: str, body: dict) -> None:
+    """A request whose step hangs with the follower (how it ends is not this test's)."""
+    try:
+        httpx.post(url, json=body, timeout=60)
+    except httpx.HTTPError:
+        pass
+
+
+def test_a_stopped_follower_is_caught_by_the_step_bound(llama_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """SIGSTOP keeps the follower's lifeline open: the step in flight not
+    completing within its bound (AIOSERVE_TP_STEP_TIMEOUT, 2 s here) is what
+    marks the server unhealthy and ends it non-zero."""
+    monkeypatch.setenv("AIOSERVE_TP_STEP_TIMEOUT", "2")
+    server = start_server(llama_path, *FLAGS, "--tp", "2")
+    follower = server.info()["tensor_parallel"]["ranks"][1]["pid"]
+    try:
+        os.kill(follower, signal.SIGSTOP)
+        stopped = time.monotonic()
+        body = {"model": server.info()["model"], "prompt": "hello", "max_tokens": 8}
+        threading.Thread(target=_post_quietly, args=(f"{server.v1}/completions", body), daemon=True).start()
+        unhealthy_after = None
+        while server.process.poll() is None and time.monotonic() - stopped < 30:
+            try:
+                if httpx.get(f"{server.url}/health", timeout=0.5).status_code == 503 and unhealthy_after is None:
+                    unhealthy_after = time.monotonic() - stopped
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.05)
+        exited_after = time.monotonic() - stopped
+        assert server.process.poll() not in (None, 0), server.log()[-3000:]
+        assert unhealthy_after is not None and unhealthy_after < 2 + 3, unhealthy_after
+        assert exited_after < 2 + 12, exited_after
+        assert "a step did not complete within" in server.log()
+    finally:
+        if _alive(follower):
+            os.kill(follower, signal.SIGKILL)
+        server.stop()
+
+
+def test_a_killed_follower_gives_running_requests_a_clean_error(llama_path: Path) -> None:
+    """Streams end with an OpenAI-style error event and [DONE]; a whole
+    response is a 503 with a JSON error body."""
+    server = start_server(llama_path, *FLAGS, "--tp", "2")
+    follower = server.info()["tensor_parallel"]["ranks"][1]["pid"]
+    model = server.info()["model"]
+    try:
+        lines: list[str] = []
+        whole: list[httpx.Response] = []
+        body = {"model": model, "prompt": "hello", "max_tokens": 100000, "ignore_eos": True}
+        body["max_tokens"] = server.info()["max_model_len"] - 8
+
+        def stream() -> None:
+            with httpx.stream("POST", f"{server.v1}/completions", json={**body, "stream": True}, timeout=60) as r:
+                lines.extend(line for line in r.iter_lines() if line)
+
+        def non_stream() -> None:
+            whole.append(httpx.post(f"{server.v1}/completions", json=body, timeout=60))
+
+        threads = [threading.Thread(target=stream), threading.Thread(target=non_stream)]
+        for thread in threads:
+            thread.start()
+        deadline = time.monotonic() + 30
+        while len(lines) < 3 and time.monotonic() < deadline:
+            time.sleep(0.02)
+        os.kill(follower, 9)
+        for thread in threads:
+            thread.join(30)
+        assert lines[-1] == "data: [DONE]", lines[-3:]
+        error = json.loads(lines[-2].removeprefix("data: "))["error"]
+        assert error["type"] == "service_unavailable" and "rank 1" in error["message"], error
+        assert whole[0].status_code == 503, whole[0].text
+        assert whole[0].json()["error"]["code"] == "server_failed"
+        server.process.wait(15)
+        assert server.log().count("Traceback") == 0, server.log()[-3000:]
+    finally:
+        server.stop()

@@ -47,7 +47,11 @@ class AttentionBackend(ABC):
 
     # -- CUDA-graph hooks: only for backends with `supports_graphs` ----------------
 
-    supports_graphs: bool = False
+    @property
+    def supports_graphs(self) -> bool:
+        """Whether decode reads every length from device buffers, so a graph
+        captured once replays any batch (a class attribute where it is fixed)."""
+        return False
 
     def init_graph_buffers(self, max_bs: int, max_pages_per_request: int) -> None:
         """Allocate the static buffers every captured batch size slices."""

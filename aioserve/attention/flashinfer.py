@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import logging
 from types import ModuleType
+from typing import Any, Protocol
 
 import torch
 
@@ -41,14 +42,23 @@ WORKSPACE_BYTES = 128 << 20  # FlashInfer's recommended float workspace (split-K
 TENSOR_CORE_MIN_GROUP = 4
 
 
+class PagedWrapper(Protocol):
+    """What is called on FlashInfer's paged decode and prefill wrappers (flashinfer ships no types)."""
+
+    def plan(self, *args: Any, **kwargs: Any) -> None: ...
+
+    def run(self, q: torch.Tensor, paged_kv_cache: tuple[torch.Tensor, torch.Tensor], *,
+            out: torch.Tensor | None = None, window_left: int = -1) -> torch.Tensor: ...
+
+
 class FlashInferMetadata(AttentionMetadata):
     def __init__(
         self,
         backend: "FlashInferBackend",
         out_cache_loc: torch.Tensor,
         num_decodes: int,
-        decode: object | None,
-        prefill: object | None,
+        decode: PagedWrapper | None,
+        prefill: PagedWrapper | None,
     ) -> None:
         self.backend = backend
         self.out_cache_loc = out_cache_loc
@@ -77,10 +87,12 @@ class FlashInferMetadata(AttentionMetadata):
         q = q.contiguous()
         nd = self.num_decodes
         if self.prefill is None:  # decode-only: no copy into a second output
-            return self.decode.run(q, cache, window_left=window)  # type: ignore[attr-defined]
+            assert self.decode is not None
+            return self.decode.run(q, cache, window_left=window)
         out = torch.empty_like(q)
         if nd:
-            self.decode.run(q[:nd], cache, out=out[:nd], window_left=window)  # type: ignore[attr-defined]
+            assert self.decode is not None  # planned for the decodes
+            self.decode.run(q[:nd], cache, out=out[:nd], window_left=window)
         self.prefill.run(q[nd:], cache, out=out[nd:], window_left=window)
         return out
 
@@ -90,9 +102,10 @@ class FlashInferBackend(AttentionBackend):
     supports_graphs = True
 
     def __init__(self, pool: KVPool, shape: AttentionShape, flashinfer: ModuleType | None = None) -> None:
-        self.fi = flashinfer or flashinfer_elementwise.load_flashinfer()
-        if self.fi is None:
+        fi = flashinfer or flashinfer_elementwise.load_flashinfer()
+        if fi is None:
             raise ImportError(f"flashinfer does not import: {flashinfer_elementwise.import_error}")
+        self.fi: ModuleType = fi
         self.pool = pool
         self.shape = shape
         self.sm_scale = shape.head_dim**-0.5  # what every supported model uses
@@ -110,7 +123,7 @@ class FlashInferBackend(AttentionBackend):
         # kernels); each layer passes its own at run time (-1: full).
         windows = [w for w in shape.sliding_windows if w is not None]
         self.plan_window = window_left(max(windows)) if windows else -1
-        self.graph_decodes: dict[int, object] = {}
+        self.graph_decodes: dict[int, PagedWrapper] = {}
         # Set after each step's plans: their uploads read pinned staging
         # buffers that the next step's plans overwrite (see _before_planning).
         self._planned: torch.cuda.Event | None = None
@@ -146,9 +159,9 @@ class FlashInferBackend(AttentionBackend):
         view = (pool.num_pages, pool.page_size, pool.num_kv_heads, pool.head_dim)
         return pool.keys(layer).view(view), pool.values(layer).view(view)
 
-    def _plan_decode(self, wrapper: object, args: PagedKVArgs) -> None:
+    def _plan_decode(self, wrapper: PagedWrapper, args: PagedKVArgs) -> None:
         s = self.shape
-        wrapper.plan(  # type: ignore[attr-defined]
+        wrapper.plan(
             args.indptr, args.indices, args.last_page_len,
             s.num_qo_heads, s.num_kv_heads, s.head_dim, self.pool.page_size,
             window_left=self.plan_window, q_data_type=s.q_dtype, kv_data_type=self.pool.dtype,

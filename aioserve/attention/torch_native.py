@@ -87,7 +87,7 @@ class GatherWorkspace:
 
 class TorchNativeMetadata(AttentionMetadata):
     def __init__(
-        self, pool: KVPool, plan: BatchPlan, host_plan: BatchPlan, workspace: GatherWorkspace, kernels: object | None
+        self, pool: KVPool, plan: BatchPlan, host_plan: BatchPlan, workspace: GatherWorkspace, kernels: ModuleType | None
     ) -> None:
         self.pool = pool
         self.workspace = workspace
@@ -126,6 +126,7 @@ class TorchNativeMetadata(AttentionMetadata):
     def _decode_mask(self, window: int | None) -> torch.Tensor:
         """[B, 1, 1, max_len]: valid positions, within the window if any."""
         if window not in self._decode_masks:
+            assert window is not None  # the full mask (key None) is made with the plan
             self._decode_masks[window] = self._decode_masks[None] & (
                 self._decode_k_pos > self._decode_q_pos - window
             )
@@ -207,7 +208,7 @@ class TorchNativeMetadata(AttentionMetadata):
         self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scale: float, window: int | None
     ) -> torch.Tensor:
         if self.kernels is not None:
-            return self.kernels.paged_decode_attention(  # type: ignore[attr-defined]
+            return self.kernels.paged_decode_attention(
                 q, keys, values, self.decode_pages, self.decode_lens, self.pool.page_size, scale, window or 0
             )
         batch, num_heads, dim = q.shape
@@ -238,7 +239,7 @@ class GraphDecodeMetadata(AttentionMetadata):
         self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, sliding_window: int | None
     ) -> torch.Tensor:
         self.pool.store(layer, self.out_cache_loc, k, v)
-        return self.kernels.paged_decode_attention(  # type: ignore[attr-defined]
+        return self.kernels.paged_decode_attention(
             q, self.pool.keys(layer), self.pool.values(layer), self.pages, self.lens, self.pool.page_size, scale,
             sliding_window or 0,
         )
@@ -265,7 +266,7 @@ class TorchNativeBackend(AttentionBackend):
     # -- graph seam (CPU, native kernels only) ----------------------------------------
 
     @property
-    def supports_graphs(self) -> bool:  # type: ignore[override]
+    def supports_graphs(self) -> bool:
         """Only the native CPU decode kernel reads its lengths from tensors;
         the torch path sizes its gather from host lengths, which a CUDA graph
         would freeze. (CPU has no graphs: this serves the runner's tests.)"""

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import logging
 from types import ModuleType
+from typing import Protocol
 
 import torch
 
@@ -47,7 +48,7 @@ def unsupported_reason(model: torch.nn.Module, device: torch.device) -> str | No
         return "the native kernels are not in (building, or turned off)"
     if not isinstance(model, LlamaForCausalLM):
         return f"{type(model).__name__} is not a Llama-family model"
-    for layer in model.model.layers:
+    for layer in model.model.decoder_layers():
         if type(layer.self_attn) not in SUPPORTED_ATTENTION:
             return f"{type(layer.self_attn).__name__} is not a supported attention"
         if type(layer.mlp) is not LlamaMLP:
@@ -60,13 +61,20 @@ def unsupported_reason(model: torch.nn.Module, device: torch.device) -> str | No
     return None
 
 
-def build_decoder_stack(model: LlamaForCausalLM, pool: KVPool, kernels: ModuleType) -> object:
+class DecoderStack(Protocol):
+    """What the engine calls on native/decoder.cpp's DecoderStack."""
+
+    def forward(self, hidden: torch.Tensor, positions: torch.Tensor, out_cache_loc: torch.Tensor,
+                page_table: torch.Tensor, seq_lens: torch.Tensor) -> torch.Tensor: ...
+
+
+def build_decoder_stack(model: LlamaForCausalLM, pool: KVPool, kernels: ModuleType) -> DecoderStack:
     """A native/decoder.cpp DecoderStack over the model's own (packed) weights
     and the pool's caches."""
     config = model.config
     rotary = model.model.rotary
-    first = model.model.layers[0].self_attn
-    stack = kernels.DecoderStack(  # type: ignore[attr-defined]
+    first = model.model.decoder_layers()[0].self_attn
+    stack = kernels.DecoderStack(
         num_heads=first.qkv_proj.num_heads,
         num_kv_heads=first.qkv_proj.num_kv_heads,
         head_dim=first.head_dim,
@@ -77,7 +85,7 @@ def build_decoder_stack(model: LlamaForCausalLM, pool: KVPool, kernels: ModuleTy
         page_size=pool.page_size,
         final_norm=model.model.norm.weight,
     )
-    for i, layer in enumerate(model.model.layers):
+    for i, layer in enumerate(model.model.decoder_layers()):
         attn, mlp = layer.self_attn, layer.mlp
         qk_norms = (attn.q_norm.weight, attn.k_norm.weight) if isinstance(attn, Qwen3Attention) else (None, None)
         stack.add_layer(
@@ -117,6 +125,6 @@ class NativeDecodeRunner:
         n = host_plan.num_requests
         hidden = self.model.model.embed_tokens(input_ids).contiguous()
         self.replays += 1
-        return self.stack.forward(  # type: ignore[attr-defined]
+        return self.stack.forward(
             hidden, plan.positions, plan.out_cache_loc, plan.page_table[:n], plan.seq_lens[:n]
         )

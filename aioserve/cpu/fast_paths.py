@@ -12,6 +12,7 @@ weights and starts the native paths once the kernels are in.
 from __future__ import annotations
 
 import logging
+from typing import cast
 
 import torch
 
@@ -19,7 +20,8 @@ from aioserve.config import EngineConfig
 from aioserve.cpu.greedy_screen import GreedyScreen
 from aioserve.cpu.decode_stack import NativeDecodeRunner, unsupported_reason
 from aioserve.kvcache.kv_pool import KVPool
-from aioserve.cpu.matmul import pack_cpu_weights, tune_cpu_matmuls
+from aioserve.models.llama import LlamaForCausalLM
+from aioserve.cpu.matmul import MatmulModule, pack_cpu_weights, tune_cpu_matmuls
 from aioserve.cpu.native import cpu_kernels
 
 logger = logging.getLogger(__name__)
@@ -27,7 +29,7 @@ logger = logging.getLogger(__name__)
 
 class CpuFastPaths:
     def __init__(
-        self, model: torch.nn.Module, pool: KVPool, config: EngineConfig,
+        self, model: LlamaForCausalLM, pool: KVPool, config: EngineConfig,
         weight_dtype: torch.dtype, dtype: torch.dtype, tp_size: int,
     ) -> None:
         self.model, self.pool, self.config = model, pool, config
@@ -35,8 +37,8 @@ class CpuFastPaths:
         self.decode_runner: NativeDecodeRunner | None = None
         self.greedy_screen: GreedyScreen | None = None
         # Weights waiting to be packed for the native matmul (the kernels are building).
-        self._unpacked: list[torch.nn.Module] = []
-        matmuls = [m for m in model.modules() if hasattr(m, "matmul_choice")]
+        self._unpacked: list[MatmulModule] = []
+        matmuls = cast("list[MatmulModule]", [m for m in model.modules() if hasattr(m, "matmul_choice")])
         if not pack_cpu_weights(matmuls, weight_dtype, dtype):
             for module in matmuls:  # BLAS multiplies at the math's width
                 module.weight.data = module.weight.data.to(dtype)

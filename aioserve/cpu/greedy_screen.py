@@ -28,6 +28,8 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass
+from types import ModuleType
+from typing import cast
 
 import torch
 
@@ -40,7 +42,7 @@ ROWS_PER_SLACK_CHUNK = 4096  # weight rows converted at a time: float64 copies o
 
 @dataclass
 class GreedyScreen:
-    kernels: object  # the native module
+    kernels: ModuleType  # the native module
     screen: torch.Tensor  # the weight in float16 packed like `exact`, or in bf16 packed in k-pairs
     exact: torch.Tensor  # the LM head's own packed float32 weight (shared, not copied)
     slack: torch.Tensor  # [N] float32, rounded up (see greedy_screen.cpp)
@@ -58,20 +60,20 @@ class GreedyScreen:
 
     @classmethod
     def build(
-        cls, lm_head: torch.nn.Module, kernels: object, tp_size: int, copy_dtype: torch.dtype | None = None
+        cls, lm_head: torch.nn.Module, kernels: ModuleType, tp_size: int, copy_dtype: torch.dtype | None = None
     ) -> GreedyScreen | None:
         """The screen for a packed float32 LM head; None where it does not
         apply. `copy_dtype`: bfloat16 or float16; by default bfloat16 where
         the kernels dot bf16 pairs (AVX512-BF16), float16 elsewhere."""
         choice = getattr(lm_head, "matmul_choice", None)
-        weight = lm_head.weight.data
+        weight = cast(torch.Tensor, lm_head.weight).data
         if (
             tp_size != 1
             or choice is None
             or choice.packed_features is None
             or weight.dim() != 3
             or weight.dtype != torch.float32
-            or not kernels.gemm_fuses_multiply_add()  # type: ignore[attr-defined]
+            or not kernels.gemm_fuses_multiply_add()
         ):
             return None
         started = time.perf_counter()
@@ -87,7 +89,7 @@ class GreedyScreen:
             logger.info("greedy screen off: the LM head has weights beyond %s's range", copy_dtype)
             return None
         slack, screen_norms = _bounds(rows, copy)
-        screen = kernels.pack_linear_weight(copy)  # type: ignore[attr-defined]
+        screen = kernels.pack_linear_weight(copy)
         logger.info(
             "greedy rows screen a %s copy of the LM head (%.0f MiB, made in %.2f s)",
             str(copy_dtype).removeprefix("torch."), screen.nbytes / 2**20, time.perf_counter() - started,
@@ -100,7 +102,7 @@ class GreedyScreen:
         the screen to pay)."""
         if hidden.dtype != torch.float32 or (self.max_rows is not None and hidden.shape[0] > self.max_rows):
             return None
-        tokens, ok = self.kernels.screened_argmax(  # type: ignore[attr-defined]
+        tokens, ok = self.kernels.screened_argmax(
             hidden, self.screen, self.slack, self.exact, self.features, self.screen_norms
         )
         return tokens if bool(ok.all()) else None
@@ -119,10 +121,10 @@ def screen_copy(rows: torch.Tensor, copy_dtype: torch.dtype) -> torch.Tensor:
     return copy
 
 
-def dots_bf16_pairs(kernels: object) -> bool:
+def dots_bf16_pairs(kernels: ModuleType) -> bool:
     """Whether the packed kernels pack bf16 weights in k-pairs for the
     dot-product instruction (AVX512-BF16)."""
-    return kernels.pack_linear_weight(torch.zeros(1, 2, dtype=torch.bfloat16)).dim() == 4  # type: ignore[attr-defined]
+    return kernels.pack_linear_weight(torch.zeros(1, 2, dtype=torch.bfloat16)).dim() == 4
 
 
 def _bounds(rows: torch.Tensor, copy: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:

@@ -32,6 +32,7 @@ import time
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any, Protocol
 
 import torch
 
@@ -114,7 +115,9 @@ def cpu_matmul(
     contiguous [rows, packed_features] of its output dtype); other forms
     return a new tensor."""
     if choice is not None and choice.packed_features is not None:
-        return cpu_kernels().packed_linear(x, weight, bias, choice.packed_features, float_out, out)  # type: ignore[union-attr]
+        kernels = cpu_kernels()
+        assert kernels is not None  # a weight is packed only once the kernels are built
+        return kernels.packed_linear(x, weight, bias, choice.packed_features, float_out, out)
     out = _unpacked_matmul(x, weight, choice)
     return out + bias if bias is not None else out
 
@@ -193,7 +196,7 @@ class ChoiceCache:
         self.path = path
         self.machine = _machine_key()
         try:
-            self.entries: dict[str, dict] = json.loads(path.read_text())
+            self.entries: dict[str, Any] = json.loads(path.read_text())  # a file's entries are checked on reading
         except (OSError, ValueError):
             self.entries = {}
         self.changed = False
@@ -202,11 +205,11 @@ class ChoiceCache:
         return f"{self.machine}:{'x'.join(map(str, shape))}"
 
     def get(self, shape: tuple[int, ...]) -> MatmulChoice | None:
-        entry = self.entries.get(self._key(shape))
+        entry: Any = self.entries.get(self._key(shape))
         try:
-            forms = {int(rows): name for rows, name in entry["forms"].items()}  # type: ignore[index]
+            forms = {int(rows): name for rows, name in entry["forms"].items()}
             if set(forms) == set(ROW_BUCKETS) and set(forms.values()) <= set(FORMS):
-                return MatmulChoice(bool(entry["column_major"]), forms)  # type: ignore[index]
+                return MatmulChoice(bool(entry["column_major"]), forms)
         except (TypeError, KeyError, ValueError, AttributeError):
             pass
         return None
@@ -227,8 +230,15 @@ class ChoiceCache:
             logger.warning("cannot keep the matmul choices in %s: %s", self.path, exc)
 
 
+class MatmulModule(Protocol):
+    """A layer whose matmul is packed or tuned here (layers/linear.py, the LM head)."""
+
+    weight: torch.Tensor
+    matmul_choice: MatmulChoice | None
+
+
 def pack_cpu_weights(
-    modules: Iterable[torch.nn.Module], storage_dtype: torch.dtype | None = None, math_dtype: torch.dtype | None = None
+    modules: Iterable[MatmulModule], storage_dtype: torch.dtype | None = None, math_dtype: torch.dtype | None = None
 ) -> bool:
     """Pack every module's weight for the native kernel and set its choice;
     False (nothing done) when the kernels are not built: the caller tunes
@@ -258,7 +268,7 @@ def pack_cpu_weights(
     return True
 
 
-def tune_cpu_matmuls(modules: Iterable[torch.nn.Module]) -> dict[tuple[int, ...], MatmulChoice]:
+def tune_cpu_matmuls(modules: Iterable[MatmulModule]) -> dict[tuple[int, ...], MatmulChoice]:
     """Choose for every distinct weight shape among `modules` (each has a
     2-D `weight` and a `matmul_choice` attribute), then store each weight in
     its chosen order and set its choice. A weight shared by two modules (tied

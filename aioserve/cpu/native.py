@@ -1,19 +1,22 @@
 """The C++ kernels of native/, built on this machine and cached.
 
 Each kernel has a pure-torch twin that is used when the build is not
-possible (no compiler, no ninja, a package installed without native/, or
-AIOSERVE_NATIVE=0) and while the build is still running; tests/test_native.py
-checks that both agree.
+possible (no compiler, no ninja, no Python headers, a package installed
+without native/, or AIOSERVE_NATIVE=0) and while a background build is still
+running; tests/test_native.py checks that both agree.
 
-Building takes about 40 s on 2 cores, so a server does not wait for it:
+Building takes about 40 s on 2 idle cores. `aioserve serve` builds (or loads
+from the cache) before it listens, saying so on the console
+(`build_with_progress`); `aioserve build-kernels` does it ahead of time; and
 `cpu_kernels(wait=False)` answers None and starts the build in a background
-thread (the torch twins serve meanwhile); later calls get the module once it
-is ready. A build is cached under a key of everything the binary depends on
-(the source, torch, Python, the flags and this CPU's instruction set), so two
-checkouts or two environments on one machine share a build when they can
-and never evict each other's. Builds of one key are serialized with an
-advisory file lock, which the kernel releases when its holder dies: a start
-killed mid-build leaves nothing that makes the next one wait.
+thread (the torch twins serve meanwhile; later calls get the module once it is
+ready). The build runs in its own session (native_build.py): no
+process of a build outlives it. A build is cached under a key of everything
+the binary depends on (the source, torch, Python, the flags and this CPU's
+instruction set), so two checkouts or two environments on one machine share a
+build when they can and never evict each other's. Builds of one key are
+serialized with an advisory file lock, which the kernel releases when its
+holders die: a start killed mid-build leaves nothing that makes the next one wait.
 """
 
 from __future__ import annotations
@@ -26,8 +29,11 @@ import platform
 import sys
 import sysconfig
 import threading
+import time
+from collections.abc import Callable
 from pathlib import Path
 from types import ModuleType
+from typing import TextIO
 
 from aioserve.cpu.isa import cpu_flags_line, native_isa_cflags
 
@@ -80,20 +86,20 @@ class _BuildLock:
 
     def __init__(self, path: Path) -> None:
         self.path = path
-        self._fd = -1
+        self.fd = -1
 
     def __enter__(self) -> "_BuildLock":
         import fcntl
 
-        self._fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
-        fcntl.flock(self._fd, fcntl.LOCK_EX)
+        self.fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        fcntl.flock(self.fd, fcntl.LOCK_EX)
         return self
 
     def __exit__(self, *exc: object) -> None:
         import fcntl
 
-        fcntl.flock(self._fd, fcntl.LOCK_UN)
-        os.close(self._fd)
+        fcntl.flock(self.fd, fcntl.LOCK_UN)
+        os.close(self.fd)
 
 
 def _locate() -> tuple[str, Path, Path]:
@@ -112,8 +118,23 @@ def load_cached() -> ModuleType | None:
     return _import(name, built) if built.exists() else None
 
 
-def load_or_build() -> ModuleType:
-    """The kernels' module: loaded from the cache, or built into it first."""
+def _seconds_file() -> Path:
+    return cache_root() / "last-build-seconds"
+
+
+def last_build_seconds() -> float | None:
+    """How long the last build on this machine (this cache) took, if known."""
+    try:
+        return float(_seconds_file().read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def load_or_build(on_wait: Callable[[float], None] | None = None) -> ModuleType:
+    """The kernels' module: loaded from the cache, or built into it first
+    (on_wait(elapsed_s) is called about every second while it builds)."""
+    from aioserve.cpu.native_build import BuildRequest, build_in_own_session
+
     name, folder, built = _locate()
     if built.exists():
         try:
@@ -121,7 +142,7 @@ def load_or_build() -> ModuleType:
         except Exception:  # being written by another process, or corrupt: settled under the lock
             pass
     folder.mkdir(parents=True, exist_ok=True)
-    with _BuildLock(folder / "aioserve-build.lock"):
+    with _BuildLock(folder / "aioserve-build.lock") as lock:
         if built.exists():  # another process built it while we waited, or a truncated one
             try:
                 return _import(name, built)
@@ -131,13 +152,12 @@ def load_or_build() -> ModuleType:
         # torch's own lock file, left behind by a build killed midway, would
         # make torch wait for it forever; holding our lock, nobody else builds.
         (folder / "lock").unlink(missing_ok=True)
-        from torch.utils.cpp_extension import load
-
         logger.info("building native CPU kernels into %s", folder)
-        return load(
-            name=name, sources=[str(path) for path in SOURCES], extra_cflags=CFLAGS, extra_ldflags=LDFLAGS,
-            build_directory=str(folder), verbose=False,
-        )
+        started = time.monotonic()
+        request = BuildRequest(name, [str(path) for path in SOURCES], CFLAGS, LDFLAGS, str(folder))
+        build_in_own_session(request, lock.fd, on_wait)
+        _seconds_file().write_text(f"{time.monotonic() - started:.1f}\n")
+        return _import(name, built)
 
 
 class _Kernels:
@@ -148,20 +168,22 @@ class _Kernels:
         self._thread: threading.Thread | None = None
         self._done = threading.Event()
         self.module: ModuleType | None = None
+        self.failure: str | None = None  # why there are none, when a build failed
 
-    def _run(self) -> None:
+    def _run(self, on_wait: Callable[[float], None] | None) -> None:
         try:
-            self.module = load_or_build()
+            self.module = load_or_build(on_wait)
             logger.info("native CPU kernels ready")
         except Exception as exc:  # no compiler / ninja / headers
+            self.failure = str(exc).splitlines()[0]
             logger.warning("native CPU kernels unavailable (%s); using the torch fallbacks", exc)
         finally:
             self._done.set()
 
-    def get(self, wait: bool) -> ModuleType | None:
+    def get(self, wait: bool, on_build: Callable[[], Callable[[float], None]] | None = None) -> ModuleType | None:
         if self._done.is_set():
             return self.module
-        if os.environ.get("AIOSERVE_NATIVE", "1") == "0" or not SOURCES:
+        if not enabled():
             return None
         with self._lock:
             if self._thread is None and not self._done.is_set():
@@ -172,7 +194,8 @@ class _Kernels:
                 if self.module is not None:
                     self._done.set()
                     return self.module
-                self._thread = threading.Thread(target=self._run, name="aioserve-native-build", daemon=True)
+                on_wait = on_build() if on_build is not None else None
+                self._thread = threading.Thread(target=self._run, args=(on_wait,), name="aioserve-native-build", daemon=True)
                 self._thread.start()
                 if not wait:
                     logger.info("native CPU kernels are being built in the background; torch fallbacks serve meanwhile")
@@ -184,12 +207,56 @@ class _Kernels:
 _kernels = _Kernels()
 
 
+def enabled() -> bool:
+    return os.environ.get("AIOSERVE_NATIVE", "1") != "0" and bool(SOURCES)
+
+
 def cpu_kernels(wait: bool = True) -> ModuleType | None:
     """The compiled CPU kernels, or None (the callers fall back to torch ops).
     With wait=False, None while a build runs (started by this call if needed)."""
     return _kernels.get(wait)
 
 
+class _Progress:
+    """Console lines while a build runs: one when it starts (with how long the
+    last one took here), one every `every_s`, one at the end."""
+
+    def __init__(self, stream: TextIO, every_s: float) -> None:
+        self.stream = stream
+        self.every_s = every_s
+        self._next = every_s
+
+    def say(self, line: str) -> None:
+        print(f"aioserve: {line}", file=self.stream, flush=True)
+
+    def start(self) -> Callable[[float], None]:
+        last = last_build_seconds()
+        took = f"the last build here took {last:.0f} s" if last else "about 40 s on 2 idle cores, less on more"
+        self.say(f"building the native CPU kernels (once per environment; {took}) into {_locate()[1]} ...")
+        return self.tick
+
+    def tick(self, elapsed: float) -> None:
+        if elapsed >= self._next:
+            self.say(f"still building the native CPU kernels: {elapsed:.0f} s")
+            self._next += self.every_s
+
+
+def build_with_progress(stream: TextIO | None = None, every_s: float = 10.0) -> ModuleType | None:
+    """cpu_kernels(wait=True), saying on `stream` (stderr) when it must build,
+    how it goes and how it ended. Returns None where they cannot be had."""
+    if not enabled():
+        return None
+    progress = _Progress(stream or sys.stderr, every_s)
+    started = time.monotonic()
+    module = _kernels.get(wait=True, on_build=progress.start)
+    seconds = time.monotonic() - started
+    if module is None:
+        progress.say(f"native CPU kernels unavailable ({_kernels.failure}); the torch fallbacks serve (slower)")
+    elif seconds > 2.0:
+        progress.say(f"native CPU kernels built in {seconds:.1f} s")
+    return module
+
+
 if __name__ == "__main__":  # `python -m aioserve.cpu.native`: build ahead of the first start
     logging.basicConfig(level=logging.INFO)
-    sys.exit(0 if cpu_kernels(wait=True) is not None else 1)
+    sys.exit(0 if build_with_progress() is not None else 1)

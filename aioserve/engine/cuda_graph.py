@@ -32,7 +32,7 @@ import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, replace
-from typing import Protocol
+from typing import Any, Protocol
 
 import torch
 from torch import nn
@@ -118,7 +118,7 @@ class CudaGraphCapture:
     each smaller graph fits in the blocks the larger ones freed."""
 
     def __init__(self) -> None:
-        self.pool: tuple[int, int] | None = None
+        self.pool: torch.cuda._POOL_HANDLE | None = None
 
     def __call__(self, step: Callable[[], None]) -> CapturedStep:
         graph = torch.cuda.CUDAGraph()
@@ -144,7 +144,7 @@ class DecodeGraphRunner:
         self.attention = attention
         self.batch_sizes = graph_batch_sizes(max_bs)
         self.max_bs = self.batch_sizes[-1]
-        long = dict(dtype=torch.long, device=device)
+        long: dict[str, Any] = dict(dtype=torch.long, device=device)
         self.input_ids = torch.zeros(self.max_bs, **long)
         self.positions = torch.zeros(self.max_bs, **long)
         self.out_cache_loc = torch.full((self.max_bs,), SCRATCH_SLOT, **long)

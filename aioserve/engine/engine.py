@@ -148,7 +148,7 @@ class Engine:
             empty = torch.zeros(0, dtype=torch.long, device=self.device)
             tokens = SamplerOutput(empty, empty.float(), None, None)
         self.previous.record(plan.step, tokens.token_ids)
-        prompt: tuple[torch.Tensor | None, ...] = (None, None, None)
+        prompt: tuple[torch.Tensor | None, ...] = (None, None, None, None)
         if plan.prompt_logprobs is not None:
             logits = self.model.compute_logits(hidden[plan.prompt_logprobs.token_indices])
             if self.tp.is_leader:

@@ -47,11 +47,19 @@ class PlanBroadcaster(Protocol):
 
     def send(self, plan: BatchPlan) -> None: ...
 
+    def step_done(self) -> None: ...
+
     def fail(self, reason: str) -> None: ...
+
+    def fail_after_error(self, what: str, exc: BaseException) -> str: ...
 
     def stop_followers(self) -> None: ...
 
     def close(self) -> None: ...
+
+
+class TensorParallelFailure(RuntimeError):
+    """A step failed under tensor parallelism; the group is broken."""
 
 
 def _fatal_on_error(leader: PlanBroadcaster | None, what: str, fn: Callable[..., T], *args: object) -> T:
@@ -60,9 +68,10 @@ def _fatal_on_error(leader: PlanBroadcaster | None, what: str, fn: Callable[...,
     try:
         return fn(*args)
     except Exception as exc:
-        if leader is not None:
-            leader.fail(f"{what} raised on rank 0: {exc!r}")
-        raise
+        if leader is None:
+            raise
+        # The step's requests fail with the group's reason (which rank went away), not the collective's error.
+        raise TensorParallelFailure(leader.fail_after_error(what, exc)) from exc
 
 
 def _shutdown(leader: PlanBroadcaster | None, threads: list[concurrent.futures.ThreadPoolExecutor]) -> None:
@@ -105,7 +114,10 @@ class ThreadExecutor:
     def _step(self, plan: BatchPlan) -> StepOutput:
         if self.leader is not None:
             self.leader.send(plan)
-        return self.engine.forward(plan)
+        output = self.engine.forward(plan)
+        if self.leader is not None:
+            self.leader.step_done()
+        return output
 
     def submit(self, plan: BatchPlan) -> "asyncio.Future[StepOutput]":
         what = f"step {plan.step}"
@@ -140,6 +152,8 @@ class CudaStreamExecutor:
     def _wait(self, launched: concurrent.futures.Future) -> StepOutput:
         output, done = launched.result()
         done.synchronize()
+        if self.leader is not None:
+            self.leader.step_done()
         return output
 
     def submit(self, plan: BatchPlan) -> "asyncio.Future[StepOutput]":

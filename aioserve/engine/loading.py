@@ -15,6 +15,7 @@ import torch
 from aioserve.config import DEFAULT_CPU_KV_BYTES, EngineConfig
 from aioserve.engine.dtypes import compute_dtype, kv_cache_dtype, resolve_dtype
 from aioserve.kvcache.kv_pool import RESERVED_PAGES, KVPool
+from aioserve.models.llama import LlamaForCausalLM
 from aioserve.models.model_config import ModelConfig
 from aioserve.models.source import resolve_model_path
 from aioserve.models.weight_loader import build_model
@@ -41,7 +42,7 @@ class LoadedModel:
     kv_dtype: torch.dtype  # what the KV cache holds
     max_model_len: int
     max_prefill_tokens: int
-    model: torch.nn.Module
+    model: LlamaForCausalLM  # every registered architecture is one (models/registry.py)
     num_pages: int  # what this rank's memory holds; ranks then take the smallest
 
 

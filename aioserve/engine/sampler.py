@@ -10,6 +10,7 @@ else shares its batch, and every tensor-parallel rank samples the same token.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from types import ModuleType
 
 import torch
 
@@ -198,12 +199,12 @@ def sample(logits: torch.Tensor, st: SamplingTensors) -> SamplerOutput:
     return SamplerOutput(token_ids, chosen, top_ids, top_logprobs)
 
 
-def _greedy(kernels: object, logits: torch.Tensor) -> SamplerOutput:
+def _greedy(kernels: ModuleType, logits: torch.Tensor) -> SamplerOutput:
     """Greedy rows of unadjusted logits, no logprobs wanted: what sample()
     gives them in four ops instead of a dozen (a single-stream decode step's
     sampling on a CPU is mostly per-op overhead). The chosen logit is the
     row's max, so the max alone says whether the row was usable."""
-    maxes, token_ids = kernels.row_max_argmax(logits)  # type: ignore[attr-defined]
+    maxes, token_ids = kernels.row_max_argmax(logits)
     usable = maxes.isfinite()
     return SamplerOutput(
         token_ids.masked_fill_(~usable, 0), torch.where(usable, 0.0, float("nan")), None, None
@@ -212,12 +213,15 @@ def _greedy(kernels: object, logits: torch.Tensor) -> SamplerOutput:
 
 def prompt_logprobs(
     logits: torch.Tensor, target_ids: torch.Tensor, num_top: int
-) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
-    """Each prompt position's logprob of the token that follows it, and the
-    `num_top` best at that position (ids, logprobs), from the raw logits."""
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None, torch.Tensor]:
+    """Each prompt position's logprob of the token that follows it, the
+    `num_top` best at that position (ids, logprobs), from the raw logits,
+    and the following token's rank there (1: the likeliest; vLLM reports it)."""
     normalizer = torch.logsumexp(logits, dim=-1, keepdim=True)
-    chosen = (logits.gather(1, target_ids[:, None]) - normalizer).squeeze(1)
+    target = logits.gather(1, target_ids[:, None])
+    chosen = (target - normalizer).squeeze(1)
+    ranks = (logits > target).sum(dim=-1) + 1
     if not num_top:
-        return chosen, None, None
+        return chosen, None, None, ranks
     values, top_ids = logits.topk(num_top, dim=-1)
-    return chosen, top_ids, values - normalizer
+    return chosen, top_ids, values - normalizer, ranks

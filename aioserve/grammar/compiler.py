@@ -22,6 +22,7 @@ import weakref
 from collections import OrderedDict
 from typing import TYPE_CHECKING, Any
 
+from aioserve.grammar.json_strings import strict_json_schema_grammar
 from aioserve.grammar.matcher import CompiledGrammar
 from aioserve.sampling_params import StructuredOutputParams
 from aioserve.tokenizer import Tokenizer
@@ -93,12 +94,13 @@ class GrammarCompiler:
         compiler = self._xgrammar()
         try:
             if kind == "json":
-                schema = _schema_text(spec.json)
-                return compiler.compile_json_schema(schema, any_whitespace=False)
+                # Bounded strings rewritten to admit no raw control character (json_strings.py).
+                return compiler.compile_grammar(strict_json_schema_grammar(_schema_text(spec.json)))
             if kind == "json_object":
                 # Not strict: any members, of any JSON type.
                 return compiler.compile_json_schema('{"type": "object"}', any_whitespace=False, strict_mode=False)
             if kind == "regex":
+                assert spec.regex is not None  # the kind names the field that is set
                 return compiler.compile_regex(spec.regex)
             if kind == "choice":
                 return compiler.compile_grammar(choice_grammar(spec.choice or []))
@@ -115,7 +117,7 @@ _WHAT = {
 }
 
 
-def _schema_text(schema: dict[str, Any] | str | None) -> str:
+def _schema_text(schema: dict[str, Any] | bool | str | None) -> str:
     if isinstance(schema, str):
         try:
             schema = json.loads(schema)

@@ -31,11 +31,19 @@ class KVPool:
         self.page_size = page_size
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
-        # [layer, k|v, slot, head, dim]; torch.empty so untouched pages cost no RSS.
-        self.buffer = torch.empty(
-            (num_layers, 2, num_pages * page_size, num_kv_heads, head_dim), dtype=dtype, device=device
-        )
-        self.buffer[:, :, : RESERVED_PAGES * page_size].zero_()
+        shape = (num_layers, 2, num_pages * page_size, num_kv_heads, head_dim)  # [layer, k|v, slot, head, dim]
+        if device.type == "cpu":
+            # Written now, so the whole pool is resident before the server says
+            # it is ready. Left untouched (torch.empty), each page became
+            # resident the first time a request wrote it, and as the radix cache
+            # keeps finished prefixes the allocator handed out fresh pages until
+            # the pool was full: RSS crept ~6-9 KB per request for tens of
+            # thousands of requests (issue 31), and a pool larger than the
+            # machine could hold was found out hours into serving, not at start.
+            self.buffer = torch.zeros(shape, dtype=dtype, device=device)
+        else:  # device memory is reserved by the allocation itself
+            self.buffer = torch.empty(shape, dtype=dtype, device=device)
+            self.buffer[:, :, : RESERVED_PAGES * page_size].zero_()
 
     def keys(self, layer: int) -> torch.Tensor:
         return self.buffer[layer, 0]

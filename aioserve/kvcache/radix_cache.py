@@ -24,6 +24,7 @@ from __future__ import annotations
 import heapq
 import itertools
 from dataclasses import dataclass, field
+from typing import cast
 
 from aioserve.kvcache.prefix_cache import PrefixCache, PrefixMatch
 
@@ -96,7 +97,8 @@ class RadixCache(PrefixCache):
             node.tokens[: num_pages * ps], node.pages[:num_pages], node.parent,
             locks=node.locks, last_used=node.last_used,
         )
-        node.parent.children[node.tokens[:ps]] = head  # type: ignore[union-attr]
+        assert node.parent is not None  # the root is never split
+        node.parent.children[node.tokens[:ps]] = head
         node.tokens, node.pages, node.parent = node.tokens[num_pages * ps :], node.pages[num_pages:], head
         head.children[node.tokens[:ps]] = node
         self._num_nodes += 1
@@ -134,7 +136,7 @@ class RadixCache(PrefixCache):
         return PrefixMatch(pages, matched, node)
 
     def lock(self, match: PrefixMatch) -> None:
-        node = match.handle
+        node = cast("_Node | None", match.handle)  # a handle this cache's match() made
         while node is not None and node is not self._root:
             if node.locks == 0:
                 self._num_locked_pages += len(node.pages)
@@ -142,7 +144,7 @@ class RadixCache(PrefixCache):
             node = node.parent
 
     def unlock(self, match: PrefixMatch) -> None:
-        node = match.handle
+        node = cast("_Node | None", match.handle)  # a handle this cache's match() made
         while node is not None and node is not self._root:
             node.locks -= 1
             if node.locks == 0:
@@ -162,7 +164,7 @@ class RadixCache(PrefixCache):
         while walker is not self._root:
             start = end - len(walker.pages)
             redundant += [mine for mine, cached in zip(pages[start:end], walker.pages) if mine != cached]
-            walker, end = walker.parent, start  # type: ignore[assignment]
+            walker, end = cast(_Node, walker.parent), start  # the walk stops at the root
         if matched < len(tokens):
             leaf = _Node(tuple(tokens[matched:]), pages[matched // ps :], node, last_used=next(self._clock))
             node.children[leaf.tokens[:ps]] = leaf

@@ -64,7 +64,7 @@ class ParallelLMHead(VocabParallelEmbedding):
     def tie_to(self, embedding: VocabParallelEmbedding) -> None:
         self.weight = embedding.weight
 
-    def forward(self, hidden: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         """float32 logits (the weights' rounding kept) where the packed CPU
         kernel writes them directly; hidden's dtype elsewhere. The packed
         kernel's logits live in a buffer that the next call overwrites: they

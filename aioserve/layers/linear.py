@@ -11,6 +11,8 @@ row-parallel layers split the input features and all-reduce their output.
 
 from __future__ import annotations
 
+from typing import cast
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -44,6 +46,12 @@ def _check_full(loaded: torch.Tensor, dim: int, expected: int, what: str) -> Non
         raise ValueError(f"{what}: checkpoint has {loaded.shape[dim]} features along dim {dim}, the config {expected}")
 
 
+def _weight_or_bias(layer: nn.Module, name: str) -> nn.Parameter:
+    """The parameter a checkpoint tensor loads into; a checkpoint holds a bias
+    only for layers the config builds with one."""
+    return cast(nn.Parameter, layer.weight if name == "weight" else layer.bias)
+
+
 def _copy_checked(param: torch.Tensor, loaded: torch.Tensor, what: str) -> None:
     """`loaded` is the already-sliced tensor."""
     if param.shape != loaded.shape:
@@ -63,7 +71,7 @@ class ColumnParallelLinear(nn.Module):
         self.matmul_choice: MatmulChoice | None = None  # set by tune_cpu_matmuls or pack_cpu_weights
 
     def load_weight(self, name: str, loaded: torch.Tensor, shard: object = None) -> None:
-        target = self.weight if name == "weight" else self.bias
+        target = _weight_or_bias(self, name)
         rows = target.shape[0]
         _check_full(loaded, 0, self.out_full, name)
         _copy_checked(target, loaded[self.out_start : self.out_start + rows], name)
@@ -88,8 +96,8 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
         super().__init__(in_features, sum(part_sizes), bias)
 
     def load_weight(self, name: str, loaded: torch.Tensor, shard: object = None) -> None:
-        index = int(shard)  # type: ignore[arg-type]
-        target = self.weight if name == "weight" else self.bias
+        index = int(cast(int, shard))  # the part's number (weight_loader._FUSED_PARTS)
+        target = _weight_or_bias(self, name)
         size = self.part_sizes[index]
         offset = sum(self.part_sizes[:index])
         start, _ = shard_range(self.full_part_sizes[index])
@@ -132,7 +140,7 @@ class QKVParallelLinear(ColumnParallelLinear):
         return self.num_kv_heads * self.head_dim
 
     def load_weight(self, name: str, loaded: torch.Tensor, shard: object = None) -> None:
-        target = self.weight if name == "weight" else self.bias
+        target = _weight_or_bias(self, name)
         d = self.head_dim
         if shard == "q":
             offset, size, first_head, total = 0, self.q_size, self.q_head_start, self.total_heads
@@ -159,7 +167,7 @@ class RowParallelLinear(nn.Module):
 
     def load_weight(self, name: str, loaded: torch.Tensor, shard: object = None) -> None:
         if name == "bias":
-            _copy_checked(self.bias, loaded[:], name)  # type: ignore[arg-type]
+            _copy_checked(_weight_or_bias(self, name), loaded[:], name)
             return
         cols = self.weight.shape[1]
         _check_full(loaded, 1, self.in_full, name)

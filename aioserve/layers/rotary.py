@@ -96,6 +96,9 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
 
 
 class RotaryEmbedding(nn.Module):
+    cos_cache: torch.Tensor  # buffers (register_buffer), declared for the type checker
+    sin_cache: torch.Tensor
+
     def __init__(self, head_dim: int, max_positions: int, theta: float, scaling: RopeScaling) -> None:
         super().__init__()
         inv_freq, attention_factor = rope_inv_freq(head_dim, theta, scaling)

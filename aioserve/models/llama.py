@@ -8,6 +8,7 @@ that q/k/v and gate/up are fused into one matmul each at load time.
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import cast
 
 import torch
 from torch import nn
@@ -111,6 +112,10 @@ class LlamaModel(nn.Module):
             LlamaDecoderLayer(config, i, rotary, attention_cls, mlp_factory) for i in range(config.num_layers)
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def decoder_layers(self) -> list[LlamaDecoderLayer]:
+        """The layers with their type (a ModuleList's items are plain Modules to a type checker)."""
+        return cast("list[LlamaDecoderLayer]", list(self.layers))
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         self.rotary.new_step()

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from torch import nn
-
 from aioserve.models.llama import LlamaForCausalLM, MistralForCausalLM
 from aioserve.models.mixtral import MixtralForCausalLM
 from aioserve.models.model_config import ModelConfig
@@ -21,7 +19,7 @@ MODEL_CLASSES: dict[str, type[LlamaForCausalLM]] = {
 }
 
 
-def model_class(config: ModelConfig) -> type[nn.Module]:
+def model_class(config: ModelConfig) -> type[LlamaForCausalLM]:
     try:
         return MODEL_CLASSES[config.architecture]
     except KeyError:

@@ -15,6 +15,7 @@ import json
 import logging
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any, Protocol, cast
 
 import torch
 from safetensors import safe_open
@@ -23,6 +24,7 @@ from tqdm import tqdm
 
 from aioserve.layers.moe import DOWN, GATE, UP
 from aioserve.tp.distributed import get_tp_group
+from aioserve.models.llama import LlamaForCausalLM
 from aioserve.models.model_config import ModelConfig
 from aioserve.models.registry import model_class
 
@@ -52,14 +54,20 @@ class CheckpointTensor:
     """A tensor of a safetensors file, not read yet: its shape, and indexing
     (`t[a:b]`, `t[:, a:b]`, `t[:]` for all of it) that reads just that part."""
 
-    def __init__(self, handle: object, name: str) -> None:
-        self._slice = handle.get_slice(name)  # type: ignore[attr-defined]
+    def __init__(self, handle: Any, name: str) -> None:  # a safetensors safe_open handle
+        self._slice = handle.get_slice(name)
         self.name = name
         self.shape = torch.Size(self._slice.get_shape())
         self.dtype = _SAFETENSORS_DTYPES.get(self._slice.get_dtype(), torch.float64)  # unknown: as wide as any
 
     def __getitem__(self, index: object) -> torch.Tensor:
         return self._slice[index]
+
+
+class _LoadsWeights(Protocol):
+    """A layer that copies a checkpoint tensor (or a CheckpointTensor) into its parameter."""
+
+    def load_weight(self, name: str, loaded: Any, shard: object = None) -> None: ...
 
 
 @contextlib.contextmanager
@@ -126,7 +134,7 @@ def load_safetensors(model: nn.Module, config: ModelConfig, path: Path) -> set[t
                 module, param, shard = target
                 tensor = CheckpointTensor(f, hf_name)
                 stored.add(tensor.dtype)
-                module.load_weight(param, tensor, shard)
+                cast(_LoadsWeights, module).load_weight(param, tensor, shard)
                 loaded.setdefault(id(getattr(module, param)), set()).add(shard)
     _check_complete(model, loaded, path)
     return stored
@@ -165,7 +173,7 @@ def build_model(
     seed: int,
     round_to: torch.dtype | None = None,
     matmul_dtype: torch.dtype | None = None,
-) -> nn.Module:
+) -> LlamaForCausalLM:
     """The model with parameters in `dtype`; with `round_to`, their values are
     rounded to that (narrower) dtype first (half weights computed in float32).
     With `matmul_dtype`, the matmul weights (modules with a `matmul_choice`)
@@ -177,7 +185,8 @@ def build_model(
     if matmul_dtype is not None:
         for module in model.modules():
             if hasattr(module, "matmul_choice"):  # (untouched yet: torch.empty only reserved the wide copy)
-                module.weight.data = torch.empty(module.weight.shape, dtype=matmul_dtype, device=device)
+                weight = cast(torch.Tensor, module.weight)
+                weight.data = torch.empty(weight.shape, dtype=matmul_dtype, device=device)
     stored: set[torch.dtype] = {dtype}
     if load_format == "dummy":
         init_dummy(model, seed)

@@ -45,6 +45,16 @@ class SchedulerClient(Protocol):
         """Queue a request; its sink gets its events. RequestRejected if it can never run."""
         ...
 
+    def submit_all(self, requests: list[Request]) -> None:
+        """Check every request (sampling parameters, token ids, context and pool),
+        then queue them all; a ValueError naming the field leaves nothing queued."""
+        ...
+
+    @property
+    def num_waiting(self) -> int:
+        """Requests queued for admission (what --max-waiting-requests bounds)."""
+        ...
+
     def abort(self, rid: str, reason: str = "abort") -> bool:
         """End a request now (its sink gets a last event); False if unknown."""
         ...

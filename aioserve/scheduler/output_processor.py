@@ -130,6 +130,8 @@ class OutputProcessor:
                 ids = output.prompt_top_ids[first + i, :wanted].tolist()
                 top = list(zip(ids, output.prompt_top_logprobs[first + i, :wanted].tolist()))
             request.prompt_logprobs.append((float(output.prompt_logprobs[first + i]), top))
+            if output.prompt_ranks is not None:
+                request.prompt_logprob_ranks.append(int(output.prompt_ranks[first + i]))
 
     def _accept(self, request: Request, row: int, host: _HostOutput) -> int:
         token = host.tokens[row]
@@ -178,6 +180,7 @@ class OutputProcessor:
         event.num_cached_tokens = request.num_cached_tokens
         if request.params.prompt_logprobs is not None:
             event.prompt_logprobs = request.prompt_logprobs
+            event.prompt_logprob_ranks = request.prompt_logprob_ranks
 
     def _finish_prompt_only(self, request: Request) -> None:
         """max_tokens 0: the prompt is computed (and scored), nothing is generated."""

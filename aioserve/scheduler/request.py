@@ -50,6 +50,7 @@ class RequestEvent:
     num_prompt_tokens: int | None = None
     num_cached_tokens: int | None = None
     prompt_logprobs: list[tuple[float, list[tuple[int, float]]] | None] | None = None
+    prompt_logprob_ranks: list[int] | None = None  # of each prompt token after the first
     error: str | None = None
 
 
@@ -73,6 +74,7 @@ class Request:
     num_cached_tokens: int | None = None  # prefix-cache hit at first admission
     num_preemptions: int = 0
     prompt_logprobs: list[tuple[float, list[tuple[int, float]]] | None] = field(default_factory=list)
+    prompt_logprob_ranks: list[int] = field(default_factory=list)  # beside prompt_logprobs[1:]
     first_event_sent: bool = False
     finish_reason: str | None = None
     grammar: ConstraintFactory | None = None  # compiled from params.structured_outputs

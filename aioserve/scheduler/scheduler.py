@@ -24,7 +24,7 @@ from dataclasses import dataclass
 
 from aioserve.batch_plan import StepOutput
 from aioserve.config import EngineConfig
-from aioserve.engine.executor import StepExecutor
+from aioserve.engine.executor import StepExecutor, TensorParallelFailure
 from aioserve.kvcache.manager import KVManager
 from aioserve.cpu.openmp import this_thread_single_threaded
 from aioserve.scheduler.client import SchedulerInfo
@@ -97,6 +97,10 @@ class Scheduler:
     def waiting(self) -> deque[Request]:
         return self.table.waiting
 
+    @property
+    def num_waiting(self) -> int:
+        return len(self.table.waiting)
+
     # -- public API (call on the loop's thread) ----------------------------
 
     def validate(self, prompt_len: int, max_tokens: int | None) -> int:
@@ -132,9 +136,23 @@ class Scheduler:
         return allowed if max_tokens is None else min(max_tokens, allowed)
 
     def submit(self, request: Request) -> None:
-        if request.rid in self.table.by_id:
-            raise RequestRejected(f"request id {request.rid!r} is already in use", "request_id")
-        request.max_new_tokens = self.validate(len(request.prompt_ids), request.params.max_tokens)
+        self.submit_all([request])
+
+    def submit_all(self, requests: list[Request]) -> None:
+        """Check every request, then queue them all: a bad one (SamplingParamsError
+        or RequestRejected, both ValueErrors naming the field) leaves nothing
+        queued. The one place a request is validated, for HTTP and offline alike."""
+        for i, request in enumerate(requests):
+            if request.rid in self.table.by_id or any(other.rid == request.rid for other in requests[:i]):
+                raise RequestRejected(f"request id {request.rid!r} is already in use", "request_id")
+            request.params.validate(self.facts.vocab_size)
+            if any(not 0 <= t < self.facts.vocab_size for t in request.prompt_ids):
+                raise RequestRejected(f"prompt token ids must be in [0, {self.facts.vocab_size})", "prompt")
+            request.max_new_tokens = self.validate(len(request.prompt_ids), request.params.max_tokens)
+        for request in requests:
+            self._queue(request)
+
+    def _queue(self, request: Request) -> None:
         if request.grammar is not None and request.constraint is None:
             request.constraint = request.grammar.new_constraint(self._stop_token_ids(request))
         if request.params.prompt_logprobs is not None and not request.prompt_logprobs:
@@ -253,7 +271,10 @@ class Scheduler:
         try:
             output = await future
         except Exception as exc:  # a failed forward fails its requests, not the loop
-            logger.exception("step %d failed", step.plan.step)
+            if isinstance(exc, TensorParallelFailure):  # a rank went away: no traceback of ours to show
+                logger.error("step %d failed: %s", step.plan.step, exc)
+            else:
+                logger.exception("step %d failed", step.plan.step)
             for entry in step.entries:
                 if not entry.request.finished:
                     self._fail(entry.request, f"forward failed: {exc}")

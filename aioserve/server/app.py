@@ -10,29 +10,28 @@ from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.middleware import Middleware
 from starlette.middleware.cors import CORSMiddleware
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 from starlette.responses import Response
 from starlette.routing import Route
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from aioserve.server import misc_routes
-from aioserve.server.chat import create_chat_completion
-from aioserve.server.completions import create_completion
 from aioserve.server.context import RETRY_AFTER_S, ServingContext
-from aioserve.server.errors import APIError, api_error_handler, unexpected_error_handler
-from aioserve.server.generate import generate
-from aioserve.server.metrics import metrics_endpoint
-from aioserve.server.openapi import openapi_json
+from aioserve.server.errors import APIError, api_error_handler, client_left_handler, unexpected_error_handler
+from aioserve.server.metrics import register_scheduler_metrics
+from aioserve.server.docs_routes import docs_assets
 from aioserve.server.page import page_routes
+from aioserve.server.routes import ENDPOINTS
 from aioserve.server.request_metrics import stamp_arrival
+from aioserve.server.upload_guard import UploadGuard
 
 logger = logging.getLogger(__name__)
 
 
-# Open even with --api-key: probes and scrapers (/health, /metrics), and the
-# chat page with its files (it asks the user for the key before any call).
-OPEN_PATHS = ("/health", "/metrics", "/")
-OPEN_PREFIXES = ("/static/",)
+# Open even with --api-key: probes and scrapers (the route table's open
+# endpoints: /health, /metrics), and the chat page with its files (it asks
+# the user for the key before any call).
+OPEN_PATHS = (*(endpoint.path for endpoint in ENDPOINTS if endpoint.open), "/")
+OPEN_PREFIXES = ("/static/", "/docs/assets/")
 
 
 def _is_open(path: str) -> bool:
@@ -49,12 +48,13 @@ class APIKeyCheck:
 
     def __init__(self, app: ASGIApp, api_key: str) -> None:
         self.app = app
-        self.expected = f"Bearer {api_key}".encode()
+        self.expected = api_key.encode()
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "http" and not _is_open(scope["path"]) and not _is_preflight(scope):
-            given = dict(scope["headers"]).get(b"authorization", b"")
-            if not secrets.compare_digest(given, self.expected):
+            # The scheme is case-insensitive (RFC 9110): "bearer KEY" is accepted too.
+            scheme, _, given = dict(scope["headers"]).get(b"authorization", b"").partition(b" ")
+            if not (secrets.compare_digest(given.strip(), self.expected) and scheme.lower() == b"bearer"):
                 response = APIError("invalid or missing API key", status=401, code="invalid_api_key").response()
                 await response(scope, receive, send)
                 return
@@ -81,6 +81,11 @@ class ServingGate:
                 self.ctx.metrics.error(error.type, error.status)
                 await error.response()(scope, receive, send)
                 return
+            try:
+                await self.app(scope, receive, send)
+            finally:  # a request that failed before it was submitted gives back its reservation
+                self.ctx.admitted(scope)
+            return
         await self.app(scope, receive, send)
 
 
@@ -99,7 +104,7 @@ def build_middleware(
 ) -> list[Middleware]:
     """Outermost first. CORS wraps the key check so that its headers are on
     a 401 too (else the page sees an opaque network error, not "bad key")."""
-    middleware = [Middleware(ServingGate, ctx=ctx)] if ctx is not None else []
+    middleware = [Middleware(ServingGate, ctx=ctx), Middleware(UploadGuard, ctx=ctx)] if ctx is not None else []
     origins = parse_origins(allowed_origins)
     if origins:
         logger.info("CORS allowed for %s", ", ".join(origins))
@@ -121,23 +126,17 @@ async def http_error_handler(request: Request, exc: Exception) -> Response:
     """Unknown routes and wrong methods, in the same error shape."""
     assert isinstance(exc, HTTPException)
     kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
-    return APIError(f"{exc.detail}: {request.method} {request.url.path}", status=exc.status_code, type=kind).response()
+    return APIError(  # a 405's Allow header (RFC 9110) comes with the exception
+        f"{exc.detail}: {request.method} {request.url.path}", status=exc.status_code, type=kind,
+        headers=dict(exc.headers or {}),
+    ).response()
 
 
 def create_app(ctx: ServingContext) -> Starlette:
+    register_scheduler_metrics(ctx)
     routes = [
-        Route("/v1/completions", create_completion, methods=["POST"]),
-        Route("/v1/chat/completions", create_chat_completion, methods=["POST"]),
-        Route("/v1/models", misc_routes.list_models, methods=["GET"]),
-        Route("/v1/models/{model:path}", misc_routes.retrieve_model, methods=["GET"]),
-        Route("/generate", generate, methods=["POST"]),
-        Route("/health", misc_routes.health, methods=["GET"]),
-        Route("/tokenize", misc_routes.tokenize, methods=["POST"]),
-        Route("/detokenize", misc_routes.detokenize, methods=["POST"]),
-        Route("/flush_cache", misc_routes.flush_cache, methods=["POST"]),
-        Route("/server_info", misc_routes.server_info, methods=["GET"]),
-        Route("/metrics", metrics_endpoint(ctx), methods=["GET"]),
-        Route("/openapi.json", openapi_json, methods=["GET"]),
+        *(Route(endpoint.path, endpoint.handler, methods=[endpoint.method]) for endpoint in ENDPOINTS),
+        *docs_assets(),
         *page_routes(),
     ]
     app = Starlette(
@@ -147,6 +146,7 @@ def create_app(ctx: ServingContext) -> Starlette:
         ),
         exception_handlers={
             APIError: api_error_handler,
+            ClientDisconnect: client_left_handler,
             HTTPException: http_error_handler,
             Exception: unexpected_error_handler,
         },

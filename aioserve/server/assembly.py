@@ -122,8 +122,16 @@ async def respond(
         return Response(status_code=499)  # nobody is listening any more
     error = generation.error()
     if error:
-        raise APIError(error, status=500, type="internal_server_error")
+        raise _generation_failed(generation, error)
     return json_response(builder.whole(assembly.results(), generation.usage()))
+
+
+def _generation_failed(generation: Generation, error: str) -> APIError:
+    """503 when the server itself failed (a rank died or hung: retry
+    elsewhere), 500 for a failure of this request alone."""
+    if generation.ctx.failure is not None:
+        return APIError(error, status=503, type="service_unavailable", code="server_failed")
+    return APIError(error, status=500, type="internal_server_error")
 
 
 async def _events(assembly: Assembly, builder: ResponseBuilder, include_usage: bool) -> AsyncIterator[bytes]:
@@ -145,7 +153,7 @@ async def _events(assembly: Assembly, builder: ResponseBuilder, include_usage: b
             logger.exception("stream %s failed", generation.request_id)
             error = f"internal error: {exc}"
         if error:
-            failure = APIError(error, status=500, type="internal_server_error")
+            failure = _generation_failed(generation, error)
             generation.ctx.metrics.error(failure.type, failure.status)
             yield sse.event(failure.body())
         yield sse.DONE

@@ -3,17 +3,20 @@
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 
 from pydantic import BaseModel
 from starlette.requests import Request
 from starlette.responses import Response
 
+from aioserve.scheduler.constraint import ConstraintFactory
 from aioserve.server.assembly import ChoiceUpdate, respond
-from aioserve.server.content import ContentDelta
+from aioserve.server.content import ContentDelta, ContentProcessor
 from aioserve.server.context import ServingContext
 from aioserve.server.errors import APIError
 from aioserve.server.generation import Choice, Generation, new_id
 from aioserve.server.logprobs import chat_logprobs
+from aioserve.server.prompt_logprobs import vllm_prompt_logprobs
 from aioserve.server.protocol import ChatCompletionRequest
 from aioserve.server.request_body import parse_body
 from aioserve.server.request_metrics import arrival_time
@@ -26,8 +29,10 @@ from aioserve.server.responses import (
     ChatLogprobs,
     ChatMessage,
     Usage,
+    openai_finish_reason,
 )
 from aioserve.server.structured import compile_grammar, structured_request
+from aioserve.server.thinking import after_reasoning, chat_template_kwargs, thinks_first
 from aioserve.server.tools import ToolPlan, content_processors, plan_tools, template_messages
 from aioserve.server.wire import WireModel
 from aioserve.tokenizer import ChatTemplateError
@@ -48,7 +53,9 @@ async def encode_messages(ctx: ServingContext, body: ChatCompletionRequest, tool
     # One dict, so that chat_template_kwargs may set add_generation_prompt too
     # (as vLLM lets it) instead of colliding with the field of that name.
     kwargs = {"add_generation_prompt": body.add_generation_prompt, **tools.template_kwargs()}
-    extra = body.chat_template_kwargs or {}
+    if body.continue_final_message:
+        kwargs["continue_final_message"] = True
+    extra = chat_template_kwargs(ctx, body)
     if reserved := sorted(TEMPLATE_CALL_ARGUMENTS & extra.keys()):
         raise APIError(f"chat_template_kwargs may not set {', '.join(reserved)}", param="chat_template_kwargs")
     kwargs.update(extra)
@@ -62,8 +69,21 @@ async def encode_messages(ctx: ServingContext, body: ChatCompletionRequest, tool
 async def create_chat_completion(request: Request) -> Response:
     ctx: ServingContext = request.app.state.ctx
     body = await parse_body(request, ChatCompletionRequest)
+    generation, new_processor = await start_chat(request, ctx, body, "chatcmpl")
+    builder = ChatBuilder(ctx, body, generation.request_id)
+    return await respond(
+        request, generation, builder, stream=body.stream, include_usage=body.include_usage,
+        new_processor=new_processor,
+    )
+
+
+async def start_chat(
+    request: Request, ctx: ServingContext, body: ChatCompletionRequest, id_prefix: str
+) -> tuple[Generation, Callable[[object], ContentProcessor]]:
+    """Render, constrain and start a chat request (for /v1/chat/completions
+    and /v1/responses): its Generation and each choice's content processor."""
     ctx.check_model(body.model)
-    ctx.check_capacity(body.n)
+    ctx.check_capacity(body.n, request.scope)
     if body.top_logprobs and not body.logprobs:
         raise APIError("top_logprobs needs logprobs: true", param="top_logprobs")
     tools = plan_tools(ctx, body)
@@ -73,22 +93,25 @@ async def create_chat_completion(request: Request) -> Response:
             raise APIError(f"tool_choice {tools.mode!r} forces the output; {constraint.param} cannot also", param=constraint.param)
         constraint = tools.grammar
     prompt_ids = await encode_messages(ctx, body, tools)
-    grammar = await compile_grammar(ctx, constraint)
+    compiled = await compile_grammar(ctx, constraint)
+    thinking = await thinks_first(ctx, body, prompt_ids)
+    grammar: ConstraintFactory | None = compiled
+    if compiled is not None and thinking:
+        grammar = await after_reasoning(ctx, compiled)
     logprobs = (body.top_logprobs or 0) if body.logprobs else None
-    params = body.sampling_params(body.token_limit, logprobs, None)
+    params = body.sampling_params(body.token_limit, logprobs, body.prompt_logprobs, ctx.generation_defaults)
     params.structured_outputs = constraint.spec if constraint else None
-    generation = Generation(ctx, new_id("chatcmpl"), arrival_time(request), incremental=body.stream)
+    if tools.keeps_special_tokens:  # the format's markers are special tokens (Mistral's [TOOL_CALLS])
+        params.skip_special_tokens = False
+    generation = Generation(ctx, new_id(id_prefix), arrival_time(request), incremental=body.stream)
     try:
         generation.start([prompt_ids], params, body.n, grammar)
+        ctx.admitted(request.scope)
     except APIError as exc:  # the prompt is the rendered messages
         if exc.param == "prompt":
             exc.param = "messages"
         raise
-    builder = ChatBuilder(ctx, body, generation.request_id)
-    return await respond(
-        request, generation, builder, stream=body.stream, include_usage=body.include_usage,
-        new_processor=content_processors(ctx, tools),
-    )
+    return generation, content_processors(ctx, tools, thinking)
 
 
 class ChatBuilder:
@@ -99,10 +122,17 @@ class ChatBuilder:
         self.created = int(time.time())
 
     def opening(self, choices: list[Choice]) -> list[WireModel]:
-        # The role comes first, in a chunk of its own, as OpenAI sends it.
+        # The role comes first, in a chunk of its own, as OpenAI sends it;
+        # with echo, the final message's text follows in one of its own (as vLLM sends it).
         role = ChatDelta(role="assistant", content="")
         first = [ChatChunkChoice(index=c.index, delta=role, logprobs=None, finish_reason=None) for c in choices]
-        return [self._chunk(first)]
+        chunks: list[WireModel] = [self._chunk(first)]
+        if echoed := self.body.echoed_text:
+            echo = ChatDelta(content=echoed)
+            chunks.append(self._chunk([
+                ChatChunkChoice(index=c.index, delta=echo, logprobs=None, finish_reason=None) for c in choices
+            ]))
+        return chunks
 
     def chunk(self, updates: list[ChoiceUpdate]) -> list[WireModel]:
         choices = []
@@ -112,7 +142,9 @@ class ChatBuilder:
             if delta.model_fields_set or update.finish_reason:
                 choices.append(
                     ChatChunkChoice(
-                        index=update.choice.index, delta=delta, logprobs=logprobs, finish_reason=update.finish_reason
+                        index=update.choice.index, delta=delta, logprobs=logprobs,
+                        finish_reason=openai_finish_reason(update.finish_reason),
+                        stop_reason=_stop_reason(update),
                     )
                 )
         return [self._chunk(choices)] if choices else []
@@ -124,14 +156,22 @@ class ChatBuilder:
         choices = [
             ChatChoice(
                 index=update.choice.index,
-                message=_message(update.message),
+                message=_message(update.message, self.body.echoed_text),
                 logprobs=self._logprobs(update),
-                finish_reason=update.finish_reason,
+                finish_reason=openai_finish_reason(update.finish_reason),
+                stop_reason=_stop_reason(update),
             )
             for update in results
         ]
+        prompt_logprobs = None
+        if self.body.prompt_logprobs is not None and results:
+            choice = results[0].choice  # every choice shares the prompt
+            prompt_logprobs = vllm_prompt_logprobs(
+                self.ctx.tokenizer, choice.prompt_ids, choice.stream, self.body.prompt_logprobs
+            )
         return ChatCompletion(
-            id=self.request_id, created=self.created, model=self.ctx.model_name, choices=choices, usage=usage
+            id=self.request_id, created=self.created, model=self.ctx.model_name, choices=choices, usage=usage,
+            prompt_logprobs=prompt_logprobs,
         )
 
     def _chunk(self, choices: list[ChatChunkChoice], usage: Usage | None = None) -> ChatCompletionChunk:
@@ -159,12 +199,17 @@ def _delta(content: ContentDelta, force_content: bool) -> ChatDelta:
     return ChatDelta(**fields)
 
 
-def _message(message: ContentDelta) -> ChatMessage:
+def _stop_reason(update: ChoiceUpdate) -> int | str | None:
+    return update.choice.stream.stop_reason if update.finish_reason else None
+
+
+def _message(message: ContentDelta, echoed: str = "") -> ChatMessage:
     # A whole message's calls carry no stream index.
     calls = [{k: v for k, v in call.items() if k != "index"} for call in message.tool_calls]
+    content = echoed + message.content
     return ChatMessage(
         # OpenAI answers a message that is only tool calls with content null.
-        content=message.content if message.content or not calls else None,
+        content=content if content or not calls else None,
         reasoning_content=message.reasoning_content or None,
         tool_calls=calls or None,
     )

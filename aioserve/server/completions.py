@@ -11,14 +11,16 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from aioserve.server.assembly import ChoiceUpdate, respond
+from aioserve.server.body_checks import prompt_count
 from aioserve.server.context import ServingContext
 from aioserve.server.errors import APIError
 from aioserve.server.generation import Choice, Generation, new_id
 from aioserve.server.logprobs import completion_logprobs, prompt_text_offsets
+from aioserve.server.prompt_logprobs import vllm_prompt_logprobs
 from aioserve.server.protocol import CompletionRequest
 from aioserve.server.request_body import parse_body
 from aioserve.server.request_metrics import arrival_time
-from aioserve.server.responses import Completion, CompletionChoice, CompletionLogprobs, Usage
+from aioserve.server.responses import Completion, CompletionChoice, CompletionLogprobs, Usage, openai_finish_reason
 from aioserve.server.structured import compile_grammar, structured_request
 from aioserve.server.wire import WireModel
 
@@ -44,7 +46,7 @@ async def create_completion(request: Request) -> Response:
     ctx: ServingContext = request.app.state.ctx
     body = await parse_body(request, CompletionRequest)
     ctx.check_model(body.model)
-    ctx.check_capacity(body.n)
+    ctx.check_capacity(prompt_count(body.prompt) * body.n, request.scope)
     if body.best_of is not None and body.best_of != body.n:
         raise APIError("best_of is not supported (only best_of == n)", param="best_of")
     if body.suffix:
@@ -53,7 +55,9 @@ async def create_completion(request: Request) -> Response:
     prompts = await prompt_list(ctx, body.prompt)
     grammar = await compile_grammar(ctx, constraint)
     echo_logprobs = body.logprobs if body.echo and body.logprobs is not None else None
-    params = body.sampling_params(body.max_tokens, body.logprobs, echo_logprobs)
+    # The prompt is scored once, for the echo's logprobs and for vLLM's prompt_logprobs alike.
+    wanted = [n for n in (echo_logprobs, body.prompt_logprobs) if n is not None]
+    params = body.sampling_params(body.max_tokens, body.logprobs, max(wanted, default=None), ctx.generation_defaults)
     params.structured_outputs = constraint.spec if constraint else None
     if body.echo:  # token-id prompts are decoded only to be echoed; both off the loop
         for p in prompts:
@@ -63,6 +67,7 @@ async def create_completion(request: Request) -> Response:
                 p.text_offsets = await ctx.tokenizer.run_async(prompt_text_offsets, ctx.tokenizer, p.ids)
     generation = Generation(ctx, new_id("cmpl"), arrival_time(request), incremental=body.stream)
     generation.start([p.ids for p in prompts], params, body.n, grammar)
+    ctx.admitted(request.scope)
     builder = CompletionBuilder(ctx, body, generation.request_id, prompts)
     return await respond(request, generation, builder, stream=body.stream, include_usage=body.include_usage)
 
@@ -112,11 +117,19 @@ class CompletionBuilder:
 
     def _choice(self, update: ChoiceUpdate, echo: bool) -> CompletionChoice:
         prompt_text = self._echo_texts[update.choice.prompt_index] if echo else ""
+        prompt_logprobs = None
+        if self.body.prompt_logprobs is not None:
+            choice = update.choice
+            prompt_logprobs = vllm_prompt_logprobs(
+                self.ctx.tokenizer, choice.prompt_ids, choice.stream, self.body.prompt_logprobs
+            )
         return CompletionChoice(
             index=update.choice.index,
             text=prompt_text + update.content.content,
             logprobs=self._logprobs(update, echo),
-            finish_reason=update.finish_reason,
+            finish_reason=openai_finish_reason(update.finish_reason),
+            stop_reason=update.choice.stream.stop_reason if update.finish_reason else None,
+            prompt_logprobs=prompt_logprobs,
         )
 
     def _logprobs(self, update: ChoiceUpdate, echo: bool) -> CompletionLogprobs | None:
@@ -129,7 +142,7 @@ class CompletionBuilder:
         offsets = [base + offset for offset in out.text_offsets]
         if echo:
             prompt_ids = update.choice.prompt_ids
-            prompt_lps, prompt_tops = _prompt_logprobs(update.choice)
+            prompt_lps, prompt_tops = _prompt_logprobs(update.choice, self.body.logprobs)
             ids, logprobs, tops = prompt_ids + ids, prompt_lps + logprobs, prompt_tops + tops
             prompt_offsets = self._prompts[update.choice.prompt_index].text_offsets
             assert prompt_offsets is not None, "create_completion finds them for an echo with logprobs"
@@ -137,9 +150,9 @@ class CompletionBuilder:
         return completion_logprobs(self.ctx.tokenizer, ids, logprobs, tops, offsets)
 
 
-def _prompt_logprobs(choice: Choice) -> tuple[list[float | None], list]:
-    """The prompt's logprobs and top logprobs: none for the first token (nor
-    for any the scheduler did not report)."""
+def _prompt_logprobs(choice: Choice, num_top: int) -> tuple[list[float | None], list]:
+    """The prompt's logprobs and `num_top` top logprobs: none for the first
+    token (nor for any the scheduler did not report)."""
     entries = list(choice.stream.prompt_logprobs or [])
     entries += [None] * (len(choice.prompt_ids) - len(entries))
-    return [e[0] if e else None for e in entries], [e[1] if e else None for e in entries]
+    return [e[0] if e else None for e in entries], [e[1][:num_top] if e else None for e in entries]

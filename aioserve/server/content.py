@@ -1,10 +1,12 @@
 """What a choice's generated text becomes in the message a client reads.
 
-Every choice runs its text deltas through a ContentProcessor. Today that is
-PlainText (the text is the content). A tool-call or reasoning parser is a
-ContentProcessor too: it may hold text back, route it to `reasoning_content`
-or turn it into `tool_calls`, and report another finish reason (e.g.
-"tool_calls") when the choice ends. Streaming and whole responses get the
+Every choice runs its text deltas through a ContentProcessor: PlainText (the
+text is the content) when nothing parses it; otherwise the reasoning parser
+(reasoning.py: `<think>` into `reasoning_content`), a tool-call parser
+(tool_parsers/: hermes, llama3_json, or the JSON of a forced call), or the
+two chained (tools.py chooses). A processor may hold text back, route it to
+`reasoning_content` or turn it into `tool_calls`, and report another finish
+reason (e.g. "tool_calls") when the choice ends. Streaming and whole responses get the
 same results: a whole message is the merge of the deltas it was built from.
 """
 

@@ -5,16 +5,19 @@ from __future__ import annotations
 
 import asyncio
 import time
-import weakref
+from collections.abc import MutableMapping
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from aioserve.config import ServerArgs
 from aioserve.scheduler import SchedulerClient
+from aioserve.server.body_checks import RequestLimits
+from aioserve.server.body_parser import BodyParserProcess
 from aioserve.server.errors import APIError
 from aioserve.server.request_metrics import RequestMetrics
 from aioserve.tokenizer import Tokenizer
 
+ADMITTING_KEY = "aioserve.admitting"  # in an HTTP scope: how many requests it reserved
 RETRY_AFTER_S = 1  # what a 429 (queue full) or 503 (draining) tells the client to wait
 
 
@@ -24,7 +27,9 @@ class InFlight(Protocol):
     @property
     def finished(self) -> bool: ...
 
-    def close(self) -> None: ...
+    def abort(self) -> None: ...
+
+    def fail(self, reason: str) -> None: ...
 
 
 @dataclass
@@ -38,15 +43,29 @@ class ServingContext:
     started_at: int = field(default_factory=lambda: int(time.time()))
     # What each tensor-parallel rank holds (tp/layout.py), for /server_info.
     tp_layout: list[dict[str, Any]] = field(default_factory=list)
+    # The model's sampling defaults for a request's unset fields (--generation-config).
+    generation_defaults: dict[str, Any] = field(default_factory=dict)
     metrics: RequestMetrics = field(init=False)  # made from the served name
     # Set on SIGTERM/SIGINT: /health and new requests answer 503 while running ones finish.
     draining: bool = False
-    # Generations not yet finished, for the drain to wait on (weak: one a
-    # failed handler dropped cannot keep the drain waiting).
-    generations: weakref.WeakSet[InFlight] = field(default_factory=weakref.WeakSet)
+    # Generations not yet finished, for the drain to wait on: each leaves when
+    # its last event is read or it is closed (Generation.close marks its
+    # streams finished, so a client that left is not waited for).
+    generations: set[InFlight] = field(default_factory=set)
+    # Set when the server failed (a rank died or hung): why. Running requests
+    # end with a 503 (or an SSE error event) saying so.
+    failure: str | None = None
+    # Requests accepted past --max-waiting-requests' check, not yet submitted.
+    admitting: int = 0
+    # Parses large request bodies in a process of its own (server/body_parser.py).
+    body_parser: BodyParserProcess = field(default_factory=BodyParserProcess)
 
     def __post_init__(self) -> None:
         self.metrics = RequestMetrics(self.model_name)
+
+    @property
+    def request_limits(self) -> RequestLimits:
+        return RequestLimits(**{name: getattr(self.args, name) for name in RequestLimits.__dataclass_fields__})
 
     @property
     def model_name(self) -> str:
@@ -63,13 +82,17 @@ class ServingContext:
                 code="model_not_found",
             )
 
-    def check_capacity(self, new_requests: int = 1) -> None:
+    def check_capacity(self, new_requests: int = 1, scope: MutableMapping[str, Any] | None = None) -> None:
         """--max-waiting-requests: refuse at once, before any tokenizing, when
-        the queue is full, so that a load balancer can send the work elsewhere."""
+        the queue is full, so that a load balancer can send the work elsewhere.
+        Requests count from the moment they are accepted: those still being
+        tokenized (`admitting`, reserved on the request's `scope` until
+        `admitted`) as well as the scheduler's waiting ones; else a burst
+        passes the check before any of it reaches the queue."""
         bound = self.args.max_waiting_requests
         if bound is None:
             return
-        waiting = self.scheduler.info().waiting
+        waiting = self.scheduler.num_waiting + self.admitting
         if waiting + new_requests > bound:
             raise APIError(
                 f"the server is at capacity: {waiting} requests are waiting for admission "
@@ -79,6 +102,14 @@ class ServingContext:
                 code="queue_full",
                 headers={"Retry-After": str(RETRY_AFTER_S)},
             )
+        if scope is not None:
+            self.admitting += new_requests
+            scope[ADMITTING_KEY] = scope.get(ADMITTING_KEY, 0) + new_requests
+
+    def admitted(self, scope: MutableMapping[str, Any]) -> None:
+        """The request's reservation ends: its requests are in the scheduler's
+        queue now, or it failed (app.ServingGate calls this when a request ends)."""
+        self.admitting -= scope.pop(ADMITTING_KEY, 0)
 
     def check_prompt_chars(self, chars: int, param: str) -> None:
         """A prompt whose character count alone proves that it cannot fit the

@@ -7,6 +7,7 @@ anything else is a 500 with the same shape (and a logged traceback).
 from __future__ import annotations
 
 import logging
+import os.path
 
 from pydantic import ValidationError
 from starlette.requests import Request
@@ -43,9 +44,15 @@ class APIError(Exception):
 
 def from_validation_error(exc: ValidationError) -> APIError:
     errors = exc.errors()
-    param = _field_path(errors[0]["loc"]) or None
+    param = _common_path([e["loc"] for e in errors if e["loc"][:1] == errors[0]["loc"][:1]]) or None
     message = "; ".join(f"{_field_path(e['loc']) or 'body'}: {_reason(e['msg'])}" for e in errors[:5])
     return APIError(message, param=param)
+
+
+def _common_path(locs: list[tuple]) -> str:
+    """The one field every error of a union names: `[1, "a"]` as a prompt fails
+    at prompt.1 as token ids and at prompt.0 as strings; the param is prompt."""
+    return ".".join(os.path.commonprefix([_field_path(loc).split(".") for loc in locs]))
 
 
 def _field_path(loc: tuple) -> str:
@@ -79,6 +86,14 @@ async def unexpected_error_handler(request: Request, exc: Exception) -> Response
     error = APIError(f"internal error: {exc}", status=500, type="internal_server_error")
     count_error(request, error)
     return error.response()
+
+
+async def client_left_handler(request: Request, exc: Exception) -> Response:
+    """The client closed its connection before its body was read whole: not
+    a server error (no traceback, not in aioserve:request_errors); the
+    status is nginx's 499, which nobody receives."""
+    logger.debug("client left during its upload: %s %s", request.method, request.url.path)
+    return Response(status_code=499)
 
 
 def count_error(request: Request, error: APIError) -> None:

@@ -12,6 +12,7 @@ from starlette.responses import Response
 
 from aioserve.output_stream import OutputStream, TopLogprobs
 from aioserve.server.assembly import ChoiceUpdate, respond
+from aioserve.server.body_checks import prompt_count
 from aioserve.server.context import ServingContext
 from aioserve.server.errors import APIError
 from aioserve.server.generate_protocol import (
@@ -44,8 +45,8 @@ async def _prompts(ctx: ServingContext, body: GenerateRequest) -> tuple[list[lis
     if not ids or any(isinstance(p, list) and not p for p in ids):  # token id 0 is not empty
         raise APIError("input_ids must not be empty", param="input_ids")
     if isinstance(ids[0], int):
-        return [list(ids)], False  # type: ignore[arg-type]
-    return [list(p) for p in ids], True  # type: ignore[union-attr]
+        return [list(ids)], False
+    return [list(p) for p in ids], True
 
 
 def _request_ids(body: GenerateRequest, num_prompts: int) -> list[str]:
@@ -60,14 +61,16 @@ def _request_ids(body: GenerateRequest, num_prompts: int) -> list[str]:
 async def generate(request: Request) -> Response:
     ctx: ServingContext = request.app.state.ctx
     body = await parse_body(request, GenerateRequest)
-    ctx.check_capacity(body.sampling_params.n)
+    prompts_given = body.text if body.text is not None else body.input_ids
+    ctx.check_capacity(prompt_count(prompts_given or "") * body.sampling_params.n, request.scope)
     prompts, batch = await _prompts(ctx, body)
     rids = _request_ids(body, len(prompts))
     n = body.sampling_params.n
     grammar = await compile_grammar(ctx, body.sampling_params.structured())
     generation = Generation(ctx, f"generate-{rids[0]}", arrival_time(request), incremental=body.stream)
     try:
-        generation.start(prompts, body.to_sampling_params(), n, grammar)
+        generation.start(prompts, body.to_sampling_params(ctx.generation_defaults), n, grammar)
+        ctx.admitted(request.scope)
     except APIError as exc:  # named as OpenAI's fields are; say SGLang's names
         exc.param = sglang_param(exc.param, "text" if body.text is not None else "input_ids")
         raise

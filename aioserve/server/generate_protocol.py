@@ -8,12 +8,17 @@ SGLang supports and we do not (structural tags) is refused with a 400.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+from typing import Any, cast
+
 from pydantic import Field, RootModel, field_validator
 
 from aioserve.sampling_params import SamplingParams, StructuredOutputParams
 from aioserve.server.errors import APIError
+from aioserve.server.generation_defaults import or_default
 from aioserve.server.protocol import RequestModel, check_logit_bias_keys
 from aioserve.server.structured import StructuredRequest
+from aioserve.server.unhonoured_fields import GENERATE_FIELDS
 from aioserve.server.wire import WireModel
 
 
@@ -50,7 +55,7 @@ class GenerateSamplingParams(RequestModel):
 
     def structured(self) -> StructuredRequest | None:
         given = [
-            StructuredRequest(StructuredOutputParams(**{kind: value}), f"sampling_params.{field}")
+            StructuredRequest(StructuredOutputParams(**{kind: cast(Any, value)}), f"sampling_params.{field}")
             for field, kind, value in (
                 ("json_schema", "json", self.json_schema), ("regex", "regex", self.regex),
                 ("ebnf", "grammar", self.ebnf),
@@ -68,6 +73,8 @@ class GenerateSamplingParams(RequestModel):
 
 
 class GenerateRequest(RequestModel):
+    unhonoured = GENERATE_FIELDS
+
     text: str | list[str] | None = None
     input_ids: list[int] | list[list[int]] | None = None
     sampling_params: GenerateSamplingParams = Field(default_factory=GenerateSamplingParams)
@@ -82,15 +89,17 @@ class GenerateRequest(RequestModel):
     def wants_prompt_logprobs(self) -> bool:
         return self.return_logprob and self.logprob_start_len >= 0
 
-    def to_sampling_params(self) -> SamplingParams:
+    def to_sampling_params(self, defaults: Mapping[str, Any] | None = None) -> SamplingParams:
+        """`defaults`: the model's generation config, for the unset sampling fields."""
         sp = self.sampling_params
         stop = [sp.stop] if isinstance(sp.stop, str) else list(sp.stop or [])
+        top_k = or_default(sp, "top_k", defaults, -1)
         return SamplingParams(
             max_tokens=sp.max_new_tokens,
-            temperature=sp.temperature,
-            top_p=sp.top_p,
-            top_k=-1 if sp.top_k == 0 else sp.top_k,
-            min_p=sp.min_p,
+            temperature=or_default(sp, "temperature", defaults, 1.0),
+            top_p=or_default(sp, "top_p", defaults, 1.0),
+            top_k=-1 if top_k == 0 else top_k,
+            min_p=or_default(sp, "min_p", defaults, 0.0),
             seed=sp.sampling_seed if sp.sampling_seed is not None else sp.seed,
             stop=stop,
             stop_token_ids=list(sp.stop_token_ids or []),
@@ -100,7 +109,7 @@ class GenerateRequest(RequestModel):
             prompt_logprobs=self.top_logprobs_num if self.wants_prompt_logprobs else None,
             presence_penalty=sp.presence_penalty,
             frequency_penalty=sp.frequency_penalty,
-            repetition_penalty=sp.repetition_penalty,
+            repetition_penalty=or_default(sp, "repetition_penalty", defaults, 1.0),
             logit_bias={int(k): v for k, v in (sp.logit_bias or {}).items()},
             skip_special_tokens=sp.skip_special_tokens,
             include_stop_str_in_output=sp.no_stop_trim,

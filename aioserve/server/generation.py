@@ -77,40 +77,31 @@ class Generation:
     def start(
         self, prompts: list[list[int]], params: SamplingParams, n: int = 1, grammar: ConstraintFactory | None = None
     ) -> None:
-        """n choices for each prompt, all checked before any is submitted, so
-        that a 400 leaves nothing behind in the scheduler. `grammar` (compiled
-        from params.structured_outputs) gives each choice its own matcher."""
-        for prompt_ids in prompts:
-            self._validate(params, prompt_ids)
-        self.ctx.generations.add(self)
-        for p, prompt_ids in enumerate(prompts):
-            for j in range(n):
-                self._add(p * n + j, p, prompt_ids, _choice_params(params, j), grammar)
-
-    def _validate(self, params: SamplingParams, prompt_ids: list[int]) -> None:
+        """n choices for each prompt, submitted together: the scheduler checks
+        them all before it queues any, so that a 400 leaves nothing behind.
+        `grammar` (compiled from params.structured_outputs) gives each choice its own matcher."""
+        choices = [
+            self._choice(p * n + j, p, prompt_ids, _choice_params(params, j), grammar)
+            for p, prompt_ids in enumerate(prompts)
+            for j in range(n)
+        ]
         try:
-            params.validate(self.ctx.vocab_size)
-            self.ctx.scheduler.validate(len(prompt_ids), params.max_tokens)
+            self.ctx.scheduler.submit_all([choice.request for choice in choices])
         except (SamplingParamsError, RequestRejected) as exc:
             raise APIError(str(exc), param=exc.param) from None
-        if any(not 0 <= t < self.ctx.vocab_size for t in prompt_ids):
-            raise APIError(f"prompt token ids must be in [0, {self.ctx.vocab_size})", param="prompt")
+        self.choices = choices
+        self.ctx.generations.add(self)
 
-    def _add(
+    def _choice(
         self, index: int, prompt_index: int, prompt_ids: list[int], params: SamplingParams,
         grammar: ConstraintFactory | None,
-    ) -> None:
-        scheduler = self.ctx.scheduler
+    ) -> Choice:
         rid = f"{self.request_id}-{index}-{next(_counter)}"
-        stream = OutputStream(self.ctx.tokenizer, prompt_ids, params, end_request=partial(scheduler.abort, rid, "stop"))
+        end_request = partial(self.ctx.scheduler.abort, rid, "stop")
+        stream = OutputStream(self.ctx.tokenizer, prompt_ids, params, end_request=end_request)
         request = Request(rid, prompt_ids, params, sink=self._sink(lambda: choice, params), grammar=grammar)
         choice = Choice(index, prompt_index, rid, prompt_ids, stream, request)
-        try:
-            scheduler.submit(request)
-        except RequestRejected as exc:
-            self.close()
-            raise APIError(str(exc), param=exc.param) from None
-        self.choices.append(choice)
+        return choice
 
     def _sink(self, choice: Callable[[], Choice], params: SamplingParams) -> EventSink:
         """Where a choice's scheduler request puts its events: the queue at
@@ -147,6 +138,7 @@ class Generation:
                 self._observe(choice, event, emitted)
                 grouped[choice] = choice.stream.add(event, grouped.get(choice))
             yield [(c, d) for c, d in grouped.items() if d.changed]
+        self.ctx.generations.discard(self)
 
     def _observe(self, choice: Choice, event: RequestEvent, now: float) -> None:
         """Latency metrics, at the time the scheduler emitted the event."""
@@ -163,11 +155,30 @@ class Generation:
             metrics.finished(event.finish_reason)
             metrics.e2e_request_latency.observe(now - self.arrival)
 
-    def close(self) -> None:
-        """Abort whatever still runs (the client left, or an error)."""
+    def fail(self, reason: str) -> None:
+        """End every unfinished choice with an error event (the server failed:
+        a rank died or hung), so its handler answers with a clean error."""
+        now = time.monotonic()
+        for choice in self.choices:
+            if not choice.stream.finished:
+                self._queue.put_nowait((choice, RequestEvent(finish_reason="error", error=reason), now))
+
+    def abort(self) -> None:
+        """Abort whatever still runs; its final (abort) events still come to
+        `deltas()`, for a handler that is reading them (the drain's timeout)."""
         for choice in self.choices:
             if not choice.stream.finished:
                 self.ctx.scheduler.abort(choice.rid)
+
+    def close(self) -> None:
+        """Abort whatever still runs and mark it finished now: nobody reads
+        this generation any more (the client left, or an error), so the abort
+        events the scheduler sends back would never be folded in, and the
+        drain on shutdown must not wait for them."""
+        self.abort()
+        for choice in self.choices:
+            choice.stream.end("abort")
+        self.ctx.generations.discard(self)
 
     def usage(self) -> Usage:
         """Each prompt counts once, however many choices it has."""

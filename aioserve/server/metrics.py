@@ -54,11 +54,11 @@ class SchedulerCollector:
         yield counter("aioserve:request_aborted", "Requests aborted.", stats["aborted"])
         yield counter("aioserve:engine_steps", "Forward steps run.", stats["steps"])
 
-def metrics_endpoint(ctx: ServingContext):
-    registry = ctx.metrics.registry
-    registry.register(SchedulerCollector(ctx))  # type: ignore[arg-type]
+def register_scheduler_metrics(ctx: ServingContext) -> None:
+    """The scheduler's gauges and counters join the request metrics' registry."""
+    ctx.metrics.registry.register(SchedulerCollector(ctx))
 
-    async def metrics(request: Request) -> Response:
-        return Response(generate_latest(registry), media_type="text/plain; version=0.0.4")
 
-    return metrics
+async def metrics(request: Request) -> Response:
+    registry = request.app.state.ctx.metrics.registry
+    return Response(generate_latest(registry), media_type="text/plain; version=0.0.4")

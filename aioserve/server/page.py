@@ -1,4 +1,5 @@
-"""GET /: the chat page, and /static/ for its script and style sheet.
+"""GET /: the chat page, /static/ for its script and style sheet, and
+GET /page-config for what the page must know before the first prompt.
 
 The page is plain files under static/ (no build step, nothing fetched from
 elsewhere). Its script and styles are separate files rather than inline so
@@ -13,7 +14,7 @@ import logging
 from pathlib import Path
 
 from starlette.requests import Request
-from starlette.responses import FileResponse, Response
+from starlette.responses import FileResponse, JSONResponse, Response
 from starlette.routing import BaseRoute, Mount, Route
 from starlette.staticfiles import StaticFiles
 from starlette.types import Scope
@@ -37,6 +38,14 @@ async def chat_page(request: Request) -> Response:
     return FileResponse(STATIC_DIR / "index.html", media_type="text/html; charset=utf-8", headers=_HEADERS)
 
 
+async def page_config(request: Request) -> Response:
+    """Whether the model has a chat template: the page picks chat or plain
+    completion up front instead of learning it from a refused chat request.
+    Behind the API key, like the API."""
+    ctx = request.app.state.ctx
+    return JSONResponse({"model": ctx.model_name, "chat_template": ctx.tokenizer.has_chat_template})
+
+
 class _StaticFiles(StaticFiles):
     """StaticFiles with the page's headers on every file."""
 
@@ -53,5 +62,6 @@ def page_routes() -> list[BaseRoute]:
         return []
     return [
         Route("/", chat_page, methods=["GET"]),
+        Route("/page-config", page_config, methods=["GET"]),
         Mount("/static", app=_StaticFiles(directory=STATIC_DIR), name="static"),
     ]

@@ -4,14 +4,15 @@ fail answered as an OpenAI-style error: 413 for a body over
 
 from __future__ import annotations
 
-import json
+import asyncio
 import logging
-import re
 from typing import TypeVar
 
 from pydantic import BaseModel, ValidationError
 from starlette.requests import Request
 
+from aioserve.server.body_checks import BodyRejected, decode
+from aioserve.server.body_parser import BODY_WORKER_BYTES
 from aioserve.server.errors import APIError, from_validation_error
 
 logger = logging.getLogger(__name__)
@@ -24,19 +25,20 @@ _logged_unknown: set[tuple[str, str]] = set()
 
 
 async def parse_body(request: Request, model: type[Body]) -> Body:
-    raw = await read_body(request, request.app.state.ctx.args.max_request_bytes)
+    """Read, check the per-request bounds (server/body_checks.py), validate.
+    A large body is parsed and checked by the worker process, off the loop."""
+    ctx = request.app.state.ctx
+    raw = await read_body(request, ctx.args.max_request_bytes, ctx.args.request_body_timeout)
     _check_content_type(request)
+    known = _known_fields(model)
     try:
-        data = json.loads(raw)
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise APIError(f"the request body is not valid JSON: {exc}") from None
-    except RecursionError:
-        raise APIError("the request body is nested too deeply") from None
-    if not isinstance(data, dict):
-        raise APIError("the request body must be a JSON object")
-    if _ESCAPED_SURROGATE.search(raw):
-        _check_surrogates(data, [])
-    _log_unknown_fields(model, data)
+        if len(raw) >= BODY_WORKER_BYTES:
+            data, unknown = await ctx.body_parser.decode(raw, ctx.request_limits, known)
+        else:
+            data, unknown = decode(raw, ctx.request_limits, known)
+    except BodyRejected as exc:
+        raise APIError(exc.message, param=exc.param, code=exc.code) from None
+    _log_unknown_fields(model, unknown)
     try:
         return model.model_validate(data)
     except ValidationError as exc:
@@ -49,14 +51,24 @@ async def parse_body(request: Request, model: type[Body]) -> Body:
 DISCARD_LIMIT = 64 << 20
 
 
-async def read_body(request: Request, limit: int) -> bytes:
+async def read_body(request: Request, limit: int, timeout: float | None = None) -> bytes:
     """The body, refused with 413 as soon as it is known to be over `limit`
-    (from Content-Length, else while it streams in) and never held whole."""
+    (from Content-Length, else while it streams in) and never held whole;
+    with 408 when the client sends nothing for `timeout` seconds (a stalled
+    upload would hold its connection, and a file descriptor, forever).
+    ClientDisconnect passes up (app.py answers it quietly: nobody to answer)."""
     declared = request.headers.get("content-length")
     over = declared is not None and declared.isdigit() and int(declared) > limit
     chunks: list[bytes] = []
     size = 0
-    async for chunk in request.stream():  # ClientDisconnect passes up: nobody to answer
+    stream = request.stream()
+    while True:
+        try:
+            chunk = await asyncio.wait_for(anext(stream), timeout)
+        except StopAsyncIteration:
+            break
+        except asyncio.TimeoutError:
+            raise body_timeout(timeout) from None
         size += len(chunk)
         over = over or size > limit
         if over:
@@ -66,33 +78,18 @@ async def read_body(request: Request, limit: int) -> bytes:
         else:
             chunks.append(chunk)
     if over:
-        raise _too_large(limit)
+        raise too_large(limit)
     return b"".join(chunks)
 
 
-# JSON may spell half of a UTF-16 pair alone ("\\ud800"); Python keeps it in
-# the string, and the tokenizer then fails on it. Only bodies that contain
-# such an escape (or, since json.loads decodes bytes with surrogatepass, one
-# encoded raw) are walked.
-_ESCAPED_SURROGATE = re.compile(rb"\\u[dD][89a-fA-F][0-9a-fA-F]{2}|\xed[\xa0-\xbf]")
+def body_timeout(timeout: float | None) -> APIError:
+    return APIError(
+        f"the request body stalled: nothing arrived for {timeout:g} s (--request-body-timeout)",
+        status=408, code="request_timeout", headers={"Connection": "close"},
+    )
 
 
-def _check_surrogates(value: object, path: list[str]) -> None:
-    if isinstance(value, str):
-        try:
-            value.encode("utf-8")
-        except UnicodeEncodeError:
-            raise APIError("text must be valid Unicode: it holds a lone surrogate", param=".".join(path) or None) from None
-    elif isinstance(value, dict):
-        for key, item in value.items():
-            _check_surrogates(key, path)
-            _check_surrogates(item, [*path, str(key)])
-    elif isinstance(value, list):
-        for index, item in enumerate(value):
-            _check_surrogates(item, [*path, str(index)])
-
-
-def _too_large(limit: int) -> APIError:
+def too_large(limit: int) -> APIError:
     return APIError(
         f"the request body is larger than this server's limit of {limit} bytes (--max-request-bytes)",
         status=413,
@@ -111,11 +108,14 @@ def _check_content_type(request: Request) -> None:
         raise APIError(f"Content-Type must be application/json, not {media or 'empty'!r}")
 
 
-def _log_unknown_fields(model: type[BaseModel], data: dict) -> None:
-    known = set(model.model_fields) | {
-        f.alias for f in model.model_fields.values() if f.alias
-    }
-    for name in data.keys() - known:
+def _known_fields(model: type[BaseModel]) -> frozenset[str]:
+    """Its fields, and the ones it refuses by name (RequestModel.unhonoured)."""
+    refused = getattr(model, "unhonoured", {})
+    return frozenset(model.model_fields) | {f.alias for f in model.model_fields.values() if f.alias} | set(refused)
+
+
+def _log_unknown_fields(model: type[BaseModel], unknown: list[str]) -> None:
+    for name in unknown:
         if (model.__name__, name) not in _logged_unknown and len(_logged_unknown) < 1000:
             _logged_unknown.add((model.__name__, name))
             logger.warning("ignoring field %r, unknown to %s (logged once)", name[:100], model.__name__)

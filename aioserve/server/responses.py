@@ -4,15 +4,26 @@ spec has them (tests/test_openapi_spec.py checks every body against it)."""
 
 from __future__ import annotations
 
+import dataclasses
+import typing
 from typing import Any, Literal
 
-from pydantic import BaseModel
+from pydantic import BaseModel, create_model
 
+from aioserve.scheduler import SchedulerInfo
 from aioserve.server.wire import WireModel
 
 # Ours are stop | length | abort | error; OpenAI's spec adds tool_calls and
 # content_filter, which a content processor may report.
 FinishReason = str
+
+
+def openai_finish_reason(reason: str | None) -> FinishReason | None:
+    """OpenAI's set has no "abort": a request cut short (the drain's timeout on
+    shutdown, an abort) reports "length", as a truncated output does, which
+    every client accepts and treats as incomplete. ("error" is followed by an
+    error event or answered with an error body.) SGLang's /generate keeps "abort"."""
+    return "length" if reason == "abort" else reason
 
 
 class PromptTokensDetails(WireModel):
@@ -39,11 +50,24 @@ class CompletionLogprobs(WireModel):
     text_offset: list[int]
 
 
+# vLLM's prompt_logprobs: None for the first prompt token, then for each
+# token {token id: {"logprob", "rank", "decoded_token"}}, the prompt's own
+# token and the N likeliest (server/prompt_logprobs.py).
+PromptLogprobsList = list[dict[str, dict[str, Any]] | None]
+
+
 class CompletionChoice(WireModel):
+    """`stop_reason` (vLLM's): the stop string or stop token id that ended
+    the choice; null when EOS, the length or an abort did."""
+
+    omit_when_none = ("prompt_logprobs",)
+
     index: int
     text: str
     logprobs: CompletionLogprobs | None
     finish_reason: FinishReason | None
+    stop_reason: int | str | None = None
+    prompt_logprobs: PromptLogprobsList | None = None
 
 
 class Completion(WireModel):
@@ -96,15 +120,21 @@ class ChatChoice(WireModel):
     message: ChatMessage
     logprobs: ChatLogprobs | None
     finish_reason: FinishReason | None
+    stop_reason: int | str | None = None
 
 
 class ChatCompletion(WireModel):
+    """`prompt_logprobs` (vLLM's): of the rendered prompt, one list for all choices."""
+
+    omit_when_none = ("prompt_logprobs",)
+
     id: str
     object: Literal["chat.completion"] = "chat.completion"
     created: int
     model: str
     choices: list[ChatChoice]
     usage: Usage
+    prompt_logprobs: PromptLogprobsList | None = None
 
 
 class ChatDelta(WireModel):
@@ -121,6 +151,7 @@ class ChatChunkChoice(WireModel):
     delta: ChatDelta
     logprobs: ChatLogprobs | None
     finish_reason: FinishReason | None
+    stop_reason: int | str | None = None
 
 
 class ChatCompletionChunk(WireModel):
@@ -165,7 +196,7 @@ class ErrorResponse(WireModel):
     error: ErrorDetail
 
 
-# -- the small endpoints (misc_routes.py) ------------------------------------------------
+# -- the small endpoints (model_routes, token_routes, ops_routes) ------------------------------------------------
 
 
 class TokenizeResponse(BaseModel):
@@ -188,22 +219,35 @@ class TensorParallelInfo(BaseModel):
     ranks: list[dict[str, Any]]  # per rank: heads, KV heads, MLP columns, vocab rows, KV pool
 
 
-class ServerInfo(BaseModel):
-    """GET /server_info: the scheduler's snapshot (scheduler/client.py
-    SchedulerInfo, flattened) with the configuration around it."""
+class ServerConfigInfo(BaseModel):
+    """What /server_info tells of the configuration."""
 
     model: str
     max_model_len: int
-    page_size: int
-    kv_pages_total: int
-    kv_pages_free: int
-    kv_pages_cached: int
-    kv_pages_evictable: int
-    kv_integrity: str  # "ok", what the integrity check found, or "not checked"
-    running: int
-    waiting: int
     overlap: bool
     cache: str
-    max_prefill_tokens: int
-    stats: dict[str, int]
     tensor_parallel: TensorParallelInfo
+    # The model's sampling defaults a request's unset fields take (--generation-config).
+    generation_defaults: dict[str, Any] = {}
+    # SGLang's names for what a router reads when a worker registers
+    # (server/worker_routes.py): its served name, model and sizes.
+    served_model_name: str
+    model_path: str
+    tp_size: int
+    dp_size: int  # replicas inside this server: always 1 (--dp runs each as a server of its own)
+    max_running_requests: int
+    version: str
+
+
+def _scheduler_info_fields() -> dict[str, Any]:
+    hints = typing.get_type_hints(SchedulerInfo)
+    return {field.name: (hints[field.name], ...) for field in dataclasses.fields(SchedulerInfo)}
+
+
+# GET /server_info: the configuration and the scheduler's snapshot, flattened.
+# The snapshot's fields are SchedulerInfo's own (scheduler/client.py), read
+# from the dataclass, so a counter added there reaches /server_info and the
+# OpenAPI document with no copy kept here.
+ServerInfo = create_model(
+    "ServerInfo", __base__=ServerConfigInfo, __doc__="GET /server_info", **_scheduler_info_fields()
+)

@@ -15,6 +15,7 @@ a 400 naming the field it came from.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 from aioserve.grammar import CompiledGrammar, GrammarError, compiler_for
 from aioserve.sampling_params import SamplingParamsError, StructuredOutputParams
@@ -39,10 +40,10 @@ def structured_request(body: SamplingFields) -> StructuredRequest | None:
         schema = fmt.json_schema.schema_ if fmt.json_schema is not None else None
         if schema is None:
             raise APIError("response_format json_schema needs json_schema.schema", param="response_format.json_schema")
-        found.append(StructuredRequest(StructuredOutputParams(json=schema), "response_format.json_schema.schema"))  # type: ignore[arg-type]
+        found.append(StructuredRequest(StructuredOutputParams(json=schema), "response_format.json_schema.schema"))
     if body.structured_outputs is not None:
         so = body.structured_outputs
-        given = {
+        given: dict[str, Any] = {  # each value the type of its StructuredOutputParams field
             "json": so.json_, "regex": so.regex, "choice": so.choice, "grammar": so.grammar,
             "json_object": True if so.json_object else None,
         }
@@ -52,7 +53,7 @@ def structured_request(body: SamplingFields) -> StructuredRequest | None:
                 "structured_outputs takes exactly one of json, regex, choice, grammar, json_object",
                 param="structured_outputs",
             )
-        spec = StructuredOutputParams(**{named[0]: given[named[0]]})  # type: ignore[arg-type]
+        spec = StructuredOutputParams(**{named[0]: given[named[0]]})
         found.append(StructuredRequest(spec, f"structured_outputs.{named[0]}"))
     for field, kind in (("guided_json", "json"), ("guided_regex", "regex"), ("guided_choice", "choice"),
                         ("guided_grammar", "grammar")):

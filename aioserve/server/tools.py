@@ -37,6 +37,11 @@ class ToolPlan:
     named: str | None = None
     format: tool_parsers.ToolFormat | None = None
     grammar: StructuredRequest | None = None
+    stream: bool = False  # a stream's calls go out with their arguments in pieces
+
+    @property
+    def keeps_special_tokens(self) -> bool:
+        return self.mode == "auto" and self.format is not None and self.format.keeps_special_tokens
 
     def template_kwargs(self) -> dict[str, Any]:
         return {"tools": self.tools} if self.tools else {}
@@ -48,7 +53,7 @@ class ToolPlan:
         if self.mode == "required":
             return RequiredCalls()
         if self.mode == "auto" and self.format is not None:
-            return self.format.new_parser()
+            return self.format.new_parser(self.tools, self.stream)
         return None
 
 
@@ -71,6 +76,12 @@ def plan_tools(ctx: ServingContext, body: ChatCompletionRequest) -> ToolPlan:
     if choice == "required":
         spec = StructuredOutputParams(json=required_schema(list(functions.items()), body.parallel_tool_calls))
         return ToolPlan("required", tools, grammar=StructuredRequest(spec, "tools"))
+    if choice == "auto" and not ctx.args.auto_tool_choice:
+        raise APIError(
+            'tool_choice "auto" is off on this server (started with --disable-auto-tool-choice); '
+            'use "required", a named function or "none"',
+            param="tool_choice",
+        )
     fmt = tool_parsers.resolve(ctx.args.tool_call_parser, ctx.tokenizer.hf.chat_template)
     if choice == "auto" and fmt is None:
         raise APIError(
@@ -78,7 +89,7 @@ def plan_tools(ctx: ServingContext, body: ChatCompletionRequest) -> ToolPlan:
             f"({', '.join(tool_parsers.FORMATS)}); this chat template's could not be detected",
             param="tool_choice",
         )
-    return ToolPlan(choice, tools, format=fmt)
+    return ToolPlan(choice, tools, format=fmt, stream=body.stream)
 
 
 def template_messages(plan: ToolPlan, messages: list[dict[str, Any]], template: str | None) -> list[dict[str, Any]]:
@@ -104,10 +115,12 @@ def template_messages(plan: ToolPlan, messages: list[dict[str, Any]], template: 
     return out
 
 
-def content_processors(ctx: ServingContext, plan: ToolPlan) -> Callable[[object], ContentProcessor]:
+def content_processors(ctx: ServingContext, plan: ToolPlan, thinking: bool = False) -> Callable[[object], ContentProcessor]:
     """A new processor per choice: reasoning (--reasoning-parser), then tool calls.
-    A forced call (required / named) is JSON from the first token: no reasoning."""
-    reasoning = ctx.args.reasoning_parser if plan.mode not in ("required", "named") else None
+    A forced call (required / named) is JSON from the first token, unless the
+    model thinks first (its grammar then starts after the thought)."""
+    forced = plan.mode in ("required", "named")
+    reasoning = ctx.args.reasoning_parser if thinking or not forced else None
 
     def new_processor(choice: object) -> ContentProcessor:
         tools = plan.new_parser()

@@ -19,7 +19,7 @@ import dataclasses
 import functools
 import importlib
 import json
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 import torch
@@ -109,7 +109,7 @@ def _dataclass_type(name: str) -> tuple[type, frozenset[str]]:
         cls = getattr(cls, part)
     if not dataclasses.is_dataclass(cls):
         raise ValueError(f"{name} is not a dataclass")
-    return cls, frozenset(f.name for f in dataclasses.fields(cls) if f.init)
+    return cast(type, cls), frozenset(f.name for f in dataclasses.fields(cls) if f.init)
 
 
 def decode(buffer: torch.Tensor) -> Any:

@@ -24,7 +24,6 @@ class EngineView(Protocol):
     """What is read of the Engine (engine.py imports this module)."""
 
     tp: TPGroup
-    model: torch.nn.Module
     model_config: ModelConfig
     device: torch.device
     pool: KVPool
@@ -33,6 +32,9 @@ class EngineView(Protocol):
     max_model_len: int
     dtype: torch.dtype
     kv_dtype: torch.dtype
+
+    @property
+    def model(self) -> torch.nn.Module: ...  # read only: the Engine's is a concrete model class
 
     @property
     def kv_capacity_tokens(self) -> int: ...

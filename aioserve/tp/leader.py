@@ -11,6 +11,7 @@ raises) and closes every lifeline, which makes every follower exit.
 from __future__ import annotations
 
 import logging
+import os
 import threading
 import time
 from collections.abc import Callable
@@ -38,6 +39,21 @@ from aioserve.tp.world import (
 
 logger = logging.getLogger(__name__)
 
+# A step must complete within STEP_BOUND_BASE_S plus STEP_BOUND_PER_TOKEN_S for
+# each token it runs, or a rank is taken as hung (SIGSTOPped, deadlocked):
+# its TCP lifeline stays open, and gloo's own timeout is 10 minutes. The base
+# is AIOSERVE_TP_STEP_TIMEOUT seconds when set.
+STEP_BOUND_BASE_S = 30.0
+STEP_BOUND_PER_TOKEN_S = 0.02
+WATCH_INTERVAL_S = 0.25
+# How long a failed step waits for a lifeline to name the rank that went away.
+LIFELINE_GRACE_S = 1.0
+
+
+def step_bound(num_tokens: int) -> float:
+    base = float(os.environ.get("AIOSERVE_TP_STEP_TIMEOUT", STEP_BOUND_BASE_S))
+    return base + STEP_BOUND_PER_TOKEN_S * num_tokens
+
 FailureHandler = Callable[[str], None]
 
 
@@ -48,6 +64,7 @@ class TPLeader:
             raise DistributedInitError("only node 0 runs rank 0 (the HTTP server and the scheduler)")
         self.on_failure: FailureHandler = on_failure or (lambda reason: None)
         self.failure: str | None = None
+        self._failed = threading.Event()
         self._fail_lock = threading.Lock()
         self._closed = False
         self._stop_sent = False
@@ -86,6 +103,9 @@ class TPLeader:
             raise
         self.channel = PlanChannel()
         self.lifeline.watch(lambda rank: self.fail(f"rank {rank} exited or became unreachable"))
+        # (deadline, bound) of the step in flight, None between steps.
+        self._step_deadline: tuple[float, float] | None = None
+        threading.Thread(target=self._watch_steps, name="aioserve-tp-step-watch", daemon=True).start()
         logger.info("tensor parallel: %d ranks over %d node(s) met at %s:%d", self.world_size, config.nnodes,
                     host, self.store.port)
 
@@ -100,7 +120,21 @@ class TPLeader:
 
     def send(self, plan: Any) -> None:
         """Broadcast a step's plan (on the executor's thread, before the forward)."""
+        bound = step_bound(plan.num_tokens)
+        self._step_deadline = (time.monotonic() + bound, bound)
         self.channel.send(plan)
+
+    def step_done(self) -> None:
+        """The step's forward returned on every rank (its collectives completed)."""
+        self._step_deadline = None
+
+    def _watch_steps(self) -> None:
+        while not self._closed and not self.failed:
+            in_flight = self._step_deadline
+            if in_flight is not None and time.monotonic() > in_flight[0]:
+                self.fail(f"a step did not complete within {in_flight[1]:.1f} s: a rank is hung")
+                return
+            time.sleep(WATCH_INTERVAL_S)
 
     def fail(self, reason: str) -> None:
         """The group is broken: report once, cut every follower loose."""
@@ -111,6 +145,19 @@ class TPLeader:
         logger.error("tensor parallelism failed: %s; stopping every rank", reason)
         self.lifeline.close()
         self.on_failure(reason)
+        # Set last: a failed step waiting on it (fail_after_error) then fails its
+        # requests after on_failure has been scheduled, so they see the server failed.
+        self._failed.set()
+
+    def fail_after_error(self, what: str, exc: BaseException) -> str:
+        """A step raised on rank 0: fail the group, and say why. A collective
+        that raised usually means a peer went away, and that peer's lifeline
+        names it within moments (a dead process's sockets close at once):
+        wait that long for it, so clients read the cause ("rank 1 exited"),
+        not the symptom (gloo's read error)."""
+        self._failed.wait(LIFELINE_GRACE_S)
+        self.fail(f"{what} raised on rank 0: {exc!r}")
+        return self.failure or f"{what} raised on rank 0: {exc!r}"
 
     def stop_followers(self) -> None:
         """Tell the followers to exit (on the executor's thread, after the last step)."""

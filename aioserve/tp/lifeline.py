@@ -74,12 +74,12 @@ class LeaderLifeline:
         def run() -> None:
             selector = selectors.DefaultSelector()
             for rank, conn in self.peers.items():
-                selector.register(conn, selectors.EVENT_READ, rank)
+                selector.register(conn, selectors.EVENT_READ, (rank, conn))
             while self.peers:
                 for key, _ in selector.select():
-                    rank = key.data
+                    rank, peer = key.data
                     try:
-                        data = key.fileobj.recv(1)  # type: ignore[union-attr]
+                        data = peer.recv(1)
                     except OSError:
                         data = b""
                     if data:

@@ -151,15 +151,39 @@ def wait_reachable(host: str, port: int, deadline: float) -> None:
             time.sleep(0.25)
 
 
+def listen_socket(host: str, port: int) -> socket.socket:
+    """A listening socket bound to `host` only. TCPStore, given a host, still
+    listens on every interface (with no authentication); handed this socket
+    it listens where the log says: loopback for one node, --dist-init-addr's
+    host for several (the one port the other nodes must reach)."""
+    family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
+    listener = socket.socket(family, kind, proto)
+    listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        listener.bind(address)
+        listener.listen(128)
+    except OSError:
+        listener.close()
+        raise
+    return listener
+
+
 def open_store(spec: RankSpec, deadline: float) -> dist.TCPStore:
     """Rank 0 hosts the TCPStore (at port 0: a free one, see `.port`); the
     other ranks connect to it."""
     timeout = timedelta(seconds=max(1.0, deadline - time.monotonic()))
     if spec.is_leader:
         try:
-            return dist.TCPStore(spec.host, spec.port, spec.world_size, is_master=True, timeout=timeout,
-                                 wait_for_workers=False)
+            listener = listen_socket(spec.host, spec.port)
+        except OSError as exc:
+            raise DistributedInitError(f"rank 0 cannot listen at {spec.host}:{spec.port}: {exc}") from None
+        port = listener.getsockname()[1]
+        fd = listener.detach()  # the store owns it from here
+        try:
+            return dist.TCPStore(spec.host, port, spec.world_size, is_master=True, timeout=timeout,
+                                 wait_for_workers=False, master_listen_fd=fd)
         except Exception as exc:
+            os.close(fd)
             raise DistributedInitError(f"rank 0 cannot listen at {spec.host}:{spec.port}: {exc}") from None
     wait_reachable(spec.host, spec.port, deadline)
     return dist.TCPStore(spec.host, spec.port, spec.world_size, is_master=False, timeout=timeout)

@@ -142,6 +142,19 @@ def test_the_image_serves_the_built_in_model(docker: DockerClient, image: str) -
         assert "built-in demo model" in log and "0.0.0.0:8000" in log
         assert docker("exec", name, "id", "-u").stdout.strip() != "0"  # not root
         assert docker("exec", name, "printenv", "HF_HOME").stdout.strip() == "/cache/huggingface"
+        # FlashInfer's JIT kernels and the native CPU kernels live in the same cache volume.
+        assert docker("exec", name, "printenv", "FLASHINFER_WORKSPACE_BASE").stdout.strip() == "/cache/flashinfer"
+        native_cache = docker("exec", name, "printenv", "AIOSERVE_NATIVE_CACHE").stdout.strip()
+        assert native_cache == "/cache/aioserve-native"
+        # Built into the image, for this (the build's) CPU: the server started at full speed.
+        assert docker("exec", name, "sh", "-c", f"ls {native_cache}/*/*.so").returncode == 0
+        assert "building the native CPU kernels" not in log
+        assert docker("exec", name, "cat", "/proc/1/comm").stdout.strip() == "tini"  # an init reaps children
+        # No layer holds the build extras (the torch wheel, certificates): they stayed in the build stage.
+        history = docker("history", "--no-trunc", "--format", "{{.CreatedBy}}", image).stdout
+        assert "build-extras" not in history, history
+        wheels = docker("exec", name, "sh", "-c", "find / -xdev -name '*.whl' 2>/dev/null", check=False).stdout
+        assert not wheels.strip(), wheels
 
         # Docker's own HEALTHCHECK (every 10 s) agrees.
         deadline = time.monotonic() + 60
@@ -149,7 +162,7 @@ def test_the_image_serves_the_built_in_model(docker: DockerClient, image: str) -
             assert time.monotonic() < deadline, docker("inspect", "--format", "{{json .State.Health}}", name).stdout
             time.sleep(1)
 
-        # SIGTERM reaches the server (PID 1) and it shuts down cleanly, well before docker's SIGKILL.
+        # SIGTERM reaches the server (through tini) and it shuts down cleanly, well before docker's SIGKILL.
         start = time.monotonic()
         docker("stop", "--time", "30", name, timeout=60)
         assert time.monotonic() - start < 25

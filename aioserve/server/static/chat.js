@@ -1,6 +1,6 @@
 // The aioserve chat page. Streams a reply from /v1/chat/completions over
 // server-sent events (fetch + ReadableStream), or from /v1/completions for a
-// model without a chat template. Model text reaches the page only as Text
+// model without a chat template (GET /page-config says which, up front). Model text reaches the page only as Text
 // nodes (append of a string, appendData, textContent): never as markup.
 "use strict";
 
@@ -12,7 +12,7 @@ const $ = (id) => document.getElementById(id);
 
 const state = {
   model: null,        // the served model's id (GET /v1/models); null: let the server pick its one
-  mode: "chat",       // "completion" once the server says the model has no chat template
+  mode: "chat",       // "completion" when the server says the model has no chat template
   history: [],        // chat mode: the conversation so far, as OpenAI messages
   controller: null,   // the AbortController of the request under way
 };
@@ -106,9 +106,18 @@ async function loadModel() {
     state.model = (await response.json()).data[0].id;
     $("model").textContent = state.model;
     wantKey(false);
+    await loadMode();
   } catch (err) {
     $("model").textContent = `server unreachable: ${err.message}`;
   }
+}
+
+// Chat or plain completion, as the model allows: asked before the first
+// prompt, so that a model without a chat template never gets a chat request.
+async function loadMode() {
+  const response = await fetch("/page-config", { headers: headers() });
+  if (!response.ok) return; // an older server: the 400 fallback in send() decides
+  setMode((await response.json()).chat_template ? "chat" : "completion");
 }
 
 // ---- the page ----------------------------------------------------------------
@@ -123,6 +132,11 @@ class Stats {
     this.last = null;
     this.chunks = 0;
     this.usageTokens = null;
+    this.ended = false;
+  }
+
+  end() {
+    this.ended = true;
   }
 
   token() {
@@ -133,13 +147,13 @@ class Stats {
   }
 
   toString() {
-    if (this.first === null) return "waiting for the first token…";
+    if (this.first === null) return this.ended ? "no tokens" : "waiting for the first token…";
     const tokens = this.usageTokens ?? this.chunks;
     const seconds = (this.last - this.first) / 1000;
     // The first token's time is the prefill's: the rate is of the ones after it.
     const rate = tokens > 1 && seconds > 0 ? ((tokens - 1) / seconds).toFixed(1) : "–";
     const ttft = Math.round(this.first - this.start);
-    return `${tokens} tokens · ${rate} tokens/s · time to first token ${ttft} ms`;
+    return `${tokens} ${tokens === 1 ? "token" : "tokens"} · ${rate} tokens/s · time to first token ${ttft} ms`;
   }
 }
 
@@ -186,6 +200,12 @@ const FINISH_NOTES = {
 async function send(text) {
   addTurn("user", text);
   const turn = addTurn("reply streaming");
+  // A completion continues the prompt ("Once upon a time" -> ", there was"):
+  // the reply shows the prompt before it, so it reads as the whole text.
+  const echo = document.createElement("span");
+  echo.className = "echo";
+  turn.append(echo);
+  if (state.mode === "completion") echo.append(text);
   const output = document.createTextNode("");
   const textSpan = document.createElement("span");
   textSpan.className = "text";
@@ -207,6 +227,7 @@ async function send(text) {
       if (!isMissingTemplate(error)) throw new Error(error.message);
       setMode("completion");
       replyMode = "completion";
+      echo.append(text);
       response = await post(replyMode, text, controller.signal);
     }
     if (!response.ok) {
@@ -235,6 +256,7 @@ async function send(text) {
     turn.classList.remove("streaming");
     state.controller = null;
     setBusy(false);
+    stats.end();
     $("stats").textContent = stats.toString();
     // turn.isConnected: "New chat" during the reply has already dropped it.
     if (replyMode === "chat" && output.data && turn.isConnected) {

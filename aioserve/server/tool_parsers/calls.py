@@ -49,3 +49,14 @@ def call_chunk(index: int, call: ParsedCall) -> dict[str, Any]:
         "index": index, "id": new_call_id(), "type": "function",
         "function": {"name": call.name, "arguments": call.arguments},
     }
+
+
+def arguments_object(arguments: Any) -> dict[str, Any]:
+    """An earlier call's arguments as a mapping (clients send them as JSON
+    text or as an object), for formats that write each argument out."""
+    if isinstance(arguments, str):
+        try:
+            arguments = json.loads(arguments)
+        except json.JSONDecodeError:
+            return {}
+    return arguments if isinstance(arguments, dict) else {}

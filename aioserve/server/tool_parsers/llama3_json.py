@@ -1,9 +1,11 @@
 """Llama 3 JSON tool calls: the whole output is `{"name": ..., "parameters": {...}}`
 (several calls separated by `;`), optionally after `<|python_tag|>`.
 
-An output that does not begin with `{` is plain content. Calls go out one
-chunk each once their object closes; an object that is not a call turns the
-rest of the output back into content, as written.
+An output that does not begin with `{` is plain content. For a whole
+response calls go out one chunk each once their object closes; an object
+that is not a call turns the rest of the output back into content, as
+written. In a stream (`stream_arguments`) a call's id and name go out first
+and its arguments in pieces as they are written (streamed_call.py).
 """
 
 from __future__ import annotations
@@ -14,15 +16,17 @@ from typing import Any
 from aioserve.server.content import ContentDelta
 from aioserve.server.tool_parsers.calls import call_chunk, parse_call
 from aioserve.server.tool_parsers.json_scan import JsonObjectReader
+from aioserve.server.tool_parsers.streamed_call import StreamedJsonCall
 
 PYTHON_TAG = "<|python_tag|>"
 
 
 class Llama3JsonToolParser:
-    def __init__(self) -> None:
+    def __init__(self, stream_arguments: bool = False) -> None:
+        self._stream_arguments = stream_arguments
         self._buffer = ""
         self._mode = "undecided"  # undecided | calls | text
-        self._reader: JsonObjectReader | None = None  # the call being read
+        self._reader: JsonObjectReader | StreamedJsonCall | None = None  # the call being read
         self._calls = 0
 
     def feed(self, text: str) -> ContentDelta:
@@ -31,7 +35,8 @@ class Llama3JsonToolParser:
 
     def finish(self, finish_reason: str) -> tuple[ContentDelta, str]:
         delta = self._drain(final=True)
-        if self._mode == "calls" and self._reader is not None:
+        unstreamed = not isinstance(self._reader, StreamedJsonCall) or not self._reader.committed
+        if self._mode == "calls" and self._reader is not None and unstreamed:
             delta.content += self._reader.text  # an unfinished call is shown as written
         return delta, "tool_calls" if self._calls and finish_reason == "stop" else finish_reason
 
@@ -62,7 +67,21 @@ class Llama3JsonToolParser:
                     out.content, self._buffer = rest, ""
                     break
                 self._buffer = rest
-                self._reader = JsonObjectReader()
+                self._reader = StreamedJsonCall(self._calls) if self._stream_arguments else JsonObjectReader()
+            if isinstance(self._reader, StreamedJsonCall):
+                step = self._reader.feed(self._buffer)
+                self._buffer = step.rest
+                out.tool_calls.extend(step.chunks)
+                if not step.closed:
+                    break
+                written = self._reader.text
+                self._reader = None
+                if step.not_a_call:
+                    self._mode = "text"
+                    out.content, self._buffer = written + self._buffer, ""
+                    break
+                self._calls += 1
+                continue
             text, self._buffer = self._reader.feed(self._buffer)
             if text is None:
                 break

@@ -1,0 +1,226 @@
+"""`aioserve serve --dp N`: the replicas' flags (the parent's, less --dp),
+their ports, devices and threads, the router's command line; and a real
+`--dp 2` deployment: it answers on the public port, both replicas serve, a
+replica killed is restarted (requests meanwhile go to the other), --api-key
+holds through the router, and neither the replicas nor the router outlive
+the parent, however it ends. Also: both programs take the flags of
+deploy/kubernetes.yaml."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import httpx
+import pytest
+
+from server_process import free_port
+
+from aioserve.cli import parse_serve_args, serve_argv
+from aioserve.data_parallel import ROUTER_FAILOVER_FLAGS, replica_args, replica_ports, router_command
+
+MODEL_NAME = "stories260K"
+
+
+def test_serve_argv_gives_back_the_same_args() -> None:
+    flags = [
+        "--dp", "2", "--tp", "2", "--kv-cache-memory", "1GiB", "--disable-overlap", "--max-waiting-requests", "5",
+        "--port", "9000", "--router-args=--disable-retries", "--served-model-name", "m", "--access-log",
+    ]
+    args = parse_serve_args(flags)
+    assert parse_serve_args(serve_argv(args)) == args
+    assert serve_argv(parse_serve_args([])) == []  # defaults are not spelled out
+
+
+def test_replicas_get_loopback_ports_and_a_share_of_the_cores() -> None:
+    args = parse_serve_args(["--dp", "2", "--host", "0.0.0.0", "--port", "9000", "--device", "cpu",
+                             "--router-args=--disable-retries"])
+    assert replica_ports(args) == [9001, 9002]
+    assert replica_ports(parse_serve_args(["--dp", "3", "--dp-base-port", "7000"])) == [7000, 7001, 7002]
+    replica = replica_args(args, 1, 9002)
+    assert (replica.host, replica.port, replica.dp_size, replica.router_args) == ("127.0.0.1", 9002, 1, None)
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    assert replica.engine.num_threads == max(1, cores // 2)
+    assert "--dp-size" not in " ".join(serve_argv(replica))
+
+
+def test_the_router_command() -> None:
+    args = parse_serve_args(["--dp", "2", "--host", "0.0.0.0", "--port", "9000", "--api-key", "k",
+                             "--router-policy", "round_robin", "--router-args", "--health-check-interval-secs 5"])
+    command = router_command(args, ["http://127.0.0.1:9001", "http://127.0.0.1:9002"])
+    assert command[:3] == [sys.executable, "-m", "sglang_router.launch_router"]
+    text = " ".join(command)
+    assert "--host 0.0.0.0 --port 9000 --prometheus-host 0.0.0.0" in text
+    assert "--worker-urls http://127.0.0.1:9001 http://127.0.0.1:9002" in text
+    assert "--policy round_robin" in text and "--api-key k" in text
+    assert " ".join(ROUTER_FAILOVER_FLAGS) in text
+    assert command[-2:] == ["--health-check-interval-secs", "5"]  # last: it overrides the failover flags
+
+
+def _children(pid: int) -> list[int]:
+    """Direct children of `pid`, from /proc."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                stat = (entry / "stat").read_text()
+            except OSError:
+                continue
+            if int(stat.rsplit(")", 1)[1].split()[1]) == pid:
+                found.append(int(entry.name))
+    return found
+
+
+def _alive(pid: int) -> bool:
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False
+    return stat.rsplit(")", 1)[1].split()[0] != "Z"
+
+
+def _wait(condition, timeout: float, what: str) -> None:  # type: ignore[no-untyped-def]
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, what
+        time.sleep(0.2)
+
+
+def _completion(url: str, prompt: str, api_key: str | None = None) -> httpx.Response:
+    body = {"model": MODEL_NAME, "prompt": prompt, "max_tokens": 8, "temperature": 0}
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    return httpx.post(f"{url}/v1/completions", json=body, headers=headers, timeout=60)
+
+
+def _ready(url: str, api_key: str | None = None) -> bool:
+    try:
+        return _completion(url, "ready?", api_key).status_code == 200
+    except httpx.HTTPError:
+        return False
+
+
+def _replica_pid(url: str) -> int | None:
+    try:
+        return httpx.get(f"{url}/server_info", timeout=5).json()["tensor_parallel"]["ranks"][0]["pid"]
+    except (httpx.HTTPError, ValueError, KeyError):
+        return None
+
+
+def _start_dp_2(
+    stories_path: Path, *flags: str, api_key: str | None = None
+) -> tuple[subprocess.Popen, str, list[str], Path]:
+    """`aioserve serve --dp 2 [flags]` on the CPU (a GPU machine may have one
+    GPU), once it answers: the process, its URL, the replicas' URLs, its log."""
+    pytest.importorskip("sglang_router", reason="sglang-router is not installed: pip install -e '.[router]'")
+    port, base = free_port(), free_port()
+    while base + 1 == port or base == port:
+        base = free_port()
+    log = Path(tempfile.mkstemp(prefix="aioserve-dp-", suffix=".log")[1])
+    command = [
+        sys.executable, "-m", "aioserve", "serve", "--model", str(stories_path), "--served-model-name", MODEL_NAME,
+        "--dp", "2", "--port", str(port), "--dp-base-port", str(base), "--device", "cpu", "--num-threads", "1",
+        "--router-args", f"--prometheus-port {free_port()} --prometheus-host 127.0.0.1", *flags,
+    ]
+    url = f"http://127.0.0.1:{port}"
+    with log.open("w") as out:
+        parent = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT)
+    try:
+        _wait(lambda: _ready(url, api_key), 120, f"--dp 2 did not answer:\n{log.read_text()[-3000:]}")
+    except BaseException:
+        parent.kill()
+        parent.wait()
+        raise
+    return parent, url, [f"http://127.0.0.1:{base}", f"http://127.0.0.1:{base + 1}"], log
+
+
+LINUX_ONLY = pytest.mark.skipif(
+    not sys.platform.startswith("linux"), reason="reads /proc; the parent-death signal is Linux's"
+)
+
+
+@LINUX_ONLY
+def test_dp_2_serves_restarts_a_replica_and_dies_with_its_parent(stories_path: Path) -> None:
+    parent, url, replicas, log = _start_dp_2(stories_path)
+    try:
+        children = _children(parent.pid)
+        assert len(children) == 3, children  # two replicas and the router
+
+        prompts = [f"{word} {i} went to the park" for i, word in enumerate("cat dog sun tree ball girl".split())]
+        with ThreadPoolExecutor(len(prompts)) as pool:  # at once: one by one, all go to the first (least busy)
+            assert all(response.status_code == 200 for response in pool.map(lambda p: _completion(url, p), prompts))
+        served = [httpx.get(f"{r}/server_info", timeout=5).json()["stats"]["finished"] for r in replicas]
+        assert min(served) > 0, served
+
+        # A replica killed: requests go on through the other; the parent restarts it.
+        victim = _replica_pid(replicas[0])
+        assert victim in children
+        os.kill(victim, signal.SIGKILL)
+        assert all(_completion(url, f"meanwhile {p}").status_code == 200 for p in prompts)
+        _wait(lambda: _replica_pid(replicas[0]) not in (None, victim), 60,
+              f"replica 0 not restarted:\n{log.read_text()[-3000:]}")
+        assert "replica 0 exited" in log.read_text()
+
+        # The parent killed outright: the kernel's parent-death signal ends the rest.
+        children = _children(parent.pid)
+        parent.kill()
+        parent.wait()
+        _wait(lambda: not any(_alive(pid) for pid in children), 30,
+              f"children outlived the parent: {[p for p in children if _alive(p)]}")
+    finally:
+        if parent.poll() is None:
+            parent.kill()
+            parent.wait()
+
+
+@LINUX_ONLY
+def test_api_key_and_sigterm(stories_path: Path) -> None:
+    """With --api-key the replicas want the key, the router sends it to them
+    (they register and serve) and wants it from clients; SIGTERM stops the
+    router, drains the replicas and exits 0, leaving no child."""
+    parent, url, replicas, log = _start_dp_2(stories_path, "--api-key", "sesame", api_key="sesame")
+    try:
+        assert _completion(url, "Once upon a time", "sesame").status_code == 200
+        assert _completion(url, "Once upon a time").status_code == 401
+        assert _completion(url, "Once upon a time", "wrong").status_code == 401
+        assert httpx.get(f"{replicas[0]}/server_info", timeout=5).status_code == 401
+        children = _children(parent.pid)
+        parent.send_signal(signal.SIGTERM)
+        assert parent.wait(timeout=60) == 0, log.read_text()[-3000:]
+        _wait(lambda: not any(_alive(pid) for pid in children), 10, "children outlived the parent")
+        text = log.read_text()
+        assert "stopping the router; the replicas drain" in text and text.count("SIGTERM: draining") == 2
+    finally:
+        if parent.poll() is None:
+            parent.kill()
+            parent.wait()
+
+
+def test_the_kubernetes_manifest_passes_flags_both_take() -> None:
+    """deploy/kubernetes.yaml: the workers' flags parse as `aioserve serve`'s,
+    the router's as sglang-router's, and the router gets --dp's failover flags."""
+    yaml = pytest.importorskip("yaml")
+    manifest = Path(__file__).resolve().parents[1] / "deploy" / "kubernetes.yaml"
+    documents = [d for d in yaml.safe_load_all(manifest.read_text()) if d]
+    deployments = {d["metadata"]["name"]: d for d in documents if d["kind"] == "Deployment"}
+    services = {d["metadata"]["name"]: d for d in documents if d["kind"] == "Service"}
+    assert set(deployments) == {"aioserve-worker", "aioserve-router"}
+    assert set(services) == {"aioserve-worker", "aioserve"}
+
+    worker = deployments["aioserve-worker"]["spec"]["template"]["spec"]["containers"][0]
+    assert parse_serve_args(worker["args"]).port == 8000
+
+    router = deployments["aioserve-router"]["spec"]["template"]["spec"]["containers"][0]
+    flags = router["args"]
+    names, values = ROUTER_FAILOVER_FLAGS[::2], ROUTER_FAILOVER_FLAGS[1::2]
+    assert [f"{name}={value}" for name, value in zip(names, values) if f"{name}={value}" not in flags] == []
+    launch = pytest.importorskip("sglang_router.launch_router", reason="sglang-router is not installed")
+    parsed = launch.parse_router_args([f.replace("$(POD_NAMESPACE)", "default") for f in flags])
+    assert parsed.service_discovery and parsed.policy == "cache_aware"
+    assert parsed.selector == {"app": "aioserve-worker"}
+    assert parsed.service_discovery_port == 8000
