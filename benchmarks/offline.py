@@ -46,7 +46,8 @@ def engine_facts(llm: LLM) -> dict[str, object]:
     return {
         "device": torch.cuda.get_device_name(engine.device) if engine.device.type == "cuda" else "cpu",
         "attention_backend": getattr(engine, "attention_backend_name", llm.config.attention_backend),
-        "cuda_graph_batch_sizes": len(runner.batch_sizes) if runner is not None else 0,
+        # (on the CPU the runner is the native decode stack, which has no batch sizes)
+        "cuda_graph_batch_sizes": len(getattr(runner, "batch_sizes", ())),
         "overlap": llm.config.overlap,
     }
 

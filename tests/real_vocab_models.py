@@ -118,11 +118,17 @@ def _full_tokenizer(name: str, shared: Path) -> Path | None:
     return folder if wanted and (folder / "tokenizer.json").exists() else None
 
 
-def build_real_vocab_checkpoint(name: str, shared: Path, folder: Path, seed: int = 0) -> Path:
+def build_real_vocab_checkpoint(
+    name: str, shared: Path, folder: Path, seed: int = 0, model: tuple[str, dict] | None = None
+) -> Path:
+    """`model`: another config class and its fields in place of REAL_VOCAB's
+    (a Qwen3-MoE with Qwen3's tokenizer, say)."""
     import transformers
     from tokenizers import Tokenizer
 
     _, config_class, extra = REAL_VOCAB[name]
+    if model is not None:
+        config_class, extra = model
     folder.mkdir(parents=True, exist_ok=True)
     full = _full_tokenizer(name, shared)
     if full is not None:
@@ -144,10 +150,10 @@ def build_real_vocab_checkpoint(name: str, shared: Path, folder: Path, seed: int
     return folder
 
 
-def real_vocab_checkpoint(name: str, shared: Path, root: Path) -> Path:
+def real_vocab_checkpoint(name: str, shared: Path, root: Path, model: tuple[str, dict] | None = None) -> Path:
     """The checkpoint under `root` (a session's temp folder), built on first use:
-    several test modules share one build."""
-    folder = root / f"real-vocab-{name}"
+    several test modules share one build. `model`: as build_real_vocab_checkpoint's."""
+    folder = root / (f"real-vocab-{name}" + (f"-{model[0]}" if model else ""))
     if not (folder / "model.safetensors").exists():
-        build_real_vocab_checkpoint(name, shared, folder)
+        build_real_vocab_checkpoint(name, shared, folder, model=model)
     return folder

@@ -62,12 +62,29 @@ def test_chunked_prefill_prefix_cache_and_preemption(arch: str, moe_checkpoints:
         llm.close()
 
 
-def test_chat_over_http_matches_transformers(moe_checkpoints: dict[str, Path]) -> None:
-    """The server on Qwen3-MoE: a chat completion through the model's own
-    chat template equals transformers' greedy continuation of that prompt."""
+# Qwen3-MoE with Qwen3's real tokenizer and chat template (thinking markup and all).
+QWEN3_MOE_REAL_VOCAB = ("Qwen3MoeConfig", {
+    "head_dim": 16, "num_hidden_layers": 2, "num_experts": 4, "num_experts_per_tok": 2,
+    "moe_intermediate_size": 32, "norm_topk_prob": False,
+})
+
+
+@pytest.mark.parametrize("arch", ["qwen3-moe", "mixtral"])
+def test_chat_over_http_matches_transformers(
+    arch: str, moe_checkpoints: dict[str, Path], tmp_path_factory: pytest.TempPathFactory
+) -> None:
+    """The server: a chat completion through the model's chat template equals
+    transformers' greedy continuation of that prompt, logprobs included.
+    Qwen3-MoE with Qwen3's real template (and norm_topk_prob off), Mixtral
+    with the tiny ChatML one."""
+    from conftest import SHARED
+    from real_vocab_models import real_vocab_checkpoint
     from server_harness import start_server
 
-    path = moe_checkpoints["qwen3-moe"]
+    if arch == "qwen3-moe":
+        path = real_vocab_checkpoint("qwen3", SHARED, tmp_path_factory.getbasetemp(), QWEN3_MOE_REAL_VOCAB)
+    else:
+        path = moe_checkpoints[arch]
     messages = [{"role": "user", "content": "Once upon a time the robot read about the sea"}]
     prompt = hf_tokenizer(str(path)).apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
     ids = hf_encode(path, prompt)
@@ -77,13 +94,13 @@ def test_chat_over_http_matches_transformers(moe_checkpoints: dict[str, Path]) -
         client = openai.OpenAI(base_url=server.v1, api_key="x", max_retries=0)
         out = client.chat.completions.create(
             model=server.info()["model"], messages=messages, max_tokens=12, temperature=0, logprobs=True,
-            extra_body={"ignore_eos": True},
+            extra_body={"ignore_eos": True, "skip_special_tokens": False},
         )
         assert out.usage.prompt_tokens == len(ids) and out.usage.completion_tokens == 12
         got = [t.logprob for t in out.choices[0].logprobs.content]
         assert max(abs(a - b) for a, b in zip(got, expected_logprobs, strict=True)) < 1e-4
         # The text, but for a trailing partial UTF-8 character the server holds back.
-        text = hf_tokenizer(str(path)).decode(expected, skip_special_tokens=True)
+        text = hf_tokenizer(str(path)).decode(expected, skip_special_tokens=False)
         content = out.choices[0].message.content
         assert text.startswith(content) and len(content) >= len(text.rstrip("\ufffd"))
     finally:
@@ -97,9 +114,13 @@ def test_tp2_equals_tp1(arch: str, moe_checkpoints: dict[str, Path]) -> None:
 
 
 def test_grouped_matmul_forms_agree() -> None:
-    """torch's grouped matmul (aligned shapes) and the per-expert form
-    (unaligned) compute the same products; experts with no rows are skipped."""
-    from aioserve.layers.moe import grouped_matmul
+    """torch's grouped matmul (aligned shapes), the per-expert form
+    (unaligned), the masked form (CUDA graph capture) and the native kernel over packed experts (when built)
+    compute the same products; experts with no rows are skipped."""
+    from aioserve.cpu.native import cpu_kernels
+    from aioserve.layers.moe import grouped_matmul, masked_grouped_matmul, packed_grouped_matmul
+
+    kernels = cpu_kernels(wait=True)
 
     torch.manual_seed(0)
     for rows, k, n in ((10, 16, 8), (7, 6, 5)):
@@ -110,3 +131,7 @@ def test_grouped_matmul_forms_agree() -> None:
         starts = [0] + ends.tolist()[:-1]
         ref = torch.cat([x[s:e] @ w[i].T for i, (s, e) in enumerate(zip(starts, ends.tolist()))])
         torch.testing.assert_close(out, ref)
+        torch.testing.assert_close(masked_grouped_matmul(x, w.transpose(1, 2), ends), ref)  # CUDA graphs' form
+        if kernels is not None:
+            packed = [kernels.pack_linear_weight(w[i].contiguous()) for i in range(4)]
+            torch.testing.assert_close(packed_grouped_matmul(x, packed, n, ends, kernels), ref)

@@ -87,6 +87,7 @@ def build_decoder_stack(model: LlamaForCausalLM, pool: KVPool, kernels: ModuleTy
     )
     for i, layer in enumerate(model.model.decoder_layers()):
         attn, mlp = layer.self_attn, layer.mlp
+        assert isinstance(mlp, LlamaMLP)  # unsupported_reason refuses experts
         qk_norms = (attn.q_norm.weight, attn.k_norm.weight) if isinstance(attn, Qwen3Attention) else (None, None)
         stack.add_layer(
             input_norm=layer.input_layernorm.weight,

@@ -20,6 +20,7 @@ from aioserve.config import EngineConfig
 from aioserve.cpu.greedy_screen import GreedyScreen
 from aioserve.cpu.decode_stack import NativeDecodeRunner, unsupported_reason
 from aioserve.kvcache.kv_pool import KVPool
+from aioserve.layers.moe import FusedMoE
 from aioserve.models.llama import LlamaForCausalLM
 from aioserve.cpu.matmul import MatmulModule, pack_cpu_weights, tune_cpu_matmuls
 from aioserve.cpu.native import cpu_kernels
@@ -39,7 +40,9 @@ class CpuFastPaths:
         # Weights waiting to be packed for the native matmul (the kernels are building).
         self._unpacked: list[MatmulModule] = []
         matmuls = cast("list[MatmulModule]", [m for m in model.modules() if hasattr(m, "matmul_choice")])
-        if not pack_cpu_weights(matmuls, weight_dtype, dtype):
+        if pack_cpu_weights(matmuls, weight_dtype, dtype):
+            self._pack_experts()
+        else:
             for module in matmuls:  # BLAS multiplies at the math's width
                 module.weight.data = module.weight.data.to(dtype)
             self._unpacked = matmuls
@@ -57,10 +60,19 @@ class CpuFastPaths:
         takes the new decode runner)."""
         if not self._unpacked or cpu_kernels(wait=False) is None:
             return False
-        pack_cpu_weights(self._unpacked, self.weight_dtype, self.dtype)
+        if pack_cpu_weights(self._unpacked, self.weight_dtype, self.dtype):
+            self._pack_experts()
         self._unpacked = []
         self._start_native_paths()
         return True
+
+    def _pack_experts(self) -> None:
+        """A mixture of experts' stacked weights, packed per expert alike."""
+        kernels = cpu_kernels(wait=False)
+        assert kernels is not None  # the dense weights were just packed
+        for module in self.model.modules():
+            if isinstance(module, FusedMoE):
+                module.pack_for_cpu(kernels, self.weight_dtype)
 
     def _start_native_paths(self) -> None:
         self._start_native_decode()

@@ -10,6 +10,9 @@ the down projection completes it. The router runs, identically, on every rank.
 
 from __future__ import annotations
 
+from types import ModuleType
+from typing import cast
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -59,12 +62,44 @@ def _grouped_mm_fits(a: torch.Tensor, b: torch.Tensor) -> bool:
     return True
 
 
+def packed_grouped_matmul(
+    x: torch.Tensor, packed: list[torch.Tensor], features: int, ends: torch.Tensor, kernels: ModuleType
+) -> torch.Tensor:
+    """grouped_matmul's product with each expert's weight packed for the CPU's
+    native kernel (aioserve/cpu/matmul.py): one call per expert that got rows,
+    1.6-2.3x faster than torch's grouped form for 16-1024 rows over 8 experts
+    of [512, 256] on a 2-core AVX2 box."""
+    out = x.new_empty(x.shape[0], features)
+    start = 0
+    for expert, end in enumerate(ends.tolist()):
+        if end > start:
+            kernels.packed_linear(x[start:end], packed[expert], None, features, False, out[start:end])
+        start = end
+    return out
+
+
+def masked_grouped_matmul(x: torch.Tensor, b: torch.Tensor, ends: torch.Tensor) -> torch.Tensor:
+    """The grouped product without reading `ends` on the host, as a CUDA graph
+    capture needs (a decode step's few rows, where torch's grouped kernel
+    does not take the dtype or GPU): every row times every expert, each
+    product kept only for that expert's rows. E times the work."""
+    row = torch.arange(x.shape[0], device=x.device)
+    starts = torch.cat([ends.new_zeros(1), ends[:-1]])
+    out = x.new_zeros(x.shape[0], b.shape[2])
+    for expert in range(b.shape[0]):
+        mine = (row >= starts[expert]) & (row < ends[expert])
+        out += mine.unsqueeze(1).to(x.dtype) * (x @ b[expert])
+    return out
+
+
 def grouped_matmul(x: torch.Tensor, weights: torch.Tensor, ends: torch.Tensor) -> torch.Tensor:
     """Rows of `x` sorted by expert, expert e's rows ending at ends[e]; row r
     of expert e times weights[e]^T. weights: [E, N, K] -> out [rows, N]."""
     b = weights.transpose(1, 2)
     if x.shape[0] and _grouped_mm_fits(x, b):
         return F.grouped_mm(x, b, offs=ends)
+    if x.is_cuda and torch.cuda.is_current_stream_capturing():
+        return masked_grouped_matmul(x, b, ends)
     # The per-expert form (unaligned tiny shapes): one matmul for each expert
     # that received rows, none for the others.
     out = x.new_empty(x.shape[0], weights.shape[1])
@@ -90,8 +125,34 @@ class FusedMoE(nn.Module):
         self.intermediate = intermediate
         self.shard = intermediate // tp.size
         self.start = tp.rank * self.shard
+        self.hidden = hidden
         self.w13 = nn.Parameter(torch.empty(num_experts, 2 * self.shard, hidden), requires_grad=False)
         self.w2 = nn.Parameter(torch.empty(num_experts, hidden, self.shard), requires_grad=False)
+        # CPU: each expert's w13 and w2 packed for the native kernel (pack_for_cpu), in place of the stacks.
+        self.packed: tuple[list[torch.Tensor], list[torch.Tensor]] | None = None
+        self._kernels: ModuleType | None = None
+
+    def pack_for_cpu(self, kernels: ModuleType, storage_dtype: torch.dtype | None) -> None:
+        """Pack every expert's projections for the native matmul, at
+        `storage_dtype`'s width when that is narrower (the values were rounded
+        to it), and free the stacked copies. Once, after loading."""
+
+        def pack(weight: torch.Tensor) -> torch.Tensor:
+            if storage_dtype is not None and storage_dtype.itemsize < weight.dtype.itemsize:
+                weight = weight.to(storage_dtype)
+            return kernels.pack_linear_weight(weight.contiguous())
+
+        with torch.inference_mode():
+            self.packed = ([pack(w) for w in self.w13.data], [pack(w) for w in self.w2.data])
+        self._kernels = kernels
+        self.w13.data = self.w13.data.new_empty(0)
+        self.w2.data = self.w2.data.new_empty(0)
+
+    def _project(self, x: torch.Tensor, ends: torch.Tensor, gate_up: bool) -> torch.Tensor:
+        if self.packed is not None and self._kernels is not None:
+            features = 2 * self.shard if gate_up else self.hidden
+            return packed_grouped_matmul(x, self.packed[0 if gate_up else 1], features, ends, self._kernels)
+        return grouped_matmul(x, self.w13 if gate_up else self.w2, ends)
 
     def expected_shards(self, param: str) -> set[object]:
         """The shard ids that must all load into `param` (the loader's completeness check)."""
@@ -99,7 +160,7 @@ class FusedMoE(nn.Module):
         return {(e, p) for e in range(self.num_experts) for p in parts}
 
     def load_weight(self, name: str, loaded: torch.Tensor, shard: object = None) -> None:
-        expert, part = shard  # type: ignore[misc]
+        expert, part = cast("tuple[int, int]", shard)
         what = f"expert {expert} {('gate', 'up', 'down')[part]}"
         if not 0 <= expert < self.num_experts:
             raise ValueError(f"{what}: the config has {self.num_experts} experts")
@@ -124,8 +185,8 @@ class FusedMoE(nn.Module):
         ends = torch.searchsorted(sorted_ids, torch.arange(self.num_experts, device=x.device), right=True)
         ends = ends.to(torch.int32)
         rows = x.index_select(0, tokens)
-        hidden = silu_and_mul(grouped_matmul(rows, self.w13, ends))
-        out = grouped_matmul(hidden, self.w2, ends)
+        hidden = silu_and_mul(self._project(rows, ends, gate_up=True))
+        out = self._project(hidden, ends, gate_up=False)
         out = out * weights.reshape(-1)[order].unsqueeze(1).to(out.dtype)
         return all_reduce(torch.zeros_like(x).index_add_(0, tokens, out))
 
