@@ -10,6 +10,7 @@ from typing import Any
 from aioserve.tp.distributed import kv_heads_per_rank
 from aioserve.layers.rotary import RopeScaling
 from aioserve.models.moe_config import MoeConfig
+from aioserve.models.quantization import Fp8Config
 
 
 @dataclass
@@ -33,6 +34,7 @@ class ModelConfig:
     torch_dtype: str | None
     eos_token_ids: list[int] = field(default_factory=list)
     moe: MoeConfig | None = None  # mixture-of-experts models only
+    fp8: Fp8Config | None = None  # FP8-quantised checkpoints only
 
     @classmethod
     def from_dict(cls, raw: dict[str, Any], generation: dict[str, Any] | None = None) -> "ModelConfig":
@@ -67,6 +69,7 @@ class ModelConfig:
             torch_dtype=raw.get("dtype") or raw.get("torch_dtype"),
             eos_token_ids=_eos_ids(raw, generation or {}),
             moe=MoeConfig.from_dict(raw, num_layers),
+            fp8=Fp8Config.from_dict(raw.get("quantization_config")),
         )
 
     @classmethod

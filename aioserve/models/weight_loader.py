@@ -25,7 +25,9 @@ from tqdm import tqdm
 from aioserve.layers.moe import DOWN, GATE, UP
 from aioserve.tp.distributed import get_tp_group
 from aioserve.models.llama import LlamaForCausalLM
+from aioserve.models.fp8_checkpoint import FP8_DTYPE, Fp8CheckpointTensor
 from aioserve.models.model_config import ModelConfig
+from aioserve.models.quantization import ACTIVATION_SCALE_SUFFIX, WEIGHT_SCALE_SUFFIXES
 from aioserve.models.registry import model_class
 
 logger = logging.getLogger(__name__)
@@ -47,7 +49,9 @@ _EXPERT_PARTS: dict[str, tuple[str, int]] = {
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 
 
-_SAFETENSORS_DTYPES = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16}
+_SAFETENSORS_DTYPES = {
+    "F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16, "F8_E4M3": FP8_DTYPE,
+}
 
 
 class CheckpointTensor:
@@ -117,27 +121,49 @@ def _target(model: nn.Module, hf_name: str) -> tuple[nn.Module, str, object] | N
 
 def load_safetensors(model: nn.Module, config: ModelConfig, path: Path) -> set[torch.dtype]:
     """Load every checkpoint tensor into its parameter; returns the dtypes
-    the checkpoint stores them in."""
+    the checkpoint stores them in (an FP8 weight counts as the float32 it is
+    dequantised to)."""
     loaded: dict[int, set[object]] = {}  # id(parameter) -> the fused parts loaded into it
     stored: set[torch.dtype] = set()
     files = safetensors_files(path)
     quiet = len(files) < 2 or not get_tp_group().is_leader  # one bar, on rank 0
-    for file in tqdm(files, desc="loading weights", unit="file", disable=quiet):
-        with safe_open(str(file), framework="pt") as f:
-            for hf_name in f.keys():
+    with contextlib.ExitStack() as stack:
+        # Every shard open at once: an FP8 weight's scale may sit in another one.
+        handles = [stack.enter_context(safe_open(str(file), framework="pt")) for file in files]
+        owner = {name: handle for handle in handles for name in handle.keys()}
+        for handle in tqdm(handles, desc="loading weights", unit="file", disable=quiet):
+            for hf_name in handle.keys():
                 if config.tie_word_embeddings and hf_name == "lm_head.weight":
                     continue  # tied: the embedding is the head
+                if config.fp8 is not None and hf_name.endswith((*WEIGHT_SCALE_SUFFIXES, ACTIVATION_SCALE_SUFFIX)):
+                    continue  # read with their weight; activations are not quantised here
                 target = _target(model, hf_name)
                 if target is None:
                     logger.warning("ignoring checkpoint tensor %s", hf_name)
                     continue
                 module, param, shard = target
-                tensor = CheckpointTensor(f, hf_name)
+                tensor = _checkpoint_tensor(handle, hf_name, owner, config)
                 stored.add(tensor.dtype)
                 cast(_LoadsWeights, module).load_weight(param, tensor, shard)
                 loaded.setdefault(id(getattr(module, param)), set()).add(shard)
     _check_complete(model, loaded, path)
     return stored
+
+
+def _checkpoint_tensor(
+    handle: Any, hf_name: str, owner: dict[str, Any], config: ModelConfig
+) -> CheckpointTensor | Fp8CheckpointTensor:
+    """The lazy tensor a layer loads from; an FP8 weight with its scale, dequantised as it is read."""
+    tensor = CheckpointTensor(handle, hf_name)
+    if tensor.dtype != FP8_DTYPE:
+        return tensor
+    if config.fp8 is None:
+        raise ValueError(f"{hf_name} is stored in FP8 but config.json has no FP8 quantization_config")
+    base = hf_name.removesuffix("weight")
+    scale_name = next((base + s for s in WEIGHT_SCALE_SUFFIXES if base + s in owner), None)
+    if scale_name is None:
+        raise ValueError(f"the FP8 weight {hf_name} has no scale ({' or '.join(base + s for s in WEIGHT_SCALE_SUFFIXES)})")
+    return Fp8CheckpointTensor(tensor, owner[scale_name].get_tensor(scale_name), config.fp8)
 
 
 def _check_complete(model: nn.Module, loaded: dict[int, set[object]], path: Path) -> None:

@@ -1,0 +1,53 @@
+"""FP8 checkpoint weights read as the values they stand for: an e4m3 weight
+times its scale, one per tensor or one per block (`weight_block_size`,
+128 x 128 in Qwen3-FP8), dequantised to float32 as a layer reads its slice.
+The layers then hold them in the compute dtype, as an unquantised
+checkpoint's."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from aioserve.models.quantization import Fp8Config
+
+FP8_DTYPE = torch.float8_e4m3fn
+
+
+def dequantize_fp8(weight: torch.Tensor, scale: torch.Tensor, block: tuple[int, int] | None) -> torch.Tensor:
+    """float32 weight * scale: one scale (any shape of one element) or one per
+    `block` of rows x columns ([ceil(rows / br), ceil(cols / bc)]; edge
+    blocks may be partial)."""
+    values = weight.to(torch.float32)
+    scale = scale.to(torch.float32)
+    if block is None or scale.numel() == 1:
+        if scale.numel() != 1:
+            raise ValueError(f"a per-tensor FP8 scale has one element, not {tuple(scale.shape)}")
+        return values * scale.reshape(())
+    rows, cols = values.shape
+    br, bc = block
+    expected = (-(-rows // br), -(-cols // bc))
+    if tuple(scale.shape) != expected:
+        raise ValueError(f"FP8 block scales of {tuple(scale.shape)} for a [{rows}, {cols}] weight in "
+                         f"{br}x{bc} blocks (expected {expected})")
+    full = scale.repeat_interleave(br, dim=0)[:rows].repeat_interleave(bc, dim=1)[:, :cols]
+    return values * full
+
+
+class Fp8CheckpointTensor:
+    """An e4m3 CheckpointTensor and its scale, indexed like the loader's
+    CheckpointTensor (`t[a:b]`, `t[:, a:b]`, `t[:]`) but giving float32
+    values. The whole weight is read and dequantised for each slice (one
+    byte per value; a block's scale covers rows and columns a slice may cut)."""
+
+    def __init__(self, weight: Any, scale: torch.Tensor, config: Fp8Config) -> None:
+        self.name = weight.name
+        self.shape = weight.shape
+        self.dtype = torch.float32
+        self._weight = weight
+        self._scale = scale
+        self._block = config.block
+
+    def __getitem__(self, index: object) -> torch.Tensor:
+        return dequantize_fp8(self._weight[:], self._scale, self._block)[index]  # type: ignore[index]

@@ -1,0 +1,78 @@
+"""Tiny checkpoints in the FP8 layout, written by the tests: each linear
+weight quantised to e4m3 with one scale per tensor (`weight_scale`) or per
+128 x 128 block (`weight_scale_inv`, as the published Qwen3-FP8 checkpoints
+name it), the config's quantization_config saying so; and beside it the
+same model with those weights dequantised in float32 (what transformers
+runs as the oracle)."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
+
+from tiny_models import build_checkpoint
+
+E4M3_MAX = 448.0
+BLOCK = (128, 128)
+# The projections FP8 checkpoints quantise (embeddings, norms, the router and the LM head stay wide).
+QUANTISED = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+def quantize(weight: torch.Tensor, block: tuple[int, int] | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(e4m3 weight, float32 scale): one scale, or one per block (edge blocks partial)."""
+    if block is None:
+        scale = weight.abs().max().clamp(min=1e-12) / E4M3_MAX
+        return (weight / scale).to(torch.float8_e4m3fn), scale.reshape(()).float()
+    rows, cols = weight.shape
+    br, bc = block
+    grid = (-(-rows // br), -(-cols // bc))
+    padded = torch.zeros(grid[0] * br, grid[1] * bc)
+    padded[:rows, :cols] = weight
+    blocks = padded.reshape(grid[0], br, grid[1], bc)
+    scale = blocks.abs().amax(dim=(1, 3)).clamp(min=1e-12) / E4M3_MAX
+    expanded = scale.repeat_interleave(br, 0)[:rows].repeat_interleave(bc, 1)[:, :cols]
+    return (weight / expanded).to(torch.float8_e4m3fn), scale.float()
+
+
+def dequantize(q: torch.Tensor, scale: torch.Tensor, block: tuple[int, int] | None) -> torch.Tensor:
+    if block is None:
+        return q.float() * scale
+    rows, cols = q.shape
+    return q.float() * scale.repeat_interleave(block[0], 0)[:rows].repeat_interleave(block[1], 1)[:, :cols]
+
+
+def build_fp8_checkpoints(
+    name: str, root: Path, block: tuple[int, int] | None, overrides: dict | None = None
+) -> tuple[Path, Path]:
+    """(the FP8 checkpoint, its dequantised float32 twin) of tiny model `name`."""
+    source = build_checkpoint(name, root / "source", overrides=overrides)
+    fp8, reference = root / "fp8", root / "dequantised"
+    for folder in (fp8, reference):
+        shutil.copytree(source, folder)
+        for file in folder.glob("*.safetensors"):
+            file.unlink()
+    quantised: dict[str, torch.Tensor] = {}
+    wide: dict[str, torch.Tensor] = {}
+    for file in sorted(source.glob("*.safetensors")):
+        for key, tensor in load_file(file).items():
+            module = key.removesuffix(".weight").rsplit(".", 1)[-1]
+            if key.endswith(".weight") and module in QUANTISED and tensor.dim() == 2:
+                q, scale = quantize(tensor, block)
+                quantised[key] = q
+                quantised[key + ("_scale_inv" if block else "_scale")] = scale
+                wide[key] = dequantize(q, scale, block)
+            else:
+                quantised[key] = wide[key] = tensor
+    save_file(quantised, str(fp8 / "model.safetensors"), metadata={"format": "pt"})
+    save_file(wide, str(reference / "model.safetensors"), metadata={"format": "pt"})
+    config = json.loads((fp8 / "config.json").read_text())
+    config["quantization_config"] = {
+        "quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
+        **({"weight_block_size": list(block)} if block else {}),
+    }
+    (fp8 / "config.json").write_text(json.dumps(config, indent=2))
+    return fp8, reference
