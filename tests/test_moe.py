@@ -8,12 +8,12 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import openai
 import pytest
 import torch
 
-from aioserve import LLM, SamplingParams
-from hf_reference import hf_encode, hf_greedy, hf_tokenizer
+from aioserve import LLM
+from family_checks import check_chat_over_http, check_chunked_cached_preempted
+from hf_reference import hf_encode
 from test_greedy_matches_hf import PROMPTS, check_against_hf
 from test_tp_offline import check_tp2_matches_tp1
 from tiny_models import MOE_ARCHITECTURES, build_checkpoint
@@ -42,24 +42,7 @@ def test_greedy_matches_transformers(arch: str, moe_checkpoints: dict[str, Path]
 
 @pytest.mark.parametrize("arch", list(MOE_ARCHITECTURES))
 def test_chunked_prefill_prefix_cache_and_preemption(arch: str, moe_checkpoints: dict[str, Path]) -> None:
-    """A 16-token prefill budget chunks the long prompts; the second round
-    hits the prefix cache; a pool too small for all at once preempts."""
-    path = moe_checkpoints[arch]
-    prompts = [hf_encode(path, p) for p in PROMPTS[1:3]] + [list(range(20 + i, 60 + i)) for i in range(4)]
-    params = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
-    expected = [hf_greedy(path, p, 16)[0] for p in prompts]
-    llm = LLM(str(path), page_size=4, max_prefill_tokens=16, num_pages=40, decode_reserve_tokens=4)
-    try:
-        first = llm.generate(prompts, params)
-        assert [o.token_ids for o in first] == expected
-        assert llm.stats.preemptions > 0
-        for _ in range(2):  # the second time from the prefix cache
-            again = llm.generate(prompts[:1], params)[0]
-            assert again.token_ids == expected[0]
-        assert again.num_cached_tokens >= 16
-        llm.scheduler.check_integrity()
-    finally:
-        llm.close()
+    check_chunked_cached_preempted(moe_checkpoints[arch])
 
 
 # Qwen3-MoE with Qwen3's real tokenizer and chat template (thinking markup and all).
@@ -79,32 +62,12 @@ def test_chat_over_http_matches_transformers(
     with the tiny ChatML one."""
     from conftest import SHARED
     from real_vocab_models import real_vocab_checkpoint
-    from server_harness import start_server
 
     if arch == "qwen3-moe":
         path = real_vocab_checkpoint("qwen3", SHARED, tmp_path_factory.getbasetemp(), QWEN3_MOE_REAL_VOCAB)
     else:
         path = moe_checkpoints[arch]
-    messages = [{"role": "user", "content": "Once upon a time the robot read about the sea"}]
-    prompt = hf_tokenizer(str(path)).apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
-    ids = hf_encode(path, prompt)
-    expected, expected_logprobs = hf_greedy(path, ids, 12)
-    server = start_server(path, "--page-size", "4")
-    try:
-        client = openai.OpenAI(base_url=server.v1, api_key="x", max_retries=0)
-        out = client.chat.completions.create(
-            model=server.info()["model"], messages=messages, max_tokens=12, temperature=0, logprobs=True,
-            extra_body={"ignore_eos": True, "skip_special_tokens": False},
-        )
-        assert out.usage.prompt_tokens == len(ids) and out.usage.completion_tokens == 12
-        got = [t.logprob for t in out.choices[0].logprobs.content]
-        assert max(abs(a - b) for a, b in zip(got, expected_logprobs, strict=True)) < 1e-4
-        # The text, but for a trailing partial UTF-8 character the server holds back.
-        text = hf_tokenizer(str(path)).decode(expected, skip_special_tokens=False)
-        content = out.choices[0].message.content
-        assert text.startswith(content) and len(content) >= len(text.rstrip("\ufffd"))
-    finally:
-        server.stop()
+    check_chat_over_http(path, [{"role": "user", "content": "Once upon a time the robot read about the sea"}])
 
 
 @pytest.mark.parametrize("arch", list(MOE_ARCHITECTURES))

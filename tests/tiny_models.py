@@ -11,6 +11,7 @@ bias and Qwen3's q/k norms.
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -87,7 +88,83 @@ MOE_ARCHITECTURES: dict[str, tuple[str, dict, dict]] = {
 }
 
 
-def build_tokenizer(folder: Path, vocab_size: int = 320) -> int:
+# Gemma 3's chat template as published with its checkpoints: a system
+# message folded into the first user turn, "model" for the assistant, roles
+# that must alternate.
+GEMMA3_TEMPLATE = (
+    "{{ bos_token }}"
+    "{%- if messages[0]['role'] == 'system' -%}"
+    "{%- if messages[0]['content'] is string -%}"
+    "{%- set first_user_prefix = messages[0]['content'] + '\n\n' -%}"
+    "{%- else -%}"
+    "{%- set first_user_prefix = messages[0]['content'][0]['text'] + '\n\n' -%}"
+    "{%- endif -%}"
+    "{%- set loop_messages = messages[1:] -%}"
+    "{%- else -%}"
+    "{%- set first_user_prefix = \"\" -%}"
+    "{%- set loop_messages = messages -%}"
+    "{%- endif -%}"
+    "{%- for message in loop_messages -%}"
+    "{%- if (message['role'] == 'user') != (loop.index0 % 2 == 0) -%}"
+    "{{ raise_exception(\"Conversation roles must alternate user/assistant/user/assistant/...\") }}"
+    "{%- endif -%}"
+    "{%- if (message['role'] == 'assistant') -%}"
+    "{%- set role = \"model\" -%}"
+    "{%- else -%}"
+    "{%- set role = message['role'] -%}"
+    "{%- endif -%}"
+    "{{ '<start_of_turn>' + role + '\n' + (first_user_prefix if loop.first else \"\") }}"
+    "{%- if message['content'] is string -%}"
+    "{{ message['content'] | trim }}"
+    "{%- elif message['content'] is iterable -%}"
+    "{%- for item in message['content'] -%}"
+    "{%- if item['type'] == 'image' -%}"
+    "{{ '<start_of_image>' }}"
+    "{%- elif item['type'] == 'text' -%}"
+    "{{ item['text'] | trim }}"
+    "{%- endif -%}"
+    "{%- endfor -%}"
+    "{%- else -%}"
+    "{{ raise_exception(\"Invalid content type\") }}"
+    "{%- endif -%}"
+    "{{ '<end_of_turn>\n' }}"
+    "{%- endfor -%}"
+    "{%- if add_generation_prompt -%}"
+    "{{'<start_of_turn>model\n'}}"
+    "{%- endif -%}"
+)
+
+
+@dataclass(frozen=True)
+class ChatFormat:
+    """A tokenizer's special tokens (in vocabulary order), its EOS and BOS and chat template."""
+
+    specials: tuple[str, ...]
+    eos: str
+    bos: str | None
+    template: str
+
+
+CHATML = ChatFormat(tuple(SPECIAL_TOKENS), "<|im_end|>", None, CHATML_TEMPLATE)
+GEMMA3_CHAT = ChatFormat(("<pad>", "<eos>", "<bos>", "<start_of_turn>", "<end_of_turn>"), "<end_of_turn>", "<bos>", GEMMA3_TEMPLATE)
+
+# Gemma 3 (text), built on demand by its tests: sliding layers around a
+# global one with a window shorter than the test prompts, a softmax scale
+# that is not head_dim's, linear rope scaling on the global layer only,
+# soft-capped logits and Gemma's chat template.
+GEMMA3 = (
+    "Gemma3TextConfig",
+    {"head_dim": 32, "num_hidden_layers": 3, "sliding_window": 12, "query_pre_attn_scalar": 24,
+     "layer_types": ["sliding_attention", "full_attention", "sliding_attention"],
+     "rope_parameters": {"full_attention": {"rope_type": "linear", "factor": 4.0, "rope_theta": 1_000_000.0},
+                         "sliding_attention": {"rope_type": "default", "rope_theta": 10_000.0}},
+     "final_logit_softcapping": 5.0, "tie_word_embeddings": True},
+    {},
+)
+MODEL_CLASSES = {"Gemma3TextConfig": "Gemma3ForCausalLM"}  # where the name is not the config's with ForCausalLM
+
+
+def build_tokenizer(folder: Path, vocab_size: int = 320, chat: ChatFormat = CHATML) -> int:
     """Train a byte-level BPE on CORPUS and save it with a chat template;
     returns the vocabulary size."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
@@ -97,7 +174,7 @@ def build_tokenizer(folder: Path, vocab_size: int = 320) -> int:
     tokenizer.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
         vocab_size=vocab_size,
-        special_tokens=SPECIAL_TOKENS,
+        special_tokens=list(chat.specials),
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
@@ -108,10 +185,10 @@ def build_tokenizer(folder: Path, vocab_size: int = 320) -> int:
         json.dumps(
             {
                 "tokenizer_class": "PreTrainedTokenizerFast",
-                "eos_token": "<|im_end|>",
-                "pad_token": "<|endoftext|>",
-                "bos_token": None,
-                "chat_template": CHATML_TEMPLATE,
+                "eos_token": chat.eos,
+                "pad_token": chat.specials[0],
+                "bos_token": chat.bos,
+                "chat_template": chat.template,
                 "model_max_length": TINY["max_position_embeddings"],
             }
         )
@@ -124,15 +201,24 @@ def build_checkpoint(name: str, folder: Path, seed: int = 0, overrides: dict | N
     with `overrides` on its config fields (other shapes of the same family)."""
     import transformers
 
-    config_class, extra, save_options = {**ARCHITECTURES, **MOE_ARCHITECTURES}[name]
+    config_class, extra, save_options = {**ARCHITECTURES, **MOE_ARCHITECTURES, "gemma3": GEMMA3}[name]
     from tokenizers import Tokenizer
 
-    vocab = build_tokenizer(folder)
-    eos = Tokenizer.from_file(str(folder / "tokenizer.json")).token_to_id("<|im_end|>")
+    chat = GEMMA3_CHAT if name == "gemma3" else CHATML
+    vocab = build_tokenizer(folder, chat=chat)
+    trained = Tokenizer.from_file(str(folder / "tokenizer.json"))
+    eos = trained.token_to_id(chat.eos)
+    bos = trained.token_to_id(chat.bos) if chat.bos else None
     fields = {**TINY, **extra, **(overrides or {})}
     # A few embedding rows beyond the tokenizer, as real checkpoints often have.
-    config = getattr(transformers, config_class)(vocab_size=vocab + 8, eos_token_id=eos, bos_token_id=None, **fields)
+    config = getattr(transformers, config_class)(vocab_size=vocab + 8, eos_token_id=eos, bos_token_id=bos, **fields)
     torch.manual_seed(seed)
-    model = getattr(transformers, config_class.replace("Config", "ForCausalLM"))(config).eval()
+    model_class = MODEL_CLASSES.get(config_class, config_class.replace("Config", "ForCausalLM"))
+    model = getattr(transformers, model_class)(config).eval()
+    if name == "gemma3":  # its norms start at w = 0, a multiplier of 1 + w: make the 1 + w matter
+        with torch.no_grad():
+            for param_name, param in model.named_parameters():
+                if param_name.endswith("norm.weight"):
+                    param.normal_(0.0, 0.3)
     model.save_pretrained(folder, safe_serialization=True, **save_options)
     return folder

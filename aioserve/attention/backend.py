@@ -77,3 +77,4 @@ class AttentionShape:
     head_dim: int
     sliding_windows: tuple[int | None, ...]  # per layer; None = full attention
     q_dtype: torch.dtype
+    sm_scale: float | None = None  # every layer's softmax scale; None: head_dim ** -0.5

@@ -108,7 +108,7 @@ class FlashInferBackend(AttentionBackend):
         self.fi: ModuleType = fi
         self.pool = pool
         self.shape = shape
-        self.sm_scale = shape.head_dim**-0.5  # what every supported model uses
+        self.sm_scale = shape.sm_scale or shape.head_dim**-0.5  # planned once: every layer uses it
         device = pool.buffer.device
         self.on_cuda = device.type == "cuda"
         # One float workspace for every wrapper: the wrappers of a step run one

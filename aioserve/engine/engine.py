@@ -55,7 +55,7 @@ class Engine:
         self.pool = KVPool(mc.num_layers, self.num_pages, self.page_size, kv_heads, mc.head_dim, self.kv_dtype, self.device)
         self.attention_shape = AttentionShape(
             num_qo_heads=mc.num_heads // self.tp.size, num_kv_heads=kv_heads, head_dim=mc.head_dim,
-            sliding_windows=tuple(mc.sliding_windows), q_dtype=self.dtype,
+            sliding_windows=tuple(mc.sliding_windows), q_dtype=self.dtype, sm_scale=mc.attention_scale,
         )
         self.attention = create_backend(config.attention_backend, self.pool, self.attention_shape)
         # Decode-only steps run as one captured unit where they can: CUDA

@@ -1,4 +1,4 @@
-"""SwiGLU activation over a fused [gate | up] projection."""
+"""Gated activations over a fused [gate | up] projection: SwiGLU and GeGLU."""
 
 from __future__ import annotations
 
@@ -18,3 +18,9 @@ def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
         return fused.activation.silu_and_mul(gate_up)
     gate, up = gate_up.chunk(2, dim=-1)
     return F.silu(gate) * up
+
+
+def gelu_tanh_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """GeGLU (Gemma): gelu(gate), tanh-approximated, times up, over a fused [gate | up]."""
+    gate, up = gate_up.chunk(2, dim=-1)
+    return F.gelu(gate, approximate="tanh") * up

@@ -29,7 +29,7 @@ class LlamaAttention(nn.Module):
         super().__init__()
         self.layer_id = layer_id
         self.head_dim = config.head_dim
-        self.scale = config.head_dim**-0.5
+        self.scale = config.attention_scale
         self.sliding_window = config.sliding_windows[layer_id]
         bias = config.attention_bias or self.qkv_bias_default
         self.qkv_proj = QKVParallelLinear(

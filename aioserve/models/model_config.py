@@ -34,6 +34,11 @@ class ModelConfig:
     torch_dtype: str | None
     eos_token_ids: list[int] = field(default_factory=list)
     moe: MoeConfig | None = None  # mixture-of-experts models only
+    attention_scale: float = 0.0  # the softmax scale: head_dim ** -0.5, or Gemma's query_pre_attn_scalar ** -0.5
+    # The sliding-window layers' own rope (Gemma 3: theta 10k, unscaled) where it differs from the global one.
+    local_rope: tuple[float, RopeScaling] | None = None
+    final_logit_softcapping: float | None = None  # logits = c * tanh(logits / c)
+    hidden_act: str = "silu"
     fp8: Fp8Config | None = None  # FP8-quantised checkpoints only
 
     @classmethod
@@ -45,10 +50,14 @@ class ModelConfig:
         num_heads = raw["num_attention_heads"]
         num_layers = raw["num_hidden_layers"]
         model_type = raw.get("model_type", "")
-        rope = raw.get("rope_parameters") or raw.get("rope_scaling") or {}
-        rope_type = rope.get("rope_type") or rope.get("type") or "default"
-        theta = rope.get("rope_theta") or raw.get("rope_theta") or 10000.0
-        scaling_params = {k: v for k, v in rope.items() if k not in ("rope_type", "type", "rope_theta")}
+        theta, rope_scaling = _rope(raw, "full_attention")
+        layered_rope = raw.get("rope_local_base_freq") is not None or "sliding_attention" in (
+            raw.get("rope_parameters") or {}
+        )
+        head_dim = raw.get("head_dim") or raw["hidden_size"] // num_heads
+        scalar = raw.get("query_pre_attn_scalar")
+        if raw.get("attn_logit_softcapping"):
+            raise ValueError(f"{arch}: attention logit softcapping (attn_logit_softcapping) is not supported")
         return cls(
             architecture=arch,
             model_type=model_type,
@@ -58,10 +67,10 @@ class ModelConfig:
             num_layers=num_layers,
             num_heads=num_heads,
             num_kv_heads=raw.get("num_key_value_heads") or num_heads,
-            head_dim=raw.get("head_dim") or raw["hidden_size"] // num_heads,
+            head_dim=head_dim,
             rms_norm_eps=raw.get("rms_norm_eps", 1e-6),
-            rope_theta=float(theta),
-            rope_scaling=RopeScaling(rope_type, scaling_params),
+            rope_theta=theta,
+            rope_scaling=rope_scaling,
             max_position_embeddings=raw.get("max_position_embeddings", 2048),
             tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
             attention_bias=bool(raw.get("attention_bias", False)),
@@ -70,6 +79,10 @@ class ModelConfig:
             eos_token_ids=_eos_ids(raw, generation or {}),
             moe=MoeConfig.from_dict(raw, num_layers),
             fp8=Fp8Config.from_dict(raw.get("quantization_config")),
+            attention_scale=float(scalar or head_dim) ** -0.5,
+            local_rope=_rope(raw, "sliding_attention") if layered_rope else None,
+            final_logit_softcapping=raw.get("final_logit_softcapping"),
+            hidden_act=raw.get("hidden_activation") or raw.get("hidden_act") or "silu",
         )
 
     @classmethod
@@ -84,6 +97,29 @@ class ModelConfig:
         """KV heads each tensor-parallel rank holds (replicated when there
         are fewer KV heads than ranks)."""
         return kv_heads_per_rank(self.num_kv_heads, tp_size)
+
+
+def _rope(raw: dict[str, Any], layer_type: str) -> tuple[float, RopeScaling]:
+    """(theta, scaling) of the rope for one layer type. Most models have one
+    rope (`rope_parameters`, or the older `rope_theta` and `rope_scaling`);
+    Gemma 3 has one per layer type: `rope_parameters` keyed by layer type,
+    or in older configs `rope_theta` and `rope_scaling` for the global layers
+    and `rope_local_base_freq`, unscaled, for the sliding ones."""
+    parameters = raw.get("rope_parameters") or {}
+    local = layer_type == "sliding_attention"
+    if "full_attention" in parameters or "sliding_attention" in parameters:
+        rope = parameters.get(layer_type) or {}
+    elif local:
+        rope = {}  # the older Gemma 3 form: no scaling on the sliding layers
+    else:
+        rope = parameters or raw.get("rope_scaling") or {}
+    gemma3 = str(raw.get("model_type", "")).startswith("gemma3")
+    default = (10000.0 if local else 1_000_000.0) if gemma3 else 10000.0  # transformers' defaults
+    fallback = raw.get("rope_local_base_freq") if local else raw.get("rope_theta")
+    theta = rope.get("rope_theta") or fallback or default
+    kind = rope.get("rope_type") or rope.get("type") or "default"
+    params = {k: v for k, v in rope.items() if k not in ("rope_type", "type", "rope_theta")}
+    return float(theta), RopeScaling(kind, params)
 
 
 def _as_list(value: Any) -> list[int]:
@@ -114,6 +150,10 @@ def _sliding_windows(raw: dict[str, Any], arch: str, num_layers: int) -> list[in
     layer_types = raw.get("layer_types")
     if layer_types:
         return [window if t == "sliding_attention" else None for t in layer_types]
+    if str(raw.get("model_type", "")).startswith("gemma3"):
+        # Older Gemma 3 configs: every `sliding_window_pattern`-th layer is global.
+        pattern = raw.get("sliding_window_pattern") or 6
+        return [window if (i + 1) % pattern else None for i in range(num_layers)]
     if arch.startswith("Qwen"):
         if not raw.get("use_sliding_window", False):
             return [None] * num_layers

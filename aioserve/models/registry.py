@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from aioserve.models.gemma3 import Gemma3ForCausalLM
 from aioserve.models.llama import LlamaForCausalLM, MistralForCausalLM
 from aioserve.models.mixtral import MixtralForCausalLM
 from aioserve.models.model_config import ModelConfig
@@ -10,6 +11,7 @@ from aioserve.models.qwen3 import Qwen3ForCausalLM
 from aioserve.models.qwen3_moe import Qwen3MoeForCausalLM
 
 MODEL_CLASSES: dict[str, type[LlamaForCausalLM]] = {
+    "Gemma3ForCausalLM": Gemma3ForCausalLM,
     "LlamaForCausalLM": LlamaForCausalLM,
     "MistralForCausalLM": MistralForCausalLM,
     "MixtralForCausalLM": MixtralForCausalLM,

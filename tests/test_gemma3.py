@@ -1,0 +1,112 @@
+"""Gemma 3 (text) on a tiny random checkpoint: sliding layers (window 12,
+shorter than most test prompts) around a global one, per-layer-type rope,
+a softmax scale from query_pre_attn_scalar, (1 + w) norms with w far from
+zero, soft-capped logits and Gemma's chat template. Greedy equals
+transformers token for token through the offline API and over HTTP; chunked
+prefill, prefix-cache hits and preemption give the same tokens; tp 2 equals
+tp 1; the FlashInfer backend (the CPU fake, window_left per layer) equals
+the torch one; older configs' rope and layer pattern are read as
+transformers reads them."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from aioserve import LLM
+from aioserve.models.model_config import ModelConfig
+from family_checks import check_chat_over_http, check_chunked_cached_preempted
+from hf_reference import hf_encode
+from test_greedy_matches_hf import PROMPTS, check_against_hf
+from test_tp_offline import check_tp2_matches_tp1
+from tiny_models import build_checkpoint
+
+WINDOW = 12
+
+
+@pytest.fixture(scope="module")
+def gemma3(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return build_checkpoint("gemma3", tmp_path_factory.mktemp("gemma3") / "gemma3")
+
+
+def test_greedy_matches_transformers(gemma3: Path) -> None:
+    prompts = [hf_encode(gemma3, p) for p in PROMPTS]
+    assert sum(len(p) > 2 * WINDOW for p in prompts) >= 2  # the window cuts into them
+    llm = LLM(str(gemma3), page_size=4)
+    try:
+        config = llm.engine.model_config
+        assert config.sliding_windows == [WINDOW, None, WINDOW]
+        assert config.attention_scale == 24**-0.5
+        check_against_hf(gemma3, llm, prompts)
+    finally:
+        llm.close()
+
+
+def test_chunked_prefill_prefix_cache_and_preemption(gemma3: Path) -> None:
+    check_chunked_cached_preempted(gemma3)
+
+
+def test_chat_over_http_with_gemma_template(gemma3: Path) -> None:
+    """A system message folded into the first user turn, an earlier model turn."""
+    check_chat_over_http(gemma3, [
+        {"role": "system", "content": "You tell stories about robots."},
+        {"role": "user", "content": "Once upon a time"},
+        {"role": "assistant", "content": "the robot read about the sea."},
+        {"role": "user", "content": "And then?"},
+    ])
+
+
+def test_roles_that_do_not_alternate_are_a_400(gemma3: Path) -> None:
+    """Gemma's template refuses them (raise_exception): a client error, not a 500."""
+    import httpx
+    from server_harness import start_server
+
+    server = start_server(gemma3, "--page-size", "4")
+    try:
+        body = {"model": server.info()["model"], "max_tokens": 4,
+                "messages": [{"role": "user", "content": "a"}, {"role": "user", "content": "b"}]}
+        response = httpx.post(f"{server.v1}/chat/completions", json=body, timeout=30)
+        assert response.status_code == 400
+        error = response.json()["error"]
+        assert "alternate" in error["message"] and error["type"] == "invalid_request_error"
+    finally:
+        server.stop()
+
+
+def test_tp2_equals_tp1(gemma3: Path) -> None:
+    check_tp2_matches_tp1(gemma3)
+
+
+def test_flashinfer_backend_honours_each_layers_window(tmp_path: Path) -> None:
+    """The fake FlashInfer (its head dims only: 64) planned with the model's
+    softmax scale, each layer running with its own window_left."""
+    from test_flashinfer_backend import TEXTS, _run
+
+    model = build_checkpoint("gemma3", tmp_path / "gemma3-64", overrides={"head_dim": 64})
+    prompts = [hf_encode(model, t) for t in TEXTS]
+    options = dict(page_size=4, max_prefill_tokens=16, dtype="float32")
+    reference = _run(model, prompts, fake=False, graphs=False, **options)
+    assert _run(model, prompts, fake=True, graphs=False, **options) == reference
+
+
+def test_older_config_form() -> None:
+    """Hub configs written before transformers 5: rope_theta and rope_scaling
+    for the global layers, rope_local_base_freq for the sliding ones, every
+    sliding_window_pattern-th layer global."""
+    raw = {
+        "architectures": ["Gemma3ForCausalLM"], "model_type": "gemma3_text", "vocab_size": 262144,
+        "hidden_size": 1152, "intermediate_size": 6912, "num_hidden_layers": 8, "num_attention_heads": 4,
+        "num_key_value_heads": 1, "head_dim": 256, "query_pre_attn_scalar": 256, "sliding_window": 512,
+        "sliding_window_pattern": 6, "rope_theta": 1000000, "rope_local_base_freq": 10000,
+        "rope_scaling": {"rope_type": "linear", "factor": 8.0}, "final_logit_softcapping": None,
+        "attn_logit_softcapping": None, "hidden_activation": "gelu_pytorch_tanh",
+    }
+    config = ModelConfig.from_dict(raw)
+    assert config.sliding_windows == [512] * 5 + [None] + [512] * 2
+    assert (config.rope_theta, config.rope_scaling.rope_type, config.rope_scaling.params) == (1e6, "linear", {"factor": 8.0})
+    assert config.local_rope is not None
+    theta, scaling = config.local_rope
+    assert (theta, scaling.rope_type) == (10000.0, "default")
+    with pytest.raises(ValueError, match="attn_logit_softcapping"):
+        ModelConfig.from_dict({**raw, "attn_logit_softcapping": 50.0})
