@@ -111,3 +111,104 @@ def test_fp8_weight_without_its_scale_is_refused(fp8_checkpoints: dict[str, tupl
     save_file(tensors, str(folder / "model.safetensors"), metadata={"format": "pt"})
     with pytest.raises(ValueError, match="o_proj.weight has no scale"):
         LLM(str(folder))
+
+
+def _linears(model: torch.nn.Module) -> dict[str, torch.nn.Module]:
+    from aioserve.layers.linear import ColumnParallelLinear, RowParallelLinear
+
+    return {n: m for n, m in model.named_modules() if isinstance(m, (ColumnParallelLinear, RowParallelLinear))}
+
+
+def test_weights_held_in_fp8_are_the_checkpoints_and_multiply_like_the_dequantised(
+    fp8_checkpoints: dict[str, tuple[Path, Path]],
+) -> None:
+    """The CUDA path's layers (layers/fp8_linear.py), built on the CPU (whose
+    torch._scaled_mm takes row-wise scales too): every linear layer holds the
+    checkpoint's e4m3 bytes and its per-tensor scale on every row, and
+    multiplies within FP8's error of the dequantised layer."""
+    from safetensors.torch import load_file
+
+    from aioserve.models.model_config import ModelConfig
+    from aioserve.models.weight_loader import build_model
+
+    fp8, _ = fp8_checkpoints["qwen3-per-tensor"]
+    config = ModelConfig.from_path(fp8)
+    cpu = torch.device("cpu")
+    held = build_model(config, fp8, torch.float32, cpu, "auto", 0, fp8_matmul="force")
+    wide = build_model(config, fp8, torch.float32, cpu, "auto", 0, fp8_matmul="off")
+    tensors = load_file(fp8 / "model.safetensors")
+    prefix = "model.layers.0.self_attn."
+    qkv = held.get_submodule(prefix + "qkv_proj")
+    raw = torch.cat([tensors[prefix + p + "_proj.weight"] for p in "qkv"])
+    assert qkv.weight.dtype == torch.float8_e4m3fn and torch.equal(qkv.weight.view(torch.uint8), raw.view(torch.uint8))
+    scales = torch.cat([tensors[prefix + p + "_proj.weight_scale"].expand(tensors[prefix + p + "_proj.weight"].shape[0])
+                        for p in "qkv"])
+    assert torch.equal(qkv.weight_scale, scales)
+    torch.manual_seed(0)
+    layers, references = _linears(held), _linears(wide)
+    assert len(layers) == 4 * config.num_layers
+    for name, layer in layers.items():
+        assert layer.weight.dtype == torch.float8_e4m3fn, name
+        reference = references[name]
+        assert reference.weight_scale is None and reference.weight.dtype == torch.float32
+        inputs = torch.randn(5, reference.weight.shape[1])
+        expected = torch.nn.functional.linear(inputs, reference.weight)
+        error = (layer(inputs) - expected).abs().max() / expected.abs().max()
+        assert error < 0.08, f"{name}: {error}"
+
+
+def test_a_wide_layer_in_an_fp8_checkpoint_is_quantised_per_row(
+    fp8_checkpoints: dict[str, tuple[Path, Path]], tmp_path: Path
+) -> None:
+    from safetensors.torch import load_file, save_file
+
+    from aioserve.models.model_config import ModelConfig
+    from aioserve.models.weight_loader import build_model
+
+    fp8, reference = fp8_checkpoints["qwen3-per-tensor"]
+    folder = tmp_path / "one-wide"
+    shutil.copytree(fp8, folder)
+    tensors = load_file(folder / "model.safetensors")
+    name = "model.layers.1.mlp.down_proj.weight"
+    tensors[name] = load_file(reference / "model.safetensors")[name]
+    del tensors[name + "_scale"]
+    save_file(tensors, str(folder / "model.safetensors"), metadata={"format": "pt"})
+    model = build_model(ModelConfig.from_path(folder), folder, torch.float32, torch.device("cpu"), "auto", 0,
+                        fp8_matmul="force")
+    down = model.get_submodule("model.layers.1.mlp.down_proj")
+    wide = tensors[name]
+    assert torch.allclose(down.weight_scale, wide.abs().amax(dim=1) / 448)
+    restored = down.weight.float() * down.weight_scale[:, None]
+    assert (restored - wide).abs().max() <= 0.07 * wide.abs().max()
+
+
+@pytest.mark.gpu
+def test_fp8_matmuls_on_cuda(fp8_checkpoints: dict[str, tuple[Path, Path]]) -> None:
+    """On a GPU whose scaled matmul takes row-wise scales (Hopper on), the
+    per-tensor checkpoint's linear layers multiply in FP8; its prompt
+    logprobs stay within FP8's error of the dequantised checkpoint's, and
+    greedy decoding runs (CUDA graphs included). Block scales: dequantised."""
+    fp8, reference = fp8_checkpoints["qwen3-per-tensor"]
+    if torch.cuda.get_device_capability() < (9, 0):
+        pytest.skip("row-wise scaled FP8 GEMMs need compute capability 9.0")
+    prompt = hf_encode(reference, PROMPTS[4])
+    params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True, prompt_logprobs=0)
+    results = []
+    for path in (fp8, reference):
+        llm = LLM(str(path), page_size=16, dtype="bfloat16")
+        try:
+            held = [m for m in _linears(llm.engine.model).values() if m.weight_scale is not None]
+            assert len(held) == (4 * llm.engine.model_config.num_layers if path == fp8 else 0)
+            out = llm.generate([prompt], params)[0]
+            results.append([entry[0] for entry in out.prompt_logprobs if entry is not None])
+            assert len(out.token_ids) == 8
+        finally:
+            llm.close()
+    got, expected = (torch.tensor(r) for r in results)
+    assert (got - expected).abs().mean() < 0.1
+    block, _ = fp8_checkpoints["qwen3-moe-block"]
+    llm = LLM(str(block), page_size=16, dtype="bfloat16")
+    try:
+        assert not any(m.weight_scale is not None for m in _linears(llm.engine.model).values())
+    finally:
+        llm.close()

@@ -19,6 +19,7 @@ from torch import nn
 
 from aioserve.tp.distributed import all_reduce, get_tp_group, kv_heads_per_rank, shard_range
 from aioserve.cpu.matmul import MatmulChoice, cpu_matmul
+from aioserve.layers.fp8_linear import FP8, scaled_fp8_linear
 
 
 def linear(
@@ -28,10 +29,14 @@ def linear(
     choice: MatmulChoice | None = None,
     float_out: bool = False,
     out: torch.Tensor | None = None,
+    weight_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """x W^T (+ b). On CPU by the form tuned for this weight, or its packed
     kernel (cpu_matmul.py). `float_out`: float32 is welcome; `out`: a
-    destination the packed kernel may write into (both: see cpu_matmul)."""
+    destination the packed kernel may write into (both: see cpu_matmul).
+    An FP8 weight comes with its rows' `weight_scale` (fp8_linear.py)."""
+    if weight_scale is not None:
+        return scaled_fp8_linear(x, weight, weight_scale, bias)
     if x.device.type != "cpu":
         return F.linear(x, weight, bias)
     if x.dim() != 2:
@@ -47,9 +52,26 @@ def _check_full(loaded: torch.Tensor, dim: int, expected: int, what: str) -> Non
 
 
 def _weight_or_bias(layer: nn.Module, name: str) -> nn.Parameter:
-    """The parameter a checkpoint tensor loads into; a checkpoint holds a bias
-    only for layers the config builds with one."""
-    return cast(nn.Parameter, layer.weight if name == "weight" else layer.bias)
+    """The parameter a checkpoint tensor loads into (weight, bias, or an FP8
+    weight's per-row weight_scale); a checkpoint holds a bias only for layers
+    the config builds with one."""
+    return cast(nn.Parameter, getattr(layer, name))
+
+
+class _Fp8Capable(nn.Module):
+    """A linear layer whose weight may be held in FP8 with a scale per row."""
+
+    weight: nn.Parameter
+    weight_scale: nn.Parameter | None
+
+    def use_fp8_weight(self) -> None:
+        """Hold the weight in e4m3 and its rows' scales (loaded beside it, as
+        the bias is: the same rows of the same shards); before loading."""
+        self.weight = nn.Parameter(torch.empty(self.weight.shape, dtype=FP8, device=self.weight.device),
+                                   requires_grad=False)
+        self.weight_scale = nn.Parameter(
+            torch.empty(self.weight.shape[0], dtype=torch.float32, device=self.weight.device), requires_grad=False
+        )
 
 
 def _copy_checked(param: torch.Tensor, loaded: torch.Tensor, what: str) -> None:
@@ -59,7 +81,7 @@ def _copy_checked(param: torch.Tensor, loaded: torch.Tensor, what: str) -> None:
     param.data.copy_(loaded)
 
 
-class ColumnParallelLinear(nn.Module):
+class ColumnParallelLinear(_Fp8Capable):
     """y = x W^T + b with W's rows (output features) split over ranks."""
 
     def __init__(self, in_features: int, out_features: int, bias: bool = False) -> None:
@@ -68,6 +90,7 @@ class ColumnParallelLinear(nn.Module):
         self.out_start, out_end = shard_range(out_features)
         self.weight = nn.Parameter(torch.empty(out_end - self.out_start, in_features), requires_grad=False)
         self.bias = nn.Parameter(torch.empty(out_end - self.out_start), requires_grad=False) if bias else None
+        self.register_parameter("weight_scale", None)  # an FP8 weight's rows' scales (use_fp8_weight)
         self.matmul_choice: MatmulChoice | None = None  # set by tune_cpu_matmuls or pack_cpu_weights
 
     def load_weight(self, name: str, loaded: torch.Tensor, shard: object = None) -> None:
@@ -77,7 +100,7 @@ class ColumnParallelLinear(nn.Module):
         _copy_checked(target, loaded[self.out_start : self.out_start + rows], name)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return linear(x, self.weight, self.bias, self.matmul_choice)
+        return linear(x, self.weight, self.bias, self.matmul_choice, weight_scale=self.weight_scale)
 
 
 class MergedColumnParallelLinear(ColumnParallelLinear):
@@ -129,6 +152,7 @@ class QKVParallelLinear(ColumnParallelLinear):
         self.q_head_start = tp.rank * self.num_heads
         self.weight = nn.Parameter(torch.empty(out, hidden), requires_grad=False)
         self.bias = nn.Parameter(torch.empty(out), requires_grad=False) if bias else None
+        self.register_parameter("weight_scale", None)  # an FP8 weight's rows' scales (use_fp8_weight)
         self.matmul_choice: MatmulChoice | None = None
 
     @property
@@ -153,7 +177,7 @@ class QKVParallelLinear(ColumnParallelLinear):
         _copy_checked(target[offset : offset + size], loaded[first_head * d : first_head * d + size], f"{name}[{shard}]")
 
 
-class RowParallelLinear(nn.Module):
+class RowParallelLinear(_Fp8Capable):
     """y = x W^T + b with W's columns (input features) split over ranks; the
     partial products are summed across ranks, then the bias is added once."""
 
@@ -163,10 +187,11 @@ class RowParallelLinear(nn.Module):
         self.in_start, in_end = shard_range(in_features)
         self.weight = nn.Parameter(torch.empty(out_features, in_end - self.in_start), requires_grad=False)
         self.bias = nn.Parameter(torch.empty(out_features), requires_grad=False) if bias else None
+        self.register_parameter("weight_scale", None)  # an FP8 weight's rows' scales (use_fp8_weight)
         self.matmul_choice: MatmulChoice | None = None
 
     def load_weight(self, name: str, loaded: torch.Tensor, shard: object = None) -> None:
-        if name == "bias":
+        if name in ("bias", "weight_scale"):  # over the output rows, which this layer does not split
             _copy_checked(_weight_or_bias(self, name), loaded[:], name)
             return
         cols = self.weight.shape[1]
@@ -174,5 +199,5 @@ class RowParallelLinear(nn.Module):
         _copy_checked(self.weight, loaded[:, self.in_start : self.in_start + cols], name)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = all_reduce(linear(x, self.weight, choice=self.matmul_choice))
+        y = all_reduce(linear(x, self.weight, choice=self.matmul_choice, weight_scale=self.weight_scale))
         return y + self.bias if self.bias is not None else y
