@@ -3,7 +3,9 @@ tests with one scale per tensor and with 128 x 128 block scales (a dense
 Qwen3 and a Qwen3-MoE whose experts are quantised too), they load
 dequantised on the CPU and their greedy output equals transformers run on
 the same weights dequantised, offline and over HTTP; a quantisation
-aioserve cannot run fails at load naming the format."""
+aioserve cannot run fails at load naming the format. The CUDA path's
+layers (FP8 weights, row scales, torch._scaled_mm) are built and checked on
+the CPU; the engine on a GPU runs in the gpu-marked test."""
 
 from __future__ import annotations
 
