@@ -16,7 +16,7 @@ their bindings (csrc/*.cu):
 | norm.fused_add_rmsnorm | x, residual, weight: one half type | 2-D, last dim contiguous | as rmsnorm, for x and residual | same shape |
 | activation.silu_and_mul | one half type | contiguous (rows are read at token * 2d) | data 16; d * itemsize % 16 (the up half and each output row start at a multiple of d) | last dim even |
 | rope.apply_rope_with_cos_sin_cache_inplace | q, k: one half type; cache float32; positions int32/int64 | q, k 3-D, last dim contiguous; cache and positions contiguous | q, k data and strides 16 | head_dim in 64/128/256/512 (the specialised kernel; other head dims take a different path), cache [P, head_dim] |
-| Batch{Decode,Prefill}WithPagedKVCacheWrapper | q and cache: float16/bfloat16 | q [T, Hq, D] contiguous; cache NHD [pages, page_size, Hk, D] | data 16 | head_dim in 64/128/256; plan arrays int32 |
+| Batch{Decode,Prefill}WithPagedKVCacheWrapper | q: float16/bfloat16; cache: the same or float8_e4m3fn | q [T, Hq, D] contiguous; cache NHD [pages, page_size, Hk, D] | data 16 | head_dim in 64/128/256; plan arrays int32 |
 
 KV append and sampling are torch ops in aioserve (kvcache/kv_pool.py,
 engine/sampler.py), not FlashInfer calls, so they have no contract here.
@@ -33,6 +33,7 @@ import torch
 
 ALIGNMENT = 16  # bytes: the widest vector load or store these kernels issue
 HALF = (torch.float16, torch.bfloat16)
+FP8_KV = torch.float8_e4m3fn  # a KV cache the paged wrappers read with kv_data_type (q stays half)
 ROPE_HEAD_DIMS = (64, 128, 256, 512)
 PAGED_HEAD_DIMS = (64, 128, 256)
 INDEX_DTYPE = torch.int32  # the paged wrappers' indptr / indices / last_page_len
@@ -136,8 +137,8 @@ def rope(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos_sin_cach
 
 def paged_attention(head_dim: int, q_dtype: torch.dtype, kv_dtype: torch.dtype) -> str | None:
     """The paged decode/prefill wrappers for a model: decided once, when the backend is chosen."""
-    if q_dtype not in HALF or kv_dtype not in HALF:
-        return f"its kernels take float16/bfloat16, not {q_dtype} math over a {kv_dtype} cache"
+    if q_dtype not in HALF or kv_dtype not in (*HALF, FP8_KV):
+        return f"its kernels take float16/bfloat16 (an e4m3 cache too), not {q_dtype} math over a {kv_dtype} cache"
     if head_dim not in PAGED_HEAD_DIMS:
         return f"its kernels take head dims {PAGED_HEAD_DIMS}, not {head_dim}"
     return None

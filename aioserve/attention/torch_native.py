@@ -20,7 +20,7 @@ import torch.nn.functional as F
 
 from aioserve.attention.backend import AttentionBackend, AttentionMetadata
 from aioserve.batch_plan import BatchPlan
-from aioserve.kvcache.kv_pool import KVPool
+from aioserve.kvcache.kv_pool import KVPool, to_cache_dtype
 from aioserve.cpu.native import cpu_kernels
 
 
@@ -146,7 +146,7 @@ class TorchNativeMetadata(AttentionMetadata):
         if keys.dtype != q.dtype and self.extends:
             # A narrower cache: attend to the new tokens as later steps will
             # read them back (decodes read them from the cache already).
-            k, v = k.to(keys.dtype).to(q.dtype), v.to(keys.dtype).to(q.dtype)
+            k, v = to_cache_dtype(k, keys.dtype).to(q.dtype), to_cache_dtype(v, keys.dtype).to(q.dtype)
         out = torch.empty_like(q)
         nd = self.num_decodes
         if nd:

@@ -23,9 +23,11 @@ import logging
 import torch
 
 from aioserve.cpu.isa import cpu_flags
+from aioserve.kvcache.kv_pool import FP8_KV
 
 logger = logging.getLogger(__name__)
 
+FP8_KV_NAMES = ("fp8", "fp8_e4m3")  # vLLM's and SGLang's names for an e4m3 KV cache
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 _ALIASES = {"fp32": "float32", "float": "float32", "bf16": "bfloat16", "fp16": "float16", "half": "float16"}
 # cpuinfo flags that give native matrix math per half dtype.
@@ -47,6 +49,10 @@ def kv_cache_dtype(name: str, asked_dtype: str, weight_dtype: torch.dtype, math_
     asked for (half the bytes to hold and read when half weights are computed
     in float32), and the math's when both are auto: a CPU without half units
     then computes a half checkpoint exactly as in float32, cache included."""
+    if name in FP8_KV_NAMES:
+        return FP8_KV
+    if name == "fp8_e5m2":
+        raise ValueError("--kv-cache-dtype fp8_e5m2 is not supported (fp8_e4m3 is, on CUDA)")
     if name != "auto":
         return resolve_dtype(name, None)
     return math_dtype if _ALIASES.get(asked_dtype, asked_dtype) == "auto" else weight_dtype

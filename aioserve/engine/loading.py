@@ -14,7 +14,7 @@ import torch
 
 from aioserve.config import DEFAULT_CPU_KV_BYTES, EngineConfig
 from aioserve.engine.dtypes import compute_dtype, kv_cache_dtype, resolve_dtype
-from aioserve.kvcache.kv_pool import RESERVED_PAGES, KVPool
+from aioserve.kvcache.kv_pool import FP8_KV, RESERVED_PAGES, KVPool
 from aioserve.models.llama import LlamaForCausalLM
 from aioserve.models.model_config import ModelConfig
 from aioserve.models.source import resolve_model_path
@@ -119,6 +119,12 @@ def load(config: EngineConfig, tp_size: int) -> LoadedModel:
     model_config = ModelConfig.from_path(model_path)
     weight_dtype = resolve_dtype(config.dtype, model_config.torch_dtype)
     dtype = compute_dtype(weight_dtype, device, config.cpu_half_compute)
+    kv_dtype = kv_cache_dtype(config.kv_cache_dtype, config.dtype, weight_dtype, dtype)
+    if kv_dtype == FP8_KV and device.type != "cuda":
+        raise ValueError(
+            f"--kv-cache-dtype {config.kv_cache_dtype} needs a CUDA device (an FP8 KV cache is read by FlashInfer's "
+            f"kernels or the torch backend on a GPU); on {device.type} use auto, bfloat16, float16 or float32"
+        )
     model = build_model(
         model_config, model_path, dtype, device, config.load_format, config.seed,
         round_to=weight_dtype, matmul_dtype=matmul_load_dtype(device, weight_dtype, dtype),
@@ -129,7 +135,7 @@ def load(config: EngineConfig, tp_size: int) -> LoadedModel:
         model_config=model_config,
         weight_dtype=weight_dtype,
         dtype=dtype,
-        kv_dtype=kv_cache_dtype(config.kv_cache_dtype, config.dtype, weight_dtype, dtype),
+        kv_dtype=kv_dtype,
         max_model_len=max_model_len(config, model_config),
         max_prefill_tokens=config.max_prefill_tokens or DEFAULT_MAX_PREFILL_TOKENS.get(device.type, 8192),
         model=model,

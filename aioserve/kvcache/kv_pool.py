@@ -14,6 +14,19 @@ from aioserve.cpu.elementwise import elementwise_kernels
 RESERVED_PAGES = 1
 
 
+FP8_KV = torch.float8_e4m3fn  # --kv-cache-dtype fp8_e4m3 (CUDA only: engine/loading.py)
+
+
+def to_cache_dtype(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """`t` rounded to the cache's dtype; into FP8 saturated at its largest
+    finite value (a plain cast makes NaN of anything past +-448), with no
+    scale, as FlashInfer reads it (k_scale = v_scale = 1)."""
+    if dtype == FP8_KV:
+        limit = torch.finfo(FP8_KV).max
+        return t.clamp(-limit, limit).to(dtype)
+    return t.to(dtype)
+
+
 class KVPool:
     def __init__(
         self,
@@ -57,12 +70,15 @@ class KVPool:
 
     def store(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         """k and v [T, Hk, D] into `slots`, rounded to the cache's dtype."""
-        kernels = elementwise_kernels() if self.buffer.is_cpu else None
+        kernels = elementwise_kernels() if self.buffer.is_cpu and self.dtype != FP8_KV else None
         if kernels is not None:  # one pass converting into the slots, no copies of k and v
             kernels.store_kv(k, v, self.buffer[layer, 0], self.buffer[layer, 1], slots)
             return
-        self.buffer[layer, 0].index_copy_(0, slots, k.to(self.dtype))
-        self.buffer[layer, 1].index_copy_(0, slots, v.to(self.dtype))
+        for part, t in ((0, k), (1, v)):
+            values, target = to_cache_dtype(t, self.dtype), self.buffer[layer, part]
+            if self.dtype == FP8_KV:  # torch has no index_copy_ for float8: copy its bytes
+                values, target = values.view(torch.uint8), target.view(torch.uint8)
+            target.index_copy_(0, slots, values)
 
     @staticmethod
     def bytes_per_page(num_layers: int, page_size: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
