@@ -26,8 +26,9 @@ from aioserve.layers.activation import gelu_tanh_and_mul
 from aioserve.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from aioserve.layers.norm import RMSNorm
 from aioserve.layers.rotary import RotaryEmbedding
-from aioserve.models.llama import LlamaAttention, LlamaForCausalLM, LlamaMLP
+from aioserve.models.llama import LlamaForCausalLM, LlamaMLP
 from aioserve.models.model_config import ModelConfig
+from aioserve.models.qwen3 import Qwen3Attention
 
 GELU_TANH = ("gelu_pytorch_tanh", "gelu_tanh", "gelu_new")
 
@@ -39,14 +40,10 @@ class GemmaRMSNorm(RMSNorm):
         self.weight.data.copy_(loaded[:].float() + 1.0)
 
 
-class Gemma3Attention(LlamaAttention):
-    def __init__(self, config: ModelConfig, layer_id: int, rotary: RotaryEmbedding) -> None:
-        super().__init__(config, layer_id, rotary)
-        self.q_norm = GemmaRMSNorm(config.head_dim, config.rms_norm_eps)
-        self.k_norm = GemmaRMSNorm(config.head_dim, config.rms_norm_eps)
+class Gemma3Attention(Qwen3Attention):
+    """Qwen3's per-head q/k norms, Gemma's (1 + w) form."""
 
-    def normalize_qk(self, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        return self.q_norm(q), self.k_norm(k)
+    norm_cls = GemmaRMSNorm
 
 
 class Gemma3MLP(LlamaMLP):

@@ -12,10 +12,12 @@ from aioserve.models.model_config import ModelConfig
 
 
 class Qwen3Attention(LlamaAttention):
+    norm_cls: type[RMSNorm] = RMSNorm  # Gemma 3's (1 + w) norm in its subclass
+
     def __init__(self, config: ModelConfig, layer_id: int, rotary: RotaryEmbedding) -> None:
         super().__init__(config, layer_id, rotary)
-        self.q_norm = RMSNorm(config.head_dim, config.rms_norm_eps)
-        self.k_norm = RMSNorm(config.head_dim, config.rms_norm_eps)
+        self.q_norm = self.norm_cls(config.head_dim, config.rms_norm_eps)
+        self.k_norm = self.norm_cls(config.head_dim, config.rms_norm_eps)
 
     def normalize_qk(self, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         return self.q_norm(q), self.k_norm(k)
