@@ -4,7 +4,7 @@ server's RSS (/proc/PID/status VmRSS) at checkpoints and print the growth per
 request between checkpoints after warm-up.
 
     python benchmarks/memory_soak.py --requests 5000 --warmup 500
-    python benchmarks/memory_soak.py --requests 5000 -- --malloc-trim-idle 0   # server options after --
+    python benchmarks/memory_soak.py --requests 5000 -- --cache naive   # server options after --
 
 Runs on the built-in demo model (stories260K) unless --model is given. A run
 of 5,000 requests takes about 2-4 minutes on 2 busy cores.
