@@ -110,3 +110,55 @@ def test_older_config_form() -> None:
     assert (theta, scaling.rope_type) == (10000.0, "default")
     with pytest.raises(ValueError, match="attn_logit_softcapping"):
         ModelConfig.from_dict({**raw, "attn_logit_softcapping": 50.0})
+
+
+@pytest.fixture(scope="module")
+def gemma3_multimodal(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from tiny_models import build_gemma3_multimodal
+
+    return build_gemma3_multimodal(tmp_path_factory.mktemp("gemma3-mm") / "gemma3-mm")
+
+
+def test_wrapped_text_model_matches_transformers(gemma3_multimodal: Path) -> None:
+    """Gemma 3 4B-27B's layout (Gemma3ForConditionalGeneration): its text
+    model served, the vision tower left on disk; greedy equals transformers'
+    wrapper given text only, offline and through the chat template over HTTP."""
+    from aioserve.models.text_of_multimodal import text_weight_name
+
+    prompts = [hf_encode(gemma3_multimodal, p) for p in PROMPTS]
+    llm = LLM(str(gemma3_multimodal), page_size=4)
+    try:
+        config = llm.engine.model_config
+        assert (config.architecture, config.wrapper) == ("Gemma3ForCausalLM", "Gemma3ForConditionalGeneration")
+        assert config.sliding_windows == [WINDOW, None, WINDOW]
+        assert type(llm.engine.model).__name__ == "Gemma3ForCausalLM"
+        check_against_hf(gemma3_multimodal, llm, prompts)
+    finally:
+        llm.close()
+    assert text_weight_name("model.language_model.layers.0.mlp.up_proj.weight") == "model.layers.0.mlp.up_proj.weight"
+    assert text_weight_name("model.vision_tower.vision_model.embeddings.patch_embedding.weight") is None
+    check_chat_over_http(gemma3_multimodal, [{"role": "user", "content": "Once upon a time"}])
+
+
+def test_hub_wrapper_config_takes_text_defaults() -> None:
+    """Gemma 3 4B's config.json as published: its text_config lists only what
+    differs from Gemma3TextConfig's defaults; the EOS ids and dtype sit at the top."""
+    raw = {
+        "architectures": ["Gemma3ForConditionalGeneration"], "model_type": "gemma3",
+        "boi_token_index": 255999, "eoi_token_index": 256000, "image_token_index": 262144,
+        "eos_token_id": [1, 106], "mm_tokens_per_image": 256, "torch_dtype": "bfloat16",
+        "text_config": {"hidden_size": 2560, "intermediate_size": 10240, "model_type": "gemma3_text",
+                        "num_hidden_layers": 34, "rope_scaling": {"factor": 8.0, "rope_type": "linear"},
+                        "sliding_window": 1024},
+        "vision_config": {"hidden_size": 1152, "model_type": "siglip_vision_model", "patch_size": 14},
+    }
+    config = ModelConfig.from_dict(raw)
+    assert (config.architecture, config.wrapper) == ("Gemma3ForCausalLM", "Gemma3ForConditionalGeneration")
+    assert (config.num_heads, config.num_kv_heads, config.head_dim, config.vocab_size) == (8, 4, 256, 262208)
+    assert config.attention_scale == 256**-0.5 and config.hidden_act == "gelu_pytorch_tanh"
+    assert config.sliding_windows == ([1024] * 5 + [None]) * 5 + [1024] * 4
+    assert (config.rope_theta, config.rope_scaling.rope_type) == (1e6, "linear")
+    assert config.local_rope is not None and config.local_rope[0] == 10000.0
+    assert config.eos_token_ids == [1, 106] and config.torch_dtype == "bfloat16"
+    with pytest.raises(ValueError, match="text_config names no model_type"):
+        ModelConfig.from_dict({**raw, "text_config": {"hidden_size": 2560}})

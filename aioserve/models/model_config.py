@@ -11,6 +11,7 @@ from aioserve.tp.distributed import kv_heads_per_rank
 from aioserve.layers.rotary import RopeScaling
 from aioserve.models.moe_config import MoeConfig
 from aioserve.models.quantization import Fp8Config
+from aioserve.models.text_of_multimodal import TEXT_MODEL_OF, text_model_config
 
 
 @dataclass
@@ -40,9 +41,14 @@ class ModelConfig:
     final_logit_softcapping: float | None = None  # logits = c * tanh(logits / c)
     hidden_act: str = "silu"
     fp8: Fp8Config | None = None  # FP8-quantised checkpoints only
+    # The architecture config.json names when it wraps this text model with a
+    # vision tower (Gemma3ForConditionalGeneration): its weights carry prefixes.
+    wrapper: str | None = None
 
     @classmethod
     def from_dict(cls, raw: dict[str, Any], generation: dict[str, Any] | None = None) -> "ModelConfig":
+        outer = (raw.get("architectures") or [None])[0]
+        raw = text_model_config(raw)
         archs = raw.get("architectures") or []
         if not archs:
             raise ValueError("config.json names no architecture")
@@ -83,6 +89,7 @@ class ModelConfig:
             local_rope=_rope(raw, "sliding_attention") if layered_rope else None,
             final_logit_softcapping=raw.get("final_logit_softcapping"),
             hidden_act=raw.get("hidden_activation") or raw.get("hidden_act") or "silu",
+            wrapper=outer if outer in TEXT_MODEL_OF else None,
         )
 
     @classmethod

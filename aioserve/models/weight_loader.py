@@ -31,6 +31,7 @@ from aioserve.models.fp8_checkpoint import FP8_DTYPE, Fp8CheckpointTensor
 from aioserve.models.model_config import ModelConfig
 from aioserve.models.quantization import ACTIVATION_SCALE_SUFFIX, WEIGHT_SCALE_SUFFIXES
 from aioserve.models.registry import model_class
+from aioserve.models.text_of_multimodal import text_weight_name
 
 logger = logging.getLogger(__name__)
 
@@ -127,6 +128,7 @@ def load_safetensors(model: nn.Module, config: ModelConfig, path: Path) -> set[t
     dequantised to)."""
     loaded: dict[int, set[object]] = {}  # id(parameter) -> the fused parts loaded into it
     stored: set[torch.dtype] = set()
+    skipped = 0
     files = safetensors_files(path)
     quiet = len(files) < 2 or not get_tp_group().is_leader  # one bar, on rank 0
     with contextlib.ExitStack() as stack:
@@ -135,11 +137,15 @@ def load_safetensors(model: nn.Module, config: ModelConfig, path: Path) -> set[t
         owner = {name: handle for handle in handles for name in handle.keys()}
         for handle in tqdm(handles, desc="loading weights", unit="file", disable=quiet):
             for hf_name in handle.keys():
-                if config.tie_word_embeddings and hf_name == "lm_head.weight":
+                name = text_weight_name(hf_name) if config.wrapper else hf_name
+                if name is None:
+                    skipped += 1  # the vision tower of a wrapped text model
+                    continue
+                if config.tie_word_embeddings and name == "lm_head.weight":
                     continue  # tied: the embedding is the head
-                if config.fp8 is not None and hf_name.endswith((*WEIGHT_SCALE_SUFFIXES, ACTIVATION_SCALE_SUFFIX)):
+                if config.fp8 is not None and name.endswith((*WEIGHT_SCALE_SUFFIXES, ACTIVATION_SCALE_SUFFIX)):
                     continue  # read with their weight; activations are not quantised here
-                target = _target(model, hf_name)
+                target = _target(model, name)
                 if target is None:
                     logger.warning("ignoring checkpoint tensor %s", hf_name)
                     continue
@@ -152,6 +158,8 @@ def load_safetensors(model: nn.Module, config: ModelConfig, path: Path) -> set[t
                     stored.add(tensor.dtype)
                     cast(_LoadsWeights, module).load_weight(param, tensor, shard)
                 loaded.setdefault(id(getattr(module, param)), set()).add(shard)
+    if skipped:
+        logger.info("%s: serving the text model; %d vision tensors not loaded", config.wrapper, skipped)
     _check_complete(model, loaded, path)
     return stored
 

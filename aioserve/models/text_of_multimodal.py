@@ -1,0 +1,69 @@
+"""Checkpoints that wrap a text model with a vision tower, served as their
+text model: Gemma 3 4B-27B (`Gemma3ForConditionalGeneration`) is Gemma 3's
+text decoder plus a SigLIP encoder whose image embeddings replace image
+tokens. Given text only, the wrapper computes exactly its decoder's forward,
+so aioserve serves the decoder: the config's `text_config` (with the text
+model's defaults filled in, as transformers reads it), the language model's
+weights, and the vision tower left on disk. Image content parts are refused
+at the API (server/protocol.py), as for any text model.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+# The wrapper's architecture -> the architecture of the text model inside it.
+TEXT_MODEL_OF: dict[str, str] = {"Gemma3ForConditionalGeneration": "Gemma3ForCausalLM"}
+
+# Where the wrapper's checkpoints keep the text model's tensors: the published
+# layout (language_model.model.*) and the one transformers >= 4.52 builds in
+# memory (model.language_model.*), mapped to the text model's names.
+_TEXT_PREFIXES: tuple[tuple[str, str], ...] = (
+    ("language_model.model.", "model."),
+    ("language_model.lm_head.", "lm_head."),
+    ("model.language_model.", "model."),
+)
+_VISION_PREFIXES: tuple[str, ...] = (
+    "vision_tower.", "multi_modal_projector.", "model.vision_tower.", "model.multi_modal_projector.",
+)
+# Top-level fields that hold for the text model too (the wrapper's config.json
+# keeps its EOS ids and quantisation there, not in text_config).
+_SHARED_FIELDS: tuple[str, ...] = (
+    "eos_token_id", "bos_token_id", "pad_token_id", "quantization_config", "dtype", "torch_dtype",
+)
+
+
+def text_model_config(raw: dict[str, Any]) -> dict[str, Any]:
+    """config.json as the text model's own: unchanged unless its architecture
+    wraps a text model, else that model's `text_config` with transformers'
+    defaults for the fields it leaves out (a hub text_config lists only what
+    differs from them: Gemma 3 4B's has no head count or head_dim)."""
+    wrapper = (raw.get("architectures") or [None])[0]
+    if wrapper not in TEXT_MODEL_OF:
+        return raw
+    # The submodule, not `from transformers import AutoConfig`: the server
+    # loads the tokenizer on another thread at the same time, and the
+    # package's lazy attribute lookup is not safe across threads (it raised
+    # "cannot import name"); a plain module import holds the import lock.
+    from transformers.models.auto.configuration_auto import AutoConfig  # noqa: PLC0415
+
+    text = dict(raw.get("text_config") or {})
+    model_type = text.pop("model_type", None)
+    if model_type is None:
+        raise ValueError(f"{wrapper}: config.json's text_config names no model_type")
+    filled: dict[str, Any] = AutoConfig.for_model(model_type, **text).to_dict()
+    filled.update({key: raw[key] for key in _SHARED_FIELDS if raw.get(key) is not None})
+    filled["architectures"] = [TEXT_MODEL_OF[wrapper]]
+    filled["model_type"] = model_type
+    return filled
+
+
+def text_weight_name(name: str) -> str | None:
+    """A wrapper checkpoint's tensor name as the text model's; None for the
+    vision tower's and its projector's (not loaded)."""
+    if name.startswith(_VISION_PREFIXES):
+        return None
+    for prefix, replacement in _TEXT_PREFIXES:
+        if name.startswith(prefix):
+            return replacement + name[len(prefix):]
+    return name
