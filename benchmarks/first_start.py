@@ -19,7 +19,7 @@ from pathlib import Path
 import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tools"))
-from server_process import free_port  # noqa: E402
+from server_process import free_port, process_gone, wait_for_health  # noqa: E402
 
 BODY = {"prompt": "Once upon a time", "max_tokens": 64, "temperature": 0, "ignore_eos": True}
 
@@ -43,15 +43,9 @@ def main() -> None:
             )
         url = f"http://127.0.0.1:{port}"
         try:
-            while True:
-                if server.poll() is not None:
-                    sys.exit(f"the server exited {server.returncode}:\n{log.read_text()[-3000:]}")
-                try:
-                    if httpx.get(f"{url}/health", timeout=2).status_code == 200:
-                        break
-                except httpx.HTTPError:
-                    pass
-                time.sleep(0.1)
+            why = wait_for_health(url, process_gone(server, log.read_text), timeout=3600, interval=0.1)
+            if why is not None:
+                sys.exit(why)
             ready = time.monotonic() - started
             times = []
             for _ in range(3):

@@ -26,7 +26,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from server_process import free_port
+from server_process import free_port, process_gone, wait_for_health
 
 from aioserve.config import ROUTER_POLICIES, EngineConfig, ServerArgs
 from aioserve.data_parallel import router_command
@@ -67,16 +67,10 @@ class Replica:
             self.process = subprocess.Popen([*command, *REPLICA_FLAGS], stdout=out, stderr=subprocess.STDOUT)
 
     def wait_healthy(self, timeout: float = 120.0) -> None:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            assert self.process is not None and self.process.poll() is None, self.log.read_text()[-3000:]
-            try:
-                if httpx.get(f"{self.url}/health", timeout=1).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.2)
-        raise TimeoutError(f"replica on {self.port} not healthy:\n{self.log.read_text()[-3000:]}")
+        assert self.process is not None
+        why = wait_for_health(self.url, process_gone(self.process, self.log.read_text), timeout)
+        if why is not None:
+            raise TimeoutError(f"replica on {self.port} not healthy: {why}\n{self.log.read_text()[-3000:]}")
 
     def finished(self) -> int:
         return httpx.get(f"{self.url}/server_info", timeout=30).json()["stats"]["finished"]

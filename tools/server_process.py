@@ -9,6 +9,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -19,6 +20,32 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def wait_for_health(url: str, gone: Callable[[], str | None], timeout: float, interval: float = 0.2) -> str | None:
+    """Poll `url`/health until it answers 200: None then. Else why not: what
+    `gone()` says once the server has stopped running (it returns None while
+    the server runs), or that `timeout` seconds passed."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        why = gone()
+        if why is not None:
+            return why
+        try:
+            if httpx.get(f"{url}/health", timeout=2).status_code == 200:
+                return None
+        except httpx.HTTPError:
+            pass
+        time.sleep(interval)
+    return f"no /health after {timeout} s"
+
+
+def process_gone(process: subprocess.Popen, log: Callable[[], str]) -> Callable[[], str | None]:
+    """`wait_for_health`'s `gone` for a child process: its exit code and log tail."""
+    def gone() -> str | None:
+        code = process.poll()
+        return None if code is None else f"server exited with {code}:\n{log()[-4000:]}"
+    return gone
 
 
 @dataclass
@@ -56,15 +83,10 @@ class ServerProcess:
         process = subprocess.Popen(cmd, stdout=log.open("w"), stderr=subprocess.STDOUT, env=dict(os.environ))
         key = args[args.index("--api-key") + 1] if "--api-key" in args else os.environ.get("AIOSERVE_API_KEY")
         server = cls(f"http://127.0.0.1:{port}", process, log, key)
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if process.poll() is not None:
-                raise RuntimeError(f"server exited with {process.returncode}:\n{server.log()[-4000:]}")
-            try:
-                if httpx.get(f"{server.url}/health", timeout=1).status_code == 200:
-                    return server
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.2)
+        why = wait_for_health(server.url, process_gone(process, server.log), timeout)
+        if why is None:
+            return server
+        if process.poll() is not None:
+            raise RuntimeError(why)
         server.stop()
-        raise TimeoutError(f"server not ready after {timeout}s:\n{server.log()[-4000:]}")
+        raise TimeoutError(f"server not ready: {why}:\n{server.log()[-4000:]}")

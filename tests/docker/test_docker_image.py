@@ -35,7 +35,7 @@ from docker_host import (  # noqa: E402
     torch_wheel,
 )
 
-from server_process import free_port  # noqa: E402
+from server_process import free_port, wait_for_health  # noqa: E402
 
 pytestmark = pytest.mark.docker
 
@@ -110,18 +110,13 @@ def image(docker: DockerClient, tmp_path_factory: pytest.TempPathFactory) -> str
 
 
 def wait_healthy(url: str, container: str, docker: DockerClient, timeout: float) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
+    def gone() -> str | None:
         state = docker("inspect", "--format", "{{.State.Status}}", container).stdout.strip()
-        if state != "running":
-            pytest.fail(f"container {state}:\n{docker('logs', container, check=False).stderr[-4000:]}")
-        try:
-            if httpx.get(f"{url}/health", timeout=2).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.5)
-    pytest.fail(f"no /health after {timeout} s:\n{docker('logs', container, check=False).stderr[-4000:]}")
+        return None if state == "running" else f"container {state}"
+
+    why = wait_for_health(url, gone, timeout, interval=0.5)
+    if why is not None:
+        pytest.fail(f"{why}:\n{docker('logs', container, check=False).stderr[-4000:]}")
 
 
 def test_the_image_serves_the_built_in_model(docker: DockerClient, image: str) -> None:
