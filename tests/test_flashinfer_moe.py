@@ -292,12 +292,20 @@ def test_each_violation_is_refused_by_the_contract_and_faults_in_the_kernel_mode
         fake_moe(a["x"], a["ids"], a["scales"], a["fc1"], a["fc2"], a["x"].dtype, quant_scales=None)
 
 
-def test_what_the_contract_admits_runs_in_the_kernel_model() -> None:
-    for hidden, inter, dtype in ((128, 128, DTYPE), (256, 384, torch.float16)):
-        a = moe_args(hidden, inter, dtype=dtype)
-        assert contracts.fused_moe(a["x"], a["ids"], a["scales"], a["fc1"], a["fc2"]) is None
-        (out,) = fake_moe(a["x"], a["ids"], a["scales"], a["fc1"], a["fc2"], dtype, quant_scales=None)
-        assert out.shape == a["x"].shape and out.dtype == dtype
+def test_the_contract_never_admits_what_the_kernel_model_faults_on() -> None:
+    """Sizes, dtypes and pointer offsets mixed: whatever the contract admits
+    runs in the model without a fault (and some of it is admitted)."""
+    admitted = 0
+    for hidden in (64, 100, 128, 256):
+        for inter in (32, 100, 128, 384):
+            for skip in (0, 1, 8):
+                for dtype in (DTYPE, torch.float16):
+                    a = changed(hidden=hidden, inter=inter, dtype=dtype, x=lambda t: offset(t, skip))
+                    if contracts.fused_moe(a["x"], a["ids"], a["scales"], a["fc1"], a["fc2"]) is None:
+                        admitted += 1
+                        (out,) = fake_moe(a["x"], a["ids"], a["scales"], a["fc1"], a["fc2"], dtype, quant_scales=None)
+                        assert out.shape == a["x"].shape and out.dtype == dtype
+    assert admitted == 16  # hidden 128/256 x intermediate 128/384 x pointers 0 or 16 bytes in x both half types
 
 
 # -- the real kernel ---------------------------------------------------------------------------
