@@ -3,7 +3,8 @@ CUDA, checked on CPU through tests/fake_flashinfer.py: the fake computes
 the kernel's documented semantics (fc1 rows [up | gate], routing weights
 applied in the final sum) and raises `KernelFault` wherever the real kernel
 would fault or read the wrong bytes. The real kernel runs in the gpu-marked
-test at the end.
+tests at the end (skipped, saying why, where it does not build: the
+project's trimmed GPU bundle lacks its sources).
 
 What is proven here: a Qwen3-MoE and a Mixtral whose sizes meet the
 contract take the kernel (the report says so, the fake is called) and give
@@ -109,8 +110,9 @@ def moe_checkpoints(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]
 BF16_TOLERANCE = 0.1
 
 
-def generate(model: Path) -> tuple[list[GenerationOutput], list[FusedMoE]]:
-    llm = LLM(str(model), dtype="bfloat16", cpu_half_compute="native", cuda_graph=False)
+def generate(model: Path, **options) -> tuple[list[GenerationOutput], list[FusedMoE]]:
+    options = {"cpu_half_compute": "native", "cuda_graph": False, **options}
+    llm = LLM(str(model), dtype="bfloat16", **options)
     try:
         params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True, logprobs=2)
         outputs = llm.generate([[1, 5, 9, 13, 17, 21, 25], [1, 2, 3], [7, 3, 11, 2]], params)
@@ -123,10 +125,10 @@ def tokens(outputs: list[GenerationOutput]) -> list[list[int]]:
     return [o.token_ids for o in outputs]
 
 
-def torch_form_outputs(model: Path, monkeypatch: pytest.MonkeyPatch) -> list[GenerationOutput]:
+def torch_form_outputs(model: Path, monkeypatch: pytest.MonkeyPatch, **options) -> list[GenerationOutput]:
     with monkeypatch.context() as patch:
         patch.setattr(flashinfer_moe, "ENABLED", False)
-        outputs, layers = generate(model)
+        outputs, layers = generate(model, **options)
     assert not any(layer.flashinfer.up_first for layer in layers)
     return outputs
 
@@ -311,6 +313,13 @@ def test_the_contract_never_admits_what_the_kernel_model_faults_on() -> None:
 # -- the real kernel ---------------------------------------------------------------------------
 
 
+def skip_if_not_built(why: str | None) -> None:
+    """The project's trimmed GPU bundle does not carry the kernel's sources:
+    there it cannot build, and the layers rightly keep the torch form."""
+    if why is not None and why.startswith("the kernel did not run"):
+        pytest.skip(f"FlashInfer's fused MoE kernel is not available here: {why}")
+
+
 @pytest.mark.gpu
 def test_the_real_kernel_matches_the_torch_form_on_cuda() -> None:
     """On an H100: the self-check passes; the kernel over aioserve's
@@ -319,7 +328,9 @@ def test_the_real_kernel_matches_the_torch_form_on_cuda() -> None:
     fi = pytest.importorskip("flashinfer")
     layer = random_layer(experts=8, hidden=256, inter=512).cuda()
     w13, w2 = layer.w13.data, layer.w2.data
-    assert flashinfer_moe.self_check(fi, w13, w2, grouped_experts) is None
+    why = flashinfer_moe.self_check(fi, w13, w2, grouped_experts)
+    skip_if_not_built(why)
+    assert why is None
     x = torch.randn(40, 256).to(DTYPE).cuda()
     weights, ids = (t.cuda() for t in routing(40, 8))
     reference = grouped_experts(x, weights, ids, w13, w2).float()
@@ -332,3 +343,21 @@ def test_the_real_kernel_matches_the_torch_form_on_cuda() -> None:
     torch.cuda.synchronize()
     torch.testing.assert_close(out.float(), reference, atol=0.03, rtol=0.03)
     assert flashinfer_elementwise.report()["fused_moe"]["fused"]
+
+
+@pytest.mark.gpu
+def test_an_admitted_model_takes_the_real_kernel_under_cuda_graphs(
+    moe_checkpoints: dict[str, Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Qwen3-MoE (hidden 128, 8 experts) on CUDA with decode graphs: the
+    kernel is chosen at load, captured, and follows the grouped form's greedy."""
+    pytest.importorskip("flashinfer")
+    model = moe_checkpoints["qwen3-moe"]
+    reference = torch_form_outputs(model, monkeypatch, device="cuda", cuda_graph=True)
+    flashinfer_elementwise.forget_decisions()
+    outputs, layers = generate(model, device="cuda", cuda_graph=True)
+    report = flashinfer_elementwise.report()["fused_moe"]
+    skip_if_not_built(report["fell_back"][0] if report["fell_back"] else None)
+    assert report == {"fused": True, "fell_back": []}, report
+    assert all(layer.flashinfer.up_first for layer in layers)
+    assert_same_greedy_up_to_a_near_tie(outputs, reference)
