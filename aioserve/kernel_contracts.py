@@ -17,6 +17,7 @@ their bindings (csrc/*.cu):
 | activation.silu_and_mul | one half type | contiguous (rows are read at token * 2d) | data 16; d * itemsize % 16 (the up half and each output row start at a multiple of d) | last dim even |
 | rope.apply_rope_with_cos_sin_cache_inplace | q, k: one half type; cache float32; positions int32/int64 | q, k 3-D, last dim contiguous; cache and positions contiguous | q, k data and strides 16 | head_dim in 64/128/256/512 (the specialised kernel; other head dims take a different path), cache [P, head_dim] |
 | Batch{Decode,Prefill}WithPagedKVCacheWrapper | q: float16/bfloat16; cache: the same or float8_e4m3fn | q [T, Hq, D] contiguous; cache NHD [pages, page_size, Hk, D] | data 16 | head_dim in 64/128/256; plan arrays int32 |
+| fused_moe.cutlass_fused_moe | x, fc1, fc2: one half type; expert ids int32; routing weights float32 | all contiguous: x [T, H], ids and weights [T, k], fc1 [E, 2I, H] ([up, gate] rows), fc2 [E, H, I] | data 16 (rows 16 follow from the shapes) | H and I multiples of 128 (stricter than the 16-byte rows the kernel needs: its tile shapes cannot be checked here); compute capability 9.x on CUDA (the bundle's sm_90) |
 
 KV append and sampling are torch ops in aioserve (kvcache/kv_pool.py,
 engine/sampler.py), not FlashInfer calls, so they have no contract here.
@@ -38,6 +39,8 @@ ROPE_HEAD_DIMS = (64, 128, 256, 512)
 PAGED_HEAD_DIMS = (64, 128, 256)
 INDEX_DTYPE = torch.int32  # the paged wrappers' indptr / indices / last_page_len
 POSITION_DTYPES = (torch.int32, torch.int64)
+MOE_DIM_MULTIPLE = 128  # hidden and per-rank intermediate sizes the fused MoE kernel is admitted for
+MOE_CAPABILITY_MAJOR = 9  # sm_90: the only architecture the project's GPU bundle builds for
 
 
 def _misaligned(name: str, t: torch.Tensor, bytes_: int, dims: tuple[int, ...]) -> str | None:
@@ -150,3 +153,36 @@ def paged_plan_arrays(*arrays: torch.Tensor) -> str | None:
         if t.dtype != INDEX_DTYPE or not t.is_contiguous():
             return f"plan arrays must be contiguous {INDEX_DTYPE}, not {t.dtype}"
     return None
+
+
+def fused_moe(
+    x: torch.Tensor, expert_ids: torch.Tensor, routing_weights: torch.Tensor, fc1: torch.Tensor, fc2: torch.Tensor
+) -> str | None:
+    """fused_moe.cutlass_fused_moe(x, expert_ids, routing_weights, fc1, fc2, ...)
+    unquantised, on weights already sharded per rank (tp_size 1)."""
+    if x.dim() != 2 or fc1.dim() != 3 or fc2.dim() != 3:
+        return f"x {tuple(x.shape)}, fc1 {tuple(fc1.shape)} and fc2 {tuple(fc2.shape)} must be 2-D, 3-D, 3-D"
+    experts, hidden, intermediate = fc2.shape
+    if tuple(fc1.shape) != (experts, 2 * intermediate, hidden) or x.shape[1] != hidden:
+        return f"x {tuple(x.shape)}, fc1 {tuple(fc1.shape)} and fc2 {tuple(fc2.shape)} do not agree on [E, 2I, H], [E, H, I]"
+    if x.shape[0] == 0:
+        return "no tokens"
+    if expert_ids.dim() != 2 or expert_ids.shape[0] != x.shape[0] or routing_weights.shape != expert_ids.shape:
+        return f"expert ids {tuple(expert_ids.shape)} and routing weights {tuple(routing_weights.shape)} must be [tokens, k]"
+    why = _half(("x", x), ("fc1", fc1), ("fc2", fc2)) or _same_device(x, expert_ids, routing_weights, fc1, fc2)
+    if why:
+        return why
+    if expert_ids.dtype != INDEX_DTYPE or routing_weights.dtype != torch.float32:
+        return f"expert ids must be int32 and routing weights float32, not {expert_ids.dtype} and {routing_weights.dtype}"
+    for name, t in (("x", x), ("expert ids", expert_ids), ("routing weights", routing_weights), ("fc1", fc1), ("fc2", fc2)):
+        if not t.is_contiguous():
+            return f"{name} must be contiguous"
+    if hidden % MOE_DIM_MULTIPLE or intermediate % MOE_DIM_MULTIPLE:
+        return (f"hidden size {hidden} and per-rank expert intermediate size {intermediate} must be multiples of "
+                f"{MOE_DIM_MULTIPLE}")
+    if x.device.type == "cuda":
+        major, minor = torch.cuda.get_device_capability(x.device)
+        if major != MOE_CAPABILITY_MAJOR:
+            return f"compute capability {major}.{minor}: the kernel is admitted on sm_90 only"
+    return _misaligned("x", x, ALIGNMENT, ()) or _misaligned("fc1", fc1, ALIGNMENT, ()) or _misaligned(
+        "fc2", fc2, ALIGNMENT, ())

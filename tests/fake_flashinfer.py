@@ -3,7 +3,9 @@ on CPU, read off FlashInfer's documented semantics: paged KV described by
 (indptr, indices, last_page_len), queries by qo_indptr, causal attention
 aligned to the end of each request's KV, `window_left` inclusive, NHD
 layout, and CUDA-graph mode planning into caller-owned buffers that `run`
-reads back; the fused RMSNorm, RoPE and SiLU-and-mul.
+reads back; the fused RMSNorm, RoPE and SiLU-and-mul; the CUTLASS fused MoE
+(fc1 rows [up | gate], silu of the second half times the first, the
+routing weights applied when the k expert outputs are summed).
 
 It also models what the real kernels do with memory, and raises
 `KernelFault` where they would fault or read the wrong bytes: a vector load
@@ -257,3 +259,53 @@ def _silu_and_mul(x, out=None):
 fake_flashinfer.norm = SimpleNamespace(rmsnorm=_rmsnorm, fused_add_rmsnorm=_fused_add_rmsnorm)
 fake_flashinfer.rope = SimpleNamespace(apply_rope_with_cos_sin_cache_inplace=_apply_rope_with_cos_sin_cache_inplace)
 fake_flashinfer.activation = SimpleNamespace(silu_and_mul=_silu_and_mul)
+
+
+# -- the fused MoE (flashinfer.fused_moe.cutlass_fused_moe, TensorRT-LLM's CUTLASS MoE) ------
+
+
+def _cutlass_fused_moe(input, token_selected_experts, token_final_scales, fc1_expert_weights, fc2_expert_weights,
+                       output_dtype, quant_scales=None, fc1_expert_biases=None, fc2_expert_biases=None,
+                       tp_size=1, tp_rank=0, ep_size=1, ep_rank=0, output=None, **options):
+    """The unquantised SwiGLU path: out[t] = sum_j scale[t, j] * fc2[e] @
+    (silu(fc1[e][I:] @ x[t]) * (fc1[e][:I] @ x[t])), e = ids[t, j]; each
+    GEMM's output stored in the input's type, as the kernel's buffers are.
+    The TMA loads read 16-byte aligned rows of dense tensors."""
+    x, ids, scales, fc1, fc2 = input, token_selected_experts, token_final_scales, fc1_expert_weights, fc2_expert_weights
+    assert quant_scales in (None, []) and fc1_expert_biases is None and fc2_expert_biases is None
+    assert (tp_size, ep_size) == (1, 1), "aioserve passes one rank's shards"
+    _half_only(x, fc1, fc2)
+    _need(output_dtype == x.dtype, f"output_dtype {output_dtype} is not the input's {x.dtype}")
+    _need(ids.dtype == torch.int32, f"token_selected_experts are read as int32, got {ids.dtype}")
+    _need(scales.dtype == torch.float32, f"token_final_scales are read as float32, got {scales.dtype}")
+    for name, t in (("input", x), ("token_selected_experts", ids), ("token_final_scales", scales),
+                    ("fc1_expert_weights", fc1), ("fc2_expert_weights", fc2)):
+        _need(t.is_contiguous(), f"{name} is read densely: a strided view is read wrong")
+    experts, hidden, inter = fc2.shape
+    _need(x.dim() == 2 and x.shape[1] == hidden, f"input {tuple(x.shape)} is not [tokens, {hidden}]")
+    _need(tuple(fc1.shape) == (experts, 2 * inter, hidden), f"fc1 {tuple(fc1.shape)} is not [E, 2I, H] of fc2's")
+    _need(ids.shape == scales.shape and ids.shape[0] == x.shape[0], "ids and scales must be [tokens, k]")
+    _need(bool(((ids >= 0) & (ids < experts)).all()), "an expert id out of range is read past the weights")
+    for name, t, row in (("input", x, hidden), ("fc1", fc1, hidden), ("fc2", fc2, inter)):
+        _need((row * t.element_size()) % 16 == 0, f"{name}'s rows of {row * t.element_size()} bytes break the TMA's "
+              "16-byte alignment")
+        _vector_loads(name, t, torch.zeros(1, dtype=torch.long), 16)
+    out = torch.zeros(x.shape, dtype=torch.float32)
+    for e in range(experts):
+        token, slot = torch.nonzero(ids == e, as_tuple=True)
+        if token.numel() == 0:
+            continue
+        rows = x[token].float()
+        up = (rows @ fc1[e, :inter].float().T).to(x.dtype).float()
+        gate = (rows @ fc1[e, inter:].float().T).to(x.dtype).float()
+        act = (F.silu(gate) * up).to(x.dtype).float()
+        expert_out = (act @ fc2[e].float().T).to(x.dtype).float()
+        out.index_add_(0, token, scales[token, slot, None] * expert_out)
+    result = out.to(x.dtype)
+    if output is not None:
+        output.copy_(result)
+        result = output
+    return [result]  # as the newer versions do: a list holding the output
+
+
+fake_flashinfer.fused_moe = SimpleNamespace(cutlass_fused_moe=_cutlass_fused_moe)

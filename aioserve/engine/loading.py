@@ -15,6 +15,7 @@ import torch
 from aioserve.config import DEFAULT_CPU_KV_BYTES, EngineConfig
 from aioserve.engine.dtypes import compute_dtype, kv_cache_dtype, resolve_dtype
 from aioserve.kvcache.kv_pool import FP8_KV, RESERVED_PAGES, KVPool
+from aioserve.layers.moe import FusedMoE
 from aioserve.models.llama import LlamaForCausalLM
 from aioserve.models.model_config import ModelConfig
 from aioserve.models.source import resolve_model_path
@@ -129,6 +130,12 @@ def load(config: EngineConfig, tp_size: int) -> LoadedModel:
         model_config, model_path, dtype, device, config.load_format, config.seed,
         round_to=weight_dtype, matmul_dtype=matmul_load_dtype(device, weight_dtype, dtype),
     )
+    if device.type == "cuda":
+        # FlashInfer's fused MoE kernel: built and self-checked now, before
+        # any request and outside the decode graphs' capture.
+        for module in model.modules():
+            if isinstance(module, FusedMoE):
+                module.choose_kernel()
     loaded = LoadedModel(
         device=device,
         model_path=model_path,

@@ -96,6 +96,14 @@ class FusedOp:
     def fell_back(self) -> set[str]:
         return {why for why in self.decisions.values() if why is not None}
 
+    def asked(self) -> bool:
+        """Whether some layer asked for this op (and so has something to report)."""
+        return bool(self.decisions)
+
+    def forget(self) -> None:
+        self.decisions.clear()
+        self._logged.clear()
+
     def fused(self) -> bool:
         """Whether some layout took the fused kernel."""
         return any(why is None for why in self.decisions.values())
@@ -106,15 +114,18 @@ FUSED_ADD_RMSNORM = FusedOp("fused_add_rmsnorm", kernel_contracts.fused_add_rmsn
 ROPE = FusedOp("rope", kernel_contracts.rope)
 SILU_AND_MUL = FusedOp("silu_and_mul", kernel_contracts.silu_and_mul)
 FUSED_OPS = (RMSNORM, FUSED_ADD_RMSNORM, ROPE, SILU_AND_MUL)
+# Ops only some models call (layers/flashinfer_moe.py's fused MoE), added by
+# their modules; reported once a layer asked for them.
+MODEL_OPS: list[FusedOp] = []
 
 
 def forget_decisions() -> None:
     """Start every op's decisions afresh (tests that swap the module or the devices)."""
-    for op in FUSED_OPS:
-        op.decisions.clear()
-        op._logged.clear()
+    for op in (*FUSED_OPS, *MODEL_OPS):
+        op.forget()
 
 
 def report() -> dict[str, dict[str, object]]:
     """Per op: whether it was fused for some layout, and every reason it was not."""
-    return {op.name: {"fused": op.fused(), "fell_back": sorted(op.fell_back())} for op in FUSED_OPS}
+    ops = (*FUSED_OPS, *(op for op in MODEL_OPS if op.asked()))
+    return {op.name: {"fused": op.fused(), "fell_back": sorted(op.fell_back())} for op in ops}

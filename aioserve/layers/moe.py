@@ -6,10 +6,15 @@ Tensor parallelism shards every expert's intermediate dimension over the
 ranks (gate/up by rows, down by columns, as the dense MLP does), so each
 rank computes a partial sum for every routed token and one all-reduce after
 the down projection completes it. The router runs, identically, on every rank.
+
+On CUDA the experts run as FlashInfer's fused MoE kernel where its contract
+and a one-time self-check hold (layers/flashinfer_moe.py), else as the
+grouped torch form here; on the CPU as the native packed matmul when built.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from types import ModuleType
 from typing import cast
 
@@ -18,6 +23,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from aioserve.layers.activation import silu_and_mul
+from aioserve.layers.flashinfer_moe import FlashInferExperts
 from aioserve.tp.distributed import all_reduce, get_tp_group
 
 GATE, UP, DOWN = 0, 1, 2  # an expert projection's part in a checkpoint shard id (expert, part)
@@ -111,6 +117,37 @@ def grouped_matmul(x: torch.Tensor, weights: torch.Tensor, ends: torch.Tensor) -
     return out
 
 
+# One projection over rows sorted by expert: (rows, ends, gate_up) -> the rows' gate/up or down products.
+Project = Callable[[torch.Tensor, torch.Tensor, bool], torch.Tensor]
+
+
+def routed_experts(
+    x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, num_experts: int, project: Project
+) -> torch.Tensor:
+    """The grouped torch form, before the all-reduce: the T x k (token,
+    expert) pairs sorted by expert, each projection one grouped product over
+    them, the rows scaled by their routing weight and summed per token."""
+    k = ids.shape[1]
+    sorted_ids, order = ids.reshape(-1).sort(stable=True)
+    tokens = order // k
+    # Where each expert's rows end in the sorted order (no host sync).
+    ends = torch.searchsorted(sorted_ids, torch.arange(num_experts, device=x.device), right=True)
+    ends = ends.to(torch.int32)
+    rows = x.index_select(0, tokens)
+    hidden = silu_and_mul(project(rows, ends, True))
+    out = project(hidden, ends, False)
+    out = out * weights.reshape(-1)[order].unsqueeze(1).to(out.dtype)
+    return torch.zeros_like(x).index_add_(0, tokens, out)
+
+
+def grouped_experts(
+    x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor
+) -> torch.Tensor:
+    """routed_experts over stacked [gate | up] and down weights (the fused kernel's self-check reference)."""
+    return routed_experts(x, weights, ids, w13.shape[0], lambda rows, ends, gate_up: grouped_matmul(
+        rows, w13 if gate_up else w2, ends))
+
+
 class FusedMoE(nn.Module):
     """The experts: w13 [E, 2 * I/tp, H] holds each expert's [gate | up]
     shard, w2 [E, H, I/tp] its down shard. Loaded from Hugging Face's
@@ -131,6 +168,7 @@ class FusedMoE(nn.Module):
         # CPU: each expert's w13 and w2 packed for the native kernel (pack_for_cpu), in place of the stacks.
         self.packed: tuple[list[torch.Tensor], list[torch.Tensor]] | None = None
         self._kernels: ModuleType | None = None
+        self.flashinfer = FlashInferExperts(grouped_experts)  # CUDA: the fused kernel, where it is chosen
 
     def pack_for_cpu(self, kernels: ModuleType, storage_dtype: torch.dtype | None) -> None:
         """Pack every expert's projections for the native matmul, at
@@ -152,7 +190,10 @@ class FusedMoE(nn.Module):
         if self.packed is not None and self._kernels is not None:
             features = 2 * self.shard if gate_up else self.hidden
             return packed_grouped_matmul(x, self.packed[0 if gate_up else 1], features, ends, self._kernels)
-        return grouped_matmul(x, self.w13 if gate_up else self.w2, ends)
+        out = grouped_matmul(x, self.w13 if gate_up else self.w2, ends)
+        if gate_up and self.flashinfer.up_first:  # w13 is in the fused kernel's [up | gate] order
+            out = out.roll(self.shard, dims=1)
+        return out
 
     def expected_shards(self, param: str) -> set[object]:
         """The shard ids that must all load into `param` (the loader's completeness check)."""
@@ -176,19 +217,18 @@ class FusedMoE(nn.Module):
             raise ValueError(f"{what}: checkpoint shape {tuple(piece.shape)} != {tuple(target.shape)}")
         target.copy_(piece)
 
+    def choose_kernel(self) -> bool:
+        """Decide, once and outside graph capture, whether FlashInfer's fused
+        kernel serves this layer (engine/loading.py calls it on CUDA)."""
+        return self.packed is None and self.flashinfer.choose(self.w13.data, self.w2.data)
+
     def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         """x [T, H]; each token's k experts `ids` [T, k] and their `weights`."""
-        k = ids.shape[1]
-        sorted_ids, order = ids.reshape(-1).sort(stable=True)
-        tokens = order // k
-        # Where each expert's rows end in the sorted order (no host sync).
-        ends = torch.searchsorted(sorted_ids, torch.arange(self.num_experts, device=x.device), right=True)
-        ends = ends.to(torch.int32)
-        rows = x.index_select(0, tokens)
-        hidden = silu_and_mul(self._project(rows, ends, gate_up=True))
-        out = self._project(hidden, ends, gate_up=False)
-        out = out * weights.reshape(-1)[order].unsqueeze(1).to(out.dtype)
-        return all_reduce(torch.zeros_like(x).index_add_(0, tokens, out))
+        if self.packed is None:
+            fused = self.flashinfer.run(x, weights, ids, self.w13.data, self.w2.data)
+            if fused is not None:
+                return all_reduce(fused)
+        return all_reduce(routed_experts(x, weights, ids, self.num_experts, self._project))
 
 
 class SparseMoeBlock(nn.Module):
