@@ -5,7 +5,8 @@ dequantised on the CPU and their greedy output equals transformers run on
 the same weights dequantised, offline and over HTTP; a quantisation
 aioserve cannot run fails at load naming the format. The CUDA path's
 layers (FP8 weights, row scales, torch._scaled_mm) are built and checked on
-the CPU; the engine on a GPU runs in the gpu-marked test."""
+the CPU; the engine on a GPU runs in the gpu-marked test. Block scales held
+in FP8: tests/test_fp8_block_gemm.py."""
 
 from __future__ import annotations
 
@@ -189,7 +190,9 @@ def test_fp8_matmuls_on_cuda(fp8_checkpoints: dict[str, tuple[Path, Path]]) -> N
     """On a GPU whose scaled matmul takes row-wise scales (Hopper on), the
     per-tensor checkpoint's linear layers multiply in FP8; its prompt
     logprobs stay within FP8's error of the dequantised checkpoint's, and
-    greedy decoding runs (CUDA graphs included). Block scales: dequantised."""
+    greedy decoding runs (CUDA graphs included). The block-scaled MoE
+    checkpoint's layers (64 wide: not whole 128 x 128 blocks) stay
+    dequantised; block scales in FP8 are test_fp8_block_gemm.py's."""
     fp8, reference = fp8_checkpoints["qwen3-per-tensor"]
     if torch.cuda.get_device_capability() < (9, 0):
         pytest.skip("row-wise scaled FP8 GEMMs need compute capability 9.0")
