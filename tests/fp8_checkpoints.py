@@ -110,3 +110,35 @@ def fake_quantise_activations(x: torch.Tensor) -> torch.Tensor:
     groups = x.float().reshape(*x.shape[:-1], x.shape[-1] // 128, 128)
     scale = (groups.abs().amax(dim=-1, keepdim=True) / E4M3_MAX).clamp(min=1e-12)
     return ((groups / scale).to(torch.float8_e4m3fn).float() * scale).reshape(x.shape).to(x.dtype)
+
+
+def held_fp8_linears(model: torch.nn.Module) -> dict[str, torch.nn.Module]:
+    """The model's linear layers that hold their weights in FP8."""
+    from aioserve.layers.linear import ColumnParallelLinear, RowParallelLinear
+
+    return {name: m for name, m in model.named_modules()
+            if isinstance(m, (ColumnParallelLinear, RowParallelLinear)) and m.weight_scale is not None}
+
+
+def cuda_logprob_gap(fp8: Path, reference: Path, prompt: list[int], scale_dims: int) -> float:
+    """An FP8 checkpoint and its dequantised twin served in bfloat16 on CUDA:
+    every linear layer of the first holds FP8 (scales of `scale_dims` dims:
+    1 per row, 2 per block), none of the second's; 8 greedy tokens decode
+    (CUDA graphs included). Returns the mean gap of their prompt logprobs."""
+    from aioserve import LLM, SamplingParams
+
+    params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True, prompt_logprobs=0)
+    results = []
+    for path in (fp8, reference):
+        llm = LLM(str(path), page_size=16, dtype="bfloat16")
+        try:
+            held = held_fp8_linears(llm.engine.model)
+            assert len(held) == (4 * llm.engine.model_config.num_layers if path == fp8 else 0)
+            assert all(m.weight_scale.dim() == scale_dims for m in held.values())
+            out = llm.generate([prompt], params)[0]
+            results.append([entry[0] for entry in out.prompt_logprobs if entry is not None])
+            assert len(out.token_ids) == 8
+        finally:
+            llm.close()
+    got, expected = (torch.tensor(r) for r in results)
+    return (got - expected).abs().mean().item()
