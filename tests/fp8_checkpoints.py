@@ -76,3 +76,69 @@ def build_fp8_checkpoints(
     }
     (fp8 / "config.json").write_text(json.dumps(config, indent=2))
     return fp8, reference
+
+
+REAL_SCALED_MM = torch.nn.functional.scaled_mm  # before any test stands the reference in for it
+
+
+def reference_scaled_mm(
+    mat_a: torch.Tensor, mat_b: torch.Tensor, scale_a: torch.Tensor, scale_recipe_a: object,
+    scale_b: torch.Tensor, scale_recipe_b: object, *args: object, output_dtype: torch.dtype | None = torch.bfloat16,
+    **kwargs: object,
+) -> torch.Tensor:
+    """torch.nn.functional.scaled_mm's 1x128 x 128x128 recipe on the CPU,
+    written from its meaning: out[m, n] = sum_k a[m, k] * sa[m, k // 128] *
+    b[k, n] * sb[k // 128, n // 128], in float64. First torch's own checks
+    of the operands' shapes, strides and dtypes run on meta copies of them
+    (the checks a CUDA call makes), so a layout the GPU would refuse fails here."""
+    F = torch.nn.functional
+    assert (scale_recipe_a, scale_recipe_b) == (F.ScalingType.BlockWise1x128, F.ScalingType.BlockWise128x128)
+    assert not args and not kwargs, "the block-scaled path passes no swizzle, bias or accumulation options"
+    meta = [torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device="meta")
+            for t in (mat_a, mat_b, scale_a, scale_b)]
+    REAL_SCALED_MM(meta[0], meta[1], meta[2], scale_recipe_a, meta[3], scale_recipe_b, output_dtype=output_dtype)
+    k, n = mat_b.shape
+    ks, ns = torch.arange(k), torch.arange(n)
+    a = mat_a.double() * scale_a.double()[:, ks // 128]
+    b = mat_b.double() * scale_b.double()[ks // 128][:, ns // 128]
+    return (a @ b).to(output_dtype or torch.bfloat16)
+
+
+def fake_quantise_activations(x: torch.Tensor) -> torch.Tensor:
+    """x as the block-scaled FP8 GEMM sees it: each token's 128-column groups
+    scaled so their largest magnitude is e4m3's largest, rounded to e4m3, scaled back."""
+    groups = x.float().reshape(*x.shape[:-1], x.shape[-1] // 128, 128)
+    scale = (groups.abs().amax(dim=-1, keepdim=True) / E4M3_MAX).clamp(min=1e-12)
+    return ((groups / scale).to(torch.float8_e4m3fn).float() * scale).reshape(x.shape).to(x.dtype)
+
+
+def held_fp8_linears(model: torch.nn.Module) -> dict[str, torch.nn.Module]:
+    """The model's linear layers that hold their weights in FP8."""
+    from aioserve.layers.linear import ColumnParallelLinear, RowParallelLinear
+
+    return {name: m for name, m in model.named_modules()
+            if isinstance(m, (ColumnParallelLinear, RowParallelLinear)) and m.weight_scale is not None}
+
+
+def cuda_logprob_gap(fp8: Path, reference: Path, prompt: list[int], scale_dims: int) -> float:
+    """An FP8 checkpoint and its dequantised twin served in bfloat16 on CUDA:
+    every linear layer of the first holds FP8 (scales of `scale_dims` dims:
+    1 per row, 2 per block), none of the second's; 8 greedy tokens decode
+    (CUDA graphs included). Returns the mean gap of their prompt logprobs."""
+    from aioserve import LLM, SamplingParams
+
+    params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True, prompt_logprobs=0)
+    results = []
+    for path in (fp8, reference):
+        llm = LLM(str(path), page_size=16, dtype="bfloat16")
+        try:
+            held = held_fp8_linears(llm.engine.model)
+            assert len(held) == (4 * llm.engine.model_config.num_layers if path == fp8 else 0)
+            assert all(m.weight_scale.dim() == scale_dims for m in held.values())
+            out = llm.generate([prompt], params)[0]
+            results.append([entry[0] for entry in out.prompt_logprobs if entry is not None])
+            assert len(out.token_ids) == 8
+        finally:
+            llm.close()
+    got, expected = (torch.tensor(r) for r in results)
+    return (got - expected).abs().mean().item()

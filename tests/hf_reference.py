@@ -22,10 +22,11 @@ def hf_tokenizer(path: str):
     return AutoTokenizer.from_pretrained(path)
 
 
-def hf_greedy(path: Path, prompt_ids: list[int], max_new_tokens: int) -> tuple[list[int], list[float]]:
+def hf_greedy(path: Path, prompt_ids: list[int], max_new_tokens: int, model=None) -> tuple[list[int], list[float]]:
     """transformers' generate(do_sample=False), EOS ignored; ids and each
-    chosen token's log_softmax."""
-    model = hf_model(str(path))
+    chosen token's log_softmax. `model`: one loaded from `path` and altered
+    by the test (default: as loaded)."""
+    model = model if model is not None else hf_model(str(path))
     with torch.no_grad():
         out = model.generate(
             torch.tensor([prompt_ids]),

@@ -39,7 +39,9 @@ class CpuFastPaths:
         self.greedy_screen: GreedyScreen | None = None
         # Weights waiting to be packed for the native matmul (the kernels are building).
         self._unpacked: list[MatmulModule] = []
-        matmuls = cast("list[MatmulModule]", [m for m in model.modules() if hasattr(m, "matmul_choice")])
+        # A layer holding FP8 weights multiplies through its scaled matmul, never the CPU's.
+        matmuls = cast("list[MatmulModule]", [m for m in model.modules() if hasattr(m, "matmul_choice")
+                                              and getattr(m, "weight_scale", None) is None])
         if pack_cpu_weights(matmuls, weight_dtype, dtype):
             self._pack_experts()
         else:

@@ -19,6 +19,7 @@ from torch import nn
 
 from aioserve.tp.distributed import all_reduce, get_tp_group, kv_heads_per_rank, shard_range
 from aioserve.cpu.matmul import MatmulChoice, cpu_matmul
+from aioserve.layers.fp8_block_linear import BLOCK, block_fp8_linear, dequantize_held, scale_columns
 from aioserve.layers.fp8_linear import FP8, scaled_fp8_linear
 
 
@@ -34,9 +35,11 @@ def linear(
     """x W^T (+ b). On CPU by the form tuned for this weight, or its packed
     kernel (cpu_matmul.py). `float_out`: float32 is welcome; `out`: a
     destination the packed kernel may write into (both: see cpu_matmul).
-    An FP8 weight comes with its rows' `weight_scale` (fp8_linear.py)."""
+    An FP8 weight comes with its `weight_scale`: one per row (fp8_linear.py)
+    or a grid of 128 x 128 block scales (fp8_block_linear.py)."""
     if weight_scale is not None:
-        return scaled_fp8_linear(x, weight, weight_scale, bias)
+        fp8_linear = block_fp8_linear if weight_scale.dim() == 2 else scaled_fp8_linear
+        return fp8_linear(x, weight, weight_scale, bias)
     if x.device.type != "cpu":
         return F.linear(x, weight, bias)
     if x.dim() != 2:
@@ -59,19 +62,43 @@ def _weight_or_bias(layer: nn.Module, name: str) -> nn.Parameter:
 
 
 class _Fp8Capable(nn.Module):
-    """A linear layer whose weight may be held in FP8 with a scale per row."""
+    """A linear layer whose weight may be held in FP8: with a scale per row,
+    or with a float32 scale per 128 x 128 block."""
 
     weight: nn.Parameter
     weight_scale: nn.Parameter | None
 
-    def use_fp8_weight(self) -> None:
-        """Hold the weight in e4m3 and its rows' scales (loaded beside it, as
-        the bias is: the same rows of the same shards); before loading."""
-        self.weight = nn.Parameter(torch.empty(self.weight.shape, dtype=FP8, device=self.weight.device),
-                                   requires_grad=False)
-        self.weight_scale = nn.Parameter(
-            torch.empty(self.weight.shape[0], dtype=torch.float32, device=self.weight.device), requires_grad=False
-        )
+    def use_fp8_weight(self, blocks: bool = False) -> None:
+        """Hold the weight in e4m3, before loading. Its scales: one per row
+        (loaded beside it, as the bias is: the same rows of the same shards),
+        or, with `blocks`, a [N/128, K/128] grid (load_block_scale) kept in
+        the first columns of [N/128, L4] (fp8_block_linear.py: the operand
+        is its transposed view)."""
+        rows, cols = self.weight.shape
+        device = self.weight.device
+        self.weight = nn.Parameter(torch.empty(rows, cols, dtype=FP8, device=device), requires_grad=False)
+        shape = (rows // BLOCK, scale_columns(cols // BLOCK)) if blocks else (rows,)
+        self.weight_scale = nn.Parameter(torch.ones(shape, dtype=torch.float32, device=device), requires_grad=False)
+
+    def dequantize_weight(self, dtype: torch.dtype) -> None:
+        """Back to a wide weight of `dtype` holding the FP8 values times their
+        scales (a block-scaled layer that failed its self-check)."""
+        scale = self.weight_scale
+        if scale is None:
+            return
+        weight = self.weight
+        wide = dequantize_held(weight, scale) if scale.dim() == 2 else weight.float() * scale[:, None]
+        self.weight = nn.Parameter(wide.to(dtype), requires_grad=False)
+        self.weight_scale = None
+
+
+def _block_scale_grid(scale: torch.Tensor, full_shape: torch.Size, what: str) -> torch.Tensor:
+    """A checkpoint's block scales, checked against its weight's shape."""
+    expected = (-(-full_shape[0] // BLOCK), -(-full_shape[1] // BLOCK))
+    if tuple(scale.shape) != expected:
+        raise ValueError(f"{what}: FP8 block scales of {tuple(scale.shape)} for a {list(full_shape)} weight "
+                         f"in {BLOCK}x{BLOCK} blocks (expected {expected})")
+    return scale.float()
 
 
 def _copy_checked(param: torch.Tensor, loaded: torch.Tensor, what: str) -> None:
@@ -93,11 +120,33 @@ class ColumnParallelLinear(_Fp8Capable):
         self.register_parameter("weight_scale", None)  # an FP8 weight's rows' scales (use_fp8_weight)
         self.matmul_choice: MatmulChoice | None = None  # set by tune_cpu_matmuls or pack_cpu_weights
 
+    def part_rows(self, shard: object) -> tuple[int, int, int, int]:
+        """Where part `shard` goes: (its first row in this rank's weight, its
+        rows here, its first row in the checkpoint tensor, that tensor's rows)."""
+        return 0, self.weight.shape[0], self.out_start, self.out_full
+
     def load_weight(self, name: str, loaded: torch.Tensor, shard: object = None) -> None:
-        target = _weight_or_bias(self, name)
-        rows = target.shape[0]
-        _check_full(loaded, 0, self.out_full, name)
-        _copy_checked(target, loaded[self.out_start : self.out_start + rows], name)
+        offset, size, start, full = self.part_rows(shard)
+        what = name if shard is None else f"{name}[{shard}]"
+        _check_full(loaded, 0, full, what)
+        _copy_checked(_weight_or_bias(self, name)[offset : offset + size], loaded[start : start + size], what)
+
+    def block_boundaries(self) -> list[int]:
+        """Its columns, and where each part starts and ends in this rank's
+        weight and in the checkpoint tensor. A weight held in 128 x 128
+        blocks needs all of them on a block boundary, so each part's scales
+        are whole rows of the checkpoint's scale grid."""
+        parts = [self.part_rows(shard) for shard in getattr(self, "shard_ids", (None,))]
+        return [self.weight.shape[1]] + [v for offset, size, start, _ in parts for v in (offset, size, start)]
+
+    def load_block_scale(self, scale: torch.Tensor, full_shape: torch.Size, shard: object) -> None:
+        """This part's rows of a checkpoint weight's [N/128, K/128] block
+        scales (`full_shape`: that weight's [N, K]), cut as its weight rows are."""
+        assert self.weight_scale is not None
+        offset, size, start, _ = (v // BLOCK for v in self.part_rows(shard))
+        grid = _block_scale_grid(scale, full_shape, f"weight_scale_inv[{shard}]")
+        _copy_checked(self.weight_scale[offset : offset + size, : grid.shape[1]], grid[start : start + size],
+                      f"weight_scale_inv[{shard}]")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return linear(x, self.weight, self.bias, self.matmul_choice, weight_scale=self.weight_scale)
@@ -118,14 +167,10 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
         self.full_part_sizes = part_sizes
         super().__init__(in_features, sum(part_sizes), bias)
 
-    def load_weight(self, name: str, loaded: torch.Tensor, shard: object = None) -> None:
+    def part_rows(self, shard: object) -> tuple[int, int, int, int]:
         index = int(cast(int, shard))  # the part's number (weight_loader._FUSED_PARTS)
-        target = _weight_or_bias(self, name)
-        size = self.part_sizes[index]
-        offset = sum(self.part_sizes[:index])
         start, _ = shard_range(self.full_part_sizes[index])
-        _check_full(loaded, 0, self.full_part_sizes[index], f"{name}[{index}]")
-        _copy_checked(target[offset : offset + size], loaded[start : start + size], f"{name}[{index}]")
+        return sum(self.part_sizes[:index]), self.part_sizes[index], start, self.full_part_sizes[index]
 
 
 class QKVParallelLinear(ColumnParallelLinear):
@@ -163,18 +208,14 @@ class QKVParallelLinear(ColumnParallelLinear):
     def kv_size(self) -> int:
         return self.num_kv_heads * self.head_dim
 
-    def load_weight(self, name: str, loaded: torch.Tensor, shard: object = None) -> None:
-        target = _weight_or_bias(self, name)
+    def part_rows(self, shard: object) -> tuple[int, int, int, int]:
         d = self.head_dim
         if shard == "q":
-            offset, size, first_head, total = 0, self.q_size, self.q_head_start, self.total_heads
-        elif shard in ("k", "v"):
+            return 0, self.q_size, self.q_head_start * d, self.total_heads * d
+        if shard in ("k", "v"):
             offset = self.q_size + (0 if shard == "k" else self.kv_size)
-            size, first_head, total = self.kv_size, self.kv_head_start, self.total_kv_heads
-        else:
-            raise ValueError(f"unknown qkv shard {shard!r}")
-        _check_full(loaded, 0, total * d, f"{name}[{shard}]")
-        _copy_checked(target[offset : offset + size], loaded[first_head * d : first_head * d + size], f"{name}[{shard}]")
+            return offset, self.kv_size, self.kv_head_start * d, self.total_kv_heads * d
+        raise ValueError(f"unknown qkv shard {shard!r}")
 
 
 class RowParallelLinear(_Fp8Capable):
@@ -197,6 +238,17 @@ class RowParallelLinear(_Fp8Capable):
         cols = self.weight.shape[1]
         _check_full(loaded, 1, self.in_full, name)
         _copy_checked(self.weight, loaded[:, self.in_start : self.in_start + cols], name)
+
+    def block_boundaries(self) -> list[int]:
+        """Its rows and its columns' span in the checkpoint tensor (see ColumnParallelLinear's)."""
+        return [self.weight.shape[0], self.weight.shape[1], self.in_start]
+
+    def load_block_scale(self, scale: torch.Tensor, full_shape: torch.Size, shard: object) -> None:
+        """The columns of the block scales that this rank's input features span."""
+        assert self.weight_scale is not None
+        grid = _block_scale_grid(scale, full_shape, "weight_scale_inv")
+        first, count = self.in_start // BLOCK, self.weight.shape[1] // BLOCK
+        _copy_checked(self.weight_scale[:, :count], grid[:, first : first + count], "weight_scale_inv")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = all_reduce(linear(x, self.weight, choice=self.matmul_choice, weight_scale=self.weight_scale))

@@ -2,7 +2,7 @@
 times its scale, one per tensor or one per block (`weight_block_size`,
 128 x 128 in Qwen3-FP8), dequantised to float32 as a layer reads its slice.
 The layers then hold them in the compute dtype, as an unquantised
-checkpoint's."""
+checkpoint's (unless they hold FP8 for the GPU's FP8 GEMMs: fp8_layers.py)."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ from typing import Any
 
 import torch
 
+from aioserve.layers.fp8_block_linear import expand_block_scales
 from aioserve.models.quantization import Fp8Config
 
 FP8_DTYPE = torch.float8_e4m3fn
@@ -31,8 +32,7 @@ def dequantize_fp8(weight: torch.Tensor, scale: torch.Tensor, block: tuple[int, 
     if tuple(scale.shape) != expected:
         raise ValueError(f"FP8 block scales of {tuple(scale.shape)} for a [{rows}, {cols}] weight in "
                          f"{br}x{bc} blocks (expected {expected})")
-    full = scale.repeat_interleave(br, dim=0)[:rows].repeat_interleave(bc, dim=1)[:, :cols]
-    return values * full
+    return values * expand_block_scales(scale, rows, cols, block)
 
 
 class Fp8CheckpointTensor:

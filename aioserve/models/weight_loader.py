@@ -22,12 +22,12 @@ from safetensors import safe_open
 from torch import nn
 from tqdm import tqdm
 
-from aioserve.layers.fp8_linear import quantize_rows, scaled_mm_reason
 from aioserve.layers.linear import ColumnParallelLinear, RowParallelLinear
 from aioserve.layers.moe import DOWN, GATE, UP
 from aioserve.tp.distributed import get_tp_group
 from aioserve.models.llama import LlamaForCausalLM
 from aioserve.models.fp8_checkpoint import FP8_DTYPE, Fp8CheckpointTensor
+from aioserve.models.fp8_layers import fill_dummy_fp8, load_fp8_weight, scale_name, self_check_block_fp8, use_fp8_matmuls
 from aioserve.models.model_config import ModelConfig
 from aioserve.models.quantization import ACTIVATION_SCALE_SUFFIX, WEIGHT_SCALE_SUFFIXES
 from aioserve.models.registry import model_class
@@ -150,8 +150,9 @@ def load_safetensors(model: nn.Module, config: ModelConfig, path: Path) -> set[t
                     logger.warning("ignoring checkpoint tensor %s", hf_name)
                     continue
                 module, param, shard = target
-                if param == "weight" and getattr(module, "weight_scale", None) is not None:
-                    stored.add(_load_fp8_weight(module, CheckpointTensor(handle, hf_name), owner, shard))
+                if param == "weight" and isinstance(module, (ColumnParallelLinear, RowParallelLinear)) \
+                        and module.weight_scale is not None:
+                    stored.add(load_fp8_weight(module, CheckpointTensor(handle, hf_name), owner, shard))
                     loaded.setdefault(id(getattr(module, "weight_scale")), set()).add(shard)
                 else:
                     tensor = _checkpoint_tensor(handle, hf_name, owner, config)
@@ -164,34 +165,6 @@ def load_safetensors(model: nn.Module, config: ModelConfig, path: Path) -> set[t
     return stored
 
 
-def _scale_name(hf_name: str, owner: dict[str, Any]) -> str:
-    base = hf_name.removesuffix("weight")
-    name = next((base + s for s in WEIGHT_SCALE_SUFFIXES if base + s in owner), None)
-    if name is None:
-        raise ValueError(f"the FP8 weight {hf_name} has no scale ({' or '.join(base + s for s in WEIGHT_SCALE_SUFFIXES)})")
-    return name
-
-
-def _load_fp8_weight(module: nn.Module, tensor: CheckpointTensor, owner: dict[str, Any], shard: object) -> torch.dtype:
-    """Into a layer held in FP8 (layers/fp8_linear.py): the checkpoint's e4m3
-    values as they are, its per-tensor scale as every row's; a wide weight
-    (a layer the checkpoint left unquantised) quantised per row here.
-    Returns the dtype the values are stored in."""
-    if tensor.dtype == FP8_DTYPE:
-        name = _scale_name(tensor.name, owner)
-        scale = owner[name].get_tensor(name).float()
-        if scale.numel() != 1:
-            raise ValueError(f"{name}: a per-tensor FP8 scale has one element, not {tuple(scale.shape)}")
-        weight: CheckpointTensor | torch.Tensor = tensor
-        rows = scale.reshape(1).expand(tensor.shape[0]).contiguous()
-    else:
-        weight, rows = quantize_rows(tensor[:])
-    layer = cast(_LoadsWeights, module)
-    layer.load_weight("weight", weight, shard)
-    layer.load_weight("weight_scale", rows, shard)
-    return torch.float32
-
-
 def _checkpoint_tensor(
     handle: Any, hf_name: str, owner: dict[str, Any], config: ModelConfig
 ) -> CheckpointTensor | Fp8CheckpointTensor:
@@ -201,8 +174,8 @@ def _checkpoint_tensor(
         return tensor
     if config.fp8 is None:
         raise ValueError(f"{hf_name} is stored in FP8 but config.json has no FP8 quantization_config")
-    scale_name = _scale_name(hf_name, owner)
-    return Fp8CheckpointTensor(tensor, owner[scale_name].get_tensor(scale_name), config.fp8)
+    name = scale_name(hf_name, owner)
+    return Fp8CheckpointTensor(tensor, owner[name].get_tensor(name), config.fp8)
 
 
 def _check_complete(model: nn.Module, loaded: dict[int, set[object]], path: Path) -> None:
@@ -221,7 +194,7 @@ def _check_complete(model: nn.Module, loaded: dict[int, set[object]], path: Path
 
 def init_dummy(model: nn.Module, seed: int) -> None:
     """Random weights of the real shapes: N(0, 0.02) like HF's init, norms at
-    1; FP8 weights quantised per row from such values."""
+    1; FP8-held weights quantised from such values in their layer's form."""
     generator = torch.Generator().manual_seed(seed)
     for name, param in model.named_parameters():
         if name.endswith("norm.weight"):
@@ -229,35 +202,8 @@ def init_dummy(model: nn.Module, seed: int) -> None:
         elif not name.endswith("weight_scale"):
             param.data.copy_(torch.randn(param.shape, generator=generator) * 0.02)
     for module in model.modules():
-        scale = getattr(module, "weight_scale", None)
-        if scale is not None:
-            weight = cast(torch.Tensor, module.weight)
-            wide = torch.randn(weight.shape, generator=generator) * 0.02
-            weight.data, scale.data = (t.to(scale.device) for t in quantize_rows(wide))
-
-
-def use_fp8_matmuls(model: nn.Module, config: ModelConfig, device: torch.device, dtype: torch.dtype, mode: str) -> None:
-    """FP8 checkpoints with per-tensor scales: hold the linear layers' weights
-    in e4m3 for the scaled matmul where its contract holds (mode "auto"), or
-    everywhere ("force": the CPU tests of the path); else they load
-    dequantised. The experts, the embeddings and the LM head stay wide."""
-    if mode == "off" or config.fp8 is None:
-        return
-    if config.fp8.block is not None:
-        logger.info("FP8 weights in %s blocks: dequantised to %s at load", config.fp8.block, dtype)
-        return
-    held, reasons = 0, set()
-    for module in model.modules():
-        if isinstance(module, (ColumnParallelLinear, RowParallelLinear)):
-            rows, cols = module.weight.shape
-            reason = None if mode == "force" else scaled_mm_reason(device, dtype, cols, rows)
-            if reason is None:
-                module.use_fp8_weight()
-                held += 1
-            else:
-                reasons.add(reason)
-    logger.info("FP8 weights: %d linear layers multiply in FP8 (torch._scaled_mm)%s", held,
-                f"; the others dequantised: {'; '.join(sorted(reasons))}" if reasons else "")
+        if isinstance(module, (ColumnParallelLinear, RowParallelLinear)) and module.weight_scale is not None:
+            fill_dummy_fp8(module, torch.randn(module.weight.shape, generator=generator) * 0.02)
 
 
 def build_model(
@@ -293,6 +239,7 @@ def build_model(
         stored = load_safetensors(model, config, path)
     else:
         raise ValueError(f"unknown load_format {load_format!r} (auto, safetensors, dummy)")
+    self_check_block_fp8(model, dtype)  # (before the rounding below: a layer it dequantises is rounded too)
     # A checkpoint stored in `round_to` has nothing to round (Qwen3-0.6B's
     # bf16: a 1.3 s pass saved).
     if round_to is not None and round_to != dtype and stored != {round_to}:
