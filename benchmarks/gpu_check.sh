@@ -18,7 +18,10 @@
 #                                                  the JIT cache in /tmp is warm by then)
 #     run: bash benchmarks/gpu_check.sh bench      (Qwen3-0.6B dummy: offline x3, roofline with/without graphs)
 #     run: bash benchmarks/gpu_check.sh bench-8b   (Llama-3-8B-shaped dummy: offline x3, roofline)
-# `all` runs the four in order and skips what no longer fits the call's budget.
+#     run: bash benchmarks/gpu_check.sh bench-families  (issue 30: Qwen3-MoE tiny and 8B-shaped, with and
+#                                                  without FlashInfer's fused MoE; FP8 128x128-block Qwen3-0.6B
+#                                                  and Llama-3-8B against their bf16 runs of `bench`/`bench-8b`)
+# `all` runs setup, tests, bench and bench-8b in order and skips what no longer fits the call's budget.
 #
 # What comes back (at most 8 files, as the device tool allows):
 #     $OUT/steps.txt            one line per step: phase, step, status, seconds
@@ -189,7 +192,8 @@ phase_tests() {
     # CUDA_LAUNCH_BLOCKING=1 so its log names the faulting kernel, and the
     # file goes on in a fresh process. One line per test in summary.txt.
     step pytest-gpu 420 "$PY" tools/gpu/isolated_tests.py --out "$WORK/gpu-tests" --timeout 240 \
-        --budget 400 -m gpu tests/test_gpu.py tests/test_gpu_fast_path.py
+        --budget 400 -m gpu tests/test_gpu.py tests/test_gpu_fast_path.py tests/test_flashinfer_moe.py \
+        tests/test_fp8_block_gemm.py tests/test_fp8_checkpoints.py tests/test_fp8_kv_cache.py
     cp "$WORK/gpu-tests/summary.txt" "$OUT/tests/gpu-summary.txt" 2>/dev/null
     # The logs of failures only (what comes back is capped at 8 files).
     cat "$WORK"/gpu-tests/rerun-*.log > "$OUT/tests/gpu-reruns.log" 2>/dev/null
@@ -247,6 +251,20 @@ phase_bench() {
     # FlashInfer's fused RMSNorm/RoPE/SiLU against the torch forms (issue 11: used "where they beat torch").
     step roofline-qwen3-torch-elementwise 240 env AIOSERVE_FLASHINFER_ELEMENTWISE=0 "$PY" benchmarks/roofline.py \
         --model "$QWEN" "${ROOF_ARGS[@]}" --disable-cuda-graph --json "$RESULTS/roofline-qwen3-torch-elementwise.json"
+}
+
+# Issue 30's families. FlashInfer's fused MoE builds only from a full
+# flashinfer-python (the bundle's trimmed wheel lacks its sources): without it
+# the `moe-*` runs are torch's grouped matmul and the `-torch-moe` runs equal them.
+phase_bench_families() {
+    ensure_ready
+    offline moe-tiny .gpu_models/qwen3-moe-tiny
+    step offline-moe-tiny-torch-moe 300 env AIOSERVE_FLASHINFER_MOE=0 "$PY" benchmarks/offline.py \
+        --model .gpu_models/qwen3-moe-tiny "${OFFLINE_ARGS[@]}" --json "$RESULTS/offline-moe-tiny-torch-moe.json"
+    offline moe-8b .gpu_models/qwen3-moe-8b
+    offline qwen3-fp8 .gpu_models/qwen3-fp8
+    offline llama8b-fp8 .gpu_models/llama3-8b-fp8
+    roofline llama8b-fp8 .gpu_models/llama3-8b-fp8
 }
 
 phase_bench_8b() {
@@ -311,6 +329,7 @@ case "$PHASE" in
     tests) run_phase tests tests phase_tests ;;
     bench) run_phase bench bench phase_bench ;;
     bench-8b) run_phase bench-8b bench phase_bench_8b ;;
+    bench-families) run_phase bench-families bench phase_bench_families ;;
     all)
         run_phase setup setup phase_setup
         run_phase tests tests phase_tests
@@ -318,10 +337,10 @@ case "$PHASE" in
         run_phase bench-8b bench phase_bench_8b
         ;;
     *)
-        echo "usage: $0 setup|tests|bench|bench-8b|all" >&2
+        echo "usage: $0 setup|tests|bench|bench-8b|bench-families|all" >&2
         exit 2
         ;;
 esac
-case "$PHASE" in bench | bench-8b | all) summarize 2>&1 | tee -a "$OUT/bench.log" ;; esac
+case "$PHASE" in bench | bench-8b | bench-families | all) summarize 2>&1 | tee -a "$OUT/bench.log" ;; esac
 echo "#### steps of this call:"
 cat "$OUT/steps.txt"

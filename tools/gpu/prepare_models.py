@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import gzip
+import json
 import os
 import shutil
 from pathlib import Path
@@ -28,6 +29,24 @@ SHARED = Path(os.environ.get("AIOSERVE_SHARED", REPO.parent / "shared"))
 MODELS = {
     "qwen3": "qwen3",  # Qwen3-0.6B's config
     "llama3-8b-instruct": "llama3-8b-instruct",  # Llama-3-8B's config
+}
+# Shapes of issue 30's families for the GPU figures: a packed model's files
+# with config.json changed. name -> (packed model it starts from, config changes).
+FP8_BLOCKS = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic", "weight_block_size": [128, 128]}
+QWEN3_MOE_LAYER = {  # Qwen3-30B-A3B's layer: 128 experts of 768, top-8, 32 q / 4 kv heads of 128
+    "architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe", "hidden_size": 2048,
+    "num_attention_heads": 32, "num_key_value_heads": 4, "head_dim": 128, "num_experts": 128,
+    "num_experts_per_tok": 8, "moe_intermediate_size": 768, "norm_topk_prob": True,
+    "decoder_sparse_step": 1, "mlp_only_layers": [], "intermediate_size": 6144, "tie_word_embeddings": False,
+}
+VARIANTS: dict[str, tuple[str, dict]] = {
+    "qwen3-fp8": ("qwen3", {"quantization_config": FP8_BLOCKS}),  # Qwen3-0.6B, 128 x 128 FP8 blocks
+    "llama3-8b-fp8": ("llama3-8b-instruct", {"quantization_config": FP8_BLOCKS}),
+    "qwen3-moe-tiny": ("qwen3", {**QWEN3_MOE_LAYER, "hidden_size": 1024, "num_attention_heads": 16,
+                                 "num_key_value_heads": 8, "num_experts": 8, "num_experts_per_tok": 2,
+                                 "moe_intermediate_size": 512, "num_hidden_layers": 8}),
+    # 12 of Qwen3-30B-A3B's 48 layers: 8.1B parameters, 1.0B active.
+    "qwen3-moe-8b": ("qwen3", {**QWEN3_MOE_LAYER, "num_hidden_layers": 12}),
 }
 SMALL_FILES = ("config.json", "generation_config.json", "tokenizer_config.json", "special_tokens_map.json")
 
@@ -58,6 +77,12 @@ def main() -> None:
         size = pack_model(args.shared / "tokenizers" / folder, args.out / name)
         total += size
         print(f"{args.out / name}: {size / 2**20:.2f} MiB")
+    for name, (base, changes) in VARIANTS.items():
+        size = pack_model(args.shared / "tokenizers" / MODELS[base], args.out / name)
+        config = json.loads((args.out / name / "config.json").read_text())
+        (args.out / name / "config.json").write_text(json.dumps({**config, **changes}, indent=2))
+        total += size
+        print(f"{args.out / name}: {size / 2**20:.2f} MiB ({base}, config changed)")
     print(f"total {total / 2**20:.2f} MiB in {args.out}")
 
 
