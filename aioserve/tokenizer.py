@@ -21,6 +21,8 @@ from jinja2 import TemplateError
 from tokenizers import Tokenizer as RustTokenizer
 from tokenizers.decoders import DecodeStream
 
+from aioserve.hf_imports import HF_IMPORT_LOCK
+
 logger = logging.getLogger(__name__)
 
 Result = TypeVar("Result")
@@ -47,9 +49,13 @@ def load_hf_tokenizer(path: str | Path) -> Any:
     (model_type, tokenizer_class, the name). Anything unexpected there falls
     back to the plain call; tests/test_tokenizer_load.py checks both give
     the same tokenizer."""
+    with HF_IMPORT_LOCK:  # the engine may read a config through transformers on another thread
+        return _load_hf_tokenizer(Path(path))
+
+
+def _load_hf_tokenizer(folder: Path) -> Any:
     from transformers import AutoTokenizer, PreTrainedConfig
 
-    folder = Path(path)
     if (folder / "config.json").is_file():
         config_logger = logging.getLogger("transformers.configuration_utils")
         level = config_logger.level
@@ -64,7 +70,7 @@ def load_hf_tokenizer(path: str | Path) -> Any:
             logger.debug("tokenizer of %s through its base config failed (%r); loading it plainly", folder, exc)
         finally:
             config_logger.setLevel(level)
-    return AutoTokenizer.from_pretrained(str(path))
+    return AutoTokenizer.from_pretrained(str(folder))
 
 
 class Tokenizer:

@@ -162,3 +162,26 @@ def test_hub_wrapper_config_takes_text_defaults() -> None:
     assert config.eos_token_ids == [1, 106] and config.torch_dtype == "bfloat16"
     with pytest.raises(ValueError, match="text_config names no model_type"):
         ModelConfig.from_dict({**raw, "text_config": {"hidden_size": 2560}})
+
+
+def test_config_and_tokenizer_take_turns_in_transformers(gemma3_multimodal: Path) -> None:
+    """The server reads a wrapped model's config on the engine's thread while
+    the tokenizer loads on another; both reach into transformers, whose lazy
+    package two threads must not import at once (it once gave "cannot import
+    name ... from partially initialized module"). Both wait for the lock."""
+    import json
+    import threading
+
+    from aioserve.hf_imports import HF_IMPORT_LOCK
+    from aioserve.models.text_of_multimodal import text_model_config
+    from aioserve.tokenizer import load_hf_tokenizer
+
+    raw = json.loads((gemma3_multimodal / "config.json").read_text())
+    for call in (lambda: text_model_config(raw), lambda: load_hf_tokenizer(gemma3_multimodal)):
+        done = threading.Event()
+        with HF_IMPORT_LOCK:
+            worker = threading.Thread(target=lambda: (call(), done.set()))
+            worker.start()
+            assert not done.wait(0.5)  # held up by the lock
+        worker.join(timeout=60)
+        assert done.is_set()

@@ -22,7 +22,7 @@ RANKS: dict[str, float] = {
     "models": 4.5, "attention": 4,  # a model's forward takes the attention backend's metadata
     "kvcache": 3,
     "layers": 2, "kernel_contracts": 1.8, "cpu": 1.5,
-    "config": 0, "sampling_params": 0, "batch_plan": 0, "placeholders": 0,
+    "config": 0, "sampling_params": 0, "batch_plan": 0, "placeholders": 0, "hf_imports": 0,
 }
 # Modules ranked apart from their package: cpu/ holds all that runs only on
 # a CPU, its kernels below the layers and these two at the engine's level.

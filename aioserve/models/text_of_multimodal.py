@@ -12,6 +12,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from aioserve.hf_imports import HF_IMPORT_LOCK
+
 # The wrapper's architecture -> the architecture of the text model inside it.
 TEXT_MODEL_OF: dict[str, str] = {"Gemma3ForConditionalGeneration": "Gemma3ForCausalLM"}
 
@@ -41,17 +43,14 @@ def text_model_config(raw: dict[str, Any]) -> dict[str, Any]:
     wrapper = (raw.get("architectures") or [None])[0]
     if wrapper not in TEXT_MODEL_OF:
         return raw
-    # The submodule, not `from transformers import AutoConfig`: the server
-    # loads the tokenizer on another thread at the same time, and the
-    # package's lazy attribute lookup is not safe across threads (it raised
-    # "cannot import name"); a plain module import holds the import lock.
-    from transformers.models.auto.configuration_auto import AutoConfig  # noqa: PLC0415
-
     text = dict(raw.get("text_config") or {})
     model_type = text.pop("model_type", None)
     if model_type is None:
         raise ValueError(f"{wrapper}: config.json's text_config names no model_type")
-    filled: dict[str, Any] = AutoConfig.for_model(model_type, **text).to_dict()
+    with HF_IMPORT_LOCK:  # the tokenizer may be loading on another thread
+        from transformers import AutoConfig  # noqa: PLC0415 - only wrapped checkpoints need it
+
+        filled: dict[str, Any] = AutoConfig.for_model(model_type, **text).to_dict()
     filled.update({key: raw[key] for key in _SHARED_FIELDS if raw.get(key) is not None})
     filled["architectures"] = [TEXT_MODEL_OF[wrapper]]
     filled["model_type"] = model_type
