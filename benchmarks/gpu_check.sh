@@ -18,6 +18,8 @@
 #                                                  the JIT cache in /tmp is warm by then)
 #     run: bash benchmarks/gpu_check.sh bench      (Qwen3-0.6B dummy: offline x3, roofline with/without graphs)
 #     run: bash benchmarks/gpu_check.sh bench-8b   (Llama-3-8B-shaped dummy: offline x3, roofline)
+#     run: bash benchmarks/gpu_check.sh tests-families   (issue 30's GPU tests: fused MoE, FP8 GEMMs, FP8 KV
+#                                                  cache; then test_moe.py and test_gemma3.py on CUDA)
 #     run: bash benchmarks/gpu_check.sh bench-families  (issue 30: Qwen3-MoE tiny and 8B-shaped, with and
 #                                                  without FlashInfer's fused MoE; FP8 128x128-block Qwen3-0.6B
 #                                                  and Llama-3-8B against their bf16 runs of `bench`/`bench-8b`)
@@ -28,6 +30,7 @@
 #     $OUT/<phase>.log          the phase's whole console (setup.log, tests.log, bench.log)
 #     $OUT/tests/gpu-summary.txt, cuda-summary.txt   one line per test: outcome, seconds, node id
 #     $OUT/tests/gpu-reruns.log  the console of each failure rerun alone with CUDA_LAUNCH_BLOCKING=1
+#     (tests-families: gpu-families-summary.txt, gpu-families-reruns.log, cuda-families-summary.txt)
 #     $OUT/bench/results.json   every benchmark JSON of this machine so far, by run name
 #     $OUT/bench/summary.md     the tables for the issue's closing note
 # Environment: GPU_CHECK_BUDGET (seconds for the whole call, default 560),
@@ -192,8 +195,7 @@ phase_tests() {
     # CUDA_LAUNCH_BLOCKING=1 so its log names the faulting kernel, and the
     # file goes on in a fresh process. One line per test in summary.txt.
     step pytest-gpu 420 "$PY" tools/gpu/isolated_tests.py --out "$WORK/gpu-tests" --timeout 240 \
-        --budget 400 -m gpu tests/test_gpu.py tests/test_gpu_fast_path.py tests/test_flashinfer_moe.py \
-        tests/test_fp8_block_gemm.py tests/test_fp8_checkpoints.py tests/test_fp8_kv_cache.py
+        --budget 400 -m gpu tests/test_gpu.py tests/test_gpu_fast_path.py
     cp "$WORK/gpu-tests/summary.txt" "$OUT/tests/gpu-summary.txt" 2>/dev/null
     # The logs of failures only (what comes back is capped at 8 files).
     cat "$WORK"/gpu-tests/rerun-*.log > "$OUT/tests/gpu-reruns.log" 2>/dev/null
@@ -251,6 +253,19 @@ phase_bench() {
     # FlashInfer's fused RMSNorm/RoPE/SiLU against the torch forms (issue 11: used "where they beat torch").
     step roofline-qwen3-torch-elementwise 240 env AIOSERVE_FLASHINFER_ELEMENTWISE=0 "$PY" benchmarks/roofline.py \
         --model "$QWEN" "${ROOF_ARGS[@]}" --disable-cuda-graph --json "$RESULTS/roofline-qwen3-torch-elementwise.json"
+}
+
+phase_tests_families() {
+    ensure_ready
+    mkdir -p "$OUT/tests"
+    step pytest-gpu-families 300 "$PY" tools/gpu/isolated_tests.py --out "$WORK/gpu-families" --timeout 240 \
+        --budget 280 -m gpu tests/test_flashinfer_moe.py tests/test_fp8_block_gemm.py tests/test_fp8_checkpoints.py \
+        tests/test_fp8_kv_cache.py
+    cp "$WORK/gpu-families/summary.txt" "$OUT/tests/gpu-families-summary.txt" 2>/dev/null
+    cat "$WORK"/gpu-families/rerun-*.log > "$OUT/tests/gpu-families-reruns.log" 2>/dev/null
+    step pytest-cuda-families 240 "$PY" tools/gpu/isolated_tests.py --out "$WORK/cuda-families" --timeout 200 \
+        --budget 220 tests/test_moe.py tests/test_gemma3.py
+    cp "$WORK/cuda-families/summary.txt" "$OUT/tests/cuda-families-summary.txt" 2>/dev/null
 }
 
 # Issue 30's families. FlashInfer's fused MoE builds only from a full
@@ -329,6 +344,7 @@ case "$PHASE" in
     tests) run_phase tests tests phase_tests ;;
     bench) run_phase bench bench phase_bench ;;
     bench-8b) run_phase bench-8b bench phase_bench_8b ;;
+    tests-families) run_phase tests-families tests phase_tests_families ;;
     bench-families) run_phase bench-families bench phase_bench_families ;;
     all)
         run_phase setup setup phase_setup
@@ -337,7 +353,7 @@ case "$PHASE" in
         run_phase bench-8b bench phase_bench_8b
         ;;
     *)
-        echo "usage: $0 setup|tests|bench|bench-8b|bench-families|all" >&2
+        echo "usage: $0 setup|tests|bench|bench-8b|tests-families|bench-families|all" >&2
         exit 2
         ;;
 esac
