@@ -1,13 +1,16 @@
 """Tiny checkpoints in the FP8 layout, written by the tests: each linear
 weight quantised to e4m3 with one scale per tensor (`weight_scale`) or per
 128 x 128 block (`weight_scale_inv`, as the published Qwen3-FP8 checkpoints
-name it), the config's quantization_config saying so; and beside it the
+name it), or in compressed-tensors' layout (llm-compressor's output: per
+tensor, per channel or per block `weight_scale`, an `ignore` list), the
+config's quantization_config saying so; and beside it the
 same model with those weights dequantised in float32 (what transformers
 runs as the oracle)."""
 
 from __future__ import annotations
 
 import json
+import re
 import shutil
 from pathlib import Path
 
@@ -22,8 +25,14 @@ BLOCK = (128, 128)
 QUANTISED = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 
-def quantize(weight: torch.Tensor, block: tuple[int, int] | None) -> tuple[torch.Tensor, torch.Tensor]:
-    """(e4m3 weight, float32 scale): one scale, or one per block (edge blocks partial)."""
+def quantize(
+    weight: torch.Tensor, block: tuple[int, int] | None, per_channel: bool = False
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(e4m3 weight, float32 scale): one scale, one per row ([N, 1]), or one
+    per block (edge blocks partial)."""
+    if per_channel:
+        scale = weight.abs().amax(dim=1, keepdim=True).clamp(min=1e-12) / E4M3_MAX
+        return (weight / scale).to(torch.float8_e4m3fn), scale.float()
     if block is None:
         scale = weight.abs().max().clamp(min=1e-12) / E4M3_MAX
         return (weight / scale).to(torch.float8_e4m3fn), scale.reshape(()).float()
@@ -40,7 +49,7 @@ def quantize(weight: torch.Tensor, block: tuple[int, int] | None) -> tuple[torch
 
 def dequantize(q: torch.Tensor, scale: torch.Tensor, block: tuple[int, int] | None) -> torch.Tensor:
     if block is None:
-        return q.float() * scale
+        return q.float() * scale  # (a [N, 1] per-channel scale broadcasts over its rows)
     rows, cols = q.shape
     return q.float() * scale.repeat_interleave(block[0], 0)[:rows].repeat_interleave(block[1], 1)[:, :cols]
 
@@ -49,6 +58,53 @@ def build_fp8_checkpoints(
     name: str, root: Path, block: tuple[int, int] | None, overrides: dict | None = None
 ) -> tuple[Path, Path]:
     """(the FP8 checkpoint, its dequantised float32 twin) of tiny model `name`."""
+    config = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
+              **({"weight_block_size": list(block)} if block else {})}
+    return _write_checkpoints(name, root, overrides, config, block, "_scale_inv" if block else "_scale")
+
+
+# Layers llm-compressor's recipes leave wide besides the LM head: here one
+# MLP's down projection (by regex, as recipes name them).
+CT_IGNORED = "re:.*layers[.]1[.]mlp[.]down_proj$"
+
+
+def compressed_tensors_config(strategy: str, input_scales: bool = False) -> dict:
+    """The quantization_config llm-compressor writes for its FP8 (static
+    per-tensor activations), FP8_DYNAMIC (per-channel weights, per-token
+    activations) and FP8_BLOCK schemes, with weights of `strategy`."""
+    weights = {"num_bits": 8, "type": "float", "symmetric": True, "dynamic": False, "strategy": strategy,
+               "group_size": None, "block_structure": list(BLOCK) if strategy == "block" else None, "actorder": None,
+               "observer": "minmax", "observer_kwargs": {}}
+    activations = {"num_bits": 8, "type": "float", "symmetric": True, "group_size": None, "block_structure": None,
+                   "actorder": None, "observer": None, "observer_kwargs": {},
+                   **({"dynamic": False, "strategy": "tensor", "observer": "minmax"} if input_scales
+                      else {"dynamic": True, "strategy": "token"})}
+    return {
+        "quant_method": "compressed-tensors", "format": "float-quantized", "quantization_status": "compressed",
+        "config_groups": {"group_0": {"targets": ["Linear"], "weights": weights, "input_activations": activations,
+                                      "output_activations": None, "format": "float-quantized"}},
+        "ignore": ["lm_head", CT_IGNORED], "kv_cache_scheme": None, "global_compression_ratio": None,
+        "sparsity_config": {}, "transform_config": {}, "version": "0.12.2",
+    }
+
+
+def build_compressed_tensors_checkpoints(
+    name: str, root: Path, strategy: str, overrides: dict | None = None, input_scales: bool = False
+) -> tuple[Path, Path]:
+    """(a compressed-tensors FP8 checkpoint with weights of `strategy`, its
+    dequantised float32 twin) of tiny model `name`: scales `weight_scale`
+    ([1] per tensor, [N, 1] per channel, [N/128, K/128] per block), the
+    layers of `ignore` left wide, `input_scale`s beside the weights if asked."""
+    config = compressed_tensors_config(strategy, input_scales)
+    return _write_checkpoints(name, root, overrides, config, BLOCK if strategy == "block" else None, "_scale",
+                              per_channel=strategy == "channel", input_scales=input_scales,
+                              ignored=CT_IGNORED.removeprefix("re:"))
+
+
+def _write_checkpoints(
+    name: str, root: Path, overrides: dict | None, quantization: dict, block: tuple[int, int] | None,
+    scale_suffix: str, per_channel: bool = False, input_scales: bool = False, ignored: str | None = None,
+) -> tuple[Path, Path]:
     source = build_checkpoint(name, root / "source", overrides=overrides)
     fp8, reference = root / "fp8", root / "dequantised"
     for folder in (fp8, reference):
@@ -60,20 +116,21 @@ def build_fp8_checkpoints(
     for file in sorted(source.glob("*.safetensors")):
         for key, tensor in load_file(file).items():
             module = key.removesuffix(".weight").rsplit(".", 1)[-1]
-            if key.endswith(".weight") and module in QUANTISED and tensor.dim() == 2:
-                q, scale = quantize(tensor, block)
+            left_wide = ignored is not None and re.fullmatch(ignored, key.removesuffix(".weight"))
+            if key.endswith(".weight") and module in QUANTISED and tensor.dim() == 2 and not left_wide:
+                q, scale = quantize(tensor, block, per_channel)
                 quantised[key] = q
-                quantised[key + ("_scale_inv" if block else "_scale")] = scale
+                # (compressed-tensors writes a per-tensor scale as [1], the fp8 method's as [])
+                quantised[key + scale_suffix] = scale.reshape(1) if scale.dim() == 0 and ignored is not None else scale
+                if input_scales:  # a calibrated static activation scale (aioserve quantises per token instead)
+                    quantised[key.removesuffix("weight") + "input_scale"] = torch.tensor([0.01])
                 wide[key] = dequantize(q, scale, block)
             else:
                 quantised[key] = wide[key] = tensor
     save_file(quantised, str(fp8 / "model.safetensors"), metadata={"format": "pt"})
     save_file(wide, str(reference / "model.safetensors"), metadata={"format": "pt"})
     config = json.loads((fp8 / "config.json").read_text())
-    config["quantization_config"] = {
-        "quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
-        **({"weight_block_size": list(block)} if block else {}),
-    }
+    config["quantization_config"] = quantization
     (fp8 / "config.json").write_text(json.dumps(config, indent=2))
     return fp8, reference
 

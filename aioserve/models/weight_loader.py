@@ -29,7 +29,7 @@ from aioserve.models.llama import LlamaForCausalLM
 from aioserve.models.fp8_checkpoint import FP8_DTYPE, Fp8CheckpointTensor
 from aioserve.models.fp8_layers import fill_dummy_fp8, load_fp8_weight, scale_name, self_check_block_fp8, use_fp8_matmuls
 from aioserve.models.model_config import ModelConfig
-from aioserve.models.quantization import ACTIVATION_SCALE_SUFFIX, WEIGHT_SCALE_SUFFIXES
+from aioserve.models.quantization import ACTIVATION_SCALE_SUFFIX, KV_SCALE_SUFFIXES, WEIGHT_SCALE_SUFFIXES
 from aioserve.models.registry import model_class
 from aioserve.models.text_of_multimodal import text_weight_name
 
@@ -143,8 +143,9 @@ def load_safetensors(model: nn.Module, config: ModelConfig, path: Path) -> set[t
                     continue
                 if config.tie_word_embeddings and name == "lm_head.weight":
                     continue  # tied: the embedding is the head
-                if config.fp8 is not None and name.endswith((*WEIGHT_SCALE_SUFFIXES, ACTIVATION_SCALE_SUFFIX)):
-                    continue  # read with their weight; activations are not quantised here
+                if config.fp8 is not None and name.endswith(
+                        (*WEIGHT_SCALE_SUFFIXES, ACTIVATION_SCALE_SUFFIX, *KV_SCALE_SUFFIXES)):
+                    continue  # read with their weight; activations and the KV cache are not quantised with them
                 target = _target(model, name)
                 if target is None:
                     logger.warning("ignoring checkpoint tensor %s", hf_name)
