@@ -177,10 +177,11 @@ def held_fp8_linears(model: torch.nn.Module) -> dict[str, torch.nn.Module]:
             if isinstance(m, (ColumnParallelLinear, RowParallelLinear)) and m.weight_scale is not None}
 
 
-def cuda_logprob_gap(fp8: Path, reference: Path, prompt: list[int], scale_dims: int) -> float:
+def cuda_logprob_gap(fp8: Path, reference: Path, prompt: list[int], scale_dims: int, left_wide: int = 0) -> float:
     """An FP8 checkpoint and its dequantised twin served in bfloat16 on CUDA:
     every linear layer of the first holds FP8 (scales of `scale_dims` dims:
-    1 per row, 2 per block), none of the second's; 8 greedy tokens decode
+    1 per row, 2 per block) but the `left_wide` the checkpoint stores
+    unquantised, none of the second's; 8 greedy tokens decode
     (CUDA graphs included). Returns the mean gap of their prompt logprobs."""
     from aioserve import LLM, SamplingParams
 
@@ -190,7 +191,7 @@ def cuda_logprob_gap(fp8: Path, reference: Path, prompt: list[int], scale_dims: 
         llm = LLM(str(path), page_size=16, dtype="bfloat16")
         try:
             held = held_fp8_linears(llm.engine.model)
-            assert len(held) == (4 * llm.engine.model_config.num_layers if path == fp8 else 0)
+            assert len(held) == (4 * llm.engine.model_config.num_layers - left_wide if path == fp8 else 0)
             assert all(m.weight_scale.dim() == scale_dims for m in held.values())
             out = llm.generate([prompt], params)[0]
             results.append([entry[0] for entry in out.prompt_logprobs if entry is not None])

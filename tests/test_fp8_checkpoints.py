@@ -160,28 +160,37 @@ def test_weights_held_in_fp8_are_the_checkpoints_and_multiply_like_the_dequantis
         assert error < 0.08, f"{name}: {error}"
 
 
-def test_a_wide_layer_in_an_fp8_checkpoint_is_quantised_per_row(
+def test_wide_weights_in_an_fp8_checkpoint_stay_wide_or_are_quantised_per_row(
     fp8_checkpoints: dict[str, tuple[Path, Path]], tmp_path: Path
 ) -> None:
+    """On the FP8 path: a layer the checkpoint left wide (an ignore list's)
+    stays wide; a wide part of a fused layer whose other parts are FP8 (k of
+    q/k/v) is quantised per row at load."""
     from safetensors.torch import load_file, save_file
 
     from aioserve.models.model_config import ModelConfig
     from aioserve.models.weight_loader import build_model
 
     fp8, reference = fp8_checkpoints["qwen3-per-tensor"]
-    folder = tmp_path / "one-wide"
+    folder = tmp_path / "some-wide"
     shutil.copytree(fp8, folder)
     tensors = load_file(folder / "model.safetensors")
-    name = "model.layers.1.mlp.down_proj.weight"
-    tensors[name] = load_file(reference / "model.safetensors")[name]
-    del tensors[name + "_scale"]
+    wide_tensors = load_file(reference / "model.safetensors")
+    down, k = "model.layers.1.mlp.down_proj.weight", "model.layers.1.self_attn.k_proj.weight"
+    for name in (down, k):
+        tensors[name] = wide_tensors[name]
+        del tensors[name + "_scale"]
     save_file(tensors, str(folder / "model.safetensors"), metadata={"format": "pt"})
     model = build_model(ModelConfig.from_path(folder), folder, torch.float32, torch.device("cpu"), "auto", 0,
                         fp8_matmul="force")
-    down = model.get_submodule("model.layers.1.mlp.down_proj")
-    wide = tensors[name]
-    assert torch.allclose(down.weight_scale, wide.abs().amax(dim=1) / 448)
-    restored = down.weight.float() * down.weight_scale[:, None]
+    layer = model.get_submodule("model.layers.1.mlp.down_proj")
+    assert layer.weight_scale is None and torch.equal(layer.weight, wide_tensors[down])
+    qkv = model.get_submodule("model.layers.1.self_attn.qkv_proj")
+    rows = slice(qkv.q_size, qkv.q_size + qkv.kv_size)
+    wide = wide_tensors[k]
+    assert qkv.weight.dtype == torch.float8_e4m3fn
+    assert torch.allclose(qkv.weight_scale[rows], wide.abs().amax(dim=1) / 448)
+    restored = qkv.weight[rows].float() * qkv.weight_scale[rows, None]
     assert (restored - wide).abs().max() <= 0.07 * wide.abs().max()
 
 

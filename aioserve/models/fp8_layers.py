@@ -62,11 +62,17 @@ def _block_reason(module: FP8Linear, device: torch.device, dtype: torch.dtype, f
     return None if forced else block_scaled_mm_reason(device, dtype, cols, rows)
 
 
-def use_fp8_matmuls(model: nn.Module, config: ModelConfig, device: torch.device, dtype: torch.dtype, mode: str) -> None:
+def use_fp8_matmuls(
+    model: nn.Module, config: ModelConfig, device: torch.device, dtype: torch.dtype, mode: str,
+    stored_fp8: set[int] | None = None,
+) -> None:
     """Before loading: hold each linear layer's weight in e4m3 where the
     scaled matmul's contract holds (mode "auto"), or wherever the layer's
     pieces allow ("force": the CPU tests of the path); else it loads
-    dequantised. Logs how many, and each distinct reason for the others once."""
+    dequantised. With `stored_fp8` (ids of the layers the checkpoint stores
+    FP8 weights for), a layer the checkpoint left wide (a compressed-tensors
+    `ignore` entry, a `modules_to_not_convert`) stays wide. Logs how many,
+    and each distinct reason for the others once."""
     if mode == "off" or config.fp8 is None:
         return
     block = config.fp8.block
@@ -78,7 +84,10 @@ def use_fp8_matmuls(model: nn.Module, config: ModelConfig, device: torch.device,
     for module in model.modules():
         if isinstance(module, (ColumnParallelLinear, RowParallelLinear)):
             rows, cols = module.weight.shape
-            if block is not None:
+            reason: str | None
+            if stored_fp8 is not None and id(module) not in stored_fp8:
+                reason = "left unquantised by the checkpoint"
+            elif block is not None:
                 reason = _block_reason(module, device, dtype, mode == "force")
             else:
                 reason = None if mode == "force" else scaled_mm_reason(device, dtype, cols, rows)
@@ -89,7 +98,7 @@ def use_fp8_matmuls(model: nn.Module, config: ModelConfig, device: torch.device,
                 reasons.add(reason)
     kernel = "torch's 1x128 x 128x128 block-scaled scaled_mm" if block else "torch._scaled_mm, row-wise scales"
     logger.info("FP8 weights: %d linear layers multiply in FP8 (%s)%s", held, kernel,
-                f"; the others dequantised: {'; '.join(sorted(reasons))}" if reasons else "")
+                f"; the others wide: {'; '.join(sorted(reasons))}" if reasons else "")
 
 
 def _row_scales(name: str, scale: torch.Tensor, rows: int) -> torch.Tensor:

@@ -179,6 +179,23 @@ def _checkpoint_tensor(
     return Fp8CheckpointTensor(tensor, owner[name].get_tensor(name), config.fp8)
 
 
+def fp8_stored_layers(model: nn.Module, config: ModelConfig, path: Path) -> set[int]:
+    """The ids of the modules at least one of whose checkpoint weights is
+    stored in FP8 (the safetensors headers only): the layers a checkpoint's
+    `ignore` list left wide are not among them."""
+    layers: set[int] = set()
+    for file in safetensors_files(path):
+        with safe_open(str(file), framework="pt") as handle:
+            for hf_name in handle.keys():
+                name = text_weight_name(hf_name) if config.wrapper else hf_name
+                if name is None or handle.get_slice(hf_name).get_dtype() != "F8_E4M3":
+                    continue
+                target = _target(model, name)
+                if target is not None:
+                    layers.add(id(target[0]))
+    return layers
+
+
 def _check_complete(model: nn.Module, loaded: dict[int, set[object]], path: Path) -> None:
     """Every parameter, and every part of a fused one, came from the checkpoint
     (ids, not names: a tied head shares the embedding's parameter)."""
@@ -232,7 +249,9 @@ def build_model(
             if hasattr(module, "matmul_choice"):  # (untouched yet: torch.empty only reserved the wide copy)
                 weight = cast(torch.Tensor, module.weight)
                 weight.data = torch.empty(weight.shape, dtype=matmul_dtype, device=device)
-    use_fp8_matmuls(model, config, device, dtype, fp8_matmul)
+    from_file = load_format in ("auto", "safetensors") and config.fp8 is not None
+    use_fp8_matmuls(model, config, device, dtype, fp8_matmul,
+                    fp8_stored_layers(model, config, path) if from_file else None)
     stored: set[torch.dtype] = {dtype}
     if load_format == "dummy":
         init_dummy(model, seed)
