@@ -200,3 +200,58 @@ def cuda_logprob_gap(fp8: Path, reference: Path, prompt: list[int], scale_dims: 
             llm.close()
     got, expected = (torch.tensor(r) for r in results)
     return (got - expected).abs().mean().item()
+
+
+def with_quantization(checkpoint: Path, folder: Path, quantization: dict) -> Path:
+    """A copy of `checkpoint` in `folder` whose config.json says `quantization`."""
+    shutil.copytree(checkpoint, folder)
+    config = json.loads((folder / "config.json").read_text())
+    config["quantization_config"] = quantization
+    (folder / "config.json").write_text(json.dumps(config))
+    return folder
+
+
+def check_completion_over_http(fp8: Path, reference: Path, prompt: str) -> None:
+    """The FP8 checkpoint served over HTTP: 10 greedy tokens of `prompt`
+    decode to the text transformers gives on the dequantised twin."""
+    import openai
+
+    from hf_reference import hf_encode, hf_greedy, hf_tokenizer
+    from server_harness import start_server
+
+    expected, _ = hf_greedy(reference, hf_encode(reference, prompt), 10)
+    server = start_server(fp8, "--page-size", "4")
+    try:
+        client = openai.OpenAI(base_url=server.v1, api_key="x", max_retries=0)
+        out = client.completions.create(
+            model=server.info()["model"], prompt=prompt, max_tokens=10, temperature=0, logprobs=0,
+            extra_body={"ignore_eos": True},
+        )
+        assert out.usage.completion_tokens == 10
+        # The text, but for a trailing partial UTF-8 character the server holds back.
+        text = hf_tokenizer(str(reference)).decode(expected)
+        assert text.startswith(out.choices[0].text) and len(out.choices[0].text) >= len(text.rstrip("\ufffd"))
+    finally:
+        server.stop()
+
+
+def check_held_products(held: torch.nn.Module, wide: torch.nn.Module, left_wide: tuple[str, ...] = ()) -> None:
+    """Every linear layer of `held` (built with fp8_matmul "force") holds
+    e4m3 weights, but those named in `left_wide`, and multiplies within
+    FP8's error of the same layer of `wide` (fp8_matmul "off": dequantised)."""
+    from aioserve.layers.linear import ColumnParallelLinear, RowParallelLinear
+
+    def linears(model: torch.nn.Module) -> dict[str, torch.nn.Module]:
+        return {n: m for n, m in model.named_modules() if isinstance(m, (ColumnParallelLinear, RowParallelLinear))}
+
+    torch.manual_seed(0)
+    layers, references = linears(held), linears(wide)
+    assert layers.keys() == references.keys() and layers
+    for name, layer in layers.items():
+        assert layer.weight.dtype == (torch.float32 if name in left_wide else torch.float8_e4m3fn), name
+        reference = references[name]
+        assert reference.weight_scale is None and reference.weight.dtype == torch.float32
+        inputs = torch.randn(5, reference.weight.shape[1])
+        expected = torch.nn.functional.linear(inputs, reference.weight)
+        error = (layer(inputs) - expected).abs().max() / expected.abs().max()
+        assert error < 0.08, f"{name}: {error}"

@@ -11,8 +11,6 @@ CUDA path's layers with per-channel scales are built and checked on the CPU."""
 
 from __future__ import annotations
 
-import json
-import shutil
 from pathlib import Path
 
 import pytest
@@ -21,8 +19,9 @@ from safetensors.torch import load_file
 
 from aioserve import LLM
 from aioserve.models.quantization import Fp8Config, UnsupportedQuantization
-from fp8_checkpoints import build_compressed_tensors_checkpoints, compressed_tensors_config, cuda_logprob_gap
-from hf_reference import hf_encode, hf_greedy, hf_tokenizer
+from fp8_checkpoints import (build_compressed_tensors_checkpoints, check_completion_over_http, check_held_products,
+                            compressed_tensors_config, cuda_logprob_gap, held_fp8_linears, with_quantization)
+from hf_reference import hf_encode, hf_greedy
 from test_greedy_matches_hf import PROMPTS, check_against_hf
 
 # Shapes whose 128 x 128 blocks are partial at the edges and more than one along a dim.
@@ -68,25 +67,8 @@ def test_greedy_matches_transformers_on_dequantised_weights(case: str, checkpoin
 
 
 def test_over_http(checkpoints: dict[str, tuple[Path, Path]]) -> None:
-    import openai
-    from server_harness import start_server
-
     fp8, reference = checkpoints["qwen3-channel"]
-    prompt = PROMPTS[1]
-    expected, _ = hf_greedy(reference, hf_encode(reference, prompt), 10)
-    server = start_server(fp8, "--page-size", "4")
-    try:
-        client = openai.OpenAI(base_url=server.v1, api_key="x", max_retries=0)
-        out = client.completions.create(
-            model=server.info()["model"], prompt=prompt, max_tokens=10, temperature=0,
-            extra_body={"ignore_eos": True},
-        )
-        assert out.usage.completion_tokens == 10
-        # The text, but for a trailing partial UTF-8 character the server holds back.
-        text = hf_tokenizer(str(reference)).decode(expected)
-        assert text.startswith(out.choices[0].text) and len(out.choices[0].text) >= len(text.rstrip("\ufffd"))
-    finally:
-        server.stop()
+    check_completion_over_http(fp8, reference, PROMPTS[1])
 
 
 def test_tp2_equals_tp1_with_per_channel_scales(checkpoints: dict[str, tuple[Path, Path]]) -> None:
@@ -99,15 +81,6 @@ def test_tp2_equals_tp1_with_per_channel_scales(checkpoints: dict[str, tuple[Pat
     got = check_tp2_matches_tp1(fp8)
     for prompt, (tokens, _, _) in zip(TP_PROMPTS[::2], got[::2]):  # the greedy ones
         assert tokens == hf_greedy(reference, prompt, 12)[0]
-
-
-def _with_quantization(reference: Path, tmp_path: Path, quantization: dict) -> Path:
-    folder = tmp_path / "quantised"
-    shutil.copytree(reference, folder)
-    config = json.loads((folder / "config.json").read_text())
-    config["quantization_config"] = quantization
-    (folder / "config.json").write_text(json.dumps(config))
-    return folder
 
 
 def _group(weights: dict, activations: dict | None = None, fmt: str | None = None) -> dict:
@@ -157,7 +130,7 @@ def test_other_compressed_tensors_schemes_fail_at_load_naming_what(
     with pytest.raises(UnsupportedQuantization) as refusal:
         Fp8Config.from_dict(quantization)
     assert "compressed-tensors" in str(refusal.value)
-    folder = _with_quantization(checkpoints["qwen3-channel"][1], tmp_path, quantization)
+    folder = with_quantization(checkpoints["qwen3-channel"][1], tmp_path / "quantised", quantization)
     with pytest.raises(ValueError, match=named):
         LLM(str(folder))
 
@@ -172,12 +145,6 @@ def test_llm_compressor_presets_parse() -> None:
     block = compressed_tensors_config("block")
     block["config_groups"]["group_0"]["input_activations"].update(strategy="group", group_size=128)
     assert Fp8Config.from_dict(block) == Fp8Config((128, 128), "dynamic", "block", "compressed-tensors")
-
-
-def _linears(model: torch.nn.Module) -> dict[str, torch.nn.Module]:
-    from aioserve.layers.linear import ColumnParallelLinear, RowParallelLinear
-
-    return {n: m for n, m in model.named_modules() if isinstance(m, (ColumnParallelLinear, RowParallelLinear))}
 
 
 def test_per_channel_weights_held_in_fp8_are_the_checkpoints_and_multiply_like_the_dequantised(
@@ -207,20 +174,10 @@ def test_per_channel_weights_held_in_fp8_are_the_checkpoints_and_multiply_like_t
         scales = torch.cat([tensors[f"model.layers.0.{p}.weight_scale"] for p in parts])
         assert torch.equal(layer.weight_scale, scales.reshape(-1))
         assert len(set(scales.reshape(-1).tolist())) > 1  # per channel indeed
-    torch.manual_seed(0)
-    layers, references = _linears(held), _linears(wide)
-    assert len(layers) == 4 * config.num_layers
     ignored = "model.layers.1.mlp.down_proj"  # (CT_IGNORED): stays wide, as the checkpoint stores it
-    assert layers[ignored].weight_scale is None
-    assert torch.equal(layers[ignored].weight, tensors[ignored + ".weight"])
-    for name, layer in layers.items():
-        assert layer.weight.dtype == (torch.float32 if name == ignored else torch.float8_e4m3fn), name
-        reference = references[name]
-        assert reference.weight_scale is None and reference.weight.dtype == torch.float32
-        inputs = torch.randn(5, reference.weight.shape[1])
-        expected = torch.nn.functional.linear(inputs, reference.weight)
-        error = (layer(inputs) - expected).abs().max() / expected.abs().max()
-        assert error < 0.08, f"{name}: {error}"
+    assert torch.equal(held.get_submodule(ignored).weight, tensors[ignored + ".weight"])
+    check_held_products(held, wide, left_wide=(ignored,))
+    assert len(held_fp8_linears(held)) == 4 * config.num_layers - 1
 
 
 @pytest.mark.gpu
