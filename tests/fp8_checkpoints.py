@@ -83,7 +83,9 @@ def compressed_tensors_config(strategy: str, input_scales: bool = False) -> dict
         "quant_method": "compressed-tensors", "format": "float-quantized", "quantization_status": "compressed",
         "config_groups": {"group_0": {"targets": ["Linear"], "weights": weights, "input_activations": activations,
                                       "output_activations": None, "format": "float-quantized"}},
-        "ignore": ["lm_head", CT_IGNORED], "kv_cache_scheme": None, "global_compression_ratio": None,
+        "ignore": ["lm_head", CT_IGNORED], "global_compression_ratio": None,
+        "kv_cache_scheme": {"num_bits": 8, "type": "float", "strategy": "tensor", "dynamic": False,
+                            "symmetric": True} if input_scales else None,
         "sparsity_config": {}, "transform_config": {}, "version": "0.12.2",
     }
 
@@ -94,7 +96,9 @@ def build_compressed_tensors_checkpoints(
     """(a compressed-tensors FP8 checkpoint with weights of `strategy`, its
     dequantised float32 twin) of tiny model `name`: scales `weight_scale`
     ([1] per tensor, [N, 1] per channel, [N/128, K/128] per block), the
-    layers of `ignore` left wide, `input_scale`s beside the weights if asked."""
+    layers of `ignore` left wide; with `input_scales`, static `input_scale`s
+    beside the weights and a kv_cache_scheme's KV scales (`self_attn.k_scale`,
+    and the older `v_proj.output_scale`)."""
     config = compressed_tensors_config(strategy, input_scales)
     return _write_checkpoints(name, root, overrides, config, BLOCK if strategy == "block" else None, "_scale",
                               per_channel=strategy == "channel", input_scales=input_scales,
@@ -124,6 +128,10 @@ def _write_checkpoints(
                 quantised[key + scale_suffix] = scale.reshape(1) if scale.dim() == 0 and ignored is not None else scale
                 if input_scales:  # a calibrated static activation scale (aioserve quantises per token instead)
                     quantised[key.removesuffix("weight") + "input_scale"] = torch.tensor([0.01])
+                if input_scales and module == "k_proj":  # and a kv_cache_scheme's KV scales, in both places
+                    attention = key.removesuffix("k_proj.weight")
+                    quantised[attention + "k_scale"] = torch.tensor(0.1)
+                    quantised[attention + "v_proj.output_scale"] = torch.tensor(0.1)
                 wide[key] = dequantize(q, scale, block)
             else:
                 quantised[key] = wide[key] = tensor

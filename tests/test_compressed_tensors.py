@@ -1,9 +1,11 @@
 """FP8 checkpoints in the compressed-tensors format (llm-compressor's output,
 the RedHatAI / neuralmagic "-FP8", "-FP8-dynamic" and "-FP8-block" models):
 written by the tests with per-tensor, per-channel and 128 x 128 block
-`weight_scale`s, the LM head and one MLP projection left wide by the
-`ignore` list, and (per-tensor) static `input_scale`s that aioserve does
-not use (it quantises activations per token). Their greedy output equals
+`weight_scale`s (a dense Qwen3 and Llama, and a Qwen3-MoE whose experts
+are quantised per channel too), the LM head and one MLP projection left
+wide by the `ignore` list, and (per-tensor) static `input_scale`s and a
+kv_cache_scheme's KV scales that aioserve does not use (it quantises
+activations per token; its KV cache is not scaled). Their greedy output equals
 transformers run on the same weights dequantised, offline and over HTTP;
 `--tp 2` equals `--tp 1` on per-channel scales; every other
 compressed-tensors scheme fails at load naming what is unsupported. The
@@ -11,6 +13,7 @@ CUDA path's layers with per-channel scales are built and checked on the CPU."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -32,13 +35,15 @@ CASES = {
     "qwen3-channel": ("qwen3", "channel", False),
     "llama-channel": ("llama", "channel", False),
     "qwen3-block": ("qwen3", "block", False),
+    "qwen3-moe-channel": ("qwen3-moe", "channel", False),  # the experts' per-channel scales too
 }
 
 
 @pytest.fixture(scope="module")
 def checkpoints(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[Path, Path]]:
     root = tmp_path_factory.mktemp("compressed-tensors")
-    return {case: build_compressed_tensors_checkpoints(name, root / case, strategy, OVERRIDES, static)
+    return {case: build_compressed_tensors_checkpoints(name, root / case, strategy, OVERRIDES if name == "qwen3" else None,
+                                                      static)
             for case, (name, strategy, static) in CASES.items()}
 
 
@@ -53,15 +58,34 @@ def test_greedy_matches_transformers_on_dequantised_weights(case: str, checkpoin
     _, strategy, static = CASES[case]
     expected = {"tensor": (1,), "channel": (q.shape[0], 1), "block": (-(-q.shape[0] // 128), -(-q.shape[1] // 128))}
     assert tuple(scale.shape) == expected[strategy]
-    assert ("model.layers.0.self_attn.q_proj.input_scale" in tensors) == static
+    for name in ("q_proj.input_scale", "k_scale", "v_proj.output_scale"):
+        assert (f"model.layers.0.self_attn.{name}" in tensors) == static
     assert tensors["model.layers.1.mlp.down_proj.weight"].dtype == torch.float32
-    assert tensors["model.layers.0.mlp.down_proj.weight"].dtype == torch.float8_e4m3fn
+    down = "model.layers.0.mlp." + ("experts.0.down_proj" if "moe" in case else "down_proj")
+    assert tensors[down + ".weight"].dtype == torch.float8_e4m3fn
+    assert tensors[down + ".weight_scale"].dim() == len(expected[strategy])
     llm = LLM(str(fp8), page_size=4)
     try:
         config = llm.engine.model_config.fp8
         assert config is not None and (config.method, config.strategy) == ("compressed-tensors", strategy)
         assert config.activation_scheme == ("static" if static else "dynamic")
         check_against_hf(reference, llm, [hf_encode(reference, p) for p in PROMPTS])
+    finally:
+        llm.close()
+
+
+def test_early_compression_config_key(checkpoints: dict[str, tuple[Path, Path]], tmp_path: Path) -> None:
+    """Early compressed-tensors checkpoints name it `compression_config` in config.json."""
+    fp8, reference = checkpoints["qwen3-channel"]
+    quantization = json.loads((fp8 / "config.json").read_text())["quantization_config"]
+    folder = with_quantization(fp8, tmp_path / "early", {})
+    config = json.loads((folder / "config.json").read_text())
+    del config["quantization_config"]
+    (folder / "config.json").write_text(json.dumps({**config, "compression_config": quantization}))
+    llm = LLM(str(folder), page_size=4)
+    try:
+        assert llm.engine.model_config.fp8 is not None and llm.engine.model_config.fp8.strategy == "channel"
+        check_against_hf(reference, llm, [hf_encode(reference, PROMPTS[0])])
     finally:
         llm.close()
 

@@ -14,9 +14,10 @@ from typing import Any
 # block form `weight_scale_inv`, though it multiplies) and static activation scales.
 WEIGHT_SCALE_SUFFIXES = ("weight_scale_inv", "weight_scale")
 ACTIVATION_SCALE_SUFFIX = "input_scale"
-# A compressed-tensors kv_cache_scheme's static KV scales, beside each
-# attention module's projections: the KV cache here is not quantised with them.
-KV_SCALE_SUFFIXES = ("k_scale", "v_scale")
+# A compressed-tensors kv_cache_scheme's static KV scales (on the attention
+# module, or as k_proj / v_proj `output_scale` in older checkpoints): the KV
+# cache here is not quantised with them.
+KV_SCALE_SUFFIXES = ("k_scale", "v_scale", "output_scale")
 STRATEGIES = ("tensor", "channel", "block")
 # compressed-tensors formats that store FP8 weights as e4m3 tensors beside their scales.
 _CT_FP8_FORMATS = ("float-quantized", "naive-quantized")
