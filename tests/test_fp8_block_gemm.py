@@ -281,32 +281,38 @@ def test_block_checkpoint_held_in_fp8_matches_transformers(
         llm.close()
 
 
-def test_a_wide_layer_and_dummy_weights_are_quantised_in_blocks(
+def test_a_wide_part_and_dummy_weights_are_quantised_in_blocks(
     block_checkpoint: tuple[Path, Path], reference_kernel: list[tuple[torch.Tensor, ...]], tmp_path: Path
 ) -> None:
-    """A layer the block-scaled checkpoint left wide is quantised per 128 x
-    128 block at load; `--load-format dummy` fills held layers alike. Both
-    pass the self-check (they stay held)."""
+    """A wide part of a fused layer whose other part the block-scaled
+    checkpoint stores in FP8 (gate of gate/up) is quantised per 128 x 128
+    block at load; a layer it left wide altogether stays wide; `--load-format
+    dummy` fills held layers alike. The held ones pass the self-check."""
     import shutil
 
     from safetensors.torch import load_file, save_file
 
     fp8, reference = block_checkpoint
-    folder = tmp_path / "one-wide"
+    folder = tmp_path / "some-wide"
     shutil.copytree(fp8, folder)
     tensors = load_file(folder / "model.safetensors")
-    name = "model.layers.1.mlp.down_proj.weight"
-    wide = load_file(reference / "model.safetensors")[name]
-    tensors[name] = wide
-    del tensors[name + "_scale_inv"]
+    wide_tensors = load_file(reference / "model.safetensors")
+    gate, down = "model.layers.1.mlp.gate_proj.weight", "model.layers.1.mlp.down_proj.weight"
+    for name in (gate, down):
+        tensors[name] = wide_tensors[name]
+        del tensors[name + "_scale_inv"]
     save_file(tensors, str(folder / "model.safetensors"), metadata={"format": "pt"})
     config = ModelConfig.from_path(folder)
     cpu = torch.device("cpu")
     model = build_model(config, folder, torch.float32, cpu, "auto", 0, fp8_matmul="force")
-    down = held_fp8_linears(model)["model.layers.1.mlp.down_proj"]
-    blocks = wide.reshape(1, 128, 2, 128).abs().amax(dim=(1, 3))
-    torch.testing.assert_close(down.weight_scale[:, :2], blocks / 448)
-    restored = dequantize(down.weight, down.weight_scale[:, :2], BLOCK)
+    held = held_fp8_linears(model)
+    assert "model.layers.1.mlp.down_proj" not in held
+    assert torch.equal(model.get_submodule("model.layers.1.mlp.down_proj").weight, wide_tensors[down])
+    gate_up = held["model.layers.1.mlp.gate_up_proj"]
+    wide = wide_tensors[gate]  # [256, 128]: rows 0-255 of gate/up, 2 x 1 blocks
+    blocks = wide.reshape(2, 128, 1, 128).abs().amax(dim=(1, 3))
+    torch.testing.assert_close(gate_up.weight_scale[:2, :1], blocks / 448)
+    restored = dequantize(gate_up.weight[:256], gate_up.weight_scale[:2, :1], BLOCK)
     assert (restored - wide).abs().max() <= 0.07 * wide.abs().max()
     dummy = build_model(config, folder, torch.float32, cpu, "dummy", 0, fp8_matmul="force")
     held = held_fp8_linears(dummy)

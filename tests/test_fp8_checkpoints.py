@@ -10,7 +10,6 @@ in FP8: tests/test_fp8_block_gemm.py."""
 
 from __future__ import annotations
 
-import json
 import shutil
 from pathlib import Path
 
@@ -18,8 +17,9 @@ import pytest
 import torch
 
 from aioserve import LLM
-from fp8_checkpoints import BLOCK, build_fp8_checkpoints, cuda_logprob_gap, dequantize, quantize
-from hf_reference import hf_encode, hf_greedy, hf_tokenizer
+from fp8_checkpoints import (BLOCK, build_fp8_checkpoints, check_completion_over_http, check_held_products,
+                            cuda_logprob_gap, dequantize, held_fp8_linears, quantize, with_quantization)
+from hf_reference import hf_encode
 from test_greedy_matches_hf import PROMPTS, check_against_hf
 
 # Shapes whose 128 x 128 blocks are partial at the edges and more than one along a dim.
@@ -48,25 +48,8 @@ def test_fp8_greedy_matches_transformers_on_dequantised_weights(
 
 
 def test_fp8_over_http(fp8_checkpoints: dict[str, tuple[Path, Path]]) -> None:
-    import openai
-    from server_harness import start_server
-
     fp8, reference = fp8_checkpoints["qwen3-moe-block"]
-    prompt = PROMPTS[1]
-    expected, _ = hf_greedy(reference, hf_encode(reference, prompt), 10)
-    server = start_server(fp8, "--page-size", "4")
-    try:
-        client = openai.OpenAI(base_url=server.v1, api_key="x", max_retries=0)
-        out = client.completions.create(
-            model=server.info()["model"], prompt=prompt, max_tokens=10, temperature=0, logprobs=0,
-            extra_body={"ignore_eos": True},
-        )
-        assert out.usage.completion_tokens == 10
-        # The text, but for a trailing partial UTF-8 character the server holds back.
-        text = hf_tokenizer(str(reference)).decode(expected)
-        assert text.startswith(out.choices[0].text) and len(out.choices[0].text) >= len(text.rstrip("\ufffd"))
-    finally:
-        server.stop()
+    check_completion_over_http(fp8, reference, PROMPTS[1])
 
 
 def test_quantize_round_trip() -> None:
@@ -94,11 +77,7 @@ def test_unsupported_quantisation_fails_at_load_naming_it(
     quantization: dict, named: str, fp8_checkpoints: dict[str, tuple[Path, Path]], tmp_path: Path
 ) -> None:
     _, reference = fp8_checkpoints["qwen3-per-tensor"]
-    folder = tmp_path / "quantised"
-    shutil.copytree(reference, folder)
-    config = json.loads((folder / "config.json").read_text())
-    config["quantization_config"] = quantization
-    (folder / "config.json").write_text(json.dumps(config))
+    folder = with_quantization(reference, tmp_path / "quantised", quantization)
     with pytest.raises(ValueError, match=named):
         LLM(str(folder))
 
@@ -114,12 +93,6 @@ def test_fp8_weight_without_its_scale_is_refused(fp8_checkpoints: dict[str, tupl
     save_file(tensors, str(folder / "model.safetensors"), metadata={"format": "pt"})
     with pytest.raises(ValueError, match="o_proj.weight has no scale"):
         LLM(str(folder))
-
-
-def _linears(model: torch.nn.Module) -> dict[str, torch.nn.Module]:
-    from aioserve.layers.linear import ColumnParallelLinear, RowParallelLinear
-
-    return {n: m for n, m in model.named_modules() if isinstance(m, (ColumnParallelLinear, RowParallelLinear))}
 
 
 def test_weights_held_in_fp8_are_the_checkpoints_and_multiply_like_the_dequantised(
@@ -147,41 +120,41 @@ def test_weights_held_in_fp8_are_the_checkpoints_and_multiply_like_the_dequantis
     scales = torch.cat([tensors[prefix + p + "_proj.weight_scale"].expand(tensors[prefix + p + "_proj.weight"].shape[0])
                         for p in "qkv"])
     assert torch.equal(qkv.weight_scale, scales)
-    torch.manual_seed(0)
-    layers, references = _linears(held), _linears(wide)
-    assert len(layers) == 4 * config.num_layers
-    for name, layer in layers.items():
-        assert layer.weight.dtype == torch.float8_e4m3fn, name
-        reference = references[name]
-        assert reference.weight_scale is None and reference.weight.dtype == torch.float32
-        inputs = torch.randn(5, reference.weight.shape[1])
-        expected = torch.nn.functional.linear(inputs, reference.weight)
-        error = (layer(inputs) - expected).abs().max() / expected.abs().max()
-        assert error < 0.08, f"{name}: {error}"
+    check_held_products(held, wide)
+    assert len(held_fp8_linears(held)) == 4 * config.num_layers
 
 
-def test_a_wide_layer_in_an_fp8_checkpoint_is_quantised_per_row(
+def test_wide_weights_in_an_fp8_checkpoint_stay_wide_or_are_quantised_per_row(
     fp8_checkpoints: dict[str, tuple[Path, Path]], tmp_path: Path
 ) -> None:
+    """On the FP8 path: a layer the checkpoint left wide (an ignore list's)
+    stays wide; a wide part of a fused layer whose other parts are FP8 (k of
+    q/k/v) is quantised per row at load."""
     from safetensors.torch import load_file, save_file
 
     from aioserve.models.model_config import ModelConfig
     from aioserve.models.weight_loader import build_model
 
     fp8, reference = fp8_checkpoints["qwen3-per-tensor"]
-    folder = tmp_path / "one-wide"
+    folder = tmp_path / "some-wide"
     shutil.copytree(fp8, folder)
     tensors = load_file(folder / "model.safetensors")
-    name = "model.layers.1.mlp.down_proj.weight"
-    tensors[name] = load_file(reference / "model.safetensors")[name]
-    del tensors[name + "_scale"]
+    wide_tensors = load_file(reference / "model.safetensors")
+    down, k = "model.layers.1.mlp.down_proj.weight", "model.layers.1.self_attn.k_proj.weight"
+    for name in (down, k):
+        tensors[name] = wide_tensors[name]
+        del tensors[name + "_scale"]
     save_file(tensors, str(folder / "model.safetensors"), metadata={"format": "pt"})
     model = build_model(ModelConfig.from_path(folder), folder, torch.float32, torch.device("cpu"), "auto", 0,
                         fp8_matmul="force")
-    down = model.get_submodule("model.layers.1.mlp.down_proj")
-    wide = tensors[name]
-    assert torch.allclose(down.weight_scale, wide.abs().amax(dim=1) / 448)
-    restored = down.weight.float() * down.weight_scale[:, None]
+    layer = model.get_submodule("model.layers.1.mlp.down_proj")
+    assert layer.weight_scale is None and torch.equal(layer.weight, wide_tensors[down])
+    qkv = model.get_submodule("model.layers.1.self_attn.qkv_proj")
+    rows = slice(qkv.q_size, qkv.q_size + qkv.kv_size)
+    wide = wide_tensors[k]
+    assert qkv.weight.dtype == torch.float8_e4m3fn
+    assert torch.allclose(qkv.weight_scale[rows], wide.abs().amax(dim=1) / 448)
+    restored = qkv.weight[rows].float() * qkv.weight_scale[rows, None]
     assert (restored - wide).abs().max() <= 0.07 * wide.abs().max()
 
 
@@ -200,6 +173,6 @@ def test_fp8_matmuls_on_cuda(fp8_checkpoints: dict[str, tuple[Path, Path]]) -> N
     block, _ = fp8_checkpoints["qwen3-moe-block"]
     llm = LLM(str(block), page_size=16, dtype="bfloat16")
     try:
-        assert not any(m.weight_scale is not None for m in _linears(llm.engine.model).values())
+        assert not held_fp8_linears(llm.engine.model)
     finally:
         llm.close()

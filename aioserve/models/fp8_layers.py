@@ -2,9 +2,10 @@
 multiply them as FP8, how such a layer loads its weight and scales, and the
 self-check a block-scaled layer passes before its first request.
 
-Per-tensor scales: each scale becomes its rows' scale, torch's row-wise
-scaled matmul (layers/fp8_linear.py). 128 x 128 block scales: the blocks'
-own scales, torch's 1x128 x 128x128 scaled matmul (layers/fp8_block_linear.py).
+Per-tensor scales: each scale becomes its rows' scale; per-channel scales
+(compressed-tensors' "channel" strategy) are already one per row; both run
+torch's row-wise scaled matmul (layers/fp8_linear.py). 128 x 128 block
+scales: the blocks' own scales, torch's 1x128 x 128x128 scaled matmul (layers/fp8_block_linear.py).
 A layer whose shapes or device fail the kernel's contract is dequantised at
 load, as on a CPU (models/fp8_checkpoint.py). The experts, the embeddings
 and the LM head stay wide.
@@ -61,11 +62,17 @@ def _block_reason(module: FP8Linear, device: torch.device, dtype: torch.dtype, f
     return None if forced else block_scaled_mm_reason(device, dtype, cols, rows)
 
 
-def use_fp8_matmuls(model: nn.Module, config: ModelConfig, device: torch.device, dtype: torch.dtype, mode: str) -> None:
+def use_fp8_matmuls(
+    model: nn.Module, config: ModelConfig, device: torch.device, dtype: torch.dtype, mode: str,
+    stored_fp8: set[int] | None = None,
+) -> None:
     """Before loading: hold each linear layer's weight in e4m3 where the
     scaled matmul's contract holds (mode "auto"), or wherever the layer's
     pieces allow ("force": the CPU tests of the path); else it loads
-    dequantised. Logs how many, and each distinct reason for the others once."""
+    dequantised. With `stored_fp8` (ids of the layers the checkpoint stores
+    FP8 weights for), a layer the checkpoint left wide (a compressed-tensors
+    `ignore` entry, a `modules_to_not_convert`) stays wide. Logs how many,
+    and each distinct reason for the others once."""
     if mode == "off" or config.fp8 is None:
         return
     block = config.fp8.block
@@ -77,7 +84,10 @@ def use_fp8_matmuls(model: nn.Module, config: ModelConfig, device: torch.device,
     for module in model.modules():
         if isinstance(module, (ColumnParallelLinear, RowParallelLinear)):
             rows, cols = module.weight.shape
-            if block is not None:
+            reason: str | None
+            if stored_fp8 is not None and id(module) not in stored_fp8:
+                reason = "left unquantised by the checkpoint"
+            elif block is not None:
                 reason = _block_reason(module, device, dtype, mode == "force")
             else:
                 reason = None if mode == "force" else scaled_mm_reason(device, dtype, cols, rows)
@@ -88,12 +98,25 @@ def use_fp8_matmuls(model: nn.Module, config: ModelConfig, device: torch.device,
                 reasons.add(reason)
     kernel = "torch's 1x128 x 128x128 block-scaled scaled_mm" if block else "torch._scaled_mm, row-wise scales"
     logger.info("FP8 weights: %d linear layers multiply in FP8 (%s)%s", held, kernel,
-                f"; the others dequantised: {'; '.join(sorted(reasons))}" if reasons else "")
+                f"; the others wide: {'; '.join(sorted(reasons))}" if reasons else "")
+
+
+def _row_scales(name: str, scale: torch.Tensor, rows: int) -> torch.Tensor:
+    """A checkpoint weight's scale as one per row of it: a per-tensor scale
+    repeated, per-channel scales ([rows, 1]) as they are. The layer then cuts
+    its rows (its shard, its part of a fused layer) as it does the weight's."""
+    if scale.numel() == 1:
+        return scale.reshape(1).expand(rows).contiguous()
+    if scale.numel() == rows and scale.shape[0] == rows:
+        return scale.reshape(rows)
+    raise ValueError(f"{name}: FP8 scales of {tuple(scale.shape)} for a weight of {rows} rows "
+                     f"(expected one per tensor or [{rows}, 1])")
 
 
 def load_fp8_weight(module: FP8Linear, tensor: _LazyTensor, owner: dict[str, Any], shard: object) -> torch.dtype:
     """Into a layer held in FP8: the checkpoint's e4m3 values as they are,
-    with its per-tensor scale as every row's or its block scales; a wide
+    with its per-tensor scale as every row's, its per-channel scales as its
+    rows', or its block scales; a wide
     weight (a layer the checkpoint left unquantised) quantised here in the
     layer's form. Returns the dtype the values are stored in."""
     assert module.weight_scale is not None
@@ -105,9 +128,7 @@ def load_fp8_weight(module: FP8Linear, tensor: _LazyTensor, owner: dict[str, Any
         # The lazy tensor itself: the layer reads just its rank's slice.
         weight, scale = cast(torch.Tensor, tensor), owner[name].get_tensor(name).float()
         if not blocks:
-            if scale.numel() != 1:
-                raise ValueError(f"{name}: a per-tensor FP8 scale has one element, not {tuple(scale.shape)}")
-            scale = scale.reshape(1).expand(tensor.shape[0]).contiguous()
+            scale = _row_scales(name, scale, tensor.shape[0])
     module.load_weight("weight", weight, shard)
     if blocks:
         module.load_block_scale(scale, tensor.shape, shard)

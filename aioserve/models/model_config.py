@@ -84,7 +84,8 @@ class ModelConfig:
             torch_dtype=raw.get("dtype") or raw.get("torch_dtype"),
             eos_token_ids=_eos_ids(raw, generation or {}),
             moe=MoeConfig.from_dict(raw, num_layers),
-            fp8=Fp8Config.from_dict(raw.get("quantization_config")),
+            # (compression_config: where early compressed-tensors checkpoints wrote it)
+            fp8=Fp8Config.from_dict(raw.get("quantization_config") or raw.get("compression_config")),
             attention_scale=float(scalar or head_dim) ** -0.5,
             local_rope=_rope(raw, "sliding_attention") if layered_rope else None,
             final_logit_softcapping=raw.get("final_logit_softcapping"),

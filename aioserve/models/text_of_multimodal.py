@@ -31,7 +31,7 @@ _VISION_PREFIXES: tuple[str, ...] = (
 # Top-level fields that hold for the text model too (the wrapper's config.json
 # keeps its EOS ids and quantisation there, not in text_config).
 _SHARED_FIELDS: tuple[str, ...] = (
-    "eos_token_id", "bos_token_id", "pad_token_id", "quantization_config", "dtype", "torch_dtype",
+    "eos_token_id", "bos_token_id", "pad_token_id", "quantization_config", "compression_config", "dtype", "torch_dtype",
 )
 
 

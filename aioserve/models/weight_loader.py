@@ -29,7 +29,7 @@ from aioserve.models.llama import LlamaForCausalLM
 from aioserve.models.fp8_checkpoint import FP8_DTYPE, Fp8CheckpointTensor
 from aioserve.models.fp8_layers import fill_dummy_fp8, load_fp8_weight, scale_name, self_check_block_fp8, use_fp8_matmuls
 from aioserve.models.model_config import ModelConfig
-from aioserve.models.quantization import ACTIVATION_SCALE_SUFFIX, WEIGHT_SCALE_SUFFIXES
+from aioserve.models.quantization import ACTIVATION_SCALE_SUFFIX, KV_SCALE_SUFFIXES, WEIGHT_SCALE_SUFFIXES
 from aioserve.models.registry import model_class
 from aioserve.models.text_of_multimodal import text_weight_name
 
@@ -143,8 +143,9 @@ def load_safetensors(model: nn.Module, config: ModelConfig, path: Path) -> set[t
                     continue
                 if config.tie_word_embeddings and name == "lm_head.weight":
                     continue  # tied: the embedding is the head
-                if config.fp8 is not None and name.endswith((*WEIGHT_SCALE_SUFFIXES, ACTIVATION_SCALE_SUFFIX)):
-                    continue  # read with their weight; activations are not quantised here
+                if config.fp8 is not None and name.endswith(
+                        (*WEIGHT_SCALE_SUFFIXES, ACTIVATION_SCALE_SUFFIX, *KV_SCALE_SUFFIXES)):
+                    continue  # read with their weight; activations and the KV cache are not quantised with them
                 target = _target(model, name)
                 if target is None:
                     logger.warning("ignoring checkpoint tensor %s", hf_name)
@@ -176,6 +177,23 @@ def _checkpoint_tensor(
         raise ValueError(f"{hf_name} is stored in FP8 but config.json has no FP8 quantization_config")
     name = scale_name(hf_name, owner)
     return Fp8CheckpointTensor(tensor, owner[name].get_tensor(name), config.fp8)
+
+
+def fp8_stored_layers(model: nn.Module, config: ModelConfig, path: Path) -> set[int]:
+    """The ids of the modules at least one of whose checkpoint weights is
+    stored in FP8 (the safetensors headers only): the layers a checkpoint's
+    `ignore` list left wide are not among them."""
+    layers: set[int] = set()
+    for file in safetensors_files(path):
+        with safe_open(str(file), framework="pt") as handle:
+            for hf_name in handle.keys():
+                name = text_weight_name(hf_name) if config.wrapper else hf_name
+                if name is None or handle.get_slice(hf_name).get_dtype() != "F8_E4M3":
+                    continue
+                target = _target(model, name)
+                if target is not None:
+                    layers.add(id(target[0]))
+    return layers
 
 
 def _check_complete(model: nn.Module, loaded: dict[int, set[object]], path: Path) -> None:
@@ -231,7 +249,9 @@ def build_model(
             if hasattr(module, "matmul_choice"):  # (untouched yet: torch.empty only reserved the wide copy)
                 weight = cast(torch.Tensor, module.weight)
                 weight.data = torch.empty(weight.shape, dtype=matmul_dtype, device=device)
-    use_fp8_matmuls(model, config, device, dtype, fp8_matmul)
+    from_file = load_format in ("auto", "safetensors") and config.fp8 is not None
+    use_fp8_matmuls(model, config, device, dtype, fp8_matmul,
+                    fp8_stored_layers(model, config, path) if from_file else None)
     stored: set[torch.dtype] = {dtype}
     if load_format == "dummy":
         init_dummy(model, seed)
