@@ -260,6 +260,7 @@ phase_tests_families() {
     mkdir -p "$OUT/tests"
     step pytest-gpu-families 300 "$PY" tools/gpu/isolated_tests.py --out "$WORK/gpu-families" --timeout 240 \
         --budget 280 -m gpu tests/test_flashinfer_moe.py tests/test_fp8_block_gemm.py tests/test_fp8_checkpoints.py \
+        tests/test_compressed_tensors.py \
         tests/test_fp8_kv_cache.py
     cp "$WORK/gpu-families/summary.txt" "$OUT/tests/gpu-families-summary.txt" 2>/dev/null
     cat "$WORK"/gpu-families/rerun-*.log > "$OUT/tests/gpu-families-reruns.log" 2>/dev/null
