@@ -162,6 +162,12 @@ def reference_scaled_mm(
     meta = [torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device="meta")
             for t in (mat_a, mat_b, scale_a, scale_b)]
     REAL_SCALED_MM(meta[0], meta[1], meta[2], scale_recipe_a, meta[3], scale_recipe_b, output_dtype=output_dtype)
+    # What torch's checks miss: cuBLASLt's heuristic refuses M not a multiple
+    # of 4 (CUBLAS_STATUS_NOT_SUPPORTED on an H100, torch 2.11 + CUDA 13.0,
+    # for every K and N tried), raised here as the GPU raises it.
+    if mat_a.shape[0] % 4:
+        raise RuntimeError(f"CUDA error: CUBLAS_STATUS_NOT_SUPPORTED (block-scaled FP8 with M = {mat_a.shape[0]}, "
+                           "not a multiple of 4)")
     k, n = mat_b.shape
     ks, ns = torch.arange(k), torch.arange(n)
     a = mat_a.double() * scale_a.double()[:, ks // 128]

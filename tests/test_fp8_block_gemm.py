@@ -141,13 +141,31 @@ def test_the_operands_passed_multiply_to_the_dequantised_product(
     # transposed (column-major), scales outer-dim-major, the weight's padded.
     assert a.dtype == b.dtype == torch.float8_e4m3fn and a.stride() == (k, 1) and b.stride() == (1, k)
     assert torch.equal(b.t().view(torch.uint8), q.view(torch.uint8))
-    assert sa.shape == (m, k // 128) and sa.stride() == (1, m)
+    rows = -(-m // 4) * 4  # padded to cuBLASLt's multiple of 4
+    assert a.shape == (rows, k) and sa.shape == (rows, k // 128) and sa.stride() == (1, rows)
     assert sb.shape == (scale_columns(k // 128), n // 128) and sb.stride() == (1, scale_columns(k // 128))
     # ... and they mean x W^T: the same quantised activations exactly, the raw ones within FP8's error.
     exact = fake_quantise_activations(x).double() @ wide.double().t() + bias.double()
     assert (out.double() - exact).abs().max() <= 0.01 * exact.abs().max()
     plain = x.double() @ wide.double().t() + bias.double()
     assert (out.double() - plain).abs().max() <= FP8_TOLERANCE * plain.abs().max()
+
+
+def test_rows_are_padded_to_the_multiple_of_4_cublas_takes(
+    reference_kernel: list[tuple[torch.Tensor, ...]], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """cuBLASLt refused a decode row (M = 1) on an H100 though torch's checks
+    passed; the reference kernel refuses it too, so the padding is what makes
+    a single row run, on CPU as on the GPU."""
+    q, held, wide = _held(torch.randn(256, 128) * 0.05)
+    x = torch.randn(1, 128, dtype=torch.bfloat16)
+    out = block_fp8_linear(x, q, held, None)
+    assert out.shape == (1, 256) and reference_kernel[-1][0].shape == (4, 128)
+    exact = fake_quantise_activations(x).double() @ wide.double().t()
+    assert (out.double() - exact).abs().max() <= 0.01 * exact.abs().max()
+    monkeypatch.setattr(fp8_block_linear, "CUBLAS_ROW_MULTIPLE", 1)
+    with pytest.raises(RuntimeError, match="CUBLAS_STATUS_NOT_SUPPORTED"):
+        block_fp8_linear(x, q, held, None)
 
 
 def _split_layers() -> dict[str, torch.nn.Module]:

@@ -323,9 +323,12 @@ def test_server_with_defaults_serves_64_concurrent_streams(extra_models: dict[st
     from server_harness import start_server
 
     # The defaults (FlashInfer + graphs + overlap, page_size 16); backend named
-    # so a missing FlashInfer fails here instead of testing torch_native.
+    # so a missing FlashInfer fails here instead of testing torch_native. The
+    # tiny checkpoint is float32, which `--dtype auto` keeps and FlashInfer
+    # refuses (as it did on the first H100 run): bfloat16 is asked for.
     path = extra_models["llama-hd64-gqa"]
-    server = start_server(path, "--attention-backend", "flashinfer", "--debug-integrity", timeout=600)
+    server = start_server(path, "--attention-backend", "flashinfer", "--dtype", "bfloat16", "--debug-integrity",
+                          timeout=600)
     try:
         model = server.info()["model"]
         asked = [16 + (i * 7) % 97 for i in range(64)]

@@ -14,6 +14,13 @@ rounded up to a multiple of 4. A layer holds its scales as [N/128, L4] (the
 checkpoint's [N/128, K/128] in the first columns, the rest never read), so
 the operand is a transposed view, with nothing computed per call.
 
+cuBLASLt also takes only a multiple of 4 rows (M): measured on an H100
+(torch 2.11, CUDA 13.0), every M in {1, 2, 3, 7, 15, 17, 33} raised
+CUBLAS_STATUS_NOT_SUPPORTED from its heuristic for every K and N tried,
+while every M in {4, 8, 16, ..., 256} ran (tools/gpu/probe_block_fp8.py);
+torch's meta checks do not know this. So the activations are padded with
+zero rows to a multiple of 4 and the product's extra rows dropped.
+
 The contract (`block_scaled_mm_reason`): CUDA, compute capability 9.x (torch
 runs this recipe through cuBLASLt on Hopper; Blackwell is not relied on),
 bfloat16 out, K and N multiples of 128, and torch's own layout checks,
@@ -32,6 +39,7 @@ import torch.nn.functional as F
 from aioserve.layers.fp8_linear import E4M3_MAX, FP8
 
 BLOCK = 128  # rows and columns of a weight block; columns of an activation group
+CUBLAS_ROW_MULTIPLE = 4  # cuBLASLt's block-scaled FP8 takes M only in multiples of 4 (see above)
 # Token counts the contract and the self-check try: a decode row, and an odd prefill.
 PROBE_ROWS = (1, 7)
 # The self-check's limit on |FP8 product - exact product| / max |exact product|:
@@ -82,11 +90,15 @@ def block_fp8_linear(
     """x W^T (+ b) with W e4m3 [N, K] and its block scales held [N/128, L4]:
     x quantised per token per 128 columns, one scaled matmul, out in x's dtype."""
     rows = x.reshape(-1, x.shape[-1])
+    m = rows.shape[0]
+    padding = -m % CUBLAS_ROW_MULTIPLE
+    if padding:  # zero rows: their scales clamp to 1e-12 and their products are dropped
+        rows = F.pad(rows, (0, 0, 0, padding))
     quantised, x_scale = quantize_activation_groups(rows)
     out = F.scaled_mm(
         quantised, weight.t(), x_scale, F.ScalingType.BlockWise1x128,
         weight_scale.t(), F.ScalingType.BlockWise128x128, output_dtype=x.dtype,
-    )
+    )[:m]
     if bias is not None:
         out = out + bias
     return out.view(*x.shape[:-1], -1)

@@ -42,8 +42,11 @@ def collect(files: list[str], mark: str | None) -> list[str]:
     args = [sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider", *files]
     if mark:
         args += ["-m", mark]
-    listed = subprocess.run(args, capture_output=True, text=True).stdout.splitlines()
-    return [line.strip() for line in listed if "::" in line]
+    listed = subprocess.run(args, capture_output=True, text=True)
+    nodeids = [line.strip() for line in listed.stdout.splitlines() if "::" in line]
+    if not nodeids:  # a conftest that fails to import collects nothing: say why
+        print(listed.stdout[-4000:], listed.stderr[-4000:], sep="\n", file=sys.stderr)
+    return nodeids
 
 
 def run_pytest(nodeids: list[str], lines: Path, log: Path, timeout: float, budget: float, env: dict[str, str]) -> bool:

@@ -45,6 +45,9 @@ VARIANTS: dict[str, tuple[str, dict]] = {
     "qwen3-moe-tiny": ("qwen3", {**QWEN3_MOE_LAYER, "hidden_size": 1024, "num_attention_heads": 16,
                                  "num_key_value_heads": 8, "num_experts": 8, "num_experts_per_tok": 2,
                                  "moe_intermediate_size": 512, "num_hidden_layers": 8}),
+    # head_dim 64 (the GPU tests' second FlashInfer head size, and the FP8 KV
+    # cache's): two layers, only for the JIT warm-up of `gpu_check.sh proof`.
+    "qwen3-hd64": ("qwen3", {"head_dim": 64, "num_hidden_layers": 2}),
     # 12 of Qwen3-30B-A3B's 48 layers: 8.1B parameters, 1.0B active.
     "qwen3-moe-8b": ("qwen3", {**QWEN3_MOE_LAYER, "num_hidden_layers": 12}),
 }
