@@ -167,3 +167,24 @@ def test_without_logprobs_wanted_none_are_computed_but_bad_rows_are_still_flagge
     assert out.token_ids.tolist() == [0, 0, 0]  # the good row's argmax; the bad rows get the stand-in 0
     assert out.logprobs[0].item() == 0.0  # not computed: never reported
     assert torch.isnan(out.logprobs[1:]).all()  # +inf and NaN logits both flag their row
+
+
+def test_the_torch_greedy_path_flags_what_the_general_path_flags(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Raw-argmax rows without the CPU's native kernels (a GPU's path) take
+    five torch ops, not sample()'s general nine; they give the same tokens
+    and flags: NaN, +inf and an all -inf row unusable, the rest their argmax."""
+    from aioserve.cpu import elementwise
+
+    monkeypatch.setattr(elementwise, "ENABLED", False)
+    logits = torch.stack([LOGITS, LOGITS.flip(0), LOGITS.clone(), LOGITS.clone(), torch.full((VOCAB,), -float("inf"))])
+    logits[2, 3], logits[3, 5] = float("nan"), float("inf")
+    raw = tensors(5, temperature=0, wants_logprobs=False)
+    assert raw.takes_raw_argmax
+    zero = torch.zeros(1)
+    general = tensors(5, temperature=0, wants_logprobs=False, bias_rows=torch.tensor([0]),
+                      bias_token_ids=torch.tensor([0]), bias_values=zero)  # a bias of 0: the general path
+    assert not general.takes_raw_argmax
+    fast, slow = sample(logits, raw), sample(logits, general)
+    assert fast.token_ids.tolist() == slow.token_ids.tolist() == [0, VOCAB - 1, 0, 0, 0]
+    assert torch.equal(fast.logprobs.isnan(), slow.logprobs.isnan())
+    assert fast.logprobs.isnan().tolist() == [False, False, True, True, True]

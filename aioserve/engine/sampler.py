@@ -154,8 +154,8 @@ def sample(logits: torch.Tensor, st: SamplingTensors) -> SamplerOutput:
     step's placeholders. Every operation here works row by row, so the other
     rows sample exactly as they would without it."""
     kernels = elementwise_kernels() if logits.is_cpu else None
-    if kernels is not None and st.takes_raw_argmax:
-        return _greedy(kernels, logits)
+    if st.takes_raw_argmax:
+        return _greedy(kernels, logits) if kernels is not None else _greedy_in_torch(logits)
     # The grammar mask comes after bias and penalties, so top-k, top-p and
     # min-p choose among the tokens the grammar allows.
     adjusted = apply_grammar(adjust_logits(logits, st), st)
@@ -209,6 +209,16 @@ def _greedy(kernels: ModuleType, logits: torch.Tensor) -> SamplerOutput:
     return SamplerOutput(
         token_ids.masked_fill_(~usable, 0), torch.where(usable, 0.0, float("nan")), None, None
     )
+
+
+def _greedy_in_torch(logits: torch.Tensor) -> SamplerOutput:
+    """`_greedy` in five torch ops (a GPU's kernels: sample() takes nine for
+    these rows). argmax propagates NaN (a row holding one picks it), so the
+    logit it picked is finite exactly when the row's max is: one check covers
+    NaN, +inf and an all -inf row, as sample()'s two do."""
+    token_ids = logits.argmax(dim=-1)
+    usable = logits.gather(1, token_ids[:, None]).squeeze(1).isfinite()
+    return SamplerOutput(torch.where(usable, token_ids, 0), torch.where(usable, 0.0, float("nan")), None, None)
 
 
 def prompt_logprobs(

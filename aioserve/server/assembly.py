@@ -47,7 +47,8 @@ class ResponseBuilder(Protocol):
     """An endpoint's wire shapes."""
 
     def opening(self, choices: list[Choice]) -> list[WireModel]:
-        """Stream events before any token (chat's role chunk)."""
+        """Stream events sent at once, before any token (the Responses API's
+        `response.created`); chat's role chunk goes with the first tokens instead."""
         ...
 
     def chunk(self, updates: list[ChoiceUpdate]) -> list[WireModel]:

@@ -120,10 +120,21 @@ class ChatBuilder:
         self.body = body
         self.request_id = request_id
         self.created = int(time.time())
+        self._unopened: list[Choice] = []  # choices whose role chunk is not sent yet
 
     def opening(self, choices: list[Choice]) -> list[WireModel]:
-        # The role comes first, in a chunk of its own, as OpenAI sends it;
-        # with echo, the final message's text follows in one of its own (as vLLM sends it).
+        # Nothing yet: the role chunk waits for the first tokens (see `_role_chunks`).
+        self._unopened = choices
+        return []
+
+    def _role_chunks(self) -> list[WireModel]:
+        """The role first, in a chunk of its own, as OpenAI sends it; with echo,
+        the final message's text in one of its own (as vLLM sends it). Sent
+        with the first tokens, not at admission, as OpenAI and vLLM do: a
+        client timing its first chunk then measures the time to the first token."""
+        choices, self._unopened = self._unopened, []
+        if not choices:
+            return []
         role = ChatDelta(role="assistant", content="")
         first = [ChatChunkChoice(index=c.index, delta=role, logprobs=None, finish_reason=None) for c in choices]
         chunks: list[WireModel] = [self._chunk(first)]
@@ -135,6 +146,7 @@ class ChatBuilder:
         return chunks
 
     def chunk(self, updates: list[ChoiceUpdate]) -> list[WireModel]:
+        opening = self._role_chunks()
         choices = []
         for update in updates:
             logprobs = self._logprobs(update) if update.output.token_ids else None
@@ -147,7 +159,7 @@ class ChatBuilder:
                         stop_reason=_stop_reason(update),
                     )
                 )
-        return [self._chunk(choices)] if choices else []
+        return opening + ([self._chunk(choices)] if choices else [])
 
     def usage_chunk(self, usage: Usage) -> list[WireModel]:
         return [self._chunk([], usage)]
