@@ -255,9 +255,11 @@ def cuda_code_path(counter: KernelCounter) -> Iterator[Any]:
     flashinfer_elementwise._flashinfer = fake
     flashinfer_elementwise._tried = True
     linear_module.cpu_matmul = lambda x, w, choice, bias=None, float_out=False, out=None: F.linear(x, w, bias)
+    flashinfer_elementwise.forget_decisions()
     try:
         yield fake
     finally:
+        flashinfer_elementwise.forget_decisions()  # decided for CPU tensors: nobody else's
         (native_elementwise.ENABLED, flashinfer_elementwise.DEVICE_TYPES, flashinfer_elementwise._flashinfer,
          flashinfer_elementwise._tried, linear_module.cpu_matmul) = saved
 
