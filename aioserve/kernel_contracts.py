@@ -103,6 +103,18 @@ def fused_add_rmsnorm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Ten
 
 def silu_and_mul(x: torch.Tensor) -> str | None:
     """activation.silu_and_mul(x): silu(x[..., :d]) * x[..., d:]."""
+    return _gated_activation(x)
+
+
+def gelu_tanh_and_mul(x: torch.Tensor) -> str | None:
+    """activation.gelu_tanh_and_mul(x): gelu_tanh(x[..., :d]) * x[..., d:]
+    (Gemma's GeGLU): the same act-and-mul kernel as SiLU's, another function."""
+    return _gated_activation(x)
+
+
+def _gated_activation(x: torch.Tensor) -> str | None:
+    """What FlashInfer's act_and_mul kernel needs: 16-byte vector loads of
+    both halves of each contiguous row."""
     why = _half(("x", x))
     if why:
         return why

@@ -241,15 +241,25 @@ def _apply_rope_with_cos_sin_cache_inplace(positions, query, key, head_size, cos
 
 
 def _silu_and_mul(x, out=None):
+    return _act_and_mul(x, F.silu, out)
+
+
+def _gelu_tanh_and_mul(x, out=None):
+    return _act_and_mul(x, lambda gate: F.gelu(gate, approximate="tanh"), out)
+
+
+def _act_and_mul(x, act, out=None):
+    """FlashInfer's act_and_mul kernel (every gated activation shares it):
+    act in float32 on the gate half times the up half, rounded once."""
     _half_only(x)
     d = x.shape[-1] // 2
-    _need(x.is_contiguous(), "silu_and_mul reads row t at t * 2d: a strided input is read wrong")
+    _need(x.is_contiguous(), "act_and_mul reads row t at t * 2d: a strided input is read wrong")
     vector = 16 // x.element_size()
     rows = torch.arange(x.numel() // x.shape[-1])[:, None] * 2 * d
     lanes = torch.arange(0, d - d % vector, vector)[None, :]
     _vector_loads("input (gate half)", x, (rows + lanes).flatten(), 16)
     _vector_loads("input (up half)", x, (rows + d + lanes).flatten(), 16)
-    result = (F.silu(x[..., :d].float()) * x[..., d:].float()).to(x.dtype)
+    result = (act(x[..., :d].float()) * x[..., d:].float()).to(x.dtype)
     out = torch.empty(x.shape[:-1] + (d,), dtype=x.dtype) if out is None else out
     _vector_loads("out", out, (torch.arange(out.numel() // d)[:, None] * d + lanes).flatten(), 16)
     out.copy_(result)
@@ -258,7 +268,7 @@ def _silu_and_mul(x, out=None):
 
 fake_flashinfer.norm = SimpleNamespace(rmsnorm=_rmsnorm, fused_add_rmsnorm=_fused_add_rmsnorm)
 fake_flashinfer.rope = SimpleNamespace(apply_rope_with_cos_sin_cache_inplace=_apply_rope_with_cos_sin_cache_inplace)
-fake_flashinfer.activation = SimpleNamespace(silu_and_mul=_silu_and_mul)
+fake_flashinfer.activation = SimpleNamespace(silu_and_mul=_silu_and_mul, gelu_tanh_and_mul=_gelu_tanh_and_mul)
 
 
 # -- the fused MoE (flashinfer.fused_moe.cutlass_fused_moe, TensorRT-LLM's CUTLASS MoE) ------

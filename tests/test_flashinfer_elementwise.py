@@ -25,7 +25,7 @@ import aioserve.kernel_contracts as contracts
 from aioserve import LLM, SamplingParams
 from aioserve.cpu import elementwise as native_elementwise
 from aioserve.layers import flashinfer_elementwise
-from aioserve.layers.activation import silu_and_mul
+from aioserve.layers.activation import gelu_tanh_and_mul, silu_and_mul
 from aioserve.layers.norm import RMSNorm
 from aioserve.layers.rotary import RopeScaling, RotaryEmbedding
 from fake_flashinfer import KernelFault, fake_flashinfer
@@ -64,7 +64,8 @@ def _layer_outputs(head_dim: int = 64) -> list[torch.Tensor]:
     rotary.new_step()
     rq, rk = rotary(torch.tensor([0, 3, 17, 64, 127]), q, k)
     gate_up = torch.randn(5, 2 * 48, generator=gen).to(DTYPE)
-    return [normed, normed_sum, new_residual, q_normed, rq.clone(), rk.clone(), silu_and_mul(gate_up)]
+    return [normed, normed_sum, new_residual, q_normed, rq.clone(), rk.clone(), silu_and_mul(gate_up),
+            gelu_tanh_and_mul(gate_up)]
 
 
 def test_fused_ops_match_the_torch_forms(monkeypatch: pytest.MonkeyPatch, fused_on_cpu: None) -> None:
@@ -128,10 +129,16 @@ def _silu_call(x: torch.Tensor):
     return lambda: contracts.silu_and_mul(x), lambda: fake_flashinfer.activation.silu_and_mul(x)
 
 
+def _gelu_call(x: torch.Tensor):
+    return lambda: contracts.gelu_tanh_and_mul(x), lambda: fake_flashinfer.activation.gelu_tanh_and_mul(x)
+
+
 VIOLATIONS = {
     "silu: the demo model's intermediate size 172": lambda: _silu_call(_bf16(3, 344)),
     "silu: a strided input": lambda: _silu_call(_bf16(3, 256)[:, :128]),
     "silu: a pointer 8 bytes off": lambda: _silu_call(_offset(_bf16(3, 128), 4)),
+    "gelu: intermediate size 172": lambda: _gelu_call(_bf16(3, 344)),
+    "gelu: a strided input": lambda: _gelu_call(_bf16(3, 256)[:, :128]),
     "rmsnorm: rows 136 bytes apart": lambda: _norm_call(_bf16(4, 68)[:, :64]),
     "rmsnorm: a pointer 2 bytes off": lambda: _norm_call(_offset(_bf16(4, 64), 1)),
     "rmsnorm: float32": lambda: _norm_call(torch.randn(4, 64)),
@@ -165,7 +172,7 @@ def test_the_contracts_never_admit_what_the_kernel_model_faults_on() -> None:
         width, pad, skip = pick([8, 36, 44, 64, 128, 172, 256]), pick([0, 1, 4, 8]), pick([0, 1, 2, 4, 8])
         rows = torch.randn(3, skip + 2 * width + pad).to(dtype)[:, skip : skip + 2 * width]
         calls = [_norm_call(rows[:, :width]), _norm_call(rows[:, :width], rows[:, width:].contiguous()),
-                 _silu_call(rows), _silu_call(rows.contiguous())]
+                 _silu_call(rows), _silu_call(rows.contiguous()), _gelu_call(rows.contiguous())]
         if width in (8, 64, 128) and not pad:
             heads = rows.reshape(3, -1, width)
             calls.append(_rope_call(heads[:, : heads.shape[1] // 2], heads[:, heads.shape[1] // 2 :]))

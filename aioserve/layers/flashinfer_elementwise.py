@@ -117,6 +117,8 @@ FUSED_OPS = (RMSNORM, FUSED_ADD_RMSNORM, ROPE, SILU_AND_MUL)
 # Ops only some models call (layers/flashinfer_moe.py's fused MoE), added by
 # their modules; reported once a layer asked for them.
 MODEL_OPS: list[FusedOp] = []
+GELU_TANH_AND_MUL = FusedOp("gelu_tanh_and_mul", kernel_contracts.gelu_tanh_and_mul)  # Gemma's GeGLU
+MODEL_OPS.append(GELU_TANH_AND_MUL)
 
 
 def forget_decisions() -> None:
