@@ -22,9 +22,8 @@ GUARDED = [
     ("POST", "/detokenize", {"tokens": [1]}),
     ("POST", "/flush_cache", None),
     ("GET", "/server_info", None),
-    ("GET", "/openapi.json", None),
 ]
-OPEN = ["/health", "/metrics", "/"]
+OPEN = ["/health", "/metrics", "/", "/docs", "/openapi.json"]
 
 
 @pytest.fixture(scope="module")

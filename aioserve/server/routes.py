@@ -82,7 +82,10 @@ ENDPOINTS: tuple[Endpoint, ...] = (
     Endpoint("/version", "GET", worker_routes.version_info, op.get(
         "The aioserve version", "version", ref("VersionInfo"))),
     Endpoint("/metrics", "GET", metrics, op.probe("Prometheus metrics", "metrics", _METRICS), open=True),
-    Endpoint("/openapi.json", "GET", openapi_json, op.get("This document", "openapi", {"type": "object"})),
+    # Open like /docs, whose page reads it (as vLLM keeps both): the document
+    # holds no data, and a 401 here left Swagger UI blank under --api-key.
+    Endpoint("/openapi.json", "GET", openapi_json, {**op.get("This document", "openapi", {"type": "object"}, ()), "security": []},
+             open=True),
     # For users of vLLM and SGLang (docs/compatibility.md).
     Endpoint("/v1/tokenize", "POST", token_routes.tokenize, op.post(
         "Tokenize a prompt or chat messages (as /tokenize)", "tokenizeV1", "TokenizeRequest",
