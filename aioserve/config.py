@@ -264,8 +264,8 @@ class ServerArgs:
     )
     api_key: str | None = option(
         None, group="HTTP",
-        help="require `Authorization: Bearer KEY` on every route but /health, /metrics, the chat page, /docs and /openapi.json "
-        "(default: $AIOSERVE_API_KEY)",
+        help="require `Authorization: Bearer KEY` on every route but /health, /metrics, the chat page, /docs "
+        "and /openapi.json (default: $AIOSERVE_API_KEY)",
     )
     tokenizer_workers: int = option(4, help="threads that tokenize requests", group="HTTP")
     dp_size: int = option(
