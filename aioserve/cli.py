@@ -17,7 +17,9 @@ import typing
 from collections.abc import Sequence
 from typing import Any, Callable, TypeVar
 
-from aioserve.config import DEMO_MODEL, GROUPS, UNSUPPORTED_FLAGS, EngineConfig, ServerArgs, parse_bytes
+from aioserve.config import (
+    DEMO_MODEL, GROUPS, UNSUPPORTED_FLAGS, ConfigError, EngineConfig, ServerArgs, parse_bytes,
+)
 
 __all__ = [
     "add_options", "build_parser", "engine_config", "main", "parse_bytes", "parse_serve_args", "serve_argv",
@@ -115,8 +117,12 @@ class _Unsupported(argparse.Action):
 
 
 def add_unsupported(parser: argparse.ArgumentParser) -> None:
+    from aioserve.models.registry import MODEL_CLASSES  # the families served, named where a refusal needs them
+
+    architectures = ", ".join(sorted(name.removesuffix("ForCausalLM") for name in MODEL_CLASSES))
     group = parser.add_argument_group("not supported (vLLM and SGLang flags aioserve refuses, with the reason)")
-    for name, takes_value, reason in UNSUPPORTED_FLAGS:
+    for name, takes_value, template in UNSUPPORTED_FLAGS:
+        reason = template.format(architectures=architectures)
         group.add_argument(
             name, action=_Unsupported, reason=reason, nargs=None if takes_value else 0,
             dest=argparse.SUPPRESS, default=argparse.SUPPRESS, help=reason.replace("%", "%%"),
@@ -256,6 +262,9 @@ def main(argv: list[str] | None = None) -> None:
     except (FileNotFoundError, PermissionError) as exc:  # a model that cannot be had: the message says why
         logging.getLogger("aioserve").error("%s", exc)
         sys.exit(1)
+    except ConfigError as exc:  # refused options, found as the engine loads: a usage error, no traceback
+        print(f"aioserve serve: error: {exc}", file=sys.stderr)
+        sys.exit(2)
 
 
 if __name__ == "__main__":

@@ -84,6 +84,12 @@ def option(
 DEMO_MODEL = "stories260K"
 
 
+class ConfigError(ValueError):
+    """An option, or a combination of them, that cannot be served here (found
+    while the engine loads: the device, the checkpoint or the memory decide
+    it). The CLI prints the message as a usage error, not a traceback."""
+
+
 @dataclass
 class EngineConfig:
     model: str = option(
@@ -194,6 +200,16 @@ class EngineConfig:
         "ranks give up meeting after AIOSERVE_DIST_INIT_TIMEOUT seconds (default 120)",
     )
 
+    def __post_init__(self) -> None:
+        """Sizes that must be positive (the CLI reports these as usage errors)."""
+        for flag, value in (("--page-size", self.page_size), ("--max-running-requests", self.max_running_requests),
+                            ("--max-prefill-tokens", self.max_prefill_tokens), ("--tp", self.tp_size),
+                            ("--cuda-graph-max-bs", self.cuda_graph_max_bs), ("--num-threads", self.num_threads)):
+            if value is not None and value < 1:
+                raise ValueError(f"{flag} must be at least 1, got {value}")
+        if not 0 < self.mem_fraction_static <= 1:
+            raise ValueError(f"--mem-fraction-static must be in (0, 1], got {self.mem_fraction_static}")
+
 # Spelled out: config imports nothing of the project; tests/test_router.py
 # checks them against sglang-router's --policy choices.
 ROUTER_POLICIES = ("cache_aware", "round_robin", "power_of_two", "random")
@@ -201,12 +217,13 @@ ROUTER_POLICIES = ("cache_aware", "round_robin", "power_of_two", "random")
 
 # Flags of vLLM and SGLang whose feature aioserve does not have: the CLI knows
 # them so that it can say why, instead of argparse's "unrecognized arguments".
-# Each: (the flag, whether it takes a value, why aioserve refuses it).
+# Each: (the flag, whether it takes a value, why aioserve refuses it; the CLI
+# fills {architectures} from the model registry).
 UNSUPPORTED_FLAGS: tuple[tuple[str, bool, str], ...] = (
     (
         "--trust-remote-code", False,
         "aioserve never runs Python code shipped with a model: it serves only the architectures it implements "
-        "itself (Llama, Mistral, Qwen2, Qwen3), none of which needs remote code; drop the flag",
+        "itself ({architectures}), none of which needs remote code; drop the flag",
     ),
 )
 

@@ -94,6 +94,9 @@ def test_two_different_models_are_refused(capsys: pytest.CaptureFixture[str]) ->
 def test_trust_remote_code_says_why(capsys: pytest.CaptureFixture[str]) -> None:
     err = usage_error([MODEL, "--trust-remote-code"], capsys)
     assert "--trust-remote-code is not supported" in err and "never runs Python code shipped with a model" in err
+    from aioserve.models.registry import MODEL_CLASSES
+
+    assert all(name.removesuffix("ForCausalLM") in err for name in MODEL_CLASSES)  # every family served, no fewer
 
 
 def test_enable_reasoning_needs_a_parser(capsys: pytest.CaptureFixture[str]) -> None:

@@ -6,6 +6,7 @@ import logging
 
 import aioserve.kernel_contracts as kernel_contracts
 from aioserve.attention.backend import AttentionBackend, AttentionMetadata, AttentionShape
+from aioserve.config import ConfigError
 from aioserve.kvcache.kv_pool import KVPool
 from aioserve.layers import flashinfer_elementwise
 
@@ -33,7 +34,7 @@ def create_backend(name: str, pool: KVPool, shape: AttentionShape) -> AttentionB
     reference). `auto` takes flashinfer where it can serve, else torch_native
     and says why once."""
     if name not in BACKENDS:
-        raise ValueError(f"unknown attention backend {name!r} (choose from {', '.join(BACKENDS)})")
+        raise ConfigError(f"unknown attention backend {name!r} (choose from {', '.join(BACKENDS)})")
     if name in ("auto", "flashinfer"):
         reason = flashinfer_unusable(pool, shape)
         if reason is None:
@@ -41,7 +42,7 @@ def create_backend(name: str, pool: KVPool, shape: AttentionShape) -> AttentionB
 
             return FlashInferBackend(pool, shape)
         if name == "flashinfer":
-            raise ValueError(f"--attention-backend flashinfer: {reason}")
+            raise ConfigError(f"--attention-backend flashinfer: {reason}")
         if pool.buffer.device.type == "cuda":
             logger.info("attention: torch_native, not flashinfer, because %s", reason)
     from aioserve.attention.torch_native import TorchNativeBackend

@@ -22,6 +22,7 @@ import logging
 
 import torch
 
+from aioserve.config import ConfigError
 from aioserve.cpu.isa import cpu_flags
 from aioserve.kvcache.kv_pool import FP8_KV
 
@@ -39,7 +40,7 @@ def resolve_dtype(name: str, checkpoint_dtype: str | None) -> torch.dtype:
     name = _ALIASES.get(name, name)
     if name != "auto":
         if name not in _DTYPES:
-            raise ValueError(f"unknown dtype {name!r} (auto, {', '.join(_DTYPES)})")
+            raise ConfigError(f"unknown dtype {name!r} (auto, {', '.join(_DTYPES)})")
         return _DTYPES[name]
     return _DTYPES.get(checkpoint_dtype or "float32", torch.float32)
 
@@ -52,7 +53,7 @@ def kv_cache_dtype(name: str, asked_dtype: str, weight_dtype: torch.dtype, math_
     if name in FP8_KV_NAMES:
         return FP8_KV
     if name == "fp8_e5m2":
-        raise ValueError("--kv-cache-dtype fp8_e5m2 is not supported (fp8_e4m3 is, on CUDA)")
+        raise ConfigError("--kv-cache-dtype fp8_e5m2 is not supported (fp8_e4m3 is, on CUDA)")
     if name != "auto":
         return resolve_dtype(name, None)
     return math_dtype if _ALIASES.get(asked_dtype, asked_dtype) == "auto" else weight_dtype

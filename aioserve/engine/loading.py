@@ -12,7 +12,7 @@ from pathlib import Path
 
 import torch
 
-from aioserve.config import DEFAULT_CPU_KV_BYTES, EngineConfig
+from aioserve.config import DEFAULT_CPU_KV_BYTES, ConfigError, EngineConfig
 from aioserve.engine.dtypes import compute_dtype, kv_cache_dtype, resolve_dtype
 from aioserve.kvcache.kv_pool import FP8_KV, RESERVED_PAGES, KVPool
 from aioserve.layers.moe import FusedMoE
@@ -52,14 +52,22 @@ def kv_budget_bytes(total: int, free: int, mem_fraction_static: float) -> int:
     less what is in use already (weights, the CUDA context, other
     processes). Activations and CUDA graphs live in the remaining share."""
     if not 0 < mem_fraction_static <= 1:
-        raise ValueError(f"mem_fraction_static must be in (0, 1], got {mem_fraction_static}")
+        raise ConfigError(f"--mem-fraction-static must be in (0, 1], got {mem_fraction_static}")
     return max(0, int(total * mem_fraction_static) - (total - free))
 
 
 def resolve_device(name: str) -> torch.device:
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(name)
+    try:
+        device = torch.device(name)
+    except RuntimeError:
+        raise ConfigError(f"--device {name!r}: not a device (auto, cpu, cuda or cuda:N)") from None
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ConfigError(f"--device {name}: this machine has no CUDA device torch {torch.__version__} can use")
+    if device.type not in ("cpu", "cuda"):
+        raise ConfigError(f"--device {name}: aioserve runs on cpu or cuda")
+    return device
 
 
 def _prepare_device(device: torch.device, config: EngineConfig) -> None:
@@ -76,7 +84,7 @@ def max_model_len(config: EngineConfig, model_config: ModelConfig) -> int:
     limit = model_config.max_position_embeddings
     asked = config.max_model_len
     if asked is not None and asked > limit:
-        raise ValueError(f"max_model_len {asked} exceeds the model's max_position_embeddings {limit}")
+        raise ConfigError(f"--max-model-len {asked} exceeds the model's max_position_embeddings {limit}")
     return asked or limit
 
 
@@ -102,7 +110,7 @@ def pool_pages(config: EngineConfig, loaded: LoadedModel, tp_size: int) -> int:
         free, total = torch.cuda.mem_get_info(loaded.device)
         budget = kv_budget_bytes(total, free, config.mem_fraction_static)
         if budget < (RESERVED_PAGES + 1) * page_bytes:
-            raise ValueError(
+            raise ConfigError(
                 f"--mem-fraction-static {config.mem_fraction_static} leaves no room for the KV pool: "
                 f"{(total - free) / 2**30:.1f} GiB of the GPU's {total / 2**30:.1f} GiB are in use already"
             )
@@ -122,7 +130,7 @@ def load(config: EngineConfig, tp_size: int) -> LoadedModel:
     dtype = compute_dtype(weight_dtype, device, config.cpu_half_compute)
     kv_dtype = kv_cache_dtype(config.kv_cache_dtype, config.dtype, weight_dtype, dtype)
     if kv_dtype == FP8_KV and device.type != "cuda":
-        raise ValueError(
+        raise ConfigError(
             f"--kv-cache-dtype {config.kv_cache_dtype} needs a CUDA device (an FP8 KV cache is read by FlashInfer's "
             f"kernels or the torch backend on a GPU); on {device.type} use auto, bfloat16, float16 or float32"
         )

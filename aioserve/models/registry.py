@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from aioserve.config import ConfigError
 from aioserve.models.gemma3 import Gemma3ForCausalLM
 from aioserve.models.llama import LlamaForCausalLM, MistralForCausalLM
 from aioserve.models.mixtral import MixtralForCausalLM
@@ -26,4 +27,4 @@ def model_class(config: ModelConfig) -> type[LlamaForCausalLM]:
         return MODEL_CLASSES[config.architecture]
     except KeyError:
         supported = ", ".join(sorted(MODEL_CLASSES))
-        raise ValueError(f"unsupported architecture {config.architecture!r} (supported: {supported})") from None
+        raise ConfigError(f"unsupported architecture {config.architecture!r} (supported: {supported})") from None
