@@ -189,6 +189,30 @@ def test_forced_calls_stream_their_arguments() -> None:
         assert calls(message) == [("a", {"s": "]}"}), ("b", {})] and reason == "tool_calls"
 
 
+def test_required_calls_stream_their_arguments_in_pieces_like_a_named_choice() -> None:
+    """tool_choice "required", fed a character at a time: each call's first
+    chunk carries its index, id, type and name, the later ones argument text."""
+    array = '[{"name": "get_weather", "parameters": {"city": "Paris", "days": 3}}, {"name": "b", "parameters": {}}]'
+    processor = RequiredCalls()
+    chunks = [c for ch in array for c in processor.feed(ch).tool_calls]
+    rest, reason = processor.finish("stop")
+    assert not rest.tool_calls and reason == "tool_calls"
+    first = [c for c in chunks if c["index"] == 0]
+    head, *tail = first
+    assert head["id"].startswith("call_") and head["function"] == {"name": "get_weather", "arguments": ""}
+    assert len(tail) >= 2 and all(set(c["function"]) == {"arguments"} for c in tail)
+    assert json.loads("".join(c["function"]["arguments"] for c in tail)) == {"city": "Paris", "days": 3}
+    second = [c for c in chunks if c["index"] == 1]
+    assert second[0]["function"]["name"] == "b" and "".join(c["function"]["arguments"] for c in second) == "{}"
+
+
+def test_a_required_call_cut_by_length_keeps_length() -> None:
+    processor = RequiredCalls()
+    out = processor.feed('[{"name": "get_weather", "parameters": {"city": "Par')
+    assert out.tool_calls[0]["function"]["name"] == "get_weather"
+    assert processor.finish("length")[1] == "length"
+
+
 def _real_tokenizer(name: str, root: Path):
     """Qwen3's or Llama 3's tokenizer: its real chat template and special
     tokens over a small vocabulary (tests/real_vocab_models.py)."""

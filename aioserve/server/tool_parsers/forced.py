@@ -5,7 +5,7 @@ than from the model's own call format.
 * named: the output *is* the arguments object; it streams as argument
   pieces of one call;
 * required: the output is `[{"name": ..., "parameters": {...}}, ...]`; each
-  call goes out as one chunk when its object closes.
+  call streams alike: its header once its name is read, then argument pieces.
 """
 
 from __future__ import annotations
@@ -13,8 +13,8 @@ from __future__ import annotations
 from typing import Any
 
 from aioserve.server.content import ContentDelta
-from aioserve.server.tool_parsers.calls import ParsedCall, call_chunk, new_call_id, parse_call
-from aioserve.server.tool_parsers.json_scan import JsonObjectReader
+from aioserve.server.tool_parsers.calls import ParsedCall, new_call_id
+from aioserve.server.tool_parsers.streamed_call import StreamedJsonCall
 
 
 def named_schema(parameters: dict[str, Any] | None) -> dict[str, Any]:
@@ -64,34 +64,37 @@ class NamedCall:
 
 
 class RequiredCalls:
+    """The forced array of calls, each streamed as the model writes it: its
+    header once the name is read, then its arguments in pieces (as a named
+    choice streams, and as OpenAI and vLLM stream both)."""
+
     def __init__(self) -> None:
-        self._buffer = ""
-        self._reader: JsonObjectReader | None = None  # the call being read
-        self._calls = 0
+        self._call: StreamedJsonCall | None = None  # the call being read
+        self._calls = 0  # calls closed
+        self._open_committed = False  # the open call's header went out
 
     def feed(self, text: str) -> ContentDelta:
         out = ContentDelta()
-        self._buffer += text
-        while self._buffer:
-            if self._reader is None:
-                start = self._buffer.find("{")
+        while text:
+            if self._call is None:
+                start = text.find("{")
                 if start < 0:
-                    self._buffer = ""  # "[", ",", "]" and whitespace between calls
-                    break
-                self._buffer = self._buffer[start:]
-                self._reader = JsonObjectReader()
-            text_of_call, self._buffer = self._reader.feed(self._buffer)
-            if text_of_call is None:
+                    break  # "[", ",", "]" and whitespace between calls
+                text = text[start:]
+                self._call = StreamedJsonCall(self._calls)
+            step = self._call.feed(text)
+            out.tool_calls.extend(step.chunks)
+            self._open_committed = self._call.committed
+            if not step.closed:
                 break
-            self._reader = None
-            call = parse_call(text_of_call)
-            if call is not None:
-                out.tool_calls.append(call_chunk(self._calls, call))
+            if not step.not_a_call:
                 self._calls += 1
+            self._call, self._open_committed, text = None, False, step.rest
         return out
 
     def finish(self, finish_reason: str) -> tuple[ContentDelta, str]:
-        return ContentDelta(), "tool_calls" if self._calls and finish_reason == "stop" else finish_reason
+        went_out = self._calls or self._open_committed
+        return ContentDelta(), "tool_calls" if went_out and finish_reason == "stop" else finish_reason
 
 
 __all__ = ["NamedCall", "ParsedCall", "RequiredCalls", "named_schema", "required_schema"]
