@@ -165,4 +165,11 @@ def describe(loaded: LoadedModel) -> str:
         return str(dtype).removeprefix("torch.")
 
     return (f"loaded {loaded.model_path} ({loaded.model_config.architecture}; weights {name(loaded.weight_dtype)}, "
-            f"compute {name(loaded.dtype)}, KV {name(loaded.kv_dtype)}) on {loaded.device}")
+            f"compute {name(loaded.dtype)}, KV {name(loaded.kv_dtype)}) on {loaded.device}{_threads(loaded.device)}")
+
+
+def _threads(device: torch.device) -> str:
+    """On a CPU, the threads a step uses: the figure to lower with --num-threads
+    when other work shares the cores (docs/guide: threads collapse under a
+    competing load)."""
+    return f" with {torch.get_num_threads()} threads (--num-threads)" if device.type == "cpu" else ""
