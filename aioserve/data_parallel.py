@@ -308,6 +308,10 @@ def run_data_parallel(args: ServerArgs, argv_of: Callable[[ServerArgs], list[str
             "serving %d replicas behind sglang-router (%s) at http://%s:%d",
             args.dp_size, args.router_policy, args.host, args.port,
         )
+        # The router passes the OpenAI and SGLang routes only: a Prometheus
+        # scraper or a browser wants each replica's own port for these.
+        logger.info("the router does not pass /, /docs or /metrics: each replica serves them on its own port: %s",
+                    ", ".join(f"{url}/metrics" for url in urls))
         return deployment.supervise()
     except DataParallelError as exc:
         logger.error("%s", exc)
