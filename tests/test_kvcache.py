@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+import torch
 
 from aioserve.kvcache.manager import KVManager
 from aioserve.kvcache.radix_cache import RadixCache
@@ -170,3 +171,30 @@ def test_kv_handle_lifecycle_keeps_integrity() -> None:
     kv.release(other, [1, 1, 1])
     kv.check_integrity([])
     assert kv.allocator.num_free + kv.cache.num_evictable_pages == kv.num_usable_pages
+
+
+def test_k_and_v_adjacent_in_a_fused_projection_are_written_in_one_copy() -> None:
+    """k and v as views of one q|k|v row (nothing replaced k) go into the pool
+    with one index_copy_ (one kernel on a GPU); a k computed apart (Qwen3's
+    normed k) takes the two copies. Both write the same values."""
+    from aioserve.kvcache.kv_pool import KVPool, adjacent_pair
+
+    tokens, heads, dim = 3, 2, 4
+    qkv = torch.randn(tokens, (4 + 2 * heads) * dim)
+    k = qkv[:, 4 * dim : (4 + heads) * dim].reshape(tokens, heads, dim)
+    v = qkv[:, (4 + heads) * dim :].reshape(tokens, heads, dim)
+    pair = adjacent_pair(k, v)
+    assert pair is not None and torch.equal(pair[0], k) and torch.equal(pair[1], v)
+    assert adjacent_pair(k.clone(), v) is None and adjacent_pair(v, k) is None
+    slots = torch.tensor([5, 9, 2])
+    pools = [KVPool(1, 4, 4, heads, dim, torch.float32, torch.device("cpu")) for _ in range(2)]
+    from aioserve.cpu import elementwise
+
+    saved, elementwise.ENABLED = elementwise.ENABLED, False  # the torch path, not the native kernel
+    try:
+        pools[0].store(0, slots, k, v)
+        pools[1].store(0, slots, k.clone(), v.clone())
+    finally:
+        elementwise.ENABLED = saved
+    assert torch.equal(pools[0].buffer, pools[1].buffer)
+    assert torch.equal(pools[0].keys(0)[slots], k) and torch.equal(pools[0].values(0)[slots], v)

@@ -27,6 +27,21 @@ def to_cache_dtype(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return t.to(dtype)
 
 
+def adjacent_pair(k: torch.Tensor, v: torch.Tensor) -> torch.Tensor | None:
+    """k and v [T, H, D] as one [2, T, H, D] view, where v's rows follow k's
+    in the same rows of memory with the same strides (as they lie in a fused
+    q|k|v projection when nothing replaced k); else None."""
+    if k.shape != v.shape or k.stride() != v.stride() or k.dtype != v.dtype or k.device != v.device:
+        return None
+    if k.untyped_storage().data_ptr() != v.untyped_storage().data_ptr():
+        return None
+    gap = v.storage_offset() - k.storage_offset()
+    last = v.storage_offset() + sum((n - 1) * st for n, st in zip(v.shape, v.stride()))
+    if gap <= 0 or k.numel() == 0 or last >= v.untyped_storage().nbytes() // v.element_size():
+        return None
+    return k.as_strided((2, *k.shape), (gap, *k.stride()))
+
+
 class KVPool:
     def __init__(
         self,
@@ -73,6 +88,10 @@ class KVPool:
         kernels = elementwise_kernels() if self.buffer.is_cpu and self.dtype != FP8_KV else None
         if kernels is not None:  # one pass converting into the slots, no copies of k and v
             kernels.store_kv(k, v, self.buffer[layer, 0], self.buffer[layer, 1], slots)
+            return
+        both = adjacent_pair(k, v)
+        if both is not None and k.dtype == self.dtype:  # k and v in one copy (one kernel on a GPU, not two)
+            self.buffer[layer].index_copy_(1, slots, both)
             return
         for part, t in ((0, k), (1, v)):
             values, target = to_cache_dtype(t, self.dtype), self.buffer[layer, part]
