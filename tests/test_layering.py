@@ -18,16 +18,14 @@ RANKS: dict[str, float] = {
     "launch": 7.5, "tp": 7,  # tp's processes (world, leader, follower); its low modules in MODULE_RANKS
     "output_stream": 7, "grammar": 6.7, "tokenizer": 6.5,
     "scheduler": 6,
-    "engine": 5,
+    "engine": 5, "cpu_engine": 4.8,  # the engine's CPU fast paths: they read the model and the KV pool
     "models": 4.5, "attention": 4,  # a model's forward takes the attention backend's metadata
     "kvcache": 3,
     "layers": 2, "kernel_contracts": 1.8, "cpu": 1.5,
     "config": 0, "sampling_params": 0, "batch_plan": 0, "placeholders": 0, "hf_imports": 0,
 }
-# Modules ranked apart from their package: cpu/ holds all that runs only on
-# a CPU, its kernels below the layers and these two at the engine's level.
+# Modules ranked apart from their package.
 MODULE_RANKS: dict[str, float] = {
-    "cpu.decode_stack": 4.8, "cpu.fast_paths": 4.9,
     # tp/: what the layers and the engine use sits low; the process management above the scheduler.
     "tp.layout": 4.9, "tp.channel": 1.2, "tp.distributed": 1, "tp.codec": 0.5, "tp.lifeline": 0.5,
 }
