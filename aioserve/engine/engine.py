@@ -29,7 +29,7 @@ from aioserve.cpu_engine.greedy_screen import GreedyScreen
 from aioserve.engine.loading import describe, load
 from aioserve.cpu_engine.decode_stack import NativeDecodeRunner
 from aioserve.engine.sampler import SamplerOutput, prompt_logprobs, sample
-from aioserve.tp.layout import gather_layout, layout_lines
+from aioserve.engine.tp_layout import gather_layout, layout_lines
 from aioserve.kvcache.kv_pool import RESERVED_PAGES, KVPool
 from aioserve.placeholders import PreviousStepTokens
 
