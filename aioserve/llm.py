@@ -25,7 +25,7 @@ from aioserve.config import DEMO_MODEL, EngineConfig
 from aioserve.grammar import compiler_for
 from aioserve.output_stream import OutputStream, PromptLogprobs, TopLogprobs
 from aioserve.sampling_params import SamplingParams
-from aioserve.launch import build_scheduler
+from aioserve.launch.wiring import build_scheduler
 from aioserve.scheduler.request import Request, RequestEvent
 from aioserve.tokenizer import Tokenizer
 

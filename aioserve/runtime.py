@@ -32,9 +32,9 @@ from pathlib import Path
 from typing import Any, Coroutine
 
 from aioserve.config import ServerArgs
-from aioserve.tp.follower import run_node
-from aioserve.tp.world import DistributedInitError, is_distributed
-from aioserve.launch import build_scheduler
+from aioserve.launch.follower import run_node
+from aioserve.launch.world import DistributedInitError, is_distributed
+from aioserve.launch.wiring import build_scheduler
 from aioserve.server.app import create_app
 from aioserve.server.context import InFlight, ServingContext
 from aioserve.server.generation_defaults import load_generation_defaults

@@ -19,7 +19,7 @@ from aioserve.config import EngineConfig
 from aioserve.engine.engine import Engine
 from aioserve.engine.executor import ThreadExecutor
 from aioserve.scheduler import Request, RequestEvent, Scheduler
-from aioserve.launch import model_facts
+from aioserve.launch.wiring import model_facts
 from aioserve.scheduler.output_processor import OutputProcessor
 
 GREEDY = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)

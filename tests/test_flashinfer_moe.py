@@ -27,7 +27,7 @@ import aioserve.kernel_contracts as contracts
 from aioserve import LLM, SamplingParams
 from aioserve.llm import GenerationOutput
 from aioserve.cpu import elementwise as native_elementwise
-from aioserve.cpu.fast_paths import CpuFastPaths
+from aioserve.cpu_engine.fast_paths import CpuFastPaths
 from aioserve.layers import flashinfer_elementwise, flashinfer_moe
 from aioserve.layers.moe import FusedMoE, grouped_experts
 from fake_flashinfer import KernelFault, fake_flashinfer

@@ -1,4 +1,4 @@
-"""The greedy screen (native/greedy_screen.cpp, cpu/greedy_screen.py)
+"""The greedy screen (native/greedy_screen.cpp, cpu_engine/greedy_screen.py)
 gives the tokens the full float32 logits give, near-ties included, and
 hands back the rows it cannot settle."""
 
@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from aioserve import LLM, SamplingParams
-from aioserve.cpu.greedy_screen import FLOAT16_MAX_ROWS, GreedyScreen, _bounds, dots_bf16_pairs, screen_copy
+from aioserve.cpu_engine.greedy_screen import FLOAT16_MAX_ROWS, GreedyScreen, _bounds, dots_bf16_pairs, screen_copy
 from aioserve.cpu.native import cpu_kernels
 
 pytestmark = pytest.mark.skipif(cpu_kernels() is None, reason="native kernels could not be built here")

@@ -1,35 +1,33 @@
-"""The house rules of imports: nothing imports upward (server -> launch ->
-tp's processes -> scheduler -> engine -> attention/models -> layers -> the
-CPU kernels -> tp's collectives, with plain-data modules at the bottom) and
-no module imports itself back through others. Lazy
-imports inside functions count too."""
+"""The house rules of imports: every package sits on one level and nothing
+imports upward (server -> launch, with tensor parallelism's processes ->
+scheduler -> engine -> cpu_engine -> models -> attention -> kvcache ->
+layers -> the CPU kernels -> tp's transport, with plain-data modules at the
+bottom), and no module imports itself back through others. Lazy imports
+inside functions count too. The same rules are checked on the package
+graph: no upward arrow between packages, no loop through them."""
 
 from __future__ import annotations
 
 import ast
+from collections.abc import Mapping, Set
 from pathlib import Path
 
 PACKAGE = Path(__file__).resolve().parents[1] / "aioserve"
 
 # Higher imports lower; within one package anything goes (acyclic, below).
+# A package is ranked whole: no module is ranked apart from its package.
 RANKS: dict[str, float] = {
     "__init__": 10, "__main__": 9.6, "cli": 9.4, "data_parallel": 9.3, "runtime": 9.2,
     "server": 8, "llm": 8,
-    "launch": 7.5, "tp": 7,  # tp's processes (world, leader, follower); its low modules in MODULE_RANKS
+    "launch": 7.5,  # the wiring and tensor parallelism's processes (world, leader, follower)
     "output_stream": 7, "grammar": 6.7, "tokenizer": 6.5,
     "scheduler": 6,
-    "engine": 5,
+    "engine": 5, "cpu_engine": 4.8,  # the engine's CPU fast paths: they read the model and the KV pool
     "models": 4.5, "attention": 4,  # a model's forward takes the attention backend's metadata
     "kvcache": 3,
     "layers": 2, "kernel_contracts": 1.8, "cpu": 1.5,
+    "tp": 1,  # the TP group's collectives and the plan's transport: the layers call them
     "config": 0, "sampling_params": 0, "batch_plan": 0, "placeholders": 0, "hf_imports": 0,
-}
-# Modules ranked apart from their package: cpu/ holds all that runs only on
-# a CPU, its kernels below the layers and these two at the engine's level.
-MODULE_RANKS: dict[str, float] = {
-    "cpu.decode_stack": 4.8, "cpu.fast_paths": 4.9,
-    # tp/: what the layers and the engine use sits low; the process management above the scheduler.
-    "tp.layout": 4.9, "tp.channel": 1.2, "tp.distributed": 1, "tp.codec": 0.5, "tp.lifeline": 0.5,
 }
 
 
@@ -54,14 +52,8 @@ def top(module: str) -> str:
     return parts[1] if len(parts) > 1 else "__init__"
 
 
-def unit(module: str) -> str:
-    """What a module is ranked as: itself where MODULE_RANKS names it, else its package."""
-    name = module.removeprefix("aioserve.")
-    return name if name in MODULE_RANKS else top(module)
-
-
 def rank(module: str) -> float:
-    return MODULE_RANKS.get(unit(module), RANKS[top(module)])
+    return RANKS[top(module)]
 
 
 def graph() -> dict[str, set[str]]:
@@ -77,32 +69,53 @@ def test_nothing_imports_upward() -> None:
         f"{module} imports {target}"
         for module, targets in graph().items()
         for target in targets
-        if unit(module) != unit(target) and rank(target) >= rank(module)
+        if top(module) != top(target) and rank(target) >= rank(module)
     ]
     assert not upward, upward
 
 
-def test_no_import_cycles() -> None:
-    edges = graph()
+def package_graph() -> dict[str, set[str]]:
+    """Each package (or top-level module) -> the other ones it imports."""
+    packages: dict[str, set[str]] = {}
+    for module, targets in graph().items():
+        packages.setdefault(top(module), set()).update(top(t) for t in targets if top(t) != top(module))
+    return packages
 
-    def resolve(target: str) -> str | None:
-        # `from aioserve.scheduler import X` imports the package's __init__.
-        return target if target in edges else None
 
+def find_cycle(edges: Mapping[str, Set[str]]) -> list[str] | None:
+    """One cycle through `edges` (an edge to a node not in it is ignored), or None."""
     state: dict[str, int] = {}  # 1: on the current path, 2: done
 
-    def visit(module: str, path: list[str]) -> None:
-        state[module] = 1
-        for target in sorted(edges[module]):
-            target = resolve(target) or ""
-            if not target or target == module:
+    def visit(node: str, path: list[str]) -> list[str] | None:
+        state[node] = 1
+        for target in sorted(edges[node]):
+            if target not in edges or target == node:
                 continue
             if state.get(target) == 1:
-                raise AssertionError("import cycle: " + " -> ".join(path[path.index(target):] + [target]))
-            if target not in state:
-                visit(target, path + [target])
-        state[module] = 2
+                return path[path.index(target):] + [target]
+            if target not in state and (cycle := visit(target, path + [target])):
+                return cycle
+        state[node] = 2
+        return None
 
-    for module in sorted(edges):
-        if module not in state:
-            visit(module, [module])
+    for node in sorted(edges):
+        if node not in state and (cycle := visit(node, [node])):
+            return cycle
+    return None
+
+
+def test_no_import_cycles() -> None:
+    # `from aioserve.scheduler import X` imports the package's __init__ (a node of the graph).
+    cycle = find_cycle(graph())
+    assert cycle is None, "import cycle: " + " -> ".join(cycle or [])
+
+
+def test_packages_sit_on_one_level_each() -> None:
+    """The package graph: no arrow goes up or sideways, and no loop runs
+    through packages (which module-level acyclicity alone would allow)."""
+    packages = package_graph()
+    upward = sorted(f"{package} -> {target}" for package, targets in packages.items()
+                    for target in targets if RANKS[target] >= RANKS[package])
+    assert not upward, upward
+    cycle = find_cycle(packages)
+    assert cycle is None, "package loop: " + " -> ".join(cycle or [])

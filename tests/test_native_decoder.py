@@ -1,5 +1,5 @@
 """The CPU's native decode step (native/decoder.cpp's DecoderStack, run by
-cpu/decode_stack.py): decode-only steps through it give the same tokens
+cpu_engine/decode_stack.py): decode-only steps through it give the same tokens
 as through the modules, bit for bit, for every Llama-family layout (GQA,
 sliding window, q/k/v bias, per-head q/k norms, tied embeddings), in float32
 and bf16, at page sizes 1 and 4; and it stays out where it cannot be exact."""
@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from aioserve import LLM, SamplingParams
-from aioserve.cpu.decode_stack import NativeDecodeRunner, unsupported_reason
+from aioserve.cpu_engine.decode_stack import NativeDecodeRunner, unsupported_reason
 from aioserve.cpu import elementwise as native_elementwise
 from aioserve.cpu.native import cpu_kernels
 from hf_reference import hf_encode

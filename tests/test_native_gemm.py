@@ -10,7 +10,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-import aioserve.cpu.fast_paths as fast_paths_module
+import aioserve.cpu_engine.fast_paths as fast_paths_module
 import aioserve.engine.loading as loading_module
 import aioserve.cpu.matmul as cpu_matmul_module
 import aioserve.layers.embedding as embedding_module

@@ -17,7 +17,7 @@ from aioserve.engine.engine import Engine
 from aioserve.engine.executor import ThreadExecutor
 from aioserve.placeholders import PlaceholderError, PreviousStepTokens, placeholder
 from aioserve.scheduler import Request, RequestEvent, Scheduler
-from aioserve.launch import model_facts
+from aioserve.launch.wiring import model_facts
 
 
 def run_scheduler(config: EngineConfig, requests: list[tuple[str, list[int], SamplingParams]], sink_for=None):

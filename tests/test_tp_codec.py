@@ -19,7 +19,7 @@ from aioserve.engine.engine import Engine
 from aioserve.engine.executor import ThreadExecutor
 from aioserve.sampling_params import SamplingParams
 from aioserve.scheduler import Request, Scheduler
-from aioserve.launch import model_facts
+from aioserve.launch.wiring import model_facts
 
 
 def _filled(cls: type, seed: int) -> object:

@@ -6,7 +6,7 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
-from aioserve.tp.world import RankSpec, open_store
+from aioserve.launch.world import RankSpec, open_store
 
 
 def _listening_addresses(port: int) -> set[str]:

@@ -13,7 +13,7 @@ from safetensors.torch import load_file, save_file
 from aioserve import LLM, SamplingParams
 from aioserve.engine import dtypes
 from aioserve.engine.dtypes import compute_dtype, kv_cache_dtype, resolve_dtype
-import aioserve.cpu.fast_paths as fast_paths_module
+import aioserve.cpu_engine.fast_paths as fast_paths_module
 import aioserve.engine.loading as loading_module
 import aioserve.cpu.matmul as cpu_matmul_module
 from aioserve.cpu.matmul import is_packed

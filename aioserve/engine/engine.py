@@ -10,7 +10,7 @@ rank records the same tokens for the next step's placeholders whatever its
 float rounding.
 
 What it is built from (device, dtypes, weights, pool size) is decided in
-loading.py; the CPU's native fast paths live behind cpu/fast_paths.py.
+loading.py; the CPU's native fast paths live behind cpu_engine/fast_paths.py.
 """
 
 from __future__ import annotations
@@ -23,13 +23,13 @@ from aioserve.attention import AttentionShape, create_backend
 from aioserve.batch_plan import BatchPlan, SamplingTensors, StepOutput
 from aioserve.config import EngineConfig
 from aioserve.tp.distributed import broadcast_from_leader, get_tp_group, min_over_ranks
-from aioserve.cpu.fast_paths import CpuFastPaths
+from aioserve.cpu_engine.fast_paths import CpuFastPaths
 from aioserve.engine.cuda_graph import Capture, CudaGraphCapture, DecodeGraphRunner
-from aioserve.cpu.greedy_screen import GreedyScreen
+from aioserve.cpu_engine.greedy_screen import GreedyScreen
 from aioserve.engine.loading import describe, load
-from aioserve.cpu.decode_stack import NativeDecodeRunner
+from aioserve.cpu_engine.decode_stack import NativeDecodeRunner
 from aioserve.engine.sampler import SamplerOutput, prompt_logprobs, sample
-from aioserve.tp.layout import gather_layout, layout_lines
+from aioserve.engine.tp_layout import gather_layout, layout_lines
 from aioserve.kvcache.kv_pool import RESERVED_PAGES, KVPool
 from aioserve.placeholders import PreviousStepTokens
 

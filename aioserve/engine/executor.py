@@ -40,7 +40,7 @@ T = TypeVar("T")
 
 
 class PlanBroadcaster(Protocol):
-    """Rank 0's link to the follower ranks (tp/leader.py)."""
+    """Rank 0's link to the follower ranks (launch/leader.py)."""
 
     @property
     def failed(self) -> bool: ...

@@ -41,7 +41,7 @@ class ServingContext:
     vocab_size: int
     scheduler_task: asyncio.Task | None = None
     started_at: int = field(default_factory=lambda: int(time.time()))
-    # What each tensor-parallel rank holds (tp/layout.py), for /server_info.
+    # What each tensor-parallel rank holds (engine/tp_layout.py), for /server_info.
     tp_layout: list[dict[str, Any]] = field(default_factory=list)
     # The model's sampling defaults for a request's unset fields (--generation-config).
     generation_defaults: dict[str, Any] = field(default_factory=dict)

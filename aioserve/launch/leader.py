@@ -24,7 +24,7 @@ from aioserve.tp.distributed import destroy_tensor_parallel, init_tensor_paralle
 from aioserve.engine.loading import resolve_device
 from aioserve.tp.channel import PlanChannel
 from aioserve.tp.lifeline import LeaderLifeline
-from aioserve.tp.world import (
+from aioserve.launch.world import (
     LIFELINE_KEY,
     DistributedInitError,
     check_layout,

@@ -3,7 +3,7 @@
 `--tp N` over `--nnodes M` gives each node N / M consecutive ranks; rank 0
 (node 0's first) serves HTTP. On every node the first rank is the process
 the user started and the others are its child processes
-(`python -m aioserve.tp.follower`), one per GPU on CUDA, one per
+(`python -m aioserve.launch.follower`), one per GPU on CUDA, one per
 share of the cores on CPU. The ranks meet at rank 0's rendezvous
 (`--dist-init-addr HOST:PORT`, or a free loopback port on one node): a
 torch TCPStore, through which rank 0 also publishes its lifeline port.
@@ -117,7 +117,7 @@ def spawn_followers(specs: list[RankSpec], config: EngineConfig) -> list[tuple[i
     processes = []
     for spec, rank_cfg in zip(specs, configs):
         message = {"spec": dataclasses.asdict(spec), "config": dataclasses.asdict(rank_cfg), "log_level": level}
-        cmd = [sys.executable, "-m", "aioserve.tp.follower", json.dumps(message)]
+        cmd = [sys.executable, "-m", "aioserve.launch.follower", json.dumps(message)]
         processes.append((spec.rank, subprocess.Popen(cmd, env=env)))
     return processes
 

@@ -2,7 +2,7 @@
 
 With `tp_size` > 1 (or several nodes) this process becomes rank 0: it starts
 node 0's follower ranks, joins the group, and its executor broadcasts every
-plan before running it (tp/leader.py). The scheduler itself does not
+plan before running it (launch/leader.py). The scheduler itself does not
 know: it plans for rank 0's engine as it always does.
 """
 
@@ -13,8 +13,8 @@ from collections.abc import Callable
 from aioserve.config import EngineConfig
 from aioserve.engine.engine import Engine
 from aioserve.engine.executor import start_executor
-from aioserve.tp.leader import TPLeader
-from aioserve.tp.world import is_distributed
+from aioserve.launch.leader import TPLeader
+from aioserve.launch.world import is_distributed
 from aioserve.scheduler.scheduler import ModelFacts, Scheduler
 
 

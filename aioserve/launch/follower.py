@@ -6,8 +6,8 @@ and an idle follower just sleeps in gloo's receive (no spinning core). The
 follower ends when rank 0 says stop (exit 0), or with a log line and exit
 code 1 when rank 0 vanishes (its lifeline closes) or a step raises.
 
-Run as `python -m aioserve.tp.follower '<json>'` by the first process
-of a node (tp_world.spawn_followers); `run_node` is what `aioserve serve
+Run as `python -m aioserve.launch.follower '<json>'` by the first process
+of a node (world.spawn_followers); `run_node` is what `aioserve serve
 --node-rank K` (K > 0) runs.
 """
 
@@ -29,7 +29,7 @@ from aioserve.engine.engine import Engine
 from aioserve.engine.loading import resolve_device
 from aioserve.tp.channel import PlanChannel
 from aioserve.tp.lifeline import FollowerLifeline
-from aioserve.tp.world import (
+from aioserve.launch.world import (
     LIFELINE_KEY,
     DistributedInitError,
     RankSpec,

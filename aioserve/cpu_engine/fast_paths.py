@@ -17,8 +17,8 @@ from typing import cast
 import torch
 
 from aioserve.config import EngineConfig
-from aioserve.cpu.greedy_screen import GreedyScreen
-from aioserve.cpu.decode_stack import NativeDecodeRunner, unsupported_reason
+from aioserve.cpu_engine.greedy_screen import GreedyScreen
+from aioserve.cpu_engine.decode_stack import NativeDecodeRunner, unsupported_reason
 from aioserve.kvcache.kv_pool import KVPool
 from aioserve.layers.moe import FusedMoE
 from aioserve.models.llama import LlamaForCausalLM

@@ -1,0 +1,13 @@
+"""The engine's CPU fast paths: cpu/'s kernels put together over a loaded
+model, its LM head and its KV pool.
+
+  greedy_screen.py  greedy rows' argmax from a half copy of the LM head, exact by a rounding bound
+  decode_stack.py   a decode-only step as one native DecoderStack call
+  fast_paths.py     the three fast paths behind one object, with one upgrade point between steps
+
+decode_stack and fast_paths read the model's classes and the KV pool, so
+they cannot sit with the kernels in cpu/, below the layers; the engine is
+their only caller, so the package sits just under it. Its own package, not
+engine/, keeps what runs only on a CPU findable by name: cpu/ for the
+kernels, cpu_engine/ for what composes them.
+"""
