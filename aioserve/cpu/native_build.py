@@ -1,9 +1,8 @@
-"""Runs torch's extension build in a child process that leads its own
-session, so that no process of a build outlives it.
+"""Runs the kernels' build (ninja over the system C++ compiler) in a child
+process that leads its own session, so that no process of a build outlives it.
 
-torch.utils.cpp_extension runs `ninja` with subprocess.run, in the caller's
-process group, and ninja starts each compiler command in a process group of
-its own. Killed in the caller, a build would leave ninja and its compilers
+The parent writes build.ninja (write_ninja_file); the child runs `ninja`,
+which starts each compiler command in a process group of its own. Killed in the caller, a build would leave ninja and its compilers
 running under PID 1, still writing into the build folder that the next build
 uses. Here the build runs in a child started with start_new_session: its pid
 is its session's id, and ninja and every compiler stay in that session
@@ -25,6 +24,8 @@ from __future__ import annotations
 import json
 import logging
 import os
+import re
+import shlex
 import signal
 import subprocess
 import sys
@@ -37,17 +38,61 @@ from pathlib import Path
 logger = logging.getLogger(__name__)
 
 LOG_NAME = "aioserve-build.log"
+# ninja's status line for each finished command ("[3/7] g++ ..."): what the
+# progress lines count units by.
+NINJA_STATUS = "[%f/%t] "
+_STATUS = re.compile(rb"^\[(\d+)/(\d+)\] ", re.MULTILINE)
 
 
 @dataclass
 class BuildRequest:
-    """What torch.utils.cpp_extension.load needs; sent to the child as JSON."""
+    """What the child needs to run the build; sent to it as JSON."""
 
-    name: str
-    sources: list[str]
-    cflags: list[str]
-    ldflags: list[str]
     folder: str
+    jobs: int
+
+
+def write_ninja_file(folder: Path, sources: list[Path], library: str, compiler: str, cflags: list[str],
+                     ldflags: list[str]) -> int:
+    """build.ninja in `folder`: one object per source, linked into `library`
+    (written under a temporary name and renamed, so that a build killed
+    midway never leaves a library behind). Returns the number of commands."""
+    quote = shlex.join
+    lines = [
+        "ninja_required_version = 1.3",
+        f"cxx = {shlex.quote(compiler)}",
+        f"cflags = {quote(cflags)}",
+        f"ldflags = {quote(ldflags)}",
+        "rule compile",
+        "  command = $cxx -MMD -MF $out.d $cflags -c $in -o $out",
+        "  depfile = $out.d",
+        "  deps = gcc",
+        "rule link",
+        "  command = $cxx -shared $in $ldflags -o $out.tmp && mv -f $out.tmp $out",
+    ]
+    objects = []
+    for source in sources:
+        obj = f"{source.stem}.o"
+        objects.append(obj)
+        lines.append(f"build {obj}: compile {_escape(str(source))}")
+    lines.append(f"build {library}: link {' '.join(objects)}")
+    lines.append(f"default {library}")
+    (folder / "build.ninja").write_text("\n".join(lines) + "\n")
+    return len(objects) + 1
+
+
+def _escape(path: str) -> str:
+    return path.replace("$", "$$").replace(" ", "$ ").replace(":", "$:")
+
+
+def units_done(folder: Path) -> tuple[int, int] | None:
+    """(finished, total) commands of the running build, from ninja's status
+    lines in its log; None before the first one finished."""
+    try:
+        found = _STATUS.findall((folder / LOG_NAME).read_bytes())
+    except OSError:
+        return None
+    return (int(found[-1][0]), int(found[-1][1])) if found else None
 
 
 def _session_members(sid: int) -> list[int]:
@@ -101,8 +146,10 @@ def build_in_own_session(
     log_path = Path(request.folder) / LOG_NAME
     started = time.monotonic()
     with open(log_path, "wb") as log:
+        # This file as a script (-P: its folder not on sys.path), not `-m`:
+        # importing the aioserve package would import torch, seconds of CPU.
         child = subprocess.Popen(
-            [sys.executable, "-m", "aioserve.cpu.native_build", json.dumps(asdict(request))],
+            [sys.executable, "-P", __file__, json.dumps(asdict(request))],
             stdin=subprocess.PIPE, stdout=log, stderr=subprocess.STDOUT,
             start_new_session=True, pass_fds=(lock_fd,),
         )
@@ -137,13 +184,9 @@ def _die_with_parent() -> None:
 def _main(argv: list[str]) -> int:
     request = BuildRequest(**json.loads(argv[0]))
     threading.Thread(target=_die_with_parent, name="aioserve-build-watch", daemon=True).start()
-    from torch.utils.cpp_extension import load
-
-    load(
-        name=request.name, sources=request.sources, extra_cflags=request.cflags, extra_ldflags=request.ldflags,
-        build_directory=request.folder, verbose=True,
-    )
-    return 0
+    sys.stdout.flush()
+    env = {**os.environ, "NINJA_STATUS": NINJA_STATUS}
+    return subprocess.run(["ninja", "-C", request.folder, "-j", str(request.jobs)], env=env).returncode
 
 
 if __name__ == "__main__":
