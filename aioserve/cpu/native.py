@@ -232,6 +232,7 @@ class _Progress:
         self._next = every_s
         self._folder: Path | None = None
         self._last: float | None = None
+        self._started = 0.0  # wall clock at start(): an older build's log says nothing of this one
 
     def say(self, line: str) -> None:
         print(f"aioserve: {line}", file=self.stream, flush=True)
@@ -240,6 +241,7 @@ class _Progress:
         self._last = last_build_seconds()
         took = f"the last build here took {self._last:.0f} s" if self._last else f"about {BUILD_S:.0f} s on 2 idle cores"
         self._folder = _locate()[1]
+        self._started = time.time()
         self.say(f"building the native CPU kernels (once per environment; {took}) into {self._folder} ...")
         return self.tick
 
@@ -247,21 +249,23 @@ class _Progress:
         if elapsed < self._next:
             return
         self._next += self.every_s
-        from aioserve.cpu.native_build import units_done
+        from aioserve.cpu.native_progress import seconds_left, units_done
 
-        units = units_done(self._folder) if self._folder is not None else None
-        if units is None:
+        units = units_done(self._folder) if self._folder is not None and self._log_is_this_builds() else None
+        if self._folder is None or units is None:
             self.say(f"still building the native CPU kernels: {elapsed:.0f} s")
             return
-        done, total = units
-        self.say(f"building native kernels: {done}/{total} units, {elapsed:.0f} s, ~{self._left(elapsed, done, total):.0f} s left")
+        left = seconds_left(self._folder, elapsed, self._last, BUILD_S)
+        self.say(f"building native kernels: {units[0]}/{units[1]} units, {elapsed:.0f} s, ~{left or 1:.0f} s left")
 
-    def _left(self, elapsed: float, done: int, total: int) -> float:
-        """Seconds left: this machine's last build's length where known, else
-        the pace so far (compiles of similar length, run side by side)."""
-        if self._last:
-            return max(1.0, self._last - elapsed)
-        return max(1.0, elapsed * (total - done) / max(done, 1))
+    def _log_is_this_builds(self) -> bool:
+        from aioserve.cpu.native_build import LOG_NAME
+
+        assert self._folder is not None
+        try:
+            return (self._folder / LOG_NAME).stat().st_mtime >= self._started
+        except OSError:
+            return False
 
 
 def build_with_progress(stream: TextIO | None = None, every_s: float = 5.0) -> ModuleType | None:

@@ -24,7 +24,6 @@ from __future__ import annotations
 import json
 import logging
 import os
-import re
 import shlex
 import signal
 import subprocess
@@ -39,9 +38,8 @@ logger = logging.getLogger(__name__)
 
 LOG_NAME = "aioserve-build.log"
 # ninja's status line for each finished command ("[3/7] g++ ..."): what the
-# progress lines count units by.
+# progress lines count units by (native_progress.py).
 NINJA_STATUS = "[%f/%t] "
-_STATUS = re.compile(rb"^\[(\d+)/(\d+)\] ", re.MULTILINE)
 
 
 @dataclass
@@ -71,7 +69,9 @@ def write_ninja_file(folder: Path, sources: list[Path], library: str, compiler: 
         "  command = $cxx -shared $in $ldflags -o $out.tmp && mv -f $out.tmp $out",
     ]
     objects = []
-    for source in sources:
+    # Largest first: ninja starts them in this order, and the longest compile
+    # (gemm.cpp) started last would run alone at the end.
+    for source in sorted(sources, key=lambda path: path.stat().st_size, reverse=True):
         obj = f"{source.stem}.o"
         objects.append(obj)
         lines.append(f"build {obj}: compile {_escape(str(source))}")
@@ -83,16 +83,6 @@ def write_ninja_file(folder: Path, sources: list[Path], library: str, compiler: 
 
 def _escape(path: str) -> str:
     return path.replace("$", "$$").replace(" ", "$ ").replace(":", "$:")
-
-
-def units_done(folder: Path) -> tuple[int, int] | None:
-    """(finished, total) commands of the running build, from ninja's status
-    lines in its log; None before the first one finished."""
-    try:
-        found = _STATUS.findall((folder / LOG_NAME).read_bytes())
-    except OSError:
-        return None
-    return (int(found[-1][0]), int(found[-1][1])) if found else None
 
 
 def _session_members(sid: int) -> list[int]:
