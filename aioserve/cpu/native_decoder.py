@@ -88,14 +88,15 @@ class DecoderStack:
         q_ptr, q_code = _norm(q_norm, dim) if q_norm is not None else (None, 0)
         k_ptr, k_code = _norm(k_norm, dim) if k_norm is not None else (None, 0)
         self._kept += [input_norm, qkv, bias, q_norm, k_norm, o, post_norm, gate_up, down, key_cache, value_cache]
-        self._lib.decoder_add_layer(
+        if self._lib.decoder_add_layer(
             self._handle, *_norm(input_norm, size), *_packed(qkv, size, q_size + 2 * kv_size, "qkv"),
             bias.data_ptr() if bias is not None else None, q_ptr, q_code, k_ptr, k_code,
             *_packed(o, q_size, size, "o"), *_norm(post_norm, size),
             *_packed(gate_up, size, 2 * intermediate, "gate_up"), intermediate,
             *_packed(down, intermediate, size, "down"), key_cache.data_ptr(), value_cache.data_ptr(),
             code(key_cache, "store_kv"), key_cache.shape[0], window,
-        )
+        ):
+            raise self._lib.fail()
 
     def forward(self, hidden: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, page_table: torch.Tensor,
                 seq_lens: torch.Tensor) -> torch.Tensor:
@@ -115,9 +116,10 @@ class DecoderStack:
         page_table, seq_lens = page_table.contiguous(), seq_lens.contiguous()
         out_dtype = hidden.dtype if self.final_norm.dtype == hidden.dtype else torch.float32
         out = torch.empty((batch, self.hidden_size), dtype=out_dtype)
-        self._lib.decoder_forward(
+        if self._lib.decoder_forward(
             self._handle, hidden.data_ptr(), code(hidden, "DecoderStack"), batch, positions.data_ptr(),
             slots.data_ptr(), page_table.data_ptr(), page_table.shape[1], seq_lens.data_ptr(), out.data_ptr(),
             code(out, "DecoderStack"),
-        )
+        ):
+            raise self._lib.fail()
         return out

@@ -15,17 +15,17 @@ logger = logging.getLogger(__name__)
 
 def gemm_block_width() -> int:
     """Output columns per packed weight block."""
-    return int(library().gemm_block_width())
+    return library().block_width
 
 
 def gemm_fuses_multiply_add() -> bool:
     """Whether each output is a chain of fused multiply-adds (what screened_argmax recomputes)."""
-    return bool(library().gemm_fuses_multiply_add())
+    return library().fuses_multiply_add
 
 
 def packs_bf16_pairs() -> bool:
     """Whether bf16 weights are packed in k-pairs (AVX512-BF16)."""
-    return bool(library().gemm_packs_bf16_pairs())
+    return library().packs_bf16_pairs
 
 
 def pack_linear_weight(weight: torch.Tensor) -> torch.Tensor:
@@ -34,14 +34,15 @@ def pack_linear_weight(weight: torch.Tensor) -> torch.Tensor:
         raise RuntimeError("pack_linear_weight: W must be [N, K]")
     lib = library()
     n, k = weight.shape
-    block = gemm_block_width()
+    block = lib.block_width
     blocks = (n + block - 1) // block
-    pairs = packs_bf16_pairs() and weight.dtype == torch.bfloat16 and k % 2 == 0
+    pairs = lib.packs_bf16_pairs and weight.dtype == torch.bfloat16 and k % 2 == 0
     type_code = code(weight, "pack_linear_weight")
     shape = (blocks, k // 2, block, 2) if pairs else (blocks, k, block)
     out = torch.empty(shape, dtype=weight.dtype)
-    lib.pack_linear_weight(weight.data_ptr(), type_code, n, k, weight.stride(0), weight.stride(1), int(pairs),
-                           out.data_ptr(), out.nbytes)
+    if lib.pack_linear_weight(weight.data_ptr(), type_code, n, k, weight.stride(0), weight.stride(1), int(pairs),
+                              out.data_ptr(), out.nbytes):
+        raise lib.fail()
     return out
 
 
@@ -52,9 +53,9 @@ def packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | No
     if x.dim() != 2:
         raise RuntimeError("packed_linear: x must be [M, K]")
     lib = library()
-    block = gemm_block_width()
+    block = lib.block_width
     pairs = packed.dim() == 4
-    if not ((packed.dim() == 3 or (pairs and packs_bf16_pairs() and packed.shape[3] == 2
+    if not ((packed.dim() == 3 or (pairs and lib.packs_bf16_pairs and packed.shape[3] == 2
                                    and packed.dtype == torch.bfloat16))
             and packed.shape[2] == block and packed.is_contiguous()):
         raise RuntimeError("packed_linear: the weight must come from pack_linear_weight")
@@ -72,7 +73,7 @@ def packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | No
             raise RuntimeError("packed_linear: out must be a contiguous [M, N] tensor of the output's dtype")
         y = out
     else:
-        y = torch.empty((m, n), dtype=y_dtype)
+        y = torch.empty(m, n, dtype=y_dtype)  # positional sizes: ~1 us less than a tuple
     bias32 = None
     if bias is not None:
         if bias.numel() != n:
@@ -80,8 +81,9 @@ def packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | No
         bias32 = bias.to(torch.float32).contiguous()
     if m == 0:
         return y
-    lib.packed_linear(x.data_ptr(), code(x, "packed_linear"), m, k, packed.data_ptr(), code(packed, "packed_linear"),
-                      int(pairs), n, bias32.data_ptr() if bias32 is not None else None, y.data_ptr(), int(float_out))
+    if lib.packed_linear(x.data_ptr(), code(x, "packed_linear"), m, k, packed.data_ptr(), code(packed, "packed_linear"),
+                         int(pairs), n, bias32.data_ptr() if bias32 is not None else None, y.data_ptr(), int(float_out)):
+        raise lib.fail()
     return y
 
 
@@ -90,7 +92,7 @@ def screened_argmax(x: torch.Tensor, screen: torch.Tensor, slack: torch.Tensor, 
     """Greedy argmax of x W^T from a half-width copy of W, exactly (see
     native/greedy_screen.cpp): (tokens [M] int64, ok [M] bool)."""
     lib = library()
-    if not gemm_fuses_multiply_add():
+    if not lib.fuses_multiply_add:
         raise RuntimeError("screened_argmax: packed_linear's sums are not fused here")
     if x.dim() != 2 or x.dtype != torch.float32:
         raise RuntimeError("screened_argmax: x must be float32 [M, K]")
@@ -116,7 +118,7 @@ def screened_argmax(x: torch.Tensor, screen: torch.Tensor, slack: torch.Tensor, 
         norms_ptr = screen_norms.data_ptr()
     # What the screen's matmul (packed_linear, or its unrounded bf16 twin) checked.
     matmul = "packed_linear_unrounded" if bf16 else "packed_linear"
-    block = gemm_block_width()
+    block = lib.block_width
     if not screen.is_contiguous() or screen.shape[2] != block:
         raise RuntimeError(f"{matmul}: the weight must come from pack_linear_weight")
     if not (0 < n <= screen.shape[0] * block and n > (screen.shape[0] - 1) * block):
@@ -128,7 +130,8 @@ def screened_argmax(x: torch.Tensor, screen: torch.Tensor, slack: torch.Tensor, 
         raise RuntimeError(f"screened_argmax: x has {k} features, the weight {exact.shape[1]}")
     tokens = torch.zeros(m, dtype=torch.int64)
     ok = torch.zeros(m, dtype=torch.bool)
-    lib.screened_argmax(x.data_ptr(), m, k, screen.data_ptr(), code(screen, "screened_argmax"), int(bf16),
-                        slack.data_ptr(), exact.data_ptr(), n, exact.shape[2], norms_ptr, tokens.data_ptr(),
-                        ok.data_ptr())
+    if lib.screened_argmax(x.data_ptr(), m, k, screen.data_ptr(), code(screen, "screened_argmax"), int(bf16),
+                           slack.data_ptr(), exact.data_ptr(), n, exact.shape[2], norms_ptr, tokens.data_ptr(),
+                           ok.data_ptr()):
+        raise lib.fail()
     return tokens, ok

@@ -56,8 +56,9 @@ RELEASING_GIL: dict[str, list[Any]] = {
 
 
 class NativeLibrary:
-    """One loaded library: its functions as attributes, each raising
-    RuntimeError when the kernel refused its arguments."""
+    """One loaded library: its functions as attributes (each returns 0, or
+    1 when the kernel refused its arguments: `fail()` raises its message),
+    and the packing's constants."""
 
     def __init__(self, path: Path) -> None:
         self.path = path
@@ -74,24 +75,21 @@ class NativeLibrary:
             for name, argtypes in table.items():
                 function = getattr(handle, name)
                 function.argtypes = argtypes
-                function.restype = ctypes.c_int
-                function.errcheck = self._raise_on_error
+                function.restype = ctypes.c_int  # checked by the caller: an errcheck hook cost ~0.4 us a call
                 setattr(self, name.removeprefix("aioserve_"), function)
-        for name, restype in (("gemm_block_width", _i64), ("gemm_packs_bf16_pairs", _i32),
-                              ("gemm_fuses_multiply_add", _i32)):
-            function = getattr(holding, f"aioserve_{name}")
-            function.argtypes, function.restype = [], restype
-            setattr(self, name, function)
+        # Constants of the build, read once (packed_linear asks at every call).
+        self.block_width: int = _constant(holding, "aioserve_gemm_block_width", _i64)
+        self.packs_bf16_pairs = bool(_constant(holding, "aioserve_gemm_packs_bf16_pairs", _i32))
+        self.fuses_multiply_add = bool(_constant(holding, "aioserve_gemm_fuses_multiply_add", _i32))
         self.decoder_new = holding.aioserve_decoder_new
         self.decoder_new.argtypes = [_i64, _i64, _i64, _i64, _f64, _f64, _p, _p, _i64, _i64, _p, _i32]
         self.decoder_new.restype = _p
         self.decoder_free = holding.aioserve_decoder_free
         self.decoder_free.argtypes, self.decoder_free.restype = [_p], None
 
-    def _raise_on_error(self, result: int, function: Any, args: tuple[Any, ...]) -> int:
-        if result != 0:
-            raise RuntimeError(self.error_message())
-        return result
+    def fail(self) -> RuntimeError:
+        """The error of this thread's last failed call, to raise."""
+        return RuntimeError(self.error_message())
 
     def error_message(self) -> str:
         message = self.last_error()
@@ -99,6 +97,12 @@ class NativeLibrary:
 
     def __getattr__(self, name: str) -> Any:  # the functions set in __init__ (for mypy)
         raise AttributeError(name)
+
+
+def _constant(handle: ctypes.PyDLL, name: str, restype: Any) -> int:
+    function = getattr(handle, name)
+    function.argtypes, function.restype = [], restype
+    return int(function())
 
 
 _loaded: NativeLibrary | None = None

@@ -34,7 +34,9 @@ def rms_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tenso
     out_dtype = torch.promote_types(x.dtype, weight.dtype)
     if out_dtype != x.dtype and out_dtype != torch.float32:
         raise RuntimeError("rms_norm: weight must have x's dtype or float32")
-    out = torch.empty(x.shape, dtype=out_dtype)
+    # empty_like where it is contiguous anyway: ~2 us less than empty(shape) (the call's overhead is the cost at
+    # a small model's sizes).
+    out = torch.empty_like(x) if out_dtype == x.dtype and x.is_contiguous() else torch.empty(x.shape, dtype=out_dtype)
     if not _has_rows(x):
         x = x.contiguous().view(-1, dim)
     res_ptr, res_rows = None, (0, 1, 0, 0)
@@ -44,8 +46,10 @@ def rms_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tenso
         if not residual.is_contiguous():
             raise RuntimeError("rms_norm: the residual is updated in place, so it must be contiguous")
         res_ptr, res_rows = residual.data_ptr(), (residual.numel() // max(dim, 1), 1, dim, 0)
-    library().rms_norm(x.data_ptr(), *_rows_of(x), res_ptr, *res_rows, code(x, "rms_norm"), weight.data_ptr(),
-                       code(weight, "rms_norm"), out.data_ptr(), dim, eps)
+    lib = library()
+    if lib.rms_norm(x.data_ptr(), *_rows_of(x), res_ptr, *res_rows, code(x, "rms_norm"), weight.data_ptr(),
+                    code(weight, "rms_norm"), out.data_ptr(), dim, eps):
+        raise lib.fail()
     return out
 
 
@@ -65,11 +69,13 @@ def rotary_embedding(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, 
             or not sin_cache.is_contiguous() or cos_cache.shape[1] != dim or sin_cache.shape != cos_cache.shape):
         raise RuntimeError("rotary_embedding: cos/sin caches [max_positions, D] float32")
     positions = positions.contiguous()
-    library().rotary_embedding(
+    lib = library()
+    if lib.rotary_embedding(
         positions.data_ptr(), q.data_ptr(), q.shape[1], q.stride(0), q.stride(1), k.data_ptr(), k.shape[1], k.stride(0),
         k.stride(1), code(q, "rotary_embedding"), cos_cache.data_ptr(), sin_cache.data_ptr(), cos_cache.shape[0],
         tokens, dim,
-    )
+    ):
+        raise lib.fail()
 
 
 def store_kv(k: torch.Tensor, v: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
@@ -90,11 +96,13 @@ def store_kv(k: torch.Tensor, v: torch.Tensor, key_cache: torch.Tensor, value_ca
     if v.stride(-1) != 1:
         v = v.contiguous()
     slots = slots.contiguous()
-    library().store_kv(
+    lib = library()
+    if lib.store_kv(
         k.data_ptr(), k.stride(0), k.stride(1), v.data_ptr(), v.stride(0), v.stride(1), code(k, "store_kv"),
         key_cache.data_ptr(), value_cache.data_ptr(), code(key_cache, "store_kv"), slots.data_ptr(),
         key_cache.shape[0], tokens, heads, dim,
-    )
+    ):
+        raise lib.fail()
 
 
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
@@ -102,9 +110,12 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     width = x.shape[-1]
     if width % 2 != 0:
         raise RuntimeError("silu_and_mul: the last dim must be [gate | up]")
-    out = torch.empty((*x.shape[:-1], width // 2), dtype=x.dtype)
+    out = (torch.empty(x.shape[0], width // 2, dtype=x.dtype) if x.dim() == 2
+           else torch.empty((*x.shape[:-1], width // 2), dtype=x.dtype))
     x = x.contiguous()
-    library().silu_and_mul(x.data_ptr(), out.data_ptr(), code(x, "silu_and_mul"), x.numel() // max(1, width), width // 2)
+    lib = library()
+    if lib.silu_and_mul(x.data_ptr(), out.data_ptr(), code(x, "silu_and_mul"), x.numel() // max(1, width), width // 2):
+        raise lib.fail()
     return out
 
 
@@ -115,8 +126,10 @@ def row_max_argmax(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     logits = logits.contiguous()
     rows = logits.shape[0]
     maxes = torch.empty(rows, dtype=torch.float32)
-    argmaxes = torch.empty(rows, dtype=torch.int64)
-    library().row_max_argmax(logits.data_ptr(), rows, logits.shape[1], maxes.data_ptr(), argmaxes.data_ptr())
+    argmaxes = torch.empty(rows, dtype=torch.int64)  # (positional sizes: the fastest form of empty)
+    lib = library()
+    if lib.row_max_argmax(logits.data_ptr(), rows, logits.shape[1], maxes.data_ptr(), argmaxes.data_ptr()):
+        raise lib.fail()
     return maxes, argmaxes
 
 
@@ -140,9 +153,11 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     seq_lens = seq_lens.contiguous()
     out = torch.empty_like(q)
     batch, heads, dim = q.shape
-    library().paged_decode_attention(
+    lib = library()
+    if lib.paged_decode_attention(
         q.data_ptr(), code(q, "paged_decode_attention"), k_cache.data_ptr(), v_cache.data_ptr(),
         code(k_cache, "paged_decode_attention"), page_table.data_ptr(), page_table.shape[1], seq_lens.data_ptr(),
         batch, heads, k_cache.shape[1], dim, page_size, scale, window, out.data_ptr(),
-    )
+    ):
+        raise lib.fail()
     return out
