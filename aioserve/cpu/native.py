@@ -255,7 +255,7 @@ class _Progress:
         if self._folder is None or units is None:
             self.say(f"still building the native CPU kernels: {elapsed:.0f} s")
             return
-        left = seconds_left(self._folder, elapsed, self._last, BUILD_S)
+        left = seconds_left(self._folder, elapsed, self._last, BUILD_S, os.cpu_count() or 1)
         self.say(f"building native kernels: {units[0]}/{units[1]} units, {elapsed:.0f} s, ~{left or 1:.0f} s left")
 
     def _log_is_this_builds(self) -> bool:

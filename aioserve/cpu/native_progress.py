@@ -6,7 +6,8 @@ native_build.py), into the build's log, and appends each finished output's
 start and end (ms) to the build folder's .ninja_log. The units differ a lot
 (gemm.cpp takes ~5x module.cpp), so each unit is weighed by how long it took
 in the last complete build under the same cache root, where there is one,
-else by MEASURED_SECONDS.
+else by MEASURED_SECONDS, and the weights are scaled by this build's own
+pace so far.
 """
 
 from __future__ import annotations
@@ -38,20 +39,25 @@ def units_done(folder: Path) -> tuple[int, int] | None:
     return (int(found[-1][0]), int(found[-1][1])) if found else None
 
 
-def unit_seconds(ninja_log: Path) -> dict[str, float]:
-    """Each output's command's seconds in a .ninja_log (v5: start, end, mtime, output, hash)."""
-    seconds: dict[str, float] = {}
+def unit_times(ninja_log: Path) -> dict[str, tuple[float, float]]:
+    """Each output's command's start and end (seconds into its build) in a
+    .ninja_log (v5: start ms, end ms, mtime, output, hash)."""
+    times: dict[str, tuple[float, float]] = {}
     try:
         lines = ninja_log.read_text().splitlines()
     except OSError:
-        return seconds
+        return times
     for line in lines:
         fields = line.split("\t")
         if line.startswith("#") or len(fields) < 4 or not fields[0].isdigit() or not fields[1].isdigit():
             continue
-        name = LINK if fields[3].endswith(".so") else fields[3]
-        seconds[name] = (int(fields[1]) - int(fields[0])) / 1000
-    return seconds
+        times[LINK if fields[3].endswith(".so") else fields[3]] = (int(fields[0]) / 1000, int(fields[1]) / 1000)
+    return times
+
+
+def unit_seconds(ninja_log: Path) -> dict[str, float]:
+    """Each output's command's seconds in a .ninja_log."""
+    return {name: end - start for name, (start, end) in unit_times(ninja_log).items()}
 
 
 def _last_complete(folder: Path) -> dict[str, float]:
@@ -67,22 +73,29 @@ def _last_complete(folder: Path) -> dict[str, float]:
     return {}
 
 
-def seconds_left(folder: Path, elapsed: float, last_total: float | None, default_total: float) -> float | None:
+def seconds_left(folder: Path, elapsed: float, last_total: float | None, default_total: float,
+                 jobs: int) -> float | None:
     """Seconds the build in `folder` has left, or None before ninja finished
-    a unit. Once a third of the work is done, by this build's own pace;
-    before (or while nothing has), the last build's length (else
-    `default_total`) less the time spent, unless that has run out."""
-    units = units_done(folder)
-    if units is None:
+    a unit. The units not finished yet, each weighed (seconds of the last
+    complete build, else MEASURED_SECONDS) and scaled by how much slower
+    this build's finished units ran than their weights said (a busy
+    machine), less what the ones running have done already, `jobs` at a
+    time; before any unit finished, the last build's length (else
+    `default_total`) less the time spent."""
+    if units_done(folder) is None:
         return None
-    done_units, total_units = units
     weights = _last_complete(folder) or MEASURED_SECONDS
-    finished = set(unit_seconds(folder / ".ninja_log"))
-    if total_units == len(weights) and finished <= set(weights):
-        fraction = sum(s for name, s in weights.items() if name in finished) / max(sum(weights.values()), 1e-9)
-    else:  # other sources than the weights know: every unit alike
-        fraction = done_units / max(total_units, 1)
-    prior = (last_total or default_total) - elapsed
-    if fraction > 0 and (fraction >= 1 / 3 or prior < 1):
-        return max(1.0, elapsed * (1 - fraction) / fraction)
-    return max(1.0, prior)
+    times = unit_times(folder / ".ninja_log")
+    finished = {name: end - start for name, (start, end) in times.items() if name in weights}
+    if not finished:
+        return max(1.0, (last_total or default_total) - elapsed)
+    slowdown = sum(finished.values()) / max(sum(weights[name] for name in finished), 1e-9)
+    remaining = [weights[name] * slowdown for name in weights if name not in finished]
+    if not remaining:
+        return 1.0
+    # ninja starts a unit whenever one ends: the ones running now started at
+    # the latest ends (or at 0, in the first `jobs` slots).
+    running = min(jobs, len(remaining))
+    starts = sorted([0.0] * jobs + [end for _, end in times.values()])[-running:]
+    done_meanwhile = sum(max(0.0, elapsed - start) for start in starts)
+    return max(1.0, (sum(remaining) - done_meanwhile) / running)
