@@ -5,10 +5,10 @@ possible (no compiler, no ninja, no Python headers, a package installed
 without native/, or AIOSERVE_NATIVE=0) and while a background build is still
 running; tests/test_native.py checks that both agree.
 
-A cold build takes about BUILD_S s on 2 idle cores: plain C++ with no torch header,
-compiled by the system compiler into a shared library that native_lib.py
-loads with ctypes (with torch's extension headers, each of the six files took
-~40 s of CPU, and a build 4-5 minutes). `aioserve serve` builds (or loads
+A cold build takes about 15 s on 2 idle cores (BUILD_S): plain C++ with no
+torch header, compiled by the system compiler (ninja, native_build.py) into a
+shared library that native_lib.py loads with ctypes. With torch's extension
+headers each of the six files took ~50 s of CPU, and a build 4-11 minutes. `aioserve serve` builds (or loads
 from the cache) before it listens, saying so on the console
 (`build_with_progress`); `aioserve build-kernels` does it ahead of time; and
 `cpu_kernels(wait=False)` answers None and starts the build in a background
