@@ -136,10 +136,10 @@ def build_in_own_session(
     log_path = Path(request.folder) / LOG_NAME
     started = time.monotonic()
     with open(log_path, "wb") as log:
-        # This file as a script (-P: its folder not on sys.path), not `-m`:
-        # importing the aioserve package would import torch, seconds of CPU.
+        # This file as a script (-I: isolated, its folder not on sys.path), not
+        # `-m`: importing the aioserve package would import torch, seconds of CPU.
         child = subprocess.Popen(
-            [sys.executable, "-P", __file__, json.dumps(asdict(request))],
+            [sys.executable, "-I", __file__, json.dumps(asdict(request))],
             stdin=subprocess.PIPE, stdout=log, stderr=subprocess.STDOUT,
             start_new_session=True, pass_fds=(lock_fd,),
         )

@@ -114,6 +114,11 @@ class DecoderStack:
             raise RuntimeError("page_table int32, seq_lens int64")
         positions, slots = positions.contiguous(), slots.contiguous()
         page_table, seq_lens = page_table.contiguous(), seq_lens.contiguous()
+        # The kernels size their OpenMP teams by this thread's setting, which
+        # torch sets on a thread's first parallel op (at::get_num_threads,
+        # which the torch extension called, did it first): asked here, a
+        # thread whose first op is this step gets torch's count too.
+        torch.get_num_threads()
         out_dtype = hidden.dtype if self.final_norm.dtype == hidden.dtype else torch.float32
         out = torch.empty((batch, self.hidden_size), dtype=out_dtype)
         if self._lib.decoder_forward(
