@@ -1,25 +1,27 @@
 """The C++ kernels of native/, built on this machine and cached.
 
 Each kernel has a pure-torch twin that is used when the build is not
-possible (no compiler, no ninja, no Python headers, a package installed
-without native/, or AIOSERVE_NATIVE=0) and while a background build is still
-running; tests/test_native.py checks that both agree.
+possible (no compiler, no ninja, a package installed without native/, or
+AIOSERVE_NATIVE=0) and while a background build is still running;
+tests/test_native.py checks that both agree.
 
 A cold build takes about 15 s on 2 idle cores (BUILD_S): plain C++ with no
-torch header, compiled by the system compiler (ninja, native_build.py) into a
-shared library that native_lib.py loads with ctypes. With torch's extension
-headers each of the six files took ~50 s of CPU, and a build 4-11 minutes. `aioserve serve` builds (or loads
-from the cache) before it listens, saying so on the console
-(`build_with_progress`); `aioserve build-kernels` does it ahead of time; and
-`cpu_kernels(wait=False)` answers None and starts the build in a background
-thread (the torch twins serve meanwhile; later calls get the module once it is
-ready). The build runs in its own session (native_build.py): no
-process of a build outlives it. A build is cached under a key of everything
-the binary depends on (the source, torch, Python, the flags and this CPU's
-instruction set, the compiler), so two checkouts or two environments on one
-machine share a build when they can and never evict each other's. Builds of one key are
-serialized with an advisory file lock, which the kernel releases when its
-holders die: a start killed mid-build leaves nothing that makes the next one wait.
+torch header, compiled by the system compiler (ninja, native_build.py) into
+a shared library that native_lib.py loads with ctypes. With torch's
+extension headers each of the six files took ~50 s of CPU, and a build 4-11
+minutes. `aioserve serve` builds (or loads from the cache) before it
+listens, saying so on the console (`build_with_progress`); `aioserve
+build-kernels` does it ahead of time; and `cpu_kernels(wait=False)` answers
+None and starts the build in a background thread (the torch twins serve
+meanwhile; later calls get the module once it is ready). The build runs in
+its own session (native_build.py): no process of a build outlives it. A
+build is cached under a key of everything the binary depends on (the
+source, the compiler, the flags and this CPU's instruction set; not torch
+or Python, whose headers it does not use), so two checkouts or two
+environments on one machine share a build when they can and never evict
+each other's. Builds of one key are serialized with an advisory file lock,
+which the kernel releases when its holders die: a start killed mid-build
+leaves nothing that makes the next one wait.
 """
 
 from __future__ import annotations

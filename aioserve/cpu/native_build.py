@@ -2,8 +2,8 @@
 process that leads its own session, so that no process of a build outlives it.
 
 The parent writes build.ninja (write_ninja_file); the child runs `ninja`,
-which starts each compiler command in a process group of its own. Killed in the caller, a build would leave ninja and its compilers
-running under PID 1, still writing into the build folder that the next build
+which starts each compiler command in a process group of its own. Killed
+in the caller, a build would leave ninja and its compilers running under PID 1, still writing into the build folder that the next build
 uses. Here the build runs in a child started with start_new_session: its pid
 is its session's id, and ninja and every compiler stay in that session
 (they change group, not session). The whole session is killed:
