@@ -219,7 +219,7 @@ void paged_decode_attention(const void* q, int q_type, const void* k_cache, cons
 
 }  // namespace aioserve
 
-extern "C" int aioserve_paged_decode_attention(const void* q, int q_type, const void* k_cache, const void* v_cache,
+static int paged_decode_attention_direct(const void* q, int q_type, const void* k_cache, const void* v_cache,
                                                int kv_type, const int32_t* page_table, int64_t pages_per_row,
                                                const int64_t* seq_lens, int64_t batch, int64_t num_heads,
                                                int64_t num_kv_heads, int64_t dim, int64_t page_size, double scale,
@@ -229,3 +229,9 @@ extern "C" int aioserve_paged_decode_attention(const void* q, int q_type, const 
                                      num_heads, num_kv_heads, dim, page_size, scale, window, out);
   });
 }
+
+extern "C" {
+
+int aioserve_paged_decode_attention(const void* record) { return aioserve::call_packed(paged_decode_attention_direct, record); }
+
+}  // extern "C"

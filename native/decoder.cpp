@@ -212,7 +212,7 @@ void* aioserve_decoder_new(int64_t num_heads, int64_t num_kv_heads, int64_t head
 
 void aioserve_decoder_free(void* stack) { delete static_cast<aioserve::DecoderStack*>(stack); }
 
-int aioserve_decoder_add_layer(void* stack, const void* input_norm, int input_norm_type, const void* qkv, int qkv_type,
+static int decoder_add_layer_direct(void* stack, const void* input_norm, int input_norm_type, const void* qkv, int qkv_type,
                                int qkv_pairs, const float* qkv_bias, const void* q_norm, int q_norm_type,
                                const void* k_norm, int k_norm_type, const void* o, int o_type, int o_pairs,
                                const void* post_norm, int post_norm_type, const void* gate_up, int gate_up_type,
@@ -228,7 +228,7 @@ int aioserve_decoder_add_layer(void* stack, const void* input_norm, int input_no
   });
 }
 
-int aioserve_decoder_forward(const void* stack, void* hidden, int hidden_type, int64_t batch, const int64_t* positions,
+static int decoder_forward_direct(const void* stack, void* hidden, int hidden_type, int64_t batch, const int64_t* positions,
                              const int64_t* slots, const int32_t* page_table, int64_t pages_per_row,
                              const int64_t* seq_lens, void* out, int out_type) {
   return aioserve::guarded([&] {
@@ -236,5 +236,12 @@ int aioserve_decoder_forward(const void* stack, void* hidden, int hidden_type, i
                                                                page_table, pages_per_row, seq_lens, out, out_type);
   });
 }
+
+}  // extern "C"
+
+extern "C" {
+
+int aioserve_decoder_add_layer(const void* record) { return aioserve::call_packed(decoder_add_layer_direct, record); }
+int aioserve_decoder_forward(const void* record) { return aioserve::call_packed(decoder_forward_direct, record); }
 
 }  // extern "C"

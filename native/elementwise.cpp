@@ -279,7 +279,7 @@ void row_max_argmax(const float* p, int64_t rows, int64_t vocab, float* max_out,
 
 extern "C" {
 
-int aioserve_rms_norm(const void* x, int64_t x_rows, int64_t x_inner, int64_t x_outer_stride, int64_t x_inner_stride,
+static int rms_norm_direct(const void* x, int64_t x_rows, int64_t x_inner, int64_t x_outer_stride, int64_t x_inner_stride,
                       void* residual, int64_t r_rows, int64_t r_inner, int64_t r_outer_stride, int64_t r_inner_stride,
                       int x_type, const void* weight, int w_type, void* out, int64_t dim, double eps) {
   return aioserve::guarded([&] {
@@ -289,7 +289,7 @@ int aioserve_rms_norm(const void* x, int64_t x_rows, int64_t x_inner, int64_t x_
   });
 }
 
-int aioserve_rotary_embedding(const int64_t* positions, void* q, int64_t q_heads, int64_t q_token_stride,
+static int rotary_embedding_direct(const int64_t* positions, void* q, int64_t q_heads, int64_t q_token_stride,
                               int64_t q_head_stride, void* k, int64_t k_heads, int64_t k_token_stride,
                               int64_t k_head_stride, int type, const float* cos, const float* sin, int64_t limit,
                               int64_t tokens, int64_t dim) {
@@ -302,7 +302,7 @@ int aioserve_rotary_embedding(const int64_t* positions, void* q, int64_t q_heads
 
 // k and v: [tokens, heads, dim] rows (token and head strides), into
 // contiguous caches [limit, heads, dim].
-int aioserve_store_kv(const void* k, int64_t k_token_stride, int64_t k_head_stride, const void* v,
+static int store_kv_direct(const void* k, int64_t k_token_stride, int64_t k_head_stride, const void* v,
                       int64_t v_token_stride, int64_t v_head_stride, int src_type, void* key_cache, void* value_cache,
                       int cache_type, const int64_t* slots, int64_t limit, int64_t tokens, int64_t heads,
                       int64_t dim) {
@@ -314,12 +314,22 @@ int aioserve_store_kv(const void* k, int64_t k_token_stride, int64_t k_head_stri
   });
 }
 
-int aioserve_silu_and_mul(const void* x, void* out, int type, int64_t rows, int64_t n) {
+static int silu_and_mul_direct(const void* x, void* out, int type, int64_t rows, int64_t n) {
   return aioserve::guarded([&] { aioserve::silu_and_mul(x, out, type, rows, n); });
 }
 
-int aioserve_row_max_argmax(const float* logits, int64_t rows, int64_t vocab, float* maxes, int64_t* argmaxes) {
+static int row_max_argmax_direct(const float* logits, int64_t rows, int64_t vocab, float* maxes, int64_t* argmaxes) {
   return aioserve::guarded([&] { aioserve::row_max_argmax(logits, rows, vocab, maxes, argmaxes); });
 }
+
+}  // extern "C"
+
+extern "C" {
+
+int aioserve_rms_norm(const void* record) { return aioserve::call_packed(rms_norm_direct, record); }
+int aioserve_rotary_embedding(const void* record) { return aioserve::call_packed(rotary_embedding_direct, record); }
+int aioserve_store_kv(const void* record) { return aioserve::call_packed(store_kv_direct, record); }
+int aioserve_silu_and_mul(const void* record) { return aioserve::call_packed(silu_and_mul_direct, record); }
+int aioserve_row_max_argmax(const void* record) { return aioserve::call_packed(row_max_argmax_direct, record); }
 
 }  // extern "C"

@@ -370,7 +370,7 @@ int aioserve_gemm_packs_bf16_pairs() { return kPairs ? 1 : 0; }
 int aioserve_gemm_fuses_multiply_add() { return kFused ? 1 : 0; }
 
 // out: a fresh buffer of ceil(n / NB) * k * NB elements of W's type.
-int aioserve_pack_linear_weight(const void* weight, int type, int64_t n, int64_t k, int64_t row_stride,
+static int pack_linear_weight_direct(const void* weight, int type, int64_t n, int64_t k, int64_t row_stride,
                                 int64_t col_stride, int pairs, void* out, int64_t out_bytes) {
   return aioserve::guarded([&] {
     ask_for_huge_pages(out, out_bytes);
@@ -390,10 +390,17 @@ int aioserve_pack_linear_weight(const void* weight, int type, int64_t n, int64_t
   });
 }
 
-int aioserve_packed_linear(const void* x, int x_type, int64_t m, int64_t k, const void* packed, int w_type, int pairs,
+static int packed_linear_direct(const void* x, int x_type, int64_t m, int64_t k, const void* packed, int w_type, int pairs,
                            int64_t n, const float* bias, void* y, int float_out) {
   return aioserve::guarded(
       [&] { aioserve::packed_linear(x, x_type, m, k, packed, w_type, pairs != 0, n, bias, y, float_out != 0); });
 }
+
+}  // extern "C"
+
+extern "C" {
+
+int aioserve_pack_linear_weight(const void* record) { return aioserve::call_packed(pack_linear_weight_direct, record); }
+int aioserve_packed_linear(const void* record) { return aioserve::call_packed(packed_linear_direct, record); }
 
 }  // extern "C"

@@ -212,10 +212,16 @@ void screened_argmax(const float* xs, int64_t m, int64_t k, const void* screen, 
   });
 }
 
-extern "C" int aioserve_screened_argmax(const float* x, int64_t m, int64_t k, const void* screen, int screen_type,
+static int screened_argmax_direct(const float* x, int64_t m, int64_t k, const void* screen, int screen_type,
                                         int bf16, const float* slack, const float* exact, int64_t n, int64_t block,
                                         const float* screen_norms, int64_t* tokens, bool* ok) {
   return aioserve::guarded([&] {
     screened_argmax(x, m, k, screen, screen_type, bf16 != 0, slack, exact, n, block, screen_norms, tokens, ok);
   });
 }
+
+extern "C" {
+
+int aioserve_screened_argmax(const void* record) { return aioserve::call_packed(screened_argmax_direct, record); }
+
+}  // extern "C"

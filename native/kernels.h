@@ -9,9 +9,12 @@
 #pragma once
 
 #include <cstdint>
+#include <cstring>
 #include <sstream>
 #include <stdexcept>
 #include <string>
+#include <tuple>
+#include <type_traits>
 
 namespace aioserve {
 
@@ -50,6 +53,35 @@ int guarded(F&& f) {
     set_error("native kernel: unknown error");
   }
   return 1;
+}
+
+// The exported kernels take their arguments as one record of 8-byte fields
+// (int64; double for a double parameter), packed by aioserve/cpu/native_lib.py
+// with struct: ctypes converts each argument of a call on its own, ~0.2 us
+// apiece, and a kernel call's Python overhead is what a small model's step
+// is made of. `call_packed(f, record)` unpacks the fields in order and calls f.
+template <typename T>
+T unpack_field(const char*& p) {
+  int64_t bits;
+  std::memcpy(&bits, p, sizeof bits);
+  p += sizeof bits;
+  if constexpr (std::is_same_v<T, double>) {
+    double value;
+    std::memcpy(&value, &bits, sizeof value);
+    return value;
+  } else if constexpr (std::is_pointer_v<T>) {
+    return reinterpret_cast<T>(static_cast<intptr_t>(bits));
+  } else {
+    return static_cast<T>(bits);
+  }
+}
+
+template <typename R, typename... P>
+R call_packed(R (*f)(P...), const void* record) {
+  const char* p = static_cast<const char*>(record);
+  // Braced initialization evaluates its elements left to right.
+  std::tuple<P...> values{unpack_field<P>(p)...};
+  return std::apply(f, values);
 }
 
 // Calls f with a value of the C++ type of a float32, bfloat16 or float16 element type.

@@ -85,12 +85,12 @@ class DecoderStack:
             raise RuntimeError("store_kv: contiguous caches [slots, Hk, D] of one dtype")
         if key_cache.shape[1] != self.num_kv_heads or key_cache.shape[2] != dim:
             raise RuntimeError("store_kv: k and the cache's rows differ")
-        q_ptr, q_code = _norm(q_norm, dim) if q_norm is not None else (None, 0)
-        k_ptr, k_code = _norm(k_norm, dim) if k_norm is not None else (None, 0)
+        q_ptr, q_code = _norm(q_norm, dim) if q_norm is not None else (0, 0)  # 0: a null pointer
+        k_ptr, k_code = _norm(k_norm, dim) if k_norm is not None else (0, 0)
         self._kept += [input_norm, qkv, bias, q_norm, k_norm, o, post_norm, gate_up, down, key_cache, value_cache]
         if self._lib.decoder_add_layer(
             self._handle, *_norm(input_norm, size), *_packed(qkv, size, q_size + 2 * kv_size, "qkv"),
-            bias.data_ptr() if bias is not None else None, q_ptr, q_code, k_ptr, k_code,
+            bias.data_ptr() if bias is not None else 0, q_ptr, q_code, k_ptr, k_code,
             *_packed(o, q_size, size, "o"), *_norm(post_norm, size),
             *_packed(gate_up, size, 2 * intermediate, "gate_up"), intermediate,
             *_packed(down, intermediate, size, "down"), key_cache.data_ptr(), value_cache.data_ptr(),

@@ -82,7 +82,7 @@ def packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | No
     if m == 0:
         return y
     if lib.packed_linear(x.data_ptr(), code(x, "packed_linear"), m, k, packed.data_ptr(), code(packed, "packed_linear"),
-                         int(pairs), n, bias32.data_ptr() if bias32 is not None else None, y.data_ptr(), int(float_out)):
+                         int(pairs), n, bias32.data_ptr() if bias32 is not None else 0, y.data_ptr(), int(float_out)):
         raise lib.fail()
     return y
 
@@ -110,7 +110,7 @@ def screened_argmax(x: torch.Tensor, screen: torch.Tensor, slack: torch.Tensor, 
         raise RuntimeError("screened_argmax: slack must be float32 [N]")
     if bf16 != (screen_norms is not None):
         raise RuntimeError("screened_argmax: a bf16 screen, and only one, comes with screen_norms")
-    norms_ptr = None
+    norms_ptr = 0  # a null pointer
     if screen_norms is not None:
         screen_norms = screen_norms.contiguous()
         if screen_norms.dim() != 1 or screen_norms.numel() != n or screen_norms.dtype != torch.float32:

@@ -20,6 +20,8 @@ from __future__ import annotations
 
 import ctypes
 import logging
+import struct
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -34,7 +36,10 @@ DTYPE_CODES: dict[torch.dtype, int] = {torch.float32: 0, torch.bfloat16: 1, torc
 
 _i64, _i32, _f64, _p = ctypes.c_int64, ctypes.c_int, ctypes.c_double, ctypes.c_void_p
 
-# Each C function's argument types (native/*.cpp's extern "C" blocks); all return int.
+# Each C function's parameters (native/*.cpp's `*_direct` functions), in the
+# order they are packed: each takes one record of 8-byte fields (int64, or
+# double), which ctypes passes as one pointer (native/kernels.h, call_packed:
+# per-argument conversion cost ~0.2 us apiece). All return int.
 PROTOTYPES: dict[str, list[Any]] = {
     "aioserve_rms_norm": [_p, _i64, _i64, _i64, _i64, _p, _i64, _i64, _i64, _i64, _i32, _p, _i32, _p, _i64, _f64],
     "aioserve_rotary_embedding": [_p, _p, _i64, _i64, _i64, _p, _i64, _i64, _i64, _i32, _p, _p, _i64, _i64, _i64],
@@ -74,9 +79,9 @@ class NativeLibrary:
         for table, handle in ((PROTOTYPES, holding), (RELEASING_GIL, releasing)):
             for name, argtypes in table.items():
                 function = getattr(handle, name)
-                function.argtypes = argtypes
+                function.argtypes = [ctypes.c_char_p]  # the record, a bytes object's own buffer (no copy)
                 function.restype = ctypes.c_int  # checked by the caller: an errcheck hook cost ~0.4 us a call
-                setattr(self, name.removeprefix("aioserve_"), function)
+                setattr(self, name.removeprefix("aioserve_"), _packing(function, argtypes))
         # Constants of the build, read once (packed_linear asks at every call).
         self.block_width: int = _constant(holding, "aioserve_gemm_block_width", _i64)
         self.packs_bf16_pairs = bool(_constant(holding, "aioserve_gemm_packs_bf16_pairs", _i32))
@@ -97,6 +102,16 @@ class NativeLibrary:
 
     def __getattr__(self, name: str) -> Any:  # the functions set in __init__ (for mypy)
         raise AttributeError(name)
+
+
+def _packing(function: Any, argtypes: list[Any]) -> Callable[..., int]:
+    """function(*args) with the args packed into its record (null pointers as 0)."""
+    pack = struct.Struct("=" + "".join("d" if t is _f64 else "q" for t in argtypes)).pack
+
+    def call(*args: int | float) -> int:
+        return int(function(pack(*args)))
+
+    return call
 
 
 def _constant(handle: ctypes.PyDLL, name: str, restype: Any) -> int:

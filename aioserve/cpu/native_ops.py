@@ -39,7 +39,7 @@ def rms_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tenso
     out = torch.empty_like(x) if out_dtype == x.dtype and x.is_contiguous() else torch.empty(x.shape, dtype=out_dtype)
     if not _has_rows(x):
         x = x.contiguous().view(-1, dim)
-    res_ptr, res_rows = None, (0, 1, 0, 0)
+    res_ptr, res_rows = 0, (0, 1, 0, 0)  # 0: a null pointer
     if residual is not None:
         if residual.dtype != x.dtype or residual.numel() != x.numel() or residual.shape[-1] != dim:
             raise RuntimeError("rms_norm: residual must match x")
