@@ -25,6 +25,7 @@ import json
 import logging
 import os
 import shlex
+import shutil
 import signal
 import subprocess
 import sys
@@ -176,7 +177,9 @@ def _main(argv: list[str]) -> int:
     threading.Thread(target=_die_with_parent, name="aioserve-build-watch", daemon=True).start()
     sys.stdout.flush()
     env = {**os.environ, "NINJA_STATUS": NINJA_STATUS}
-    return subprocess.run(["ninja", "-C", request.folder, "-j", str(request.jobs)], env=env).returncode
+    # On PATH, or beside this Python (the pip package's, in a venv run by its full path).
+    ninja = shutil.which("ninja") or str(Path(sys.executable).with_name("ninja"))
+    return subprocess.run([ninja, "-C", request.folder, "-j", str(request.jobs)], env=env).returncode
 
 
 if __name__ == "__main__":
