@@ -235,7 +235,7 @@ def build_kernels() -> int:
     module = build_with_progress()
     if module is None:
         return 1
-    print(f"aioserve: native CPU kernels ready: {module.__file__} (cache: {cache_root()})", file=sys.stderr)
+    print(f"aioserve: native CPU kernels ready: {module.library_path()} (cache: {cache_root()})", file=sys.stderr)
     return 0
 
 

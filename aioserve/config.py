@@ -309,7 +309,7 @@ class ServerArgs:
     )
     native_kernels: str = option(
         "build", group="model", choices=("build", "background", "off"),
-        help="the C++ CPU kernels (native/, about 40 s to build once per environment, then cached): build "
+        help="the C++ CPU kernels (native/, about 15 s to build once per machine, then cached): build "
         "(or load) them before listening; background: listen at once, torch fallbacks serving (slower) until "
         "the build is done; off: torch fallbacks only (as AIOSERVE_NATIVE=0). Not needed on CUDA",
     )

@@ -3,9 +3,6 @@
 //   KV head, optional sliding window; the cache may be half precision under
 //   a float32 query.
 
-#include <torch/extension.h>
-#include <ATen/Parallel.h>
-
 #include "half.h"
 #include "kernels.h"
 #include "parallel.h"
@@ -16,6 +13,7 @@
 #include <limits>
 #include <vector>
 
+namespace aioserve {
 namespace {
 
 using aioserve::from_float;
@@ -124,23 +122,14 @@ void attend_span(const float* q, const KV* kp, const KV* vp, const int32_t* page
 }
 
 template <typename T, typename KV>
-void decode_attention_impl(const torch::Tensor& q, const torch::Tensor& k_cache, const torch::Tensor& v_cache,
-                           const torch::Tensor& page_table, const torch::Tensor& seq_lens, int64_t page_size,
-                           double scale, int64_t window, torch::Tensor& out) {
-  const int64_t batch = q.size(0), num_heads = q.size(1), dim = q.size(2);
-  const int64_t num_kv_heads = k_cache.size(1);
-  const int64_t pages_per_row = page_table.size(1);
-  const T* qp = q.data_ptr<T>();
-  const KV* kp = k_cache.data_ptr<KV>();
-  const KV* vp = v_cache.data_ptr<KV>();
-  const int32_t* pt = page_table.data_ptr<int32_t>();
-  const int64_t* lens = seq_lens.data_ptr<int64_t>();
-  T* op = out.data_ptr<T>();
+void decode_attention_impl(const T* qp, const KV* kp, const KV* vp, const int32_t* pt, int64_t pages_per_row,
+                           const int64_t* lens, int64_t batch, int64_t num_heads, int64_t num_kv_heads, int64_t dim,
+                           int64_t page_size, double scale, int64_t window, T* op) {
 
   // Few requests would leave threads idle: split each sequence into chunks
   // (at least kMinChunk positions each) and merge their partial softmaxes.
   constexpr int64_t kMinChunk = 64;
-  const int64_t threads = at::get_num_threads();
+  const int64_t threads = num_threads();
   int64_t longest = 0;
   for (int64_t b = 0; b < batch; ++b) longest = std::max(longest, lens[b]);
   const int64_t wanted = batch >= 2 * threads ? 1 : (2 * threads + batch - 1) / batch;
@@ -194,37 +183,55 @@ void decode_attention_impl(const torch::Tensor& q, const torch::Tensor& k_cache,
 
 }  // namespace
 
-namespace aioserve {
+// The cache may be narrower than q (half-precision KV under float32 math).
+template <typename KV>
+void attention_for(const void* q, int q_type, const void* k_cache, const void* v_cache, const int32_t* page_table,
+                   int64_t pages_per_row, const int64_t* seq_lens, int64_t batch, int64_t num_heads,
+                   int64_t num_kv_heads, int64_t dim, int64_t page_size, double scale, int64_t window, void* out) {
+  const KV* kp = static_cast<const KV*>(k_cache);
+  const KV* vp = static_cast<const KV*>(v_cache);
+  if (q_type == kFloat32) {
+    decode_attention_impl<float, KV>(static_cast<const float*>(q), kp, vp, page_table, pages_per_row, seq_lens, batch,
+                                     num_heads, num_kv_heads, dim, page_size, scale, window, static_cast<float*>(out));
+  } else {
+    decode_attention_impl<KV, KV>(static_cast<const KV*>(q), kp, vp, page_table, pages_per_row, seq_lens, batch,
+                                  num_heads, num_kv_heads, dim, page_size, scale, window, static_cast<KV*>(out));
+  }
+}
 
-torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
-                                     torch::Tensor page_table, torch::Tensor seq_lens, int64_t page_size,
-                                     double scale, int64_t window) {
-  TORCH_CHECK(q.dim() == 3 && k_cache.dim() == 3 && v_cache.dim() == 3, "q [B,H,D], caches [slots,Hk,D]");
-  TORCH_CHECK(k_cache.scalar_type() == v_cache.scalar_type(), "the K and V caches must share a dtype");
-  TORCH_CHECK(q.scalar_type() == k_cache.scalar_type() || q.scalar_type() == torch::kFloat32,
-              "q must have the caches' dtype, or be float32");
-  TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous(), "caches must be contiguous");
-  TORCH_CHECK(page_table.scalar_type() == torch::kInt32 && seq_lens.scalar_type() == torch::kInt64,
-              "page_table int32, seq_lens int64");
-  TORCH_CHECK(q.size(1) % k_cache.size(1) == 0, "query heads must be a multiple of KV heads");
-  q = q.contiguous();
-  page_table = page_table.contiguous();
-  seq_lens = seq_lens.contiguous();
-  auto out = torch::empty_like(q);
-  // The cache may be narrower than q (half-precision KV under float32 math).
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, k_cache.scalar_type(), "paged_decode_attention", [&] {
-    using KV = scalar_t;
-    if (q.scalar_type() == torch::kFloat32) {
-      decode_attention_impl<float, KV>(q, k_cache, v_cache, page_table, seq_lens, page_size, scale, window, out);
-    } else {
-      decode_attention_impl<KV, KV>(q, k_cache, v_cache, page_table, seq_lens, page_size, scale, window, out);
-    }
-  });
-  return out;
+void paged_decode_attention(const void* q, int q_type, const void* k_cache, const void* v_cache, int kv_type,
+                            const int32_t* page_table, int64_t pages_per_row, const int64_t* seq_lens, int64_t batch,
+                            int64_t num_heads, int64_t num_kv_heads, int64_t dim, int64_t page_size, double scale,
+                            int64_t window, void* out) {
+  AIOSERVE_CHECK(q_type == kv_type || q_type == kFloat32, "q must have the caches' dtype, or be float32");
+  switch (kv_type) {
+    case kFloat32: return attention_for<float>(q, q_type, k_cache, v_cache, page_table, pages_per_row, seq_lens, batch,
+                                               num_heads, num_kv_heads, dim, page_size, scale, window, out);
+    case kBFloat16: return attention_for<BFloat16>(q, q_type, k_cache, v_cache, page_table, pages_per_row, seq_lens,
+                                                   batch, num_heads, num_kv_heads, dim, page_size, scale, window, out);
+    case kFloat16: return attention_for<Half>(q, q_type, k_cache, v_cache, page_table, pages_per_row, seq_lens, batch,
+                                              num_heads, num_kv_heads, dim, page_size, scale, window, out);
+    case kFloat64: return attention_for<double>(q, q_type, k_cache, v_cache, page_table, pages_per_row, seq_lens,
+                                                batch, num_heads, num_kv_heads, dim, page_size, scale, window, out);
+    default: fail("paged_decode_attention: unsupported dtype");
+  }
 }
 
 }  // namespace aioserve
 
-void bind_attention(pybind11::module_& m) {
-  m.def("paged_decode_attention", &aioserve::paged_decode_attention, "decode attention over paged KV (CPU)");
+static int paged_decode_attention_direct(const void* q, int q_type, const void* k_cache, const void* v_cache,
+                                               int kv_type, const int32_t* page_table, int64_t pages_per_row,
+                                               const int64_t* seq_lens, int64_t batch, int64_t num_heads,
+                                               int64_t num_kv_heads, int64_t dim, int64_t page_size, double scale,
+                                               int64_t window, void* out) {
+  return aioserve::guarded([&] {
+    aioserve::paged_decode_attention(q, q_type, k_cache, v_cache, kv_type, page_table, pages_per_row, seq_lens, batch,
+                                     num_heads, num_kv_heads, dim, page_size, scale, window, out);
+  });
 }
+
+extern "C" {
+
+int aioserve_paged_decode_attention(const void* record) { return aioserve::call_packed(paged_decode_attention_direct, record); }
+
+}  // extern "C"

@@ -11,111 +11,237 @@
 // decode-only steps. The LM head and sampling stay in Python.
 //
 // The weights are the model's own tensors (shared storage, never copied),
-// packed by pack_linear_weight; the KV caches are views into the pool.
-// forward releases the GIL (see module.cpp): the event loop plans the next
-// step while this one runs.
-
-#include <torch/extension.h>
+// packed by pack_linear_weight; the KV caches are views into the pool. This
+// file sees only their data pointers: aioserve/cpu/native_decoder.py checks
+// the tensors and keeps them alive. Each op's output is a fresh 64-byte
+// aligned buffer in the dtype torch's promotion gives, as the tensors that
+// the Python forward allocates. forward releases the GIL (see module.cpp):
+// the event loop plans the next step while this one runs.
 
 #include "kernels.h"
 
-#include <optional>
+#include <algorithm>
+#include <cstdlib>
+#include <cstring>
+#include <memory>
+#include <new>
 #include <vector>
 
 namespace aioserve {
 namespace {
 
+// A packed weight (pack_linear_weight's output).
+struct Packed {
+  const void* data;
+  int type;
+  bool pairs;
+};
+
 struct Layer {
-  torch::Tensor input_norm, qkv, o, post_norm, gate_up, down;
-  std::optional<torch::Tensor> qkv_bias, q_norm, k_norm;  // Qwen2's bias; Qwen3's per-head norms
-  torch::Tensor key_cache, value_cache;                   // [slots, Hk, D] views of the pool
+  const void* input_norm;
+  int input_norm_type;
+  Packed qkv, o, gate_up, down;
+  const float* qkv_bias;                  // float32 [q + 2 kv], or null (Qwen2's bias)
+  const void *q_norm, *k_norm;            // Qwen3's per-head norms, or null
+  int q_norm_type, k_norm_type;
+  const void* post_norm;
+  int post_norm_type;
+  void *key_cache, *value_cache;          // contiguous [limit, Hk, D] views of the pool
+  int cache_type;
+  int64_t cache_limit;
   int64_t intermediate;
   int64_t window;  // sliding window, 0 for none
 };
 
+// rms_norm's output type: x's when the weight has it, else float32 (torch's promotion).
+int norm_type(int x, int w) { return x == w ? x : kFloat32; }
+
+struct FreeDeleter {
+  void operator()(void* p) const { std::free(p); }
+};
+using Buffer = std::unique_ptr<char, FreeDeleter>;
+
+// An uninitialized buffer of `count` elements of `type`, 64-byte aligned (as torch's CPU allocator).
+Buffer allocate(int64_t count, int type) {
+  const size_t bytes = static_cast<size_t>(std::max<int64_t>(1, count * element_size(type)));
+  void* p = std::aligned_alloc(64, (bytes + 63) / 64 * 64);
+  if (p == nullptr) throw std::bad_alloc();
+  return Buffer(static_cast<char*>(p));
+}
+
+Rows contiguous_rows(int64_t count, int64_t dim) { return {count, 1, dim, 0}; }
+
 class DecoderStack {
  public:
-  DecoderStack(int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, double eps, double scale,
-               torch::Tensor cos_cache, torch::Tensor sin_cache, int64_t page_size, torch::Tensor final_norm)
-      : num_heads_(num_heads), num_kv_heads_(num_kv_heads), head_dim_(head_dim), eps_(eps), scale_(scale),
-        cos_(std::move(cos_cache)), sin_(std::move(sin_cache)), page_size_(page_size),
-        final_norm_(std::move(final_norm)) {
-    TORCH_CHECK(num_heads > 0 && num_kv_heads > 0 && num_heads % num_kv_heads == 0 && head_dim > 0,
-                "DecoderStack: bad head counts");
+  DecoderStack(int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t hidden, double eps, double scale,
+               const float* cos, const float* sin, int64_t max_positions, int64_t page_size, const void* final_norm,
+               int final_norm_type)
+      : num_heads_(num_heads), num_kv_heads_(num_kv_heads), head_dim_(head_dim), hidden_(hidden), eps_(eps),
+        scale_(scale), cos_(cos), sin_(sin), max_positions_(max_positions), page_size_(page_size),
+        final_norm_(final_norm), final_norm_type_(final_norm_type) {
+    AIOSERVE_CHECK(num_heads > 0 && num_kv_heads > 0 && num_heads % num_kv_heads == 0 && head_dim > 0,
+                   "DecoderStack: bad head counts");
   }
 
-  void add_layer(torch::Tensor input_norm, torch::Tensor qkv, std::optional<torch::Tensor> qkv_bias,
-                 std::optional<torch::Tensor> q_norm, std::optional<torch::Tensor> k_norm, torch::Tensor o,
-                 torch::Tensor post_norm, torch::Tensor gate_up, int64_t intermediate, torch::Tensor down,
-                 torch::Tensor key_cache, torch::Tensor value_cache, int64_t window) {
-    TORCH_CHECK(q_norm.has_value() == k_norm.has_value(), "DecoderStack: q and k norms come together");
-    layers_.push_back(Layer{std::move(input_norm), std::move(qkv), std::move(o), std::move(post_norm),
-                            std::move(gate_up), std::move(down), std::move(qkv_bias), std::move(q_norm),
-                            std::move(k_norm), std::move(key_cache), std::move(value_cache), intermediate, window});
+  void add_layer(const Layer& layer) {
+    AIOSERVE_CHECK((layer.q_norm == nullptr) == (layer.k_norm == nullptr), "DecoderStack: q and k norms come together");
+    layers_.push_back(layer);
   }
 
-  // hidden [B, H]: the embedded tokens (updated in place as the residual
-  // stream). positions, slots [B] int64; page_table [B, P] int32 and
-  // seq_lens [B] int64 (each includes its new token). Returns the final
-  // norm of the last layer's output, [B, H].
-  torch::Tensor forward(torch::Tensor hidden, torch::Tensor positions, torch::Tensor slots, torch::Tensor page_table,
-                        torch::Tensor seq_lens) {
-    TORCH_CHECK(hidden.dim() == 2 && hidden.size(1) == final_norm_.size(0) && hidden.is_contiguous(),
-                "DecoderStack: hidden must be contiguous [B, hidden]");
-    const int64_t batch = hidden.size(0), size = hidden.size(1);
-    const int64_t q_size = num_heads_ * head_dim_, kv_size = num_kv_heads_ * head_dim_;
-    const c10::optional<torch::Tensor> none;
-    torch::Tensor residual = hidden, x;
+  // hidden [B, H] contiguous, of hidden_type: the embedded tokens (updated in
+  // place as the residual stream). positions, slots [B] int64; page_table
+  // [B, P] int32 and seq_lens [B] int64 (each includes its new token).
+  // Writes the final norm of the last layer's output into out [B, H].
+  void forward(void* hidden, int hidden_type, int64_t batch, const int64_t* positions, const int64_t* slots,
+               const int32_t* page_table, int64_t pages_per_row, const int64_t* seq_lens, void* out,
+               int out_type) const {
+    const int64_t size = hidden_, q_size = num_heads_ * head_dim_, kv_size = num_kv_heads_ * head_dim_;
+    const int64_t qkv_size = q_size + 2 * kv_size, dim = head_dim_;
+    const float eps = static_cast<float>(eps_);
+    AIOSERVE_CHECK(out_type == norm_type(hidden_type, final_norm_type_), "DecoderStack: out has the wrong dtype");
+    if (batch == 0) return;
+    void* residual = hidden;
+    const int residual_type = hidden_type;
+    Buffer x;
+    int x_type = hidden_type;
+    // The residual add is fused into the next norm: norm(x + residual), with
+    // x + residual written into `residual` (whose dtype must be x's).
+    auto norm = [&](const void* w, int w_type, void* dst) {
+      AIOSERVE_CHECK(residual_type == x_type, "rms_norm: residual must match x");
+      rms_norm(x.get(), contiguous_rows(batch, size), residual, contiguous_rows(batch, size), x_type, w, w_type, dst,
+               size, eps);
+    };
     for (size_t i = 0; i < layers_.size(); ++i) {
       const Layer& l = layers_[i];
-      // The residual add is fused into the next norm: norm(x + residual), with
-      // x + residual written into `residual`.
-      x = i == 0 ? rms_norm(hidden, std::nullopt, l.input_norm, eps_) : rms_norm(x, residual, l.input_norm, eps_);
-      const torch::Tensor qkv = packed_linear(x, l.qkv, l.qkv_bias, q_size + 2 * kv_size, false);
-      torch::Tensor q = qkv.narrow(1, 0, q_size).view({batch, num_heads_, head_dim_});
-      torch::Tensor k = qkv.narrow(1, q_size, kv_size).view({batch, num_kv_heads_, head_dim_});
-      const torch::Tensor v = qkv.narrow(1, q_size + kv_size, kv_size).view({batch, num_kv_heads_, head_dim_});
-      if (l.q_norm.has_value()) {
-        q = rms_norm(q, std::nullopt, *l.q_norm, eps_);
-        k = rms_norm(k, std::nullopt, *l.k_norm, eps_);
+      const int a_type = norm_type(x_type, l.input_norm_type);
+      Buffer a = allocate(batch * size, a_type);
+      if (i == 0) {
+        rms_norm(hidden, contiguous_rows(batch, size), nullptr, Rows{0, 1, 0, 0}, hidden_type, l.input_norm,
+                 l.input_norm_type, a.get(), size, eps);
+      } else {
+        norm(l.input_norm, l.input_norm_type, a.get());
       }
-      rotary_embedding(positions, q, k, cos_, sin_);
-      store_kv(k, v, l.key_cache, l.value_cache, slots);
-      const torch::Tensor attended = paged_decode_attention(q, l.key_cache, l.value_cache, page_table, seq_lens,
-                                                            page_size_, scale_, l.window);
-      x = packed_linear(attended.view({batch, q_size}), l.o, none, size, false);
-      x = rms_norm(x, residual, l.post_norm, eps_);
-      x = packed_linear(silu_and_mul(packed_linear(x, l.gate_up, none, 2 * l.intermediate, false)), l.down, none,
-                        size, false);
+      Buffer qkv = allocate(batch * qkv_size, a_type);
+      packed_linear(a.get(), a_type, batch, size, l.qkv.data, l.qkv.type, l.qkv.pairs, qkv_size, l.qkv_bias,
+                    qkv.get(), false);
+      const int64_t a_bytes = element_size(a_type);
+      // q, k, v: [B, heads, D] views of qkv's rows.
+      void* q = qkv.get();
+      void* k = qkv.get() + q_size * a_bytes;
+      const void* v = qkv.get() + (q_size + kv_size) * a_bytes;
+      Rows q_rows{batch * num_heads_, num_heads_, qkv_size, dim}, k_rows{batch * num_kv_heads_, num_kv_heads_, qkv_size, dim};
+      int q_type = a_type, k_type = a_type;
+      Buffer q_normed, k_normed;
+      if (l.q_norm != nullptr) {
+        q_type = norm_type(a_type, l.q_norm_type);
+        k_type = norm_type(a_type, l.k_norm_type);
+        q_normed = allocate(batch * q_size, q_type);
+        k_normed = allocate(batch * kv_size, k_type);
+        rms_norm(q, q_rows, nullptr, Rows{0, 1, 0, 0}, a_type, l.q_norm, l.q_norm_type, q_normed.get(), dim, eps);
+        rms_norm(k, k_rows, nullptr, Rows{0, 1, 0, 0}, a_type, l.k_norm, l.k_norm_type, k_normed.get(), dim, eps);
+        q = q_normed.get();
+        k = k_normed.get();
+        q_rows = {batch * num_heads_, num_heads_, q_size, dim};
+        k_rows = {batch * num_kv_heads_, num_kv_heads_, kv_size, dim};
+      }
+      AIOSERVE_CHECK(q_type == k_type, "rotary_embedding: q and k must share a dtype");
+      rotary_embedding(positions, q, q_rows, k, k_rows, q_type, cos_, sin_, max_positions_, batch, dim);
+      AIOSERVE_CHECK(k_type == a_type, "store_kv: k, v [T, Hk, D]");
+      const Rows v_rows{batch * num_kv_heads_, num_kv_heads_, qkv_size, dim};
+      store_kv(k, k_rows, k_type, l.key_cache, l.cache_type, slots, l.cache_limit, num_kv_heads_, dim);
+      store_kv(v, v_rows, a_type, l.value_cache, l.cache_type, slots, l.cache_limit, num_kv_heads_, dim);
+      // Attention reads q contiguous (torch's q.contiguous() copied the view).
+      Buffer q_copy;
+      const void* q_dense = q;
+      if (l.q_norm == nullptr) {
+        q_copy = allocate(batch * q_size, q_type);
+        const int64_t bytes = element_size(q_type);
+        for (int64_t r = 0; r < q_rows.count; ++r)
+          std::memcpy(q_copy.get() + r * dim * bytes, static_cast<const char*>(q) + q_rows.offset(r) * bytes, dim * bytes);
+        q_dense = q_copy.get();
+      }
+      Buffer attended = allocate(batch * q_size, q_type);
+      paged_decode_attention(q_dense, q_type, l.key_cache, l.value_cache, l.cache_type, page_table, pages_per_row,
+                             seq_lens, batch, num_heads_, num_kv_heads_, dim, page_size_, scale_, l.window,
+                             attended.get());
+      x = allocate(batch * size, q_type);
+      x_type = q_type;
+      packed_linear(attended.get(), q_type, batch, q_size, l.o.data, l.o.type, l.o.pairs, size, nullptr, x.get(), false);
+      const int p_type = norm_type(x_type, l.post_norm_type);
+      Buffer p = allocate(batch * size, p_type);
+      norm(l.post_norm, l.post_norm_type, p.get());
+      Buffer gate_up = allocate(batch * 2 * l.intermediate, p_type);
+      packed_linear(p.get(), p_type, batch, size, l.gate_up.data, l.gate_up.type, l.gate_up.pairs, 2 * l.intermediate,
+                    nullptr, gate_up.get(), false);
+      Buffer act = allocate(batch * l.intermediate, p_type);
+      silu_and_mul(gate_up.get(), act.get(), p_type, batch, l.intermediate);
+      x = allocate(batch * size, p_type);
+      x_type = p_type;
+      packed_linear(act.get(), p_type, batch, l.intermediate, l.down.data, l.down.type, l.down.pairs, size, nullptr,
+                    x.get(), false);
     }
-    return rms_norm(x, residual, final_norm_, eps_);
+    AIOSERVE_CHECK(!layers_.empty(), "DecoderStack: no layers");
+    norm(final_norm_, final_norm_type_, out);
   }
 
  private:
-  int64_t num_heads_, num_kv_heads_, head_dim_;
+  int64_t num_heads_, num_kv_heads_, head_dim_, hidden_;
   double eps_, scale_;
-  torch::Tensor cos_, sin_;
-  int64_t page_size_;
-  torch::Tensor final_norm_;
+  const float *cos_, *sin_;
+  int64_t max_positions_, page_size_;
+  const void* final_norm_;
+  int final_norm_type_;
   std::vector<Layer> layers_;
 };
 
 }  // namespace
 }  // namespace aioserve
 
-void bind_decoder(pybind11::module_& m) {
-  using aioserve::DecoderStack;
-  pybind11::class_<DecoderStack>(m, "DecoderStack", "a Llama-family decode step, embedded tokens to final norm")
-      .def(pybind11::init<int64_t, int64_t, int64_t, double, double, torch::Tensor, torch::Tensor, int64_t,
-                          torch::Tensor>(),
-           pybind11::arg("num_heads"), pybind11::arg("num_kv_heads"), pybind11::arg("head_dim"), pybind11::arg("eps"),
-           pybind11::arg("scale"), pybind11::arg("cos_cache"), pybind11::arg("sin_cache"), pybind11::arg("page_size"),
-           pybind11::arg("final_norm"))
-      .def("add_layer", &DecoderStack::add_layer, pybind11::arg("input_norm"), pybind11::arg("qkv"),
-           pybind11::arg("qkv_bias"), pybind11::arg("q_norm"), pybind11::arg("k_norm"), pybind11::arg("o"),
-           pybind11::arg("post_norm"), pybind11::arg("gate_up"), pybind11::arg("intermediate"), pybind11::arg("down"),
-           pybind11::arg("key_cache"), pybind11::arg("value_cache"), pybind11::arg("window"))
-      .def("forward", &DecoderStack::forward, pybind11::arg("hidden"), pybind11::arg("positions"),
-           pybind11::arg("slots"), pybind11::arg("page_table"), pybind11::arg("seq_lens"),
-           pybind11::call_guard<pybind11::gil_scoped_release>());
+extern "C" {
+
+void* aioserve_decoder_new(int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t hidden, double eps,
+                           double scale, const float* cos, const float* sin, int64_t max_positions, int64_t page_size,
+                           const void* final_norm, int final_norm_type) {
+  aioserve::DecoderStack* stack = nullptr;
+  aioserve::guarded([&] {
+    stack = new aioserve::DecoderStack(num_heads, num_kv_heads, head_dim, hidden, eps, scale, cos, sin, max_positions,
+                                       page_size, final_norm, final_norm_type);
+  });
+  return stack;  // null: see aioserve_last_error
 }
+
+void aioserve_decoder_free(void* stack) { delete static_cast<aioserve::DecoderStack*>(stack); }
+
+static int decoder_add_layer_direct(void* stack, const void* input_norm, int input_norm_type, const void* qkv, int qkv_type,
+                               int qkv_pairs, const float* qkv_bias, const void* q_norm, int q_norm_type,
+                               const void* k_norm, int k_norm_type, const void* o, int o_type, int o_pairs,
+                               const void* post_norm, int post_norm_type, const void* gate_up, int gate_up_type,
+                               int gate_up_pairs, int64_t intermediate, const void* down, int down_type,
+                               int down_pairs, void* key_cache, void* value_cache, int cache_type, int64_t cache_limit,
+                               int64_t window) {
+  return aioserve::guarded([&] {
+    static_cast<aioserve::DecoderStack*>(stack)->add_layer(aioserve::Layer{
+        input_norm, input_norm_type, {qkv, qkv_type, qkv_pairs != 0}, {o, o_type, o_pairs != 0},
+        {gate_up, gate_up_type, gate_up_pairs != 0}, {down, down_type, down_pairs != 0}, qkv_bias, q_norm, k_norm,
+        q_norm_type, k_norm_type, post_norm, post_norm_type, key_cache, value_cache, cache_type, cache_limit,
+        intermediate, window});
+  });
+}
+
+static int decoder_forward_direct(const void* stack, void* hidden, int hidden_type, int64_t batch, const int64_t* positions,
+                             const int64_t* slots, const int32_t* page_table, int64_t pages_per_row,
+                             const int64_t* seq_lens, void* out, int out_type) {
+  return aioserve::guarded([&] {
+    static_cast<const aioserve::DecoderStack*>(stack)->forward(hidden, hidden_type, batch, positions, slots,
+                                                               page_table, pages_per_row, seq_lens, out, out_type);
+  });
+}
+
+}  // extern "C"
+
+extern "C" {
+
+int aioserve_decoder_add_layer(const void* record) { return aioserve::call_packed(decoder_add_layer_direct, record); }
+int aioserve_decoder_forward(const void* record) { return aioserve::call_packed(decoder_forward_direct, record); }
+
+}  // extern "C"

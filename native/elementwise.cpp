@@ -13,9 +13,6 @@
 // op in float32 and rounds its result to the tensor's dtype, so these round
 // after every op the twin does, not only at the end.
 
-#include <torch/extension.h>
-#include <ATen/Parallel.h>
-
 #include "half.h"
 #include "kernels.h"
 #include "parallel.h"
@@ -25,8 +22,7 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
-#include <optional>
-#include <tuple>
+#include <utility>
 #include <vector>
 
 // torch rounds every product and sum to float32 on its own; a fused
@@ -52,33 +48,6 @@ inline int64_t row_grain(int64_t row_size) { return std::max<int64_t>(1, kGrainE
 using aioserve::from_float;
 using aioserve::round_to;
 using aioserve::to_float;
-
-// Calls f with a value of the C++ type of a float32, bfloat16 or float16 dtype.
-template <typename F>
-void dispatch_float(at::ScalarType type, const char* name, F&& f) {
-  switch (type) {
-    case at::kFloat: f(float{}); break;
-    case at::kBFloat16: f(c10::BFloat16{}); break;
-    case at::kHalf: f(c10::Half{}); break;
-    default: TORCH_CHECK(false, name, ": unsupported dtype ", type);
-  }
-}
-
-// The rows of a [N, D] or [T, H, D] tensor whose last dim is contiguous:
-// row r starts at (r / inner) * outer_stride + (r % inner) * inner_stride.
-// So a [T, H, D] view of heads inside a fused q|k|v projection's rows is
-// read and written where it lies, without a copy.
-struct Rows {
-  int64_t count, inner, outer_stride, inner_stride;
-  int64_t offset(int64_t r) const { return (r / inner) * outer_stride + (r % inner) * inner_stride; }
-};
-
-bool has_rows(const torch::Tensor& t) { return (t.dim() == 2 || t.dim() == 3) && t.stride(-1) == 1; }
-
-Rows rows_of(const torch::Tensor& t) {
-  if (t.dim() == 2) return {t.size(0), 1, t.stride(0), 0};
-  return {t.size(0) * t.size(1), t.size(1), t.stride(0), t.stride(1)};
-}
 
 // ---- rms_norm ----------------------------------------------------------------
 
@@ -116,33 +85,22 @@ void rms_norm_impl(const X* x, Rows xr, X* residual, Rows rr, const W* w, O* out
 
 }  // namespace
 
-torch::Tensor rms_norm(torch::Tensor x, std::optional<torch::Tensor> residual, torch::Tensor weight, double eps) {
-  const int64_t dim = x.size(-1);
-  TORCH_CHECK(weight.dim() == 1 && weight.size(0) == dim && weight.is_contiguous(), "rms_norm: weight must be [D]");
-  const auto out_type = at::promote_types(x.scalar_type(), weight.scalar_type());
-  TORCH_CHECK(out_type == x.scalar_type() || out_type == at::kFloat, "rms_norm: weight must have x's dtype or float32");
-  auto out = torch::empty(x.sizes(), x.options().dtype(out_type));
-  if (!has_rows(x)) x = x.contiguous().view({-1, dim});
-  torch::Tensor res;
-  if (residual.has_value()) {
-    res = *residual;
-    TORCH_CHECK(res.scalar_type() == x.scalar_type() && res.numel() == x.numel() && res.size(-1) == dim,
-                "rms_norm: residual must match x");
-    TORCH_CHECK(res.is_contiguous(), "rms_norm: the residual is updated in place, so it must be contiguous");
-    res = res.view({-1, dim});
-  }
-  dispatch_float(x.scalar_type(), "rms_norm", [&](auto x_tag) {
+void rms_norm(const void* x, Rows xr, void* residual, Rows rr, int x_type, const void* weight, int w_type, void* out,
+              int64_t dim, float eps) {
+  dispatch_float(x_type, "rms_norm", [&](auto x_tag) {
     using X = decltype(x_tag);
-    dispatch_float(weight.scalar_type(), "rms_norm", [&](auto w_tag) {
+    dispatch_float(w_type, "rms_norm", [&](auto w_tag) {
       using W = decltype(w_tag);
       using O = std::conditional_t<std::is_same_v<X, W>, X, float>;
-      X* res_ptr = res.defined() ? res.data_ptr<X>() : nullptr;
-      const Rows res_rows = res.defined() ? rows_of(res) : Rows{0, 1, 0, 0};
-      rms_norm_impl<X, W, O>(x.data_ptr<X>(), rows_of(x), res_ptr, res_rows, weight.data_ptr<W>(), out.data_ptr<O>(),
-                             dim, static_cast<float>(eps));
+      rms_norm_impl<X, W, O>(static_cast<const X*>(x), xr, static_cast<X*>(residual), rr, static_cast<const W*>(weight),
+                             static_cast<O*>(out), dim, eps);
     });
   });
-  return out;
+}
+
+void check_indices(const int64_t* values, int64_t count, int64_t limit, const char* what) {
+  for (int64_t t = 0; t < count; ++t)
+    AIOSERVE_CHECK(values[t] >= 0 && values[t] < limit, what, values[t], " outside [0, ", limit, ")");
 }
 
 namespace {
@@ -180,27 +138,12 @@ void rotary_impl(const int64_t* positions, T* q, Rows qr, T* k, Rows kr, const f
 
 }  // namespace
 
-void rotary_embedding(torch::Tensor positions, torch::Tensor q, torch::Tensor k, torch::Tensor cos_cache,
-                      torch::Tensor sin_cache) {
-  TORCH_CHECK(q.dim() == 3 && k.dim() == 3 && q.stride(-1) == 1 && k.stride(-1) == 1,
-              "rotary_embedding: q [T, Hq, D] and k [T, Hk, D] with contiguous rows (rotated in place)");
-  TORCH_CHECK(q.scalar_type() == k.scalar_type(), "rotary_embedding: q and k must share a dtype");
-  const int64_t tokens = q.size(0), dim = q.size(2);
-  TORCH_CHECK(k.size(0) == tokens && k.size(2) == dim && dim % 2 == 0, "rotary_embedding: q and k shapes differ");
-  TORCH_CHECK(positions.scalar_type() == torch::kInt64 && positions.numel() == tokens, "rotary_embedding: positions [T] int64");
-  TORCH_CHECK(cos_cache.scalar_type() == torch::kFloat32 && sin_cache.scalar_type() == torch::kFloat32 &&
-                  cos_cache.is_contiguous() && sin_cache.is_contiguous() && cos_cache.size(1) == dim &&
-                  sin_cache.sizes() == cos_cache.sizes(),
-              "rotary_embedding: cos/sin caches [max_positions, D] float32");
-  positions = positions.contiguous();
-  const int64_t* pos = positions.data_ptr<int64_t>();
-  const int64_t limit = cos_cache.size(0);
-  for (int64_t t = 0; t < tokens; ++t)
-    TORCH_CHECK(pos[t] >= 0 && pos[t] < limit, "rotary_embedding: position ", pos[t], " outside [0, ", limit, ")");
-  dispatch_float(q.scalar_type(), "rotary_embedding", [&](auto tag) {
+void rotary_embedding(const int64_t* positions, void* q, Rows qr, void* k, Rows kr, int type, const float* cos,
+                      const float* sin, int64_t limit, int64_t tokens, int64_t dim) {
+  check_indices(positions, tokens, limit, "rotary_embedding: position ");
+  dispatch_float(type, "rotary_embedding", [&](auto tag) {
     using T = decltype(tag);
-    rotary_impl<T>(pos, q.data_ptr<T>(), rows_of(q), k.data_ptr<T>(), rows_of(k), cos_cache.data_ptr<float>(),
-                   sin_cache.data_ptr<float>(), tokens, dim);
+    rotary_impl<T>(positions, static_cast<T*>(q), qr, static_cast<T*>(k), kr, cos, sin, tokens, dim);
   });
 }
 
@@ -222,27 +165,14 @@ void store_impl(const S* src, Rows sr, C* cache, const int64_t* slots, int64_t h
 
 }  // namespace
 
-void store_kv(torch::Tensor k, torch::Tensor v, torch::Tensor key_cache, torch::Tensor value_cache, torch::Tensor slots) {
-  TORCH_CHECK(k.dim() == 3 && k.sizes() == v.sizes() && k.scalar_type() == v.scalar_type(), "store_kv: k, v [T, Hk, D]");
-  TORCH_CHECK(key_cache.dim() == 3 && key_cache.sizes() == value_cache.sizes() &&
-                  key_cache.scalar_type() == value_cache.scalar_type() && key_cache.is_contiguous() &&
-                  value_cache.is_contiguous(),
-              "store_kv: contiguous caches [slots, Hk, D] of one dtype");
-  const int64_t tokens = k.size(0), heads = k.size(1), dim = k.size(2), limit = key_cache.size(0);
-  TORCH_CHECK(key_cache.size(1) == heads && key_cache.size(2) == dim, "store_kv: k and the cache's rows differ");
-  TORCH_CHECK(slots.scalar_type() == torch::kInt64 && slots.numel() == tokens, "store_kv: slots [T] int64");
-  if (k.stride(-1) != 1) k = k.contiguous();
-  if (v.stride(-1) != 1) v = v.contiguous();
-  slots = slots.contiguous();
-  const int64_t* slot = slots.data_ptr<int64_t>();
-  for (int64_t t = 0; t < tokens; ++t)
-    TORCH_CHECK(slot[t] >= 0 && slot[t] < limit, "store_kv: slot ", slot[t], " outside [0, ", limit, ")");
-  dispatch_float(k.scalar_type(), "store_kv", [&](auto s_tag) {
+void store_kv(const void* src, Rows sr, int src_type, void* cache, int cache_type, const int64_t* slots,
+              int64_t limit, int64_t heads, int64_t dim) {
+  check_indices(slots, heads > 0 ? sr.count / heads : 0, limit, "store_kv: slot ");
+  dispatch_float(src_type, "store_kv", [&](auto s_tag) {
     using S = decltype(s_tag);
-    dispatch_float(key_cache.scalar_type(), "store_kv", [&](auto c_tag) {
+    dispatch_float(cache_type, "store_kv", [&](auto c_tag) {
       using C = decltype(c_tag);
-      store_impl<S, C>(k.data_ptr<S>(), rows_of(k), key_cache.data_ptr<C>(), slot, heads, dim);
-      store_impl<S, C>(v.data_ptr<S>(), rows_of(v), value_cache.data_ptr<C>(), slot, heads, dim);
+      store_impl<S, C>(static_cast<const S*>(src), sr, static_cast<C*>(cache), slots, heads, dim);
     });
   });
 }
@@ -272,18 +202,11 @@ void silu_and_mul_impl(const T* x, T* out, int64_t rows, int64_t n) {
 
 }  // namespace
 
-torch::Tensor silu_and_mul(torch::Tensor x) {
-  const int64_t width = x.size(-1);
-  TORCH_CHECK(width % 2 == 0, "silu_and_mul: the last dim must be [gate | up]");
-  auto sizes = x.sizes().vec();
-  sizes.back() = width / 2;
-  auto out = torch::empty(sizes, x.options());
-  x = x.contiguous();
-  dispatch_float(x.scalar_type(), "silu_and_mul", [&](auto tag) {
+void silu_and_mul(const void* x, void* out, int type, int64_t rows, int64_t n) {
+  dispatch_float(type, "silu_and_mul", [&](auto tag) {
     using T = decltype(tag);
-    silu_and_mul_impl<T>(x.data_ptr<T>(), out.data_ptr<T>(), x.numel() / std::max<int64_t>(1, width), width / 2);
+    silu_and_mul_impl<T>(static_cast<const T*>(x), static_cast<T*>(out), rows, n);
   });
-  return out;
 }
 
 namespace {
@@ -323,18 +246,14 @@ inline std::pair<float, int64_t> max_argmax(const float* p, int64_t n) {
 
 }  // namespace
 
-std::tuple<torch::Tensor, torch::Tensor> row_max_argmax(torch::Tensor logits) {
-  TORCH_CHECK(logits.dim() == 2 && logits.scalar_type() == torch::kFloat32 && logits.size(1) > 0,
-              "row_max_argmax: logits [S, V > 0] float32");
-  logits = logits.contiguous();
-  const int64_t rows = logits.size(0), vocab = logits.size(1);
+// logits [rows, vocab > 0] float32, contiguous.
+void row_max_argmax(const float* p, int64_t rows, int64_t vocab, float* max_out, int64_t* arg_out) {
   // Fewer rows than threads: split each row into chunks for the others, then
   // merge (a 32k-152k row is worth it; a thread's start costs a few us).
-  const int64_t threads = at::get_num_threads();
+  const int64_t threads = num_threads();
   const int64_t chunks = rows < threads ? std::clamp<int64_t>(vocab / 8192, 1, threads / std::max<int64_t>(rows, 1)) : 1;
   const int64_t chunk_len = (vocab + chunks - 1) / chunks;
   std::vector<std::pair<float, int64_t>> found(rows * chunks);
-  const float* p = logits.data_ptr<float>();
   aioserve::parallel_pieces(rows * chunks, 1, [&](int64_t begin, int64_t end) {
     for (int64_t task = begin; task < end; ++task) {
       const int64_t row = task / chunks, start = (task % chunks) * chunk_len;
@@ -343,10 +262,6 @@ std::tuple<torch::Tensor, torch::Tensor> row_max_argmax(torch::Tensor logits) {
       found[task] = {value, index + start};
     }
   });
-  auto maxes = torch::empty({rows}, logits.options());
-  auto argmaxes = torch::empty({rows}, logits.options().dtype(torch::kInt64));
-  float* max_out = maxes.data_ptr<float>();
-  int64_t* arg_out = argmaxes.data_ptr<int64_t>();
   for (int64_t row = 0; row < rows; ++row) {
     // Chunks in order, replaced only by a strictly greater one (or a first
     // NaN): the first index on ties, as in one pass.
@@ -358,21 +273,63 @@ std::tuple<torch::Tensor, torch::Tensor> row_max_argmax(torch::Tensor logits) {
     max_out[row] = best.first;
     arg_out[row] = best.second;
   }
-  return {maxes, argmaxes};
 }
 
 }  // namespace aioserve
 
-void bind_elementwise(pybind11::module_& m) {
-  using namespace aioserve;
-  m.def("rms_norm", &rms_norm, "RMSNorm of x [..., D] (of x + residual, written to residual, when one is given)",
-        pybind11::arg("x"), pybind11::arg("residual"), pybind11::arg("weight"), pybind11::arg("eps"));
-  m.def("rotary_embedding", &rotary_embedding, "RoPE (rotate half) on q [T, Hq, D] and k [T, Hk, D] in place",
-        pybind11::arg("positions"), pybind11::arg("q"), pybind11::arg("k"), pybind11::arg("cos_cache"),
-        pybind11::arg("sin_cache"));
-  m.def("store_kv", &store_kv, "k, v [T, Hk, D] into the caches' slots, converted to their dtype", pybind11::arg("k"),
-        pybind11::arg("v"), pybind11::arg("key_cache"), pybind11::arg("value_cache"), pybind11::arg("slots"));
-  m.def("silu_and_mul", &silu_and_mul, "silu(x[..., :N]) * x[..., N:]", pybind11::arg("x"));
-  m.def("row_max_argmax", &row_max_argmax, "(max, first argmax) of each row of float32 logits [S, V]",
-        pybind11::arg("logits"));
+extern "C" {
+
+static int rms_norm_direct(const void* x, int64_t x_rows, int64_t x_inner, int64_t x_outer_stride, int64_t x_inner_stride,
+                      void* residual, int64_t r_rows, int64_t r_inner, int64_t r_outer_stride, int64_t r_inner_stride,
+                      int x_type, const void* weight, int w_type, void* out, int64_t dim, double eps) {
+  return aioserve::guarded([&] {
+    aioserve::rms_norm(x, {x_rows, x_inner, x_outer_stride, x_inner_stride}, residual,
+                       {r_rows, r_inner, r_outer_stride, r_inner_stride}, x_type, weight, w_type, out, dim,
+                       static_cast<float>(eps));
+  });
 }
+
+static int rotary_embedding_direct(const int64_t* positions, void* q, int64_t q_heads, int64_t q_token_stride,
+                              int64_t q_head_stride, void* k, int64_t k_heads, int64_t k_token_stride,
+                              int64_t k_head_stride, int type, const float* cos, const float* sin, int64_t limit,
+                              int64_t tokens, int64_t dim) {
+  return aioserve::guarded([&] {
+    aioserve::rotary_embedding(positions, q, {tokens * q_heads, q_heads, q_token_stride, q_head_stride}, k,
+                               {tokens * k_heads, k_heads, k_token_stride, k_head_stride}, type, cos, sin, limit,
+                               tokens, dim);
+  });
+}
+
+// k and v: [tokens, heads, dim] rows (token and head strides), into
+// contiguous caches [limit, heads, dim].
+static int store_kv_direct(const void* k, int64_t k_token_stride, int64_t k_head_stride, const void* v,
+                      int64_t v_token_stride, int64_t v_head_stride, int src_type, void* key_cache, void* value_cache,
+                      int cache_type, const int64_t* slots, int64_t limit, int64_t tokens, int64_t heads,
+                      int64_t dim) {
+  return aioserve::guarded([&] {
+    aioserve::store_kv(k, {tokens * heads, heads, k_token_stride, k_head_stride}, src_type, key_cache, cache_type,
+                       slots, limit, heads, dim);
+    aioserve::store_kv(v, {tokens * heads, heads, v_token_stride, v_head_stride}, src_type, value_cache, cache_type,
+                       slots, limit, heads, dim);
+  });
+}
+
+static int silu_and_mul_direct(const void* x, void* out, int type, int64_t rows, int64_t n) {
+  return aioserve::guarded([&] { aioserve::silu_and_mul(x, out, type, rows, n); });
+}
+
+static int row_max_argmax_direct(const float* logits, int64_t rows, int64_t vocab, float* maxes, int64_t* argmaxes) {
+  return aioserve::guarded([&] { aioserve::row_max_argmax(logits, rows, vocab, maxes, argmaxes); });
+}
+
+}  // extern "C"
+
+extern "C" {
+
+int aioserve_rms_norm(const void* record) { return aioserve::call_packed(rms_norm_direct, record); }
+int aioserve_rotary_embedding(const void* record) { return aioserve::call_packed(rotary_embedding_direct, record); }
+int aioserve_store_kv(const void* record) { return aioserve::call_packed(store_kv_direct, record); }
+int aioserve_silu_and_mul(const void* record) { return aioserve::call_packed(silu_and_mul_direct, record); }
+int aioserve_row_max_argmax(const void* record) { return aioserve::call_packed(row_max_argmax_direct, record); }
+
+}  // extern "C"

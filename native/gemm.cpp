@@ -20,9 +20,6 @@
 // FMA rate), and float32 activations split each pair back into two float32
 // vectors with a shift and a mask, keeping the one-k-at-a-time sum.
 
-#include <torch/extension.h>
-#include <ATen/Parallel.h>
-
 #include "half.h"
 #include "kernels.h"
 #include "parallel.h"
@@ -38,6 +35,9 @@
 #endif
 
 namespace {
+
+using aioserve::BFloat16;
+using aioserve::Half;
 
 #if defined(__AVX512F__)
 constexpr int kVec = 16;
@@ -58,11 +58,11 @@ inline Vec vset1(float v) { return _mm256_set1_ps(v); }
 inline Vec vfma(Vec a, Vec b, Vec c) { return _mm256_fmadd_ps(a, b, c); }
 inline void vstore(float* p, Vec v) { _mm256_storeu_ps(p, v); }
 inline Vec vload(const float* p) { return _mm256_loadu_ps(p); }
-inline Vec vload(const at::BFloat16* p) {
+inline Vec vload(const BFloat16* p) {
   __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
   return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
 }
-inline Vec vload(const at::Half* p) { return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
+inline Vec vload(const Half* p) { return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
 constexpr bool kFused = true;
 constexpr int kMaxRows = 6;  // 12 accumulators + 2 weights + 1 broadcast of 16 registers
 #else
@@ -74,7 +74,7 @@ inline Vec vset1(float s) { Vec r; for (float& x : r.v) x = s; return r; }
 inline Vec vfma(Vec a, Vec b, Vec c) { for (int i = 0; i < kVec; ++i) c.v[i] += a.v[i] * b.v[i]; return c; }
 inline void vstore(float* p, Vec v) { std::memcpy(p, v.v, sizeof v.v); }
 template <typename T>
-inline Vec vload(const T* p) { Vec r; for (int i = 0; i < kVec; ++i) r.v[i] = static_cast<float>(p[i]); return r; }
+inline Vec vload(const T* p) { Vec r; for (int i = 0; i < kVec; ++i) r.v[i] = aioserve::to_float(p[i]); return r; }
 constexpr bool kFused = false;  // whether c += a * b contracts to an fma is the compiler's choice
 constexpr int kMaxRows = 4;
 #endif
@@ -114,7 +114,7 @@ constexpr bool kPairs = true;
 // block [k / 2][kBlock][2]: each instruction adds x[2i] w[2i] + x[2i+1] w[2i+1].
 template <int Rows>
 inline void tile_dot_pairs(const uint32_t* __restrict x, int64_t pairs, int64_t ld,
-                           const at::BFloat16* __restrict block, float* __restrict out) {
+                           const BFloat16* __restrict block, float* __restrict out) {
   __m512 acc[Rows][2];
   for (int r = 0; r < Rows; ++r) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
   for (int64_t i = 0; i < pairs; ++i) {
@@ -135,7 +135,7 @@ inline void tile_dot_pairs(const uint32_t* __restrict x, int64_t pairs, int64_t 
 // float32 x against a pair-packed bf16 block: the low and high halves of each
 // 32-bit word are the weights of k = 2i and 2i + 1, widened by shift and mask.
 template <int Rows>
-inline void tile_split_pairs(const float* __restrict x, int64_t k, int64_t ld, const at::BFloat16* __restrict block,
+inline void tile_split_pairs(const float* __restrict x, int64_t k, int64_t ld, const BFloat16* __restrict block,
                              float* __restrict out) {
   const __m512i high = _mm512_set1_epi32(static_cast<int>(0xFFFF0000u));
   __m512 acc[Rows][2];
@@ -169,10 +169,10 @@ inline void tile_form(const void* x, int64_t k, int64_t ld, const W* block, floa
     tile<Rows>(static_cast<const float*>(x), k, ld, block, out);
   }
 #if defined(__AVX512BF16__)
-  if constexpr (std::is_same_v<W, at::BFloat16> && F == Form::kDotPairs) {
+  if constexpr (std::is_same_v<W, BFloat16> && F == Form::kDotPairs) {
     tile_dot_pairs<Rows>(static_cast<const uint32_t*>(x), k / 2, ld, block, out);
   }
-  if constexpr (std::is_same_v<W, at::BFloat16> && F == Form::kSplitPairs) {
+  if constexpr (std::is_same_v<W, BFloat16> && F == Form::kSplitPairs) {
     tile_split_pairs<Rows>(static_cast<const float*>(x), k, ld, block, out);
   }
 #endif
@@ -186,7 +186,7 @@ void tile_rows(int rows, const void* x, int64_t k, int64_t ld, const W* block, f
     AIOSERVE_TILE(7) AIOSERVE_TILE(8) AIOSERVE_TILE(9) AIOSERVE_TILE(10) AIOSERVE_TILE(11) AIOSERVE_TILE(12)
 #undef AIOSERVE_TILE
   }
-  TORCH_CHECK(false, "packed_linear: bad tile height ", rows);
+  aioserve::fail("packed_linear: bad tile height ", rows);
 }
 
 // The output as a Y: X itself, or float32 holding X's rounding (the LM head:
@@ -271,8 +271,8 @@ template <typename X, typename W, typename Y>
 void run_packed(const X* x, int64_t m, int64_t k, const W* packed, bool pairs, int64_t n, const float* bias, Y* y) {
   if (!pairs) {
     packed_linear_impl<Form::kPlain, X, W, Y>(x, m, k, packed, n, bias, y);
-  } else if constexpr (std::is_same_v<W, at::BFloat16>) {
-    if constexpr (std::is_same_v<X, at::BFloat16>) {
+  } else if constexpr (std::is_same_v<W, BFloat16>) {
+    if constexpr (std::is_same_v<X, BFloat16>) {
       packed_linear_impl<Form::kDotPairs, X, W, Y>(x, m, k, packed, n, bias, y);
     } else {
       packed_linear_impl<Form::kSplitPairs, X, W, Y>(x, m, k, packed, n, bias, y);
@@ -282,8 +282,6 @@ void run_packed(const X* x, int64_t m, int64_t k, const W* packed, bool pairs, i
 
 }  // namespace
 
-int64_t gemm_block_width() { return kBlock; }
-
 // W [N, K] (any strides) -> [ceil(N / NB), K, NB] in W's dtype, zero-padded
 // past N; bf16 with an even K on AVX512-BF16: [ceil(N / NB), K / 2, NB, 2].
 // One pass that writes the pack in order (as torch ops, zero-pad, copy and a
@@ -292,14 +290,19 @@ int64_t gemm_block_width() { return kBlock; }
 // lets a process ask: THP "madvise" mode): its first touch then faults in 2
 // MiB at a time instead of 4 KiB (Qwen's 311 MB LM head: 76k faults), and
 // every decode step's pass over the packed weights walks 512x fewer pages.
-inline void ask_for_huge_pages(const torch::Tensor& t) {
+static void ask_for_huge_pages(void* data, int64_t nbytes) {
 #if defined(__linux__) && defined(MADV_HUGEPAGE)
   constexpr uintptr_t kHuge = 2u << 20;
-  const auto begin = reinterpret_cast<uintptr_t>(t.data_ptr());
-  const uintptr_t first = (begin + kHuge - 1) & ~(kHuge - 1), last = (begin + t.nbytes()) & ~(kHuge - 1);
+  const auto begin = reinterpret_cast<uintptr_t>(data);
+  const uintptr_t first = (begin + kHuge - 1) & ~(kHuge - 1), last = (begin + nbytes) & ~(kHuge - 1);
   if (last > first) madvise(reinterpret_cast<void*>(first), last - first, MADV_HUGEPAGE);  // advice: failure is harmless
+#else
+  (void)data;
+  (void)nbytes;
 #endif
 }
+
+namespace {
 
 template <typename T>
 void pack_impl(const T* w, int64_t n, int64_t k, int64_t row_stride, int64_t col_stride, bool pairs, T* out) {
@@ -316,101 +319,88 @@ void pack_impl(const T* w, int64_t n, int64_t k, int64_t row_stride, int64_t col
         const T* src = c < cols ? w + (b * kBlock + c) * row_stride : nullptr;  // none: zero padding
         for (int64_t i = 0; i < k; ++i) {
           T* to = pairs ? dst + (i / 2) * 2 * kBlock + 2 * c + i % 2 : dst + i * kBlock + c;
-          *to = src != nullptr ? src[i * col_stride] : T(0);
+          *to = src != nullptr ? src[i * col_stride] : T{};  // T{}: +0.0 in every type
         }
       }
     }
   });
 }
 
-torch::Tensor pack_linear_weight(const torch::Tensor& weight) {
-  TORCH_CHECK(weight.dim() == 2, "pack_linear_weight: W must be [N, K]");
-  const int64_t n = weight.size(0), k = weight.size(1), blocks = (n + kBlock - 1) / kBlock;
-  const bool pairs = kPairs && weight.scalar_type() == at::kBFloat16 && k % 2 == 0;
-  auto out = pairs ? torch::empty({blocks, k / 2, kBlock, 2}, weight.options())
-                   : torch::empty({blocks, k, kBlock}, weight.options());
-  ask_for_huge_pages(out);
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, weight.scalar_type(), "pack_linear_weight", [&] {
-    pack_impl<scalar_t>(weight.data_ptr<scalar_t>(), n, k, weight.stride(0), weight.stride(1), pairs,
-                        out.data_ptr<scalar_t>());
-  });
-  return out;
-}
+}  // namespace
 
 namespace aioserve {
 
 bool gemm_fuses_multiply_add() { return kFused; }
 
-torch::Tensor packed_linear(torch::Tensor x, const torch::Tensor& packed, const c10::optional<torch::Tensor>& bias,
-                            int64_t n, bool float_out, const c10::optional<torch::Tensor>& out) {
-  TORCH_CHECK(x.dim() == 2, "packed_linear: x must be [M, K]");
-  const bool pairs = packed.dim() == 4;
-  TORCH_CHECK((packed.dim() == 3 || (pairs && kPairs && packed.size(3) == 2 && packed.scalar_type() == at::kBFloat16)) &&
-                  packed.size(2) == kBlock && packed.is_contiguous(),
-              "packed_linear: the weight must come from pack_linear_weight");
-  const int64_t m = x.size(0), k = x.size(1), packed_k = pairs ? 2 * packed.size(1) : packed.size(1);
-  TORCH_CHECK(packed_k == k, "packed_linear: x has ", k, " features, the weight ", packed_k);
-  TORCH_CHECK(n > 0 && n <= packed.size(0) * kBlock && n > (packed.size(0) - 1) * kBlock, "packed_linear: bad N");
-  x = x.contiguous();
-  const auto y_options = float_out ? x.options().dtype(torch::kFloat32) : x.options();
-  torch::Tensor y;
-  if (out.has_value() && out->defined()) {
-    TORCH_CHECK(out->dim() == 2 && out->size(0) == m && out->size(1) == n && out->is_contiguous() &&
-                    out->scalar_type() == y_options.dtype().toScalarType() && out->device() == x.device(),
-                "packed_linear: out must be a contiguous [M, N] tensor of the output's dtype");
-    y = *out;
-  } else {
-    y = torch::empty({m, n}, y_options);
-  }
-  torch::Tensor bias32;
-  if (bias.has_value() && bias->defined()) {
-    TORCH_CHECK(bias->numel() == n, "packed_linear: bias must have N values");
-    bias32 = bias->to(torch::kFloat32).contiguous();
-  }
-  const float* b = bias32.defined() ? bias32.data_ptr<float>() : nullptr;
-  if (m == 0) return y;
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "packed_linear_x", [&] {
-    using X = scalar_t;
-    AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, packed.scalar_type(), "packed_linear_w", [&] {
-      using W = scalar_t;
-      if constexpr (std::is_same_v<W, double> || std::is_same_v<X, double>) {
-        TORCH_CHECK(false, "packed_linear: float64 is not supported");
+void packed_linear(const void* x, int x_type, int64_t m, int64_t k, const void* packed, int w_type, bool pairs,
+                   int64_t n, const float* bias, void* y, bool float_out) {
+  AIOSERVE_CHECK(x_type != kFloat64 && w_type != kFloat64, "packed_linear: float64 is not supported");
+  if (m == 0) return;
+  dispatch_float(x_type, "packed_linear_x", [&](auto x_tag) {
+    using X = decltype(x_tag);
+    dispatch_float(w_type, "packed_linear_w", [&](auto w_tag) {
+      using W = decltype(w_tag);
+      if (float_out) {
+        run_packed<X, W, float>(static_cast<const X*>(x), m, k, static_cast<const W*>(packed), pairs, n, bias,
+                                static_cast<float*>(y));
       } else {
-        if (float_out) {
-          run_packed<X, W, float>(x.data_ptr<X>(), m, k, packed.data_ptr<W>(), pairs, n, b, y.data_ptr<float>());
-        } else {
-          run_packed<X, W, X>(x.data_ptr<X>(), m, k, packed.data_ptr<W>(), pairs, n, b, y.data_ptr<X>());
-        }
+        run_packed<X, W, X>(static_cast<const X*>(x), m, k, static_cast<const W*>(packed), pairs, n, bias,
+                            static_cast<X*>(y));
       }
     });
   });
-  return y;
 }
 
-torch::Tensor packed_linear_unrounded(const torch::Tensor& x, const torch::Tensor& packed, int64_t n) {
-  TORCH_CHECK(kPairs && packed.dim() == 4 && packed.scalar_type() == at::kBFloat16 && packed.size(2) == kBlock &&
-                  packed.is_contiguous(),
-              "packed_linear_unrounded: the weight must be bf16 packed in k-pairs");
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16 && x.is_contiguous() && x.size(1) == 2 * packed.size(1),
-              "packed_linear_unrounded: x must be contiguous bf16 [M, K] of the weight's K");
-  TORCH_CHECK(n > 0 && n <= packed.size(0) * kBlock && n > (packed.size(0) - 1) * kBlock, "packed_linear_unrounded: bad N");
-  const int64_t m = x.size(0), k = x.size(1);
-  auto y = torch::empty({m, n}, x.options().dtype(torch::kFloat32));
-  if (m > 0) {
-    packed_linear_impl<Form::kDotPairs, at::BFloat16, at::BFloat16, float, false>(
-        x.data_ptr<at::BFloat16>(), m, k, packed.data_ptr<at::BFloat16>(), n, nullptr, y.data_ptr<float>());
-  }
-  return y;
+// x W^T as the float32 sums themselves, for bf16 x [m, k] and a bf16 W
+// packed in k-pairs (AVX512-BF16 only): not rounded to bf16 as
+// packed_linear's are (the greedy screen's dot products).
+void packed_linear_unrounded(const BFloat16* x, int64_t m, int64_t k, const BFloat16* packed, int64_t n, float* y) {
+  AIOSERVE_CHECK(kPairs, "packed_linear_unrounded: the weight must be bf16 packed in k-pairs");
+  if (m > 0) packed_linear_impl<Form::kDotPairs, BFloat16, BFloat16, float, false>(x, m, k, packed, n, nullptr, y);
 }
 
 }  // namespace aioserve
 
-void bind_gemm(pybind11::module_& m) {
-  m.def("gemm_block_width", &gemm_block_width, "output columns per packed weight block");
-  m.def("gemm_fuses_multiply_add", &aioserve::gemm_fuses_multiply_add,
-        "whether each output is a chain of fused multiply-adds (what screened_argmax recomputes)");
-  m.def("pack_linear_weight", &pack_linear_weight, "pack W [N, K] for packed_linear");
-  m.def("packed_linear", &aioserve::packed_linear, "x W^T (+ b) with a packed W (CPU)", pybind11::arg("x"),
-        pybind11::arg("packed"), pybind11::arg("bias") = pybind11::none(), pybind11::arg("n"),
-        pybind11::arg("float_out") = false, pybind11::arg("out") = pybind11::none());
+extern "C" {
+
+int64_t aioserve_gemm_block_width() { return kBlock; }
+
+int aioserve_gemm_packs_bf16_pairs() { return kPairs ? 1 : 0; }
+
+int aioserve_gemm_fuses_multiply_add() { return kFused ? 1 : 0; }
+
+// out: a fresh buffer of ceil(n / NB) * k * NB elements of W's type.
+static int pack_linear_weight_direct(const void* weight, int type, int64_t n, int64_t k, int64_t row_stride,
+                                int64_t col_stride, int pairs, void* out, int64_t out_bytes) {
+  return aioserve::guarded([&] {
+    ask_for_huge_pages(out, out_bytes);
+    switch (type) {
+      case aioserve::kFloat32:
+        return pack_impl(static_cast<const float*>(weight), n, k, row_stride, col_stride, pairs, static_cast<float*>(out));
+      case aioserve::kBFloat16:
+        return pack_impl(static_cast<const BFloat16*>(weight), n, k, row_stride, col_stride, pairs,
+                         static_cast<BFloat16*>(out));
+      case aioserve::kFloat16:
+        return pack_impl(static_cast<const Half*>(weight), n, k, row_stride, col_stride, pairs, static_cast<Half*>(out));
+      case aioserve::kFloat64:
+        return pack_impl(static_cast<const double*>(weight), n, k, row_stride, col_stride, pairs,
+                         static_cast<double*>(out));
+      default: aioserve::fail("pack_linear_weight: unsupported dtype");
+    }
+  });
 }
+
+static int packed_linear_direct(const void* x, int x_type, int64_t m, int64_t k, const void* packed, int w_type, int pairs,
+                           int64_t n, const float* bias, void* y, int float_out) {
+  return aioserve::guarded(
+      [&] { aioserve::packed_linear(x, x_type, m, k, packed, w_type, pairs != 0, n, bias, y, float_out != 0); });
+}
+
+}  // extern "C"
+
+extern "C" {
+
+int aioserve_pack_linear_weight(const void* record) { return aioserve::call_packed(pack_linear_weight_direct, record); }
+int aioserve_packed_linear(const void* record) { return aioserve::call_packed(packed_linear_direct, record); }
+
+}  // extern "C"

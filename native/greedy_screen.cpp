@@ -41,19 +41,20 @@
 // with gamma' taking a unit roundoff of 2^-23, not 2^-24: the bound holds
 // for any rounding of those additions, not only to nearest.
 
-#include <torch/extension.h>
-
 #include "half.h"
 #include "kernels.h"
 #include "parallel.h"
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <limits>
-#include <tuple>
+#include <memory>
 #include <vector>
 
 namespace {
+
+using aioserve::BFloat16;
 
 // Past this many candidates the bound is too loose to save anything.
 constexpr size_t kMaxCandidates = 64;
@@ -155,12 +156,12 @@ constexpr float kBf16Underflow = 1e-31f;  // >= 2 k 2^-126 for any k below 2^20
 
 // x~ = bf16(x), subnormals flushed to zero, and ||x - x~|| + gamma'_k ||x~||
 // rounded up (+inf when x is not finite).
-float to_screen_bf16(const float* x, int64_t k, at::BFloat16* out) {
+float to_screen_bf16(const float* x, int64_t k, BFloat16* out) {
   double diff2 = 0.0, norm2 = 0.0;
   for (int64_t i = 0; i < k; ++i) {
-    float v = aioserve::round_to<at::BFloat16>(x[i]);
+    float v = aioserve::round_to<BFloat16>(x[i]);
     if (std::fabs(v) < 0x1p-126f) v = 0.f;  // flushed here, as the instruction would
-    out[i] = aioserve::from_float<at::BFloat16>(v);
+    out[i] = aioserve::from_float<BFloat16>(v);
     diff2 += (static_cast<double>(x[i]) - v) * (static_cast<double>(x[i]) - v);
     norm2 += static_cast<double>(v) * v;
   }
@@ -172,54 +173,28 @@ float to_screen_bf16(const float* x, int64_t k, at::BFloat16* out) {
 
 }  // namespace
 
-// x [M, K] float32; `exact` W packed in float32 [blocks, K, block] (by
-// pack_linear_weight); slack [N] float32 (rounded up). The screen: W in
-// float16 packed like `exact`, or in bf16 packed in k-pairs ([blocks, K / 2,
-// block, 2], AVX512-BF16) with screen_norms [N] (||w~_j||, rounded up).
-// Returns (tokens [M] int64, ok [M] bool); a row with ok false has token 0.
-std::tuple<torch::Tensor, torch::Tensor> screened_argmax(torch::Tensor x, const torch::Tensor& screen,
-                                                        torch::Tensor slack, const torch::Tensor& exact, int64_t n,
-                                                        const c10::optional<torch::Tensor>& screen_norms) {
-  TORCH_CHECK(aioserve::gemm_fuses_multiply_add(), "screened_argmax: packed_linear's sums are not fused here");
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat32, "screened_argmax: x must be float32 [M, K]");
-  TORCH_CHECK(exact.dim() == 3 && exact.scalar_type() == torch::kFloat32 && exact.is_contiguous(),
-              "screened_argmax: the exact weight must be float32, packed by pack_linear_weight");
-  const bool bf16 = screen.dim() == 4;
-  TORCH_CHECK(bf16 ? (screen.scalar_type() == torch::kBFloat16 && 2 * screen.size(1) == exact.size(1) &&
-                      screen.size(0) == exact.size(0) && screen.size(2) == exact.size(2))
-                   : (screen.dim() == 3 && screen.sizes() == exact.sizes()),
-              "screened_argmax: the screen must be packed like W (float16), or in bf16 k-pairs");
-  TORCH_CHECK(slack.dim() == 1 && slack.numel() == n && slack.scalar_type() == torch::kFloat32,
-              "screened_argmax: slack must be float32 [N]");
-  TORCH_CHECK(bf16 == (screen_norms.has_value() && screen_norms->defined()),
-              "screened_argmax: a bf16 screen, and only one, comes with screen_norms");
-  torch::Tensor norms;
-  if (bf16) {
-    norms = screen_norms->contiguous();
-    TORCH_CHECK(norms.dim() == 1 && norms.numel() == n && norms.scalar_type() == torch::kFloat32,
-                "screened_argmax: screen_norms must be float32 [N]");
-  }
-  x = x.contiguous();
-  slack = slack.contiguous();
-  const int64_t m = x.size(0), k = x.size(1), block = exact.size(2);
-  TORCH_CHECK(exact.size(1) == k, "screened_argmax: x has ", k, " features, the weight ", exact.size(1));
-  const float* xs = x.data_ptr<float>();
+// x [M, K] float32, contiguous; `exact` W packed in float32 [blocks, K,
+// block] (by pack_linear_weight); slack [N] float32 (rounded up). The
+// screen: W in float16 packed like `exact` (screen_type its dtype), or in
+// bf16 packed in k-pairs ([blocks, K / 2, block, 2], AVX512-BF16) with
+// screen_norms [N] (||w~_j||, rounded up). Writes tokens [M] int64 and ok
+// [M] bool (both zeroed by the caller); a row with ok false keeps token 0.
+// The tensors' shapes are checked by the caller (aioserve/cpu/native_gemm.py).
+void screened_argmax(const float* xs, int64_t m, int64_t k, const void* screen, int screen_type, bool bf16,
+                     const float* ss, const float* ws, int64_t n, int64_t block, const float* ns, int64_t* ts,
+                     bool* oks) {
+  AIOSERVE_CHECK(aioserve::gemm_fuses_multiply_add(), "screened_argmax: packed_linear's sums are not fused here");
   std::vector<float> x_slacks(m, 0.f);
-  torch::Tensor approx;
+  // Every element is written by the matmul: left uninitialized, as torch::empty was.
+  const std::unique_ptr<float[]> approx(new float[std::max<int64_t>(1, m * n)]);
   if (bf16) {
-    auto rounded = torch::empty({m, k}, x.options().dtype(torch::kBFloat16));
-    for (int64_t r = 0; r < m; ++r) x_slacks[r] = to_screen_bf16(xs + r * k, k, rounded.data_ptr<at::BFloat16>() + r * k);
-    approx = aioserve::packed_linear_unrounded(rounded, screen, n);
+    const std::unique_ptr<BFloat16[]> rounded(new BFloat16[std::max<int64_t>(1, m * k)]);
+    for (int64_t r = 0; r < m; ++r) x_slacks[r] = to_screen_bf16(xs + r * k, k, rounded.get() + r * k);
+    aioserve::packed_linear_unrounded(rounded.get(), m, k, static_cast<const BFloat16*>(screen), n, approx.get());
   } else {
-    approx = aioserve::packed_linear(x, screen, c10::nullopt, n, true);
+    aioserve::packed_linear(xs, aioserve::kFloat32, m, k, screen, screen_type, false, n, nullptr, approx.get(), true);
   }
-  auto tokens = torch::zeros({m}, x.options().dtype(torch::kInt64));
-  auto ok = torch::zeros({m}, x.options().dtype(torch::kBool));
-  const float *as = approx.data_ptr<float>(), *ws = exact.data_ptr<float>();
-  const float* ss = slack.data_ptr<float>();
-  const float* ns = bf16 ? norms.data_ptr<float>() : nullptr;
-  int64_t* ts = tokens.data_ptr<int64_t>();
-  bool* oks = ok.data_ptr<bool>();
+  const float* as = approx.get();
   aioserve::parallel_pieces(m, 1, [&](int64_t first, int64_t last) {
     std::vector<int64_t> candidates;
     candidates.reserve(kMaxCandidates);
@@ -235,12 +210,18 @@ std::tuple<torch::Tensor, torch::Tensor> screened_argmax(torch::Tensor x, const 
       oks[r] = row.ok;
     }
   });
-  return {tokens, ok};
 }
 
-void bind_greedy_screen(pybind11::module_& m) {
-  m.def("screened_argmax", &screened_argmax,
-        "greedy argmax of x W^T from a half-width copy of W, exactly (see native/greedy_screen.cpp)",
-        pybind11::arg("x"), pybind11::arg("screen"), pybind11::arg("slack"), pybind11::arg("exact"), pybind11::arg("n"),
-        pybind11::arg("screen_norms") = pybind11::none());
+static int screened_argmax_direct(const float* x, int64_t m, int64_t k, const void* screen, int screen_type,
+                                        int bf16, const float* slack, const float* exact, int64_t n, int64_t block,
+                                        const float* screen_norms, int64_t* tokens, bool* ok) {
+  return aioserve::guarded([&] {
+    screened_argmax(x, m, k, screen, screen_type, bf16 != 0, slack, exact, n, block, screen_norms, tokens, ok);
+  });
 }
+
+extern "C" {
+
+int aioserve_screened_argmax(const void* record) { return aioserve::call_packed(screened_argmax_direct, record); }
+
+}  // extern "C"

@@ -1,35 +1,144 @@
-// The kernels' tensor-level entry points, for the files that call one
-// another's kernels (decoder.cpp runs a whole decode step through them).
-// Each is bound to Python by the file that defines it.
+// The kernels' pointer-level entry points and what they share: element
+// types, strided rows, errors. No torch header is included anywhere in
+// native/: each file compiles in seconds (with torch/extension.h, ~40 s
+// each), and the tensors are checked and unpacked in Python
+// (aioserve/cpu/native_*.py), which passes data pointers, sizes and strides
+// through the C functions each file exports (`extern "C" aioserve_*`).
+//
+// decoder.cpp runs a whole decode step through the functions below.
 #pragma once
 
-#include <torch/extension.h>
-
-#include <optional>
+#include <cstdint>
+#include <cstring>
+#include <sstream>
+#include <stdexcept>
+#include <string>
 #include <tuple>
+#include <type_traits>
 
 namespace aioserve {
 
-// elementwise.cpp
-torch::Tensor rms_norm(torch::Tensor x, std::optional<torch::Tensor> residual, torch::Tensor weight, double eps);
-void rotary_embedding(torch::Tensor positions, torch::Tensor q, torch::Tensor k, torch::Tensor cos_cache,
-                      torch::Tensor sin_cache);
-void store_kv(torch::Tensor k, torch::Tensor v, torch::Tensor key_cache, torch::Tensor value_cache, torch::Tensor slots);
-torch::Tensor silu_and_mul(torch::Tensor x);
-std::tuple<torch::Tensor, torch::Tensor> row_max_argmax(torch::Tensor logits);
+// Element types, as aioserve/cpu/native_lib.py numbers torch's dtypes.
+enum DType : int { kFloat32 = 0, kBFloat16 = 1, kFloat16 = 2, kFloat64 = 3 };
 
-// gemm.cpp
-bool gemm_fuses_multiply_add();  // each k's multiply-add is one fused rounding (not the portable fallback)
-torch::Tensor packed_linear(torch::Tensor x, const torch::Tensor& packed, const c10::optional<torch::Tensor>& bias,
-                            int64_t n, bool float_out, const c10::optional<torch::Tensor>& out = c10::nullopt);
+inline int64_t element_size(int type) { return type == kFloat64 ? 8 : type == kFloat32 ? 4 : 2; }
 
-// x W^T as the float32 sums themselves, for bf16 x and a bf16 W packed in
-// k-pairs (AVX512-BF16 only): not rounded to bf16 as packed_linear's are.
-torch::Tensor packed_linear_unrounded(const torch::Tensor& x, const torch::Tensor& packed, int64_t n);
+// A failed check: thrown inside the library, turned into an error code and
+// a message at its C boundary (guarded), raised in Python as RuntimeError,
+// as torch's TORCH_CHECK was.
+template <typename... Parts>
+[[noreturn]] void fail(const Parts&... parts) {
+  std::ostringstream message;
+  (message << ... << parts);
+  throw std::runtime_error(message.str());
+}
 
-// attention.cpp
-torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
-                                     torch::Tensor page_table, torch::Tensor seq_lens, int64_t page_size,
-                                     double scale, int64_t window);
+#define AIOSERVE_CHECK(cond, ...) \
+  do {                            \
+    if (!(cond)) ::aioserve::fail(__VA_ARGS__); \
+  } while (0)
+
+void set_error(const char* message);  // module.cpp: the calling thread's last error
+
+// Runs f; 0 when it returned, 1 (and the message kept for
+// aioserve_last_error) when it threw.
+template <typename F>
+int guarded(F&& f) {
+  try {
+    f();
+    return 0;
+  } catch (const std::exception& e) {
+    set_error(e.what());
+  } catch (...) {
+    set_error("native kernel: unknown error");
+  }
+  return 1;
+}
+
+// The exported kernels take their arguments as one record of 8-byte fields
+// (int64; double for a double parameter), packed by aioserve/cpu/native_lib.py
+// with struct: ctypes converts each argument of a call on its own, ~0.2 us
+// apiece, and a kernel call's Python overhead is what a small model's step
+// is made of. `call_packed(f, record)` unpacks the fields in order and calls f.
+template <typename T>
+T unpack_field(const char*& p) {
+  int64_t bits;
+  std::memcpy(&bits, p, sizeof bits);
+  p += sizeof bits;
+  if constexpr (std::is_same_v<T, double>) {
+    double value;
+    std::memcpy(&value, &bits, sizeof value);
+    return value;
+  } else if constexpr (std::is_pointer_v<T>) {
+    return reinterpret_cast<T>(static_cast<intptr_t>(bits));
+  } else {
+    return static_cast<T>(bits);
+  }
+}
+
+template <typename R, typename... P>
+R call_packed(R (*f)(P...), const void* record) {
+  const char* p = static_cast<const char*>(record);
+  // Braced initialization evaluates its elements left to right.
+  std::tuple<P...> values{unpack_field<P>(p)...};
+  return std::apply(f, values);
+}
+
+// Calls f with a value of the C++ type of a float32, bfloat16 or float16 element type.
+template <typename F>
+void dispatch_float(int type, const char* name, F&& f);
+
+// The rows of a [N, D] or [T, H, D] tensor whose last dim is contiguous:
+// row r starts at (r / inner) * outer_stride + (r % inner) * inner_stride.
+// So a [T, H, D] view of heads inside a fused q|k|v projection's rows is
+// read and written where it lies, without a copy.
+struct Rows {
+  int64_t count, inner, outer_stride, inner_stride;
+  int64_t offset(int64_t r) const { return (r / inner) * outer_stride + (r % inner) * inner_stride; }
+};
+
+// elementwise.cpp. rms_norm's output has x's type when the weight has it,
+// else float32 (torch's promotion of a float32 weight with a half x); it is
+// written as contiguous rows of `dim`.
+void rms_norm(const void* x, Rows xr, void* residual, Rows rr, int x_type, const void* weight, int w_type, void* out,
+              int64_t dim, float eps);
+void rotary_embedding(const int64_t* positions, void* q, Rows qr, void* k, Rows kr, int type, const float* cos,
+                      const float* sin, int64_t limit, int64_t tokens, int64_t dim);
+void store_kv(const void* src, Rows sr, int src_type, void* cache, int cache_type, const int64_t* slots,
+              int64_t limit, int64_t heads, int64_t dim);
+void silu_and_mul(const void* x, void* out, int type, int64_t rows, int64_t n);
+void check_indices(const int64_t* values, int64_t count, int64_t limit, const char* what);
+
+// gemm.cpp: y [m, n] = x [m, k] W^T (+ bias) with W packed by pack_linear_weight;
+// y in x's type, or float32 holding x's rounding (float_out).
+bool gemm_fuses_multiply_add();
+void packed_linear(const void* x, int x_type, int64_t m, int64_t k, const void* packed, int w_type, bool pairs,
+                   int64_t n, const float* bias, void* y, bool float_out);
+
+// attention.cpp: q [batch, heads, dim] contiguous; out like q.
+void paged_decode_attention(const void* q, int q_type, const void* k_cache, const void* v_cache, int kv_type,
+                            const int32_t* page_table, int64_t pages_per_row, const int64_t* seq_lens, int64_t batch,
+                            int64_t num_heads, int64_t num_kv_heads, int64_t dim, int64_t page_size, double scale,
+                            int64_t window, void* out);
+
+}  // namespace aioserve
+
+#include "half.h"
+
+namespace aioserve {
+
+// gemm.cpp: the bf16 k-pair dot products' float32 sums themselves, unrounded
+// (AVX512-BF16 only; greedy_screen.cpp).
+void packed_linear_unrounded(const BFloat16* x, int64_t m, int64_t k, const BFloat16* packed, int64_t n, float* y);
+
+template <typename F>
+void dispatch_float(int type, const char* name, F&& f) {
+  switch (type) {
+    case kFloat32: f(float{}); break;
+    case kBFloat16: f(BFloat16{}); break;
+    case kFloat16: f(Half{}); break;
+    default: fail(name, ": unsupported dtype");
+  }
+}
 
 }  // namespace aioserve

@@ -1,8 +1,7 @@
 // Float math shared by the kernels.
 #pragma once
 
-#include <c10/util/BFloat16.h>
-#include <c10/util/Half.h>
+#include "half.h"
 
 #include <algorithm>
 #include <cstdint>
@@ -17,11 +16,11 @@ namespace aioserve {
 #if defined(__AVX512F__)
 // 16 values widened to float32: bf16 by a shift, fp16 by the conversion instruction.
 inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
-inline __m512 load16(const at::BFloat16* p) {
+inline __m512 load16(const BFloat16* p) {
   const __m256i bits = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bits), 16));
 }
-inline __m512 load16(const at::Half* p) { return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))); }
+inline __m512 load16(const Half* p) { return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))); }
 #endif
 
 // exp(x) by range reduction to 2^n * exp(r), |r| <= ln2 / 2, and Cephes'

@@ -4,6 +4,13 @@ kernel_contracts.py and layers/flashinfer_elementwise.py):
   isa.py            what this CPU can do (its flags, or AIOSERVE_CPU_ISA's), the kernels' ISA flags
   openmp.py         OpenMP teams per thread (the loop's thread stays single-threaded)
   native.py         the C++ kernels of native/: built on this machine, cached, loaded
+  native_build.py   the build (ninja, the system compiler) in a session of its own
+  native_progress.py  how far a build is, and how long it has left
+  native_lib.py     the built library, loaded with ctypes (which calls keep the GIL)
+  native_ops.py     the elementwise and attention kernels for torch tensors
+  native_gemm.py    the packed matmul and the greedy screen for torch tensors
+  native_decoder.py the DecoderStack (a whole decode step) for torch tensors
+  native_kernels.py all of them as one module: what cpu_kernels() hands out
   matmul.py         the packed native matmul, or BLAS in a tuned storage order
   elementwise.py    the switch for the native RMSNorm / RoPE / SiLU-and-mul / attention kernels
 

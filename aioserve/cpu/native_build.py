@@ -1,10 +1,9 @@
-"""Runs torch's extension build in a child process that leads its own
-session, so that no process of a build outlives it.
+"""Runs the kernels' build (ninja over the system C++ compiler) in a child
+process that leads its own session, so that no process of a build outlives it.
 
-torch.utils.cpp_extension runs `ninja` with subprocess.run, in the caller's
-process group, and ninja starts each compiler command in a process group of
-its own. Killed in the caller, a build would leave ninja and its compilers
-running under PID 1, still writing into the build folder that the next build
+The parent writes build.ninja (write_ninja_file); the child runs `ninja`,
+which starts each compiler command in a process group of its own. Killed
+in the caller, a build would leave ninja and its compilers running under PID 1, still writing into the build folder that the next build
 uses. Here the build runs in a child started with start_new_session: its pid
 is its session's id, and ninja and every compiler stay in that session
 (they change group, not session). The whole session is killed:
@@ -25,6 +24,8 @@ from __future__ import annotations
 import json
 import logging
 import os
+import shlex
+import shutil
 import signal
 import subprocess
 import sys
@@ -37,17 +38,52 @@ from pathlib import Path
 logger = logging.getLogger(__name__)
 
 LOG_NAME = "aioserve-build.log"
+# ninja's status line for each finished command ("[3/7] g++ ..."): what the
+# progress lines count units by (native_progress.py).
+NINJA_STATUS = "[%f/%t] "
 
 
 @dataclass
 class BuildRequest:
-    """What torch.utils.cpp_extension.load needs; sent to the child as JSON."""
+    """What the child needs to run the build; sent to it as JSON."""
 
-    name: str
-    sources: list[str]
-    cflags: list[str]
-    ldflags: list[str]
     folder: str
+    jobs: int
+
+
+def write_ninja_file(folder: Path, sources: list[Path], library: str, compiler: str, cflags: list[str],
+                     ldflags: list[str]) -> int:
+    """build.ninja in `folder`: one object per source, linked into `library`
+    (written under a temporary name and renamed, so that a build killed
+    midway never leaves a library behind). Returns the number of commands."""
+    quote = shlex.join
+    lines = [
+        "ninja_required_version = 1.3",
+        f"cxx = {shlex.quote(compiler)}",
+        f"cflags = {quote(cflags)}",
+        f"ldflags = {quote(ldflags)}",
+        "rule compile",
+        "  command = $cxx -MMD -MF $out.d $cflags -c $in -o $out",
+        "  depfile = $out.d",
+        "  deps = gcc",
+        "rule link",
+        "  command = $cxx -shared $in $ldflags -o $out.tmp && mv -f $out.tmp $out",
+    ]
+    objects = []
+    # Largest first: ninja starts them in this order, and the longest compile
+    # (gemm.cpp) started last would run alone at the end.
+    for source in sorted(sources, key=lambda path: path.stat().st_size, reverse=True):
+        obj = f"{source.stem}.o"
+        objects.append(obj)
+        lines.append(f"build {obj}: compile {_escape(str(source))}")
+    lines.append(f"build {library}: link {' '.join(objects)}")
+    lines.append(f"default {library}")
+    (folder / "build.ninja").write_text("\n".join(lines) + "\n")
+    return len(objects) + 1
+
+
+def _escape(path: str) -> str:
+    return path.replace("$", "$$").replace(" ", "$ ").replace(":", "$:")
 
 
 def _session_members(sid: int) -> list[int]:
@@ -101,8 +137,10 @@ def build_in_own_session(
     log_path = Path(request.folder) / LOG_NAME
     started = time.monotonic()
     with open(log_path, "wb") as log:
+        # This file as a script (-I: isolated, its folder not on sys.path), not
+        # `-m`: importing the aioserve package would import torch, seconds of CPU.
         child = subprocess.Popen(
-            [sys.executable, "-m", "aioserve.cpu.native_build", json.dumps(asdict(request))],
+            [sys.executable, "-I", __file__, json.dumps(asdict(request))],
             stdin=subprocess.PIPE, stdout=log, stderr=subprocess.STDOUT,
             start_new_session=True, pass_fds=(lock_fd,),
         )
@@ -137,13 +175,11 @@ def _die_with_parent() -> None:
 def _main(argv: list[str]) -> int:
     request = BuildRequest(**json.loads(argv[0]))
     threading.Thread(target=_die_with_parent, name="aioserve-build-watch", daemon=True).start()
-    from torch.utils.cpp_extension import load
-
-    load(
-        name=request.name, sources=request.sources, extra_cflags=request.cflags, extra_ldflags=request.ldflags,
-        build_directory=request.folder, verbose=True,
-    )
-    return 0
+    sys.stdout.flush()
+    env = {**os.environ, "NINJA_STATUS": NINJA_STATUS}
+    # On PATH, or beside this Python (the pip package's, in a venv run by its full path).
+    ninja = shutil.which("ninja") or str(Path(sys.executable).with_name("ninja"))
+    return subprocess.run([ninja, "-C", request.folder, "-j", str(request.jobs)], env=env).returncode
 
 
 if __name__ == "__main__":

@@ -1,0 +1,137 @@
+"""The packed matmul and the greedy screen (native/gemm.cpp,
+native/greedy_screen.cpp) for torch tensors: checks (the torch extension's
+RuntimeError messages), output allocation, pointers to the library."""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from aioserve.cpu.native_lib import code, library
+
+logger = logging.getLogger(__name__)
+
+
+def gemm_block_width() -> int:
+    """Output columns per packed weight block."""
+    return library().block_width
+
+
+def gemm_fuses_multiply_add() -> bool:
+    """Whether each output is a chain of fused multiply-adds (what screened_argmax recomputes)."""
+    return library().fuses_multiply_add
+
+
+def packs_bf16_pairs() -> bool:
+    """Whether bf16 weights are packed in k-pairs (AVX512-BF16)."""
+    return library().packs_bf16_pairs
+
+
+def pack_linear_weight(weight: torch.Tensor) -> torch.Tensor:
+    """Pack W [N, K] for packed_linear: [ceil(N / NB), K, NB], or bf16 k-pairs [.., K / 2, NB, 2]."""
+    if weight.dim() != 2:
+        raise RuntimeError("pack_linear_weight: W must be [N, K]")
+    lib = library()
+    n, k = weight.shape
+    block = lib.block_width
+    blocks = (n + block - 1) // block
+    pairs = lib.packs_bf16_pairs and weight.dtype == torch.bfloat16 and k % 2 == 0
+    type_code = code(weight, "pack_linear_weight")
+    shape = (blocks, k // 2, block, 2) if pairs else (blocks, k, block)
+    out = torch.empty(shape, dtype=weight.dtype)
+    if lib.pack_linear_weight(weight.data_ptr(), type_code, n, k, weight.stride(0), weight.stride(1), int(pairs),
+                              out.data_ptr(), out.nbytes):
+        raise lib.fail()
+    return out
+
+
+def packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, n: int, float_out: bool = False,
+                  out: torch.Tensor | None = None) -> torch.Tensor:
+    """x W^T (+ b) with a packed W (CPU): [M, n] in x's dtype, or float32
+    holding x's dtype's rounding (float_out); into `out` when given."""
+    if x.dim() != 2:
+        raise RuntimeError("packed_linear: x must be [M, K]")
+    lib = library()
+    block = lib.block_width
+    pairs = packed.dim() == 4
+    if not ((packed.dim() == 3 or (pairs and lib.packs_bf16_pairs and packed.shape[3] == 2
+                                   and packed.dtype == torch.bfloat16))
+            and packed.shape[2] == block and packed.is_contiguous()):
+        raise RuntimeError("packed_linear: the weight must come from pack_linear_weight")
+    m, k = x.shape
+    packed_k = 2 * packed.shape[1] if pairs else packed.shape[1]
+    if packed_k != k:
+        raise RuntimeError(f"packed_linear: x has {k} features, the weight {packed_k}")
+    if not (0 < n <= packed.shape[0] * block and n > (packed.shape[0] - 1) * block):
+        raise RuntimeError("packed_linear: bad N")
+    x = x.contiguous()
+    y_dtype = torch.float32 if float_out else x.dtype
+    if out is not None:
+        if (out.dim() != 2 or out.shape[0] != m or out.shape[1] != n or not out.is_contiguous()
+                or out.dtype != y_dtype or out.device != x.device):
+            raise RuntimeError("packed_linear: out must be a contiguous [M, N] tensor of the output's dtype")
+        y = out
+    else:
+        y = torch.empty(m, n, dtype=y_dtype)  # positional sizes: ~1 us less than a tuple
+    bias32 = None
+    if bias is not None:
+        if bias.numel() != n:
+            raise RuntimeError("packed_linear: bias must have N values")
+        bias32 = bias.to(torch.float32).contiguous()
+    if m == 0:
+        return y
+    if lib.packed_linear(x.data_ptr(), code(x, "packed_linear"), m, k, packed.data_ptr(), code(packed, "packed_linear"),
+                         int(pairs), n, bias32.data_ptr() if bias32 is not None else 0, y.data_ptr(), int(float_out)):
+        raise lib.fail()
+    return y
+
+
+def screened_argmax(x: torch.Tensor, screen: torch.Tensor, slack: torch.Tensor, exact: torch.Tensor, n: int,
+                    screen_norms: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Greedy argmax of x W^T from a half-width copy of W, exactly (see
+    native/greedy_screen.cpp): (tokens [M] int64, ok [M] bool)."""
+    lib = library()
+    if not lib.fuses_multiply_add:
+        raise RuntimeError("screened_argmax: packed_linear's sums are not fused here")
+    if x.dim() != 2 or x.dtype != torch.float32:
+        raise RuntimeError("screened_argmax: x must be float32 [M, K]")
+    if exact.dim() != 3 or exact.dtype != torch.float32 or not exact.is_contiguous():
+        raise RuntimeError("screened_argmax: the exact weight must be float32, packed by pack_linear_weight")
+    bf16 = screen.dim() == 4
+    if bf16:
+        fits = (screen.dtype == torch.bfloat16 and 2 * screen.shape[1] == exact.shape[1]
+                and screen.shape[0] == exact.shape[0] and screen.shape[2] == exact.shape[2])
+    else:
+        fits = screen.dim() == 3 and screen.shape == exact.shape
+    if not fits:
+        raise RuntimeError("screened_argmax: the screen must be packed like W (float16), or in bf16 k-pairs")
+    if slack.dim() != 1 or slack.numel() != n or slack.dtype != torch.float32:
+        raise RuntimeError("screened_argmax: slack must be float32 [N]")
+    if bf16 != (screen_norms is not None):
+        raise RuntimeError("screened_argmax: a bf16 screen, and only one, comes with screen_norms")
+    norms_ptr = 0  # a null pointer
+    if screen_norms is not None:
+        screen_norms = screen_norms.contiguous()
+        if screen_norms.dim() != 1 or screen_norms.numel() != n or screen_norms.dtype != torch.float32:
+            raise RuntimeError("screened_argmax: screen_norms must be float32 [N]")
+        norms_ptr = screen_norms.data_ptr()
+    # What the screen's matmul (packed_linear, or its unrounded bf16 twin) checked.
+    matmul = "packed_linear_unrounded" if bf16 else "packed_linear"
+    block = lib.block_width
+    if not screen.is_contiguous() or screen.shape[2] != block:
+        raise RuntimeError(f"{matmul}: the weight must come from pack_linear_weight")
+    if not (0 < n <= screen.shape[0] * block and n > (screen.shape[0] - 1) * block):
+        raise RuntimeError(f"{matmul}: bad N")
+    x = x.contiguous()
+    slack = slack.contiguous()
+    m, k = x.shape
+    if exact.shape[1] != k:
+        raise RuntimeError(f"screened_argmax: x has {k} features, the weight {exact.shape[1]}")
+    tokens = torch.zeros(m, dtype=torch.int64)
+    ok = torch.zeros(m, dtype=torch.bool)
+    if lib.screened_argmax(x.data_ptr(), m, k, screen.data_ptr(), code(screen, "screened_argmax"), int(bf16),
+                           slack.data_ptr(), exact.data_ptr(), n, exact.shape[2], norms_ptr, tokens.data_ptr(),
+                           ok.data_ptr()):
+        raise lib.fail()
+    return tokens, ok

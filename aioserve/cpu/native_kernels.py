@@ -1,0 +1,41 @@
+"""The native kernels as one module: what `cpu_kernels()` (native.py) hands
+out once the library is loaded, with the names and signatures the torch
+extension had (`kernels.rms_norm(...)`, `kernels.DecoderStack(...)`)."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+from aioserve.cpu.native_decoder import DecoderStack
+from aioserve.cpu.native_gemm import (
+    gemm_block_width,
+    gemm_fuses_multiply_add,
+    pack_linear_weight,
+    packed_linear,
+    screened_argmax,
+)
+from aioserve.cpu.native_lib import library
+from aioserve.cpu.native_ops import (
+    paged_decode_attention,
+    rms_norm,
+    rotary_embedding,
+    row_max_argmax,
+    silu_and_mul,
+    store_kv,
+)
+
+logger = logging.getLogger(__name__)
+
+
+
+def library_path() -> Path:
+    """The loaded library's file (in the build cache)."""
+    return library().path
+
+
+__all__ = [
+    "DecoderStack", "library_path", "gemm_block_width", "gemm_fuses_multiply_add", "pack_linear_weight", "packed_linear",
+    "paged_decode_attention", "rms_norm", "rotary_embedding", "row_max_argmax", "screened_argmax", "silu_and_mul",
+    "store_kv",
+]

@@ -1,0 +1,163 @@
+"""The elementwise and attention kernels (native/elementwise.cpp,
+native/attention.cpp) for torch tensors: each checks its tensors as the
+torch extension did (the same RuntimeError messages), allocates the outputs
+and passes data pointers, sizes and strides to the library (native_lib.py)."""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from aioserve.cpu.native_lib import code, library
+
+logger = logging.getLogger(__name__)
+
+Rows = tuple[int, int, int, int]  # count, inner, outer stride, inner stride: native/kernels.h's Rows
+
+
+def _has_rows(t: torch.Tensor) -> bool:
+    return t.dim() in (2, 3) and t.stride(-1) == 1
+
+
+def _rows_of(t: torch.Tensor) -> Rows:
+    if t.dim() == 2:
+        return (t.shape[0], 1, t.stride(0), 0)
+    return (t.shape[0] * t.shape[1], t.shape[1], t.stride(0), t.stride(1))
+
+
+def rms_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm of x [..., D] (of x + residual, written to residual, when one is given)."""
+    dim = x.shape[-1]
+    if weight.dim() != 1 or weight.shape[0] != dim or not weight.is_contiguous():
+        raise RuntimeError("rms_norm: weight must be [D]")
+    out_dtype = torch.promote_types(x.dtype, weight.dtype)
+    if out_dtype != x.dtype and out_dtype != torch.float32:
+        raise RuntimeError("rms_norm: weight must have x's dtype or float32")
+    # empty_like where it is contiguous anyway: ~2 us less than empty(shape) (the call's overhead is the cost at
+    # a small model's sizes).
+    out = torch.empty_like(x) if out_dtype == x.dtype and x.is_contiguous() else torch.empty(x.shape, dtype=out_dtype)
+    if not _has_rows(x):
+        x = x.contiguous().view(-1, dim)
+    res_ptr, res_rows = 0, (0, 1, 0, 0)  # 0: a null pointer
+    if residual is not None:
+        if residual.dtype != x.dtype or residual.numel() != x.numel() or residual.shape[-1] != dim:
+            raise RuntimeError("rms_norm: residual must match x")
+        if not residual.is_contiguous():
+            raise RuntimeError("rms_norm: the residual is updated in place, so it must be contiguous")
+        res_ptr, res_rows = residual.data_ptr(), (residual.numel() // max(dim, 1), 1, dim, 0)
+    lib = library()
+    if lib.rms_norm(x.data_ptr(), *_rows_of(x), res_ptr, *res_rows, code(x, "rms_norm"), weight.data_ptr(),
+                    code(weight, "rms_norm"), out.data_ptr(), dim, eps):
+        raise lib.fail()
+    return out
+
+
+def rotary_embedding(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, cos_cache: torch.Tensor,
+                     sin_cache: torch.Tensor) -> None:
+    """RoPE (rotate half) on q [T, Hq, D] and k [T, Hk, D] in place."""
+    if q.dim() != 3 or k.dim() != 3 or q.stride(-1) != 1 or k.stride(-1) != 1:
+        raise RuntimeError("rotary_embedding: q [T, Hq, D] and k [T, Hk, D] with contiguous rows (rotated in place)")
+    if q.dtype != k.dtype:
+        raise RuntimeError("rotary_embedding: q and k must share a dtype")
+    tokens, dim = q.shape[0], q.shape[2]
+    if k.shape[0] != tokens or k.shape[2] != dim or dim % 2 != 0:
+        raise RuntimeError("rotary_embedding: q and k shapes differ")
+    if positions.dtype != torch.int64 or positions.numel() != tokens:
+        raise RuntimeError("rotary_embedding: positions [T] int64")
+    if (cos_cache.dtype != torch.float32 or sin_cache.dtype != torch.float32 or not cos_cache.is_contiguous()
+            or not sin_cache.is_contiguous() or cos_cache.shape[1] != dim or sin_cache.shape != cos_cache.shape):
+        raise RuntimeError("rotary_embedding: cos/sin caches [max_positions, D] float32")
+    positions = positions.contiguous()
+    lib = library()
+    if lib.rotary_embedding(
+        positions.data_ptr(), q.data_ptr(), q.shape[1], q.stride(0), q.stride(1), k.data_ptr(), k.shape[1], k.stride(0),
+        k.stride(1), code(q, "rotary_embedding"), cos_cache.data_ptr(), sin_cache.data_ptr(), cos_cache.shape[0],
+        tokens, dim,
+    ):
+        raise lib.fail()
+
+
+def store_kv(k: torch.Tensor, v: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
+             slots: torch.Tensor) -> None:
+    """k, v [T, Hk, D] into the caches' slots, converted to their dtype."""
+    if k.dim() != 3 or k.shape != v.shape or k.dtype != v.dtype:
+        raise RuntimeError("store_kv: k, v [T, Hk, D]")
+    if (key_cache.dim() != 3 or key_cache.shape != value_cache.shape or key_cache.dtype != value_cache.dtype
+            or not key_cache.is_contiguous() or not value_cache.is_contiguous()):
+        raise RuntimeError("store_kv: contiguous caches [slots, Hk, D] of one dtype")
+    tokens, heads, dim = k.shape
+    if key_cache.shape[1] != heads or key_cache.shape[2] != dim:
+        raise RuntimeError("store_kv: k and the cache's rows differ")
+    if slots.dtype != torch.int64 or slots.numel() != tokens:
+        raise RuntimeError("store_kv: slots [T] int64")
+    if k.stride(-1) != 1:
+        k = k.contiguous()
+    if v.stride(-1) != 1:
+        v = v.contiguous()
+    slots = slots.contiguous()
+    lib = library()
+    if lib.store_kv(
+        k.data_ptr(), k.stride(0), k.stride(1), v.data_ptr(), v.stride(0), v.stride(1), code(k, "store_kv"),
+        key_cache.data_ptr(), value_cache.data_ptr(), code(key_cache, "store_kv"), slots.data_ptr(),
+        key_cache.shape[0], tokens, heads, dim,
+    ):
+        raise lib.fail()
+
+
+def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    """silu(x[..., :N]) * x[..., N:]."""
+    width = x.shape[-1]
+    if width % 2 != 0:
+        raise RuntimeError("silu_and_mul: the last dim must be [gate | up]")
+    out = (torch.empty(x.shape[0], width // 2, dtype=x.dtype) if x.dim() == 2
+           else torch.empty((*x.shape[:-1], width // 2), dtype=x.dtype))
+    x = x.contiguous()
+    lib = library()
+    if lib.silu_and_mul(x.data_ptr(), out.data_ptr(), code(x, "silu_and_mul"), x.numel() // max(1, width), width // 2):
+        raise lib.fail()
+    return out
+
+
+def row_max_argmax(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(max, first argmax) of each row of float32 logits [S, V]."""
+    if logits.dim() != 2 or logits.dtype != torch.float32 or logits.shape[1] <= 0:
+        raise RuntimeError("row_max_argmax: logits [S, V > 0] float32")
+    logits = logits.contiguous()
+    rows = logits.shape[0]
+    maxes = torch.empty(rows, dtype=torch.float32)
+    argmaxes = torch.empty(rows, dtype=torch.int64)  # (positional sizes: the fastest form of empty)
+    lib = library()
+    if lib.row_max_argmax(logits.data_ptr(), rows, logits.shape[1], maxes.data_ptr(), argmaxes.data_ptr()):
+        raise lib.fail()
+    return maxes, argmaxes
+
+
+def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, page_table: torch.Tensor,
+                           seq_lens: torch.Tensor, page_size: int, scale: float, window: int) -> torch.Tensor:
+    """Decode attention over paged KV (CPU): q [B, H, D], caches [slots, Hk, D]."""
+    if q.dim() != 3 or k_cache.dim() != 3 or v_cache.dim() != 3:
+        raise RuntimeError("q [B,H,D], caches [slots,Hk,D]")
+    if k_cache.dtype != v_cache.dtype:
+        raise RuntimeError("the K and V caches must share a dtype")
+    if q.dtype != k_cache.dtype and q.dtype != torch.float32:
+        raise RuntimeError("q must have the caches' dtype, or be float32")
+    if not k_cache.is_contiguous() or not v_cache.is_contiguous():
+        raise RuntimeError("caches must be contiguous")
+    if page_table.dtype != torch.int32 or seq_lens.dtype != torch.int64:
+        raise RuntimeError("page_table int32, seq_lens int64")
+    if q.shape[1] % k_cache.shape[1] != 0:
+        raise RuntimeError("query heads must be a multiple of KV heads")
+    q = q.contiguous()
+    page_table = page_table.contiguous()
+    seq_lens = seq_lens.contiguous()
+    out = torch.empty_like(q)
+    batch, heads, dim = q.shape
+    lib = library()
+    if lib.paged_decode_attention(
+        q.data_ptr(), code(q, "paged_decode_attention"), k_cache.data_ptr(), v_cache.data_ptr(),
+        code(k_cache, "paged_decode_attention"), page_table.data_ptr(), page_table.shape[1], seq_lens.data_ptr(),
+        batch, heads, k_cache.shape[1], dim, page_size, scale, window, out.data_ptr(),
+    ):
+        raise lib.fail()
+    return out
