@@ -110,6 +110,14 @@ def test_the_readme_lists_every_endpoint() -> None:
         assert f"`{endpoint.method} {shown}`" in text or f"`{shown}`" in text, f"README.md does not list {shown}"
 
 
+def test_every_relative_link_leads_to_a_file() -> None:
+    for path in DOCUMENTS:
+        for target in re.findall(r"\]\(([^)\s]+)\)", path.read_text()):
+            if re.match(r"[a-z]+:", target) or target.startswith("#"):
+                continue
+            assert (path.parent / target.split("#")[0]).exists(), f"{path.relative_to(ROOT)} links to {target}, which is not there"
+
+
 @pytest.mark.parametrize("block", BLOCKS, ids=lambda block: block.name)
 def test_an_unmarked_block_starts_and_installs_nothing(block: Block) -> None:
     if block.skip is None:
