@@ -1,4 +1,4 @@
-"""Every request field the README lists, through the real server, checked
+"""Every request field docs/guide/requests.md lists, through the real server, checked
 for its effect rather than for being accepted: a field that the server
 parsed and then dropped must fail here.
 
