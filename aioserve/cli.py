@@ -152,8 +152,8 @@ def build_parser() -> argparse.ArgumentParser:
     add_unsupported(serve)
     commands.add_parser(
         "build-kernels", help="build the native CPU kernels ahead of the first start",
-        description="Build (or find in the cache) the C++ CPU kernels of native/ for this Python, torch and CPU, "
-        "into $AIOSERVE_NATIVE_CACHE (default ~/.cache/aioserve/native). Needs g++ and the Python headers. "
+        description="Build (or find in the cache) the C++ CPU kernels of native/ for this compiler and CPU, "
+        "into $AIOSERVE_NATIVE_CACHE (default ~/.cache/aioserve/native). Needs g++ with OpenMP and ninja. "
         "Exits 1 when they cannot be built.",
     )
     return parser
