@@ -74,7 +74,10 @@ def spin() -> None:
 def timed_child(args: argparse.Namespace, threads: int, wait_policy: str) -> list[float]:
     env = {**os.environ, "OMP_NUM_THREADS": str(threads)}
     env.pop("OMP_WAIT_POLICY", None)
-    if wait_policy != "default":
+    env.pop("GOMP_SPINCOUNT", None)
+    if wait_policy.startswith("spin"):  # libgomp's spin before a waiting thread sleeps
+        env["GOMP_SPINCOUNT"] = wait_policy[4:]
+    elif wait_policy != "default":
         env["OMP_WAIT_POLICY"] = wait_policy
     done = subprocess.run(
         [sys.executable, "-c", CHILD, args.model, args.load_format, args.dtype, str(threads), str(args.tokens),
@@ -119,8 +122,8 @@ def main() -> None:
     parser.add_argument("--dtype", default="auto")
     parser.add_argument("--threads", nargs="+", type=int, default=sorted({1, cores}))
     parser.add_argument("--busy", nargs="+", type=int, default=[0, 1], help="competing busy processes")
-    parser.add_argument("--wait-policy", nargs="+", default=["default"], choices=["default", "passive", "active"],
-                        help="OMP_WAIT_POLICY of the runs")
+    parser.add_argument("--wait-policy", nargs="+", default=["default"],
+                        help="OMP_WAIT_POLICY of the runs (default, passive, active), or spinN: GOMP_SPINCOUNT=N")
     parser.add_argument("--tokens", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=3, help="timed generations per child")
     parser.add_argument("--rounds", type=int, default=2, help="children per configuration, alternated")
