@@ -25,6 +25,7 @@ REFUSED: dict[str, tuple[list[str], str]] = {
     "a memory fraction above 1": (["--mem-fraction-static", "1.5"], "--mem-fraction-static must be in (0, 1]"),
     "reasoning without a parser": (["--enable-reasoning"], "--enable-reasoning needs --reasoning-parser"),
     "remote code": (["--trust-remote-code"], "never runs Python code shipped with a model"),
+    "heads that do not divide over --tp": (["--tp", "3", "--device", "cpu"], "8 attention heads do not divide over 3"),
 }
 
 

@@ -19,9 +19,11 @@ from typing import Any
 
 import torch
 
-from aioserve.config import EngineConfig
+from aioserve.config import ConfigError, EngineConfig
 from aioserve.tp.distributed import destroy_tensor_parallel, init_tensor_parallel
 from aioserve.engine.loading import resolve_device
+from aioserve.models.model_config import ModelConfig
+from aioserve.models.source import resolve_model_path
 from aioserve.tp.channel import PlanChannel
 from aioserve.tp.lifeline import LeaderLifeline
 from aioserve.launch.world import (
@@ -57,9 +59,19 @@ def step_bound(num_tokens: int) -> float:
 FailureHandler = Callable[[str], None]
 
 
+def check_heads_split(config: EngineConfig) -> None:
+    """The model's attention heads divide over --tp: refused here, before any
+    rank starts, not by every rank's layers once they load."""
+    heads = ModelConfig.from_path(resolve_model_path(config.model, config.revision)).num_heads
+    if heads % config.tp_size:
+        raise ConfigError(f"--tp {config.tp_size}: the model's {heads} attention heads do not divide over "
+                          f"{config.tp_size} ranks")
+
+
 class TPLeader:
     def __init__(self, config: EngineConfig, on_failure: FailureHandler | None = None) -> None:
         check_layout(config)
+        check_heads_split(config)
         if config.node_rank != 0:
             raise DistributedInitError("only node 0 runs rank 0 (the HTTP server and the scheduler)")
         self.on_failure: FailureHandler = on_failure or (lambda reason: None)
