@@ -295,6 +295,11 @@ class ServerArgs:
         None, group="distributed",
         help="with --dp: replica i listens on 127.0.0.1 at this port + i (default: --port + 1)",
     )
+    dp_metrics_port: int | None = option(
+        None, group="distributed",
+        help="with --dp: every replica's /metrics merged (a replica label on each sample) at this port on --host "
+        "(default: the port after the last replica's)",
+    )
     router_policy: str = option(
         "cache_aware", choices=ROUTER_POLICIES, group="distributed",
         help="with --dp: how the router picks a replica; cache_aware sends a prompt to the replica whose "

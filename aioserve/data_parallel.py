@@ -32,6 +32,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from aioserve.config import ServerArgs
+from aioserve.dp_metrics import MergedMetrics
 
 logger = logging.getLogger(__name__)
 
@@ -69,6 +70,11 @@ class DataParallelError(RuntimeError):
 
 def router_available() -> bool:
     return importlib.util.find_spec("sglang_router") is not None
+
+
+def metrics_port(args: ServerArgs) -> int:
+    """Where the merged /metrics listens: --dp-metrics-port, or after the last replica."""
+    return args.dp_metrics_port if args.dp_metrics_port is not None else replica_ports(args)[-1] + 1
 
 
 def replica_ports(args: ServerArgs) -> list[int]:
@@ -308,10 +314,12 @@ def run_data_parallel(args: ServerArgs, argv_of: Callable[[ServerArgs], list[str
             "serving %d replicas behind sglang-router (%s) at http://%s:%d",
             args.dp_size, args.router_policy, args.host, args.port,
         )
-        # The router passes the OpenAI and SGLang routes only: a Prometheus
-        # scraper or a browser wants each replica's own port for these.
-        logger.info("the router does not pass /, /docs or /metrics: each replica serves them on its own port: %s",
-                    ", ".join(f"{url}/metrics" for url in urls))
+        # The router passes the OpenAI and SGLang routes only: the replicas'
+        # metrics are merged here; the page and /docs are each replica's.
+        metrics = MergedMetrics(urls, args.host, metrics_port(args))
+        metrics.start()
+        logger.info("the replicas' /metrics merged at %s (the router passes no /, /docs or /metrics; each replica "
+                    "serves them on its own port: %s)", metrics.url, ", ".join(urls))
         return deployment.supervise()
     except DataParallelError as exc:
         logger.error("%s", exc)

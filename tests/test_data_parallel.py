@@ -144,12 +144,31 @@ LINUX_ONLY = pytest.mark.skipif(
 )
 
 
+def test_merged_metrics_label_each_replica_and_keep_families_whole() -> None:
+    from aioserve.dp_metrics import labelled, merged
+
+    assert labelled('a_total{x="1"} 3', 0) == 'a_total{replica="0",x="1"} 3'
+    assert labelled("b 2.5", 1) == 'b{replica="1"} 2.5' and labelled("c{} 1", 2) == 'c{replica="2"} 1'
+    one = "# HELP a_total A.\n# TYPE a_total counter\na_total 1\n# HELP g G.\n# TYPE g gauge\ng{k=\"v\"} 2\n"
+    text = merged([one, None, one.replace(" 1\n", " 5\n")])
+    lines = text.splitlines()
+    assert lines.count("# TYPE a_total counter") == 1 and lines.count("# TYPE g gauge") == 1
+    start = lines.index("# TYPE a_total counter")
+    assert lines[start + 1 : start + 3] == ['a_total{replica="0"} 1', 'a_total{replica="2"} 5']  # together
+    assert 'aioserve:dp_replica_up{replica="1"} 0' in lines and 'aioserve:dp_replica_up{replica="0"} 1' in lines
+
+
 @LINUX_ONLY
 def test_dp_2_serves_restarts_a_replica_and_dies_with_its_parent(stories_path: Path) -> None:
-    parent, url, replicas, log = _start_dp_2(stories_path)
+    metrics_port = free_port()
+    parent, url, replicas, log = _start_dp_2(stories_path, "--dp-metrics-port", str(metrics_port))
     try:
         children = _children(parent.pid)
         assert len(children) == 3, children  # two replicas and the router
+        scraped = httpx.get(f"http://127.0.0.1:{metrics_port}/metrics", timeout=10).text  # where a scraper looks
+        for replica in ("0", "1"):
+            assert f'aioserve:dp_replica_up{{replica="{replica}"}} 1' in scraped
+            assert f'aioserve:num_requests_running{{replica="{replica}"' in scraped, scraped[:2000]
 
         prompts = [f"{word} {i} went to the park" for i, word in enumerate("cat dog sun tree ball girl".split())]
         with ThreadPoolExecutor(len(prompts)) as pool:  # at once: one by one, all go to the first (least busy)
