@@ -282,12 +282,14 @@ def test_full_queue_gets_429_with_retry_after(wide_model: Path) -> None:
             threading.Thread(target=lambda: results.append(httpx.post(f"{server.v1}/completions", json=body, timeout=300).status_code))
             for _ in range(2)
         ]
-        for thread in threads:
-            thread.start()
+        # One after the other: started together, the second could arrive (on a
+        # loaded machine) only once the first had finished, and never wait.
         deadline = time.monotonic() + 60
-        while server.info()["waiting"] < 1:  # one runs, one waits
-            assert time.monotonic() < deadline
-            time.sleep(0.01)
+        for thread, (state, count) in zip(threads, (("running", 1), ("waiting", 1))):  # one runs, one waits
+            thread.start()
+            while server.info()[state] < count:
+                assert time.monotonic() < deadline
+                time.sleep(0.01)
         started = time.perf_counter()
         response = httpx.post(f"{server.v1}/completions", json={"prompt": "hi", "max_tokens": 1}, timeout=30)
         assert time.perf_counter() - started < 5  # at once, not after the queue moves
