@@ -49,6 +49,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "tests"))  # the enforcing FlashInfer fake lives with the tests
 
 from fake_flashinfer import fake_flashinfer  # noqa: E402
+from roofline import decode_plan  # noqa: E402  (a sibling script: the same decode-only plan)
 
 from aioserve.attention.flashinfer import FlashInferBackend  # noqa: E402
 from aioserve.batch_plan import BatchPlan  # noqa: E402
@@ -301,19 +302,6 @@ def build_engine(name: str, folder: Path, fake: Any) -> Engine:
 def _rows(n: int) -> list[SampleRow]:
     return [SampleRow(Request(f"r{i}", [1], SamplingParams(temperature=0), lambda e: None), 0, None)
             for i in range(n)]
-
-
-def decode_plan(engine: Engine, batch: int, context: int, sampling: SamplingBatchBuilder) -> BatchPlan:
-    """`batch` greedy requests with `context` tokens each, in pages of their own."""
-    width = -(-context // engine.page_size)
-    pages = (torch.arange(batch * width) + 1).view(batch, width)
-    last = torch.full((batch,), context - 1, dtype=torch.long)
-    return BatchPlan(
-        step=0, input_ids=torch.full((batch,), 1, dtype=torch.long), positions=last,
-        out_cache_loc=pages[:, -1].long() * engine.page_size + (context - 1) % engine.page_size,
-        seq_lens=last + 1, extend_lens=torch.ones(batch, dtype=torch.long), page_table=pages.int(),
-        num_decodes=batch, logits_indices=torch.arange(batch), sampling=sampling.build(_rows(batch)),
-    )
 
 
 def prefill_plan(engine: Engine, tokens: int, sampling: SamplingBatchBuilder) -> BatchPlan:
