@@ -11,6 +11,8 @@ import torch
 
 from aioserve import LLM, SamplingParams
 from aioserve.cpu_engine.greedy_screen import FLOAT16_MAX_ROWS, GreedyScreen, _bounds, dots_bf16_pairs, screen_copy
+from aioserve.cpu.dispatch import choose_cpu_dispatch
+from aioserve.cpu.isa import cpu_flags
 from aioserve.cpu.native import cpu_kernels
 
 pytestmark = pytest.mark.skipif(cpu_kernels() is None, reason="native kernels could not be built here")
@@ -158,16 +160,18 @@ def test_no_screen_where_it_does_not_apply(tiny_checkpoints: dict[str, Path]) ->
     head = torch.nn.Linear(8, 4, bias=False)
     head.weight.data = kernels.pack_linear_weight(torch.full((4, 8), 1e6))
     head.matmul_choice = type("Choice", (), {"packed_features": 4})()
-    assert GreedyScreen.build(head, kernels, tp_size=1, copy_dtype=torch.float16) is None  # beyond float16's range
-    head.weight.data = kernels.pack_linear_weight(torch.full((4, 8), 3.4e38))
-    assert GreedyScreen.build(head, kernels, tp_size=1) is None  # beyond bf16's too
-    head.weight.data = kernels.pack_linear_weight(torch.ones(4, 8))
-    assert GreedyScreen.build(head, kernels, tp_size=1) is not None
-    assert GreedyScreen.build(head, kernels, tp_size=2) is None
-    # The copy: bf16 where the kernels dot bf16 pairs, float16 otherwise or when asked.
+    assert GreedyScreen.build(head, kernels, torch.float16) is None  # beyond float16's range
+    # The copy the dispatch chooses for this CPU (bf16 where the kernels dot bf16 pairs) is one they can make.
+    chosen = choose_cpu_dispatch(cpu_flags(), torch.float32).screen_dtype
     bf16 = dots_bf16_pairs(kernels)
-    assert (GreedyScreen.build(head, kernels, tp_size=1).screen_norms is not None) == bf16
-    float16 = GreedyScreen.build(head, kernels, tp_size=1, copy_dtype=torch.float16)
+    assert chosen == (torch.bfloat16 if bf16 else torch.float16)
+    head.weight.data = kernels.pack_linear_weight(torch.full((4, 8), 3.4e38))
+    assert GreedyScreen.build(head, kernels, chosen) is None  # beyond bf16's too
+    head.weight.data = kernels.pack_linear_weight(torch.ones(4, 8))
+    assert GreedyScreen.build(head, kernels, chosen) is not None
+    assert GreedyScreen.build(head, kernels, None) is None  # no screen chosen (a sharded head, half math)
+    assert (GreedyScreen.build(head, kernels, chosen).screen_norms is not None) == bf16
+    float16 = GreedyScreen.build(head, kernels, torch.float16)
     assert float16.screen_norms is None
     # The float16 copy only pays while the head is bound by its bytes: past
     # FLOAT16_MAX_ROWS rows it steps aside.
@@ -175,7 +179,7 @@ def test_no_screen_where_it_does_not_apply(tiny_checkpoints: dict[str, Path]) ->
     assert float16.argmax(torch.ones(FLOAT16_MAX_ROWS + 1, 8)) is None
     if not bf16:
         with pytest.raises(ValueError, match="AVX512-BF16"):
-            GreedyScreen.build(head, kernels, tp_size=1, copy_dtype=torch.bfloat16)
+            GreedyScreen.build(head, kernels, torch.bfloat16)
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen3"])  # qwen3's tiny checkpoint ties its embeddings

@@ -6,6 +6,7 @@ and bf16, at page sizes 1 and 4; and it stays out where it cannot be exact."""
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 
 import pytest
@@ -14,6 +15,9 @@ import torch
 from aioserve import LLM, SamplingParams
 from aioserve.cpu_engine.decode_stack import NativeDecodeRunner, unsupported_reason
 from aioserve.cpu import elementwise as native_elementwise
+from aioserve.cpu.dispatch import choose_cpu_dispatch
+from aioserve.cpu.isa import cpu_flags
+from aioserve.engine.dtypes import resolve_dtype
 from aioserve.cpu.native import cpu_kernels
 from hf_reference import hf_encode
 
@@ -44,18 +48,31 @@ def _generate(model: Path, native: bool, params: SamplingParams, prompts: list[l
         ("llama", {"page_size": 4, "kv_cache_dtype": "bfloat16"}),  # a narrower cache under float32 math
     ],
 )
-def test_native_decode_matches_the_modules(tiny_checkpoints: dict[str, Path], arch: str, options: dict) -> None:
+def test_native_decode_matches_the_modules(
+    tiny_checkpoints: dict[str, Path], caplog: pytest.LogCaptureFixture, arch: str, options: dict
+) -> None:
+    """Where this CPU's dispatch has the DecoderStack (not for half math on
+    AMX, say), it runs the decodes; where not, the modules do and the log
+    says why. The tokens are the modules' either way."""
     model = tiny_checkpoints[arch]
     prompts = [hf_encode(model, t) for t in TEXTS]
+    dispatch = choose_cpu_dispatch(
+        cpu_flags(), resolve_dtype(options.get("dtype", "auto"), "float32"),
+        cpu_half_compute=options.get("cpu_half_compute", "auto"),
+    )
     for params in (
         SamplingParams(max_tokens=30, temperature=0, ignore_eos=True),
         SamplingParams(max_tokens=30, temperature=0.9, top_p=0.9, seed=5, ignore_eos=True),
     ):
         for batch in (prompts[:1], prompts):
             eager, none = _generate(model, False, params, batch, **options)
-            native, runner = _generate(model, True, params, batch, **options)
+            with caplog.at_level(logging.INFO, logger="aioserve.engine.loading"):
+                native, runner = _generate(model, True, params, batch, **options)
             assert none is None
-            assert isinstance(runner, NativeDecodeRunner) and runner.replays > 0
+            if dispatch.native_decode:
+                assert isinstance(runner, NativeDecodeRunner) and runner.replays > 0
+            else:
+                assert runner is None and f"decode modules: {dispatch.decode_reason}" in caplog.text
             assert native == eager
 
 

@@ -11,8 +11,8 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from aioserve import LLM, SamplingParams
-from aioserve.engine import dtypes
-from aioserve.engine.dtypes import compute_dtype, kv_cache_dtype, resolve_dtype
+from aioserve.cpu.dispatch import PERSONALITIES, choose_math_dtype
+from aioserve.engine.dtypes import kv_cache_dtype, resolve_dtype
 import aioserve.cpu_engine.fast_paths as fast_paths_module
 import aioserve.engine.loading as loading_module
 import aioserve.cpu.matmul as cpu_matmul_module
@@ -21,8 +21,7 @@ from aioserve.models.model_config import ModelConfig
 from aioserve.models.weight_loader import build_model
 
 
-def test_dtype_resolution(monkeypatch: pytest.MonkeyPatch) -> None:
-    cpu, cuda = torch.device("cpu"), torch.device("cuda")
+def test_dtype_resolution() -> None:
     assert resolve_dtype("auto", "bfloat16") == torch.bfloat16  # the checkpoint's, wherever it runs
     assert resolve_dtype("auto", None) == torch.float32
     assert resolve_dtype("bfloat16", "float32") == torch.bfloat16
@@ -30,16 +29,11 @@ def test_dtype_resolution(monkeypatch: pytest.MonkeyPatch) -> None:
     with pytest.raises(ValueError, match="unknown dtype"):
         resolve_dtype("int3", None)
     # The math's dtype is decided by what the CPU has, never assumed: try both kinds of machine.
-    monkeypatch.setattr(dtypes, "cpu_flags", lambda: frozenset({"avx2", "fma"}))
-    dtypes.cpu_has_native.cache_clear()
-    assert compute_dtype(torch.bfloat16, cpu, "auto") == torch.float32  # emulated half: float32 math
-    assert compute_dtype(torch.float16, cpu, "auto") == torch.float32
-    monkeypatch.setattr(dtypes, "cpu_flags", lambda: frozenset({"avx2", "avx512f", "avx512_bf16"}))
-    dtypes.cpu_has_native.cache_clear()
-    assert compute_dtype(torch.bfloat16, cpu, "auto") == torch.bfloat16  # native bf16 units: keep it
-    assert compute_dtype(torch.float16, cpu, "auto") == torch.float32  # no fp16 units
-    assert compute_dtype(torch.bfloat16, cuda, "auto") == torch.bfloat16
-    dtypes.cpu_has_native.cache_clear()
+    avx2, bf16_units = PERSONALITIES["avx2"], PERSONALITIES["avx512_bf16"]
+    assert choose_math_dtype(avx2, torch.bfloat16)[0] == torch.float32  # emulated half: float32 math
+    assert choose_math_dtype(avx2, torch.float16)[0] == torch.float32
+    assert choose_math_dtype(bf16_units, torch.bfloat16)[0] == torch.bfloat16  # native bf16 units: keep it
+    assert choose_math_dtype(bf16_units, torch.float16)[0] == torch.float32  # no fp16 units
     # The cache: as asked; under auto, the weights' width when a dtype was
     # asked for, the math's when that was auto too.
     assert kv_cache_dtype("auto", "auto", torch.bfloat16, torch.float32) == torch.float32
@@ -66,23 +60,19 @@ def test_auto_keeps_a_half_checkpoint_half_where_the_math_is_float32(
     float32 from bf16 weights (half the bytes a step) with a float32 cache:
     the same tokens and logprobs as loading it in float32."""
     path = bfloat16_copy(tiny_checkpoints["llama"], tmp_path / "bf16")
-    monkeypatch.setattr(dtypes, "cpu_flags", lambda: frozenset({"avx2", "fma"}))
-    dtypes.cpu_has_native.cache_clear()
+    monkeypatch.setattr(loading_module, "cpu_flags", lambda: PERSONALITIES["avx2"])
     params = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True, logprobs=0)
     prompt = "Once upon a time there was"
-    try:
-        auto = LLM(str(path), device="cpu", page_size=4)
-        engine = auto.engine
-        assert (engine.weight_dtype, engine.dtype, engine.kv_dtype) == (torch.bfloat16, torch.float32, torch.float32)
-        weight = engine.model.model.layers[0].mlp.down_proj.weight
-        assert weight.dtype == (torch.bfloat16 if is_packed(weight) else torch.float32)
-        a = auto.generate(prompt, params)[0]
-        auto.close()
-        wide = LLM(str(path), dtype="float32", device="cpu", page_size=4)
-        b = wide.generate(prompt, params)[0]
-        wide.close()
-    finally:
-        dtypes.cpu_has_native.cache_clear()
+    auto = LLM(str(path), device="cpu", page_size=4)
+    engine = auto.engine
+    assert (engine.weight_dtype, engine.dtype, engine.kv_dtype) == (torch.bfloat16, torch.float32, torch.float32)
+    weight = engine.model.model.layers[0].mlp.down_proj.weight
+    assert weight.dtype == (torch.bfloat16 if is_packed(weight) else torch.float32)
+    a = auto.generate(prompt, params)[0]
+    auto.close()
+    wide = LLM(str(path), dtype="float32", device="cpu", page_size=4)
+    b = wide.generate(prompt, params)[0]
+    wide.close()
     assert a.token_ids == b.token_ids
     assert a.logprobs == b.logprobs
 
@@ -115,11 +105,10 @@ def test_without_the_kernels_half_weights_are_widened_for_blas(
 
 
 def test_half_compute_on_cpu() -> None:
-    cpu = torch.device("cpu")
-    assert compute_dtype(torch.bfloat16, cpu, "native") == torch.bfloat16
-    assert compute_dtype(torch.bfloat16, cpu, "float32") == torch.float32
-    assert compute_dtype(torch.float32, cpu, "auto") == torch.float32
-    assert compute_dtype(torch.bfloat16, torch.device("cuda"), "auto") == torch.bfloat16
+    for flags in PERSONALITIES.values():
+        assert choose_math_dtype(flags, torch.bfloat16, "native")[0] == torch.bfloat16
+        assert choose_math_dtype(flags, torch.bfloat16, "float32")[0] == torch.float32
+        assert choose_math_dtype(flags, torch.float32, "auto")[0] == torch.float32
 
 
 @pytest.mark.parametrize("mode", ["native", "float32"])

@@ -2,6 +2,7 @@
 kernel_contracts.py and layers/flashinfer_elementwise.py):
 
   isa.py            what this CPU can do (its flags, or AIOSERVE_CPU_ISA's), the kernels' ISA flags
+  dispatch.py       which paths a model takes on those flags (math dtype, matmul, decode, screen), and why
   openmp.py         OpenMP teams per thread (the loop's thread stays single-threaded)
   native.py         the C++ kernels of native/: built on this machine, cached, loaded
   native_build.py   the build (ninja, the system compiler) in a session of its own

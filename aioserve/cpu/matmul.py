@@ -36,7 +36,7 @@ from typing import Any, Protocol
 
 import torch
 
-from aioserve.cpu.isa import cpu_flags, cpu_flags_line
+from aioserve.cpu.isa import cpu_flags_line
 from aioserve.cpu.native import cpu_kernels
 
 logger = logging.getLogger(__name__)
@@ -45,9 +45,6 @@ ROW_BUCKETS = (1, 4, 16, 64)  # row counts timed; a batch uses the nearest one a
 MAX_TUNED_ROWS = 96  # past this, prefill-sized: the untuned form
 LARGE_WEIGHT_BYTES = 64 << 20  # past this, only the stored order is timed (see choose)
 TIME_PER_CASE_S = 0.01  # timing budget of one (storage, form, rows) case, after a warm-up call
-
-
-AMX_FLAGS = frozenset({"amx_bf16", "amx_fp16"})
 
 
 def times_weight_t(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
@@ -132,8 +129,12 @@ def _unpacked_matmul(x: torch.Tensor, weight: torch.Tensor, choice: MatmulChoice
 def _seconds(fn, x: torch.Tensor, weight: torch.Tensor, to_beat: float) -> float:
     """The fastest of a few timed calls. A large weight gets fewer calls, and a
     form clearly slower than `to_beat` (the best so far) is dropped after
-    one: timing is what a first start waits for."""
-    fn(x, weight)  # warm-up: first-call allocations and packing
+    one: timing is what a first start waits for. A form this CPU cannot run
+    (oneDNN has no bf16 inner product without AVX512-BF16) is never chosen."""
+    try:
+        fn(x, weight)  # warm-up: first-call allocations and packing
+    except RuntimeError:
+        return float("inf")
     best, spent, calls = float("inf"), 0.0, 0
     while calls < 5 or spent < TIME_PER_CASE_S:
         start = time.perf_counter()
@@ -237,21 +238,17 @@ class MatmulModule(Protocol):
     matmul_choice: MatmulChoice | None
 
 
-def pack_cpu_weights(
-    modules: Iterable[MatmulModule], storage_dtype: torch.dtype | None = None, math_dtype: torch.dtype | None = None
-) -> bool:
+def pack_cpu_weights(modules: Iterable[MatmulModule], storage_dtype: torch.dtype | None = None) -> bool:
     """Pack every module's weight for the native kernel and set its choice;
     False (nothing done) when the kernels are not built: the caller tunes
-    instead. `storage_dtype`, when narrower than the weights, is what their
-    values were rounded to: they are packed in it, exactly, and read at its
-    width. `math_dtype`: the activations' (default: the weights'). A weight
-    shared by two modules is packed once."""
+    instead. Whether to pack at all is cpu/dispatch.py's choice.
+    `storage_dtype`, when narrower than the weights, is what their values
+    were rounded to: they are packed in it, exactly, and read at its width.
+    A weight shared by two modules is packed once."""
     kernels = cpu_kernels(wait=False)
     modules = list(modules)
     if kernels is None or not modules:
         return False
-    if (math_dtype or modules[0].weight.dtype) != torch.float32 and AMX_FLAGS & cpu_flags():
-        return False  # half math on AMX tiles: oneDNN's kernels are far faster than these
     started = time.perf_counter()
     features: dict[int, int] = {}  # id(weight) -> its row count before packing
     with torch.inference_mode():

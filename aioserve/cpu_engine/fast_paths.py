@@ -2,7 +2,9 @@
 weights, the decode-only step as one native DecoderStack call, and the
 greedy screen over the LM head.
 
-All three need the native kernels (aioserve/cpu/native.py). When they are still
+Which of them apply on this CPU is decided once, with the reasons, in
+cpu/dispatch.py; the model's own limits are checked here. All three need
+the native kernels (aioserve/cpu/native.py). When they are still
 building, the engine starts with BLAS (tuned) and the torch forms, and
 `upgrade()`, the single point where that changes, called between steps on
 the thread that runs them (nothing else reads the weights then), packs the
@@ -16,7 +18,7 @@ from typing import cast
 
 import torch
 
-from aioserve.config import EngineConfig
+from aioserve.cpu.dispatch import CpuDispatch
 from aioserve.cpu_engine.greedy_screen import GreedyScreen
 from aioserve.cpu_engine.decode_stack import NativeDecodeRunner, unsupported_reason
 from aioserve.kvcache.kv_pool import KVPool
@@ -30,11 +32,10 @@ logger = logging.getLogger(__name__)
 
 class CpuFastPaths:
     def __init__(
-        self, model: LlamaForCausalLM, pool: KVPool, config: EngineConfig,
-        weight_dtype: torch.dtype, dtype: torch.dtype, tp_size: int,
+        self, model: LlamaForCausalLM, pool: KVPool, dispatch: CpuDispatch, weight_dtype: torch.dtype
     ) -> None:
-        self.model, self.pool, self.config = model, pool, config
-        self.weight_dtype, self.dtype, self.tp_size = weight_dtype, dtype, tp_size
+        self.model, self.pool, self.dispatch = model, pool, dispatch
+        self.weight_dtype, self.dtype = weight_dtype, dispatch.math_dtype
         self.decode_runner: NativeDecodeRunner | None = None
         self.greedy_screen: GreedyScreen | None = None
         # Weights waiting to be packed for the native matmul (the kernels are building).
@@ -42,13 +43,14 @@ class CpuFastPaths:
         # A layer holding FP8 weights multiplies through its scaled matmul, never the CPU's.
         matmuls = cast("list[MatmulModule]", [m for m in model.modules() if hasattr(m, "matmul_choice")
                                               and getattr(m, "weight_scale", None) is None])
-        if pack_cpu_weights(matmuls, weight_dtype, dtype):
+        if dispatch.packed_matmul and pack_cpu_weights(matmuls, weight_dtype):
             self._pack_experts()
         else:
             for module in matmuls:  # BLAS multiplies at the math's width
-                module.weight.data = module.weight.data.to(dtype)
-            self._unpacked = matmuls
-            if config.cpu_matmul_tuning:
+                module.weight.data = module.weight.data.to(self.dtype)
+            if dispatch.packed_matmul:  # the kernels are building: packed once they are in
+                self._unpacked = matmuls
+            if dispatch.blas_tuning:
                 tune_cpu_matmuls(matmuls)
         self._start_native_paths()
 
@@ -62,7 +64,7 @@ class CpuFastPaths:
         takes the new decode runner)."""
         if not self._unpacked or cpu_kernels(wait=False) is None:
             return False
-        if pack_cpu_weights(self._unpacked, self.weight_dtype, self.dtype):
+        if pack_cpu_weights(self._unpacked, self.weight_dtype):
             self._pack_experts()
         self._unpacked = []
         self._start_native_paths()
@@ -82,12 +84,13 @@ class CpuFastPaths:
         kernels = cpu_kernels(wait=False)
         if lm_head is not None and kernels is not None:
             # Greedy rows' argmax from a half copy of the LM head (greedy_screen.py).
-            self.greedy_screen = GreedyScreen.build(lm_head, kernels, self.tp_size)
+            self.greedy_screen = GreedyScreen.build(lm_head, kernels, self.dispatch.screen_dtype)
 
     def _start_native_decode(self) -> None:
-        """Decode-only steps through the native DecoderStack when it can run
-        this model (otherwise, once, the reason in the log)."""
-        if not self.config.cuda_graph:  # --disable-cuda-graph: no captured decode of any kind
+        """Decode-only steps through the native DecoderStack when this CPU's
+        path has it and the model's layers allow it (otherwise, once, the
+        model's reason in the log; the CPU's is logged at load)."""
+        if not self.dispatch.native_decode:
             return
         reason = unsupported_reason(self.model, self.pool.buffer.device)
         if reason is None:

@@ -59,16 +59,14 @@ class GreedyScreen:
         return None if self.screen_norms is not None else FLOAT16_MAX_ROWS
 
     @classmethod
-    def build(
-        cls, lm_head: torch.nn.Module, kernels: ModuleType, tp_size: int, copy_dtype: torch.dtype | None = None
-    ) -> GreedyScreen | None:
+    def build(cls, lm_head: torch.nn.Module, kernels: ModuleType, copy_dtype: torch.dtype | None) -> GreedyScreen | None:
         """The screen for a packed float32 LM head; None where it does not
-        apply. `copy_dtype`: bfloat16 or float16; by default bfloat16 where
-        the kernels dot bf16 pairs (AVX512-BF16), float16 elsewhere."""
+        apply. `copy_dtype`: bfloat16 or float16, as cpu/dispatch.py chose
+        for this CPU (bf16 where the kernels dot bf16 pairs); None: no screen."""
         choice = getattr(lm_head, "matmul_choice", None)
         weight = cast(torch.Tensor, lm_head.weight).data
         if (
-            tp_size != 1
+            copy_dtype is None
             or choice is None
             or choice.packed_features is None
             or weight.dim() != 3
@@ -79,11 +77,11 @@ class GreedyScreen:
         started = time.perf_counter()
         features = choice.packed_features
         rows = weight.permute(0, 2, 1).reshape(-1, weight.shape[1])[:features]  # [N, K], a view of the pack
-        pairs = dots_bf16_pairs(kernels) and rows.shape[1] % 2 == 0
-        if copy_dtype is None:
-            copy_dtype = torch.bfloat16 if pairs else torch.float16
-        if copy_dtype == torch.bfloat16 and not pairs:
-            raise ValueError("a bfloat16 screen needs kernels that dot bf16 pairs (AVX512-BF16) and an even K")
+        if copy_dtype == torch.bfloat16:
+            if not dots_bf16_pairs(kernels):
+                raise ValueError("a bfloat16 screen needs kernels that dot bf16 pairs (AVX512-BF16)")
+            if rows.shape[1] % 2:
+                copy_dtype = torch.float16  # the pairs need an even K
         copy = screen_copy(rows, copy_dtype)
         if not copy.isfinite().all():
             logger.info("greedy screen off: the LM head has weights beyond %s's range", copy_dtype)

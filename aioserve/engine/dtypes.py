@@ -12,27 +12,20 @@ checkpoint's own, so the math is float32's exactly (what a float32 copy gave;
 the KV cache of an auto choice is float32 too, see `kv_cache_dtype`). On a
 CPU that has the units, half weights are computed in half (qwen3-0.6b bf16
 on an AVX512-BF16 machine: 56 against 30 output tok/s at 64 streams in
-float32). `cpu_half_compute="native"` forces half math.
+float32). `cpu_half_compute="native"` forces half math. The CPU's choice is
+made with its other paths in cpu/dispatch.py (`choose_math_dtype`).
 """
 
 from __future__ import annotations
 
-import functools
-import logging
-
 import torch
 
 from aioserve.config import ConfigError
-from aioserve.cpu.isa import cpu_flags
 from aioserve.kvcache.kv_pool import FP8_KV
-
-logger = logging.getLogger(__name__)
 
 FP8_KV_NAMES = ("fp8", "fp8_e4m3")  # vLLM's and SGLang's names for an e4m3 KV cache
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 _ALIASES = {"fp32": "float32", "float": "float32", "bf16": "bfloat16", "fp16": "float16", "half": "float16"}
-# cpuinfo flags that give native matrix math per half dtype.
-_NATIVE_FLAGS = {torch.bfloat16: {"avx512_bf16", "amx_bf16"}, torch.float16: {"avx512_fp16", "amx_fp16"}}
 
 
 def resolve_dtype(name: str, checkpoint_dtype: str | None) -> torch.dtype:
@@ -57,20 +50,3 @@ def kv_cache_dtype(name: str, asked_dtype: str, weight_dtype: torch.dtype, math_
     if name != "auto":
         return resolve_dtype(name, None)
     return math_dtype if _ALIASES.get(asked_dtype, asked_dtype) == "auto" else weight_dtype
-
-
-@functools.lru_cache(maxsize=1)
-def cpu_has_native(dtype: torch.dtype) -> bool:
-    return dtype == torch.float32 or bool(_NATIVE_FLAGS.get(dtype, set()) & cpu_flags())
-
-
-def compute_dtype(dtype: torch.dtype, device: torch.device, cpu_half_compute: str = "auto") -> torch.dtype:
-    if device.type != "cpu" or dtype == torch.float32 or cpu_half_compute == "native":
-        return dtype
-    if cpu_half_compute == "float32" or not cpu_has_native(dtype):
-        logger.info(
-            "this CPU has no native %s matrix math: computing in float32 with %s-rounded weights",
-            str(dtype).removeprefix("torch."), str(dtype).removeprefix("torch."),
-        )
-        return torch.float32
-    return dtype

@@ -62,8 +62,9 @@ class Engine:
         # graphs on a GPU, the native DecoderStack on a CPU.
         self.graph_runner: DecodeGraphRunner | NativeDecodeRunner | None = None
         self.cpu_paths: CpuFastPaths | None = None
-        if self.device.type == "cpu":
-            self.cpu_paths = CpuFastPaths(self.model, self.pool, config, self.weight_dtype, self.dtype, self.tp.size)
+        self.cpu_dispatch = loaded.cpu_dispatch  # on a CPU, which paths it takes and why (cpu/dispatch.py)
+        if loaded.cpu_dispatch is not None:
+            self.cpu_paths = CpuFastPaths(self.model, self.pool, loaded.cpu_dispatch, self.weight_dtype)
             self.graph_runner = self.cpu_paths.decode_runner
         elif config.cuda_graph and self.attention.supports_graphs:
             self.graph_runner = self.capture_decode_graphs(CudaGraphCapture())

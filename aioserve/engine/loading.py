@@ -13,7 +13,10 @@ from pathlib import Path
 import torch
 
 from aioserve.config import DEFAULT_CPU_KV_BYTES, ConfigError, EngineConfig
-from aioserve.engine.dtypes import compute_dtype, kv_cache_dtype, resolve_dtype
+from aioserve.cpu.dispatch import CpuDispatch, choose_cpu_dispatch
+from aioserve.cpu.isa import cpu_flags
+from aioserve.cpu.native import enabled as native_kernels_enabled
+from aioserve.engine.dtypes import kv_cache_dtype, resolve_dtype
 from aioserve.kvcache.kv_pool import FP8_KV, RESERVED_PAGES, KVPool
 from aioserve.layers.moe import FusedMoE
 from aioserve.models.llama import LlamaForCausalLM
@@ -45,6 +48,7 @@ class LoadedModel:
     max_prefill_tokens: int
     model: LlamaForCausalLM  # every registered architecture is one (models/registry.py)
     num_pages: int  # what this rank's memory holds; ranks then take the smallest
+    cpu_dispatch: CpuDispatch | None = None  # on a CPU: its paths for this model (cpu/dispatch.py)
 
 
 def kv_budget_bytes(total: int, free: int, mem_fraction_static: float) -> int:
@@ -88,12 +92,26 @@ def max_model_len(config: EngineConfig, model_config: ModelConfig) -> int:
     return asked or limit
 
 
-def matmul_load_dtype(device: torch.device, weight_dtype: torch.dtype, dtype: torch.dtype) -> torch.dtype | None:
+def matmul_load_dtype(dispatch: CpuDispatch | None, weight_dtype: torch.dtype) -> torch.dtype | None:
     """Half weights computed in float32 on a CPU whose native kernels are
     built load half: the packed matmul reads them so (see build_model)."""
-    if device.type != "cpu" or dtype != torch.float32 or weight_dtype == torch.float32:
+    if dispatch is None or not dispatch.packed_matmul or dispatch.math_dtype != torch.float32:
+        return None
+    if weight_dtype == torch.float32:
         return None
     return weight_dtype if cpu_kernels(wait=False) is not None else None
+
+
+def cpu_dispatch(config: EngineConfig, weight_dtype: torch.dtype, tp_size: int) -> CpuDispatch:
+    """This CPU's paths for the model, from its flags and the options, logged once."""
+    dispatch = choose_cpu_dispatch(
+        cpu_flags(), weight_dtype, cpu_half_compute=config.cpu_half_compute,
+        native_kernels=native_kernels_enabled(), matmul_tuning=config.cpu_matmul_tuning,
+        decode_graphs=config.cuda_graph, tp_size=tp_size,
+    )
+    for line in dispatch.lines():
+        logger.info("CPU path: %s", line)
+    return dispatch
 
 
 def pool_pages(config: EngineConfig, loaded: LoadedModel, tp_size: int) -> int:
@@ -127,7 +145,8 @@ def load(config: EngineConfig, tp_size: int) -> LoadedModel:
     model_path = resolve_model_path(config.model, config.revision)
     model_config = ModelConfig.from_path(model_path)
     weight_dtype = resolve_dtype(config.dtype, model_config.torch_dtype)
-    dtype = compute_dtype(weight_dtype, device, config.cpu_half_compute)
+    dispatch = cpu_dispatch(config, weight_dtype, tp_size) if device.type == "cpu" else None
+    dtype = dispatch.math_dtype if dispatch is not None else weight_dtype
     kv_dtype = kv_cache_dtype(config.kv_cache_dtype, config.dtype, weight_dtype, dtype)
     if kv_dtype == FP8_KV and device.type != "cuda":
         raise ConfigError(
@@ -136,7 +155,7 @@ def load(config: EngineConfig, tp_size: int) -> LoadedModel:
         )
     model = build_model(
         model_config, model_path, dtype, device, config.load_format, config.seed,
-        round_to=weight_dtype, matmul_dtype=matmul_load_dtype(device, weight_dtype, dtype),
+        round_to=weight_dtype, matmul_dtype=matmul_load_dtype(dispatch, weight_dtype),
     )
     if device.type == "cuda":
         # FlashInfer's fused MoE kernel: built and self-checked now, before
@@ -155,6 +174,7 @@ def load(config: EngineConfig, tp_size: int) -> LoadedModel:
         max_prefill_tokens=config.max_prefill_tokens or DEFAULT_MAX_PREFILL_TOKENS.get(device.type, 8192),
         model=model,
         num_pages=0,
+        cpu_dispatch=dispatch,
     )
     loaded.num_pages = pool_pages(config, loaded, tp_size)
     return loaded

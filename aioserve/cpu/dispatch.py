@@ -1,0 +1,138 @@
+"""Which path a model takes on this CPU, decided in one place.
+
+The CPU code chooses among several paths by what the machine has: the math's
+dtype (half where the CPU has half-precision matrix units, float32
+elsewhere), the matmul (the native packed kernel, or BLAS/oneDNN with a form
+timed per shape), the decode step (one native DecoderStack call, or the
+modules) and the greedy screen's copy of a float32 LM head (bfloat16 where
+the kernels dot bf16 pairs, float16 elsewhere). `choose_cpu_dispatch` makes
+all four from the CPU's flags and the options alone, so every machine's
+choice can be checked on any machine (tests feed it `PERSONALITIES`), and it
+returns the reason for each, which the engine logs at start.
+
+Model-specific limits (a mixture of experts has no DecoderStack, an FP8
+layer multiplies through its own scaled matmul) are the model's business and
+are checked where the model is read (cpu_engine/decode_stack.py); this
+decides what the machine and the options allow.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+# cpuinfo flags that give native matrix math per half dtype.
+HALF_UNITS = {
+    torch.bfloat16: frozenset({"avx512_bf16", "amx_bf16"}),
+    torch.float16: frozenset({"avx512_fp16", "amx_fp16"}),
+}
+AMX_HALF = frozenset({"amx_bf16", "amx_fp16"})
+BF16_PAIR_DOTS = "avx512_bf16"  # the native kernels dot bf16 pairs (vdpbf16ps) where this is set
+
+_AVX2 = frozenset({"sse4_2", "avx", "avx2", "fma", "f16c"})
+_AVX512 = _AVX2 | {"avx512f", "avx512bw", "avx512vl", "avx512dq"}
+# The x86 families the suite must pass on, as /proc/cpuinfo names their flags.
+PERSONALITIES: dict[str, frozenset[str]] = {
+    "amx": _AVX512 | {"avx512_bf16", "avx512_fp16", "amx_tile", "amx_bf16", "amx_int8"},
+    "avx512_bf16": _AVX512 | {"avx512_bf16"},
+    "avx512": _AVX512,
+    "avx2": _AVX2,
+}
+
+
+@dataclass(frozen=True)
+class CpuDispatch:
+    """The paths one model takes on one CPU, each with why."""
+
+    math_dtype: torch.dtype
+    math_reason: str
+    packed_matmul: bool  # weights packed once for the native kernel (else BLAS/oneDNN)
+    matmul_reason: str
+    blas_tuning: bool  # where BLAS multiplies (always, or while the kernels build): forms timed per shape
+    native_decode: bool  # decode-only steps as one DecoderStack call, where the model allows it
+    decode_reason: str
+    screen_dtype: torch.dtype | None  # the greedy screen's LM-head copy; None: no screen
+    screen_reason: str
+
+    def lines(self) -> list[str]:
+        """One log line per choice."""
+        matmul = "native packed" if self.packed_matmul else "BLAS/oneDNN"
+        decode = "native DecoderStack" if self.native_decode else "modules"
+        screen = _name(self.screen_dtype) + " copy" if self.screen_dtype else "off"
+        return [
+            f"math {_name(self.math_dtype)}: {self.math_reason}",
+            f"matmul {matmul}: {self.matmul_reason}",
+            f"decode {decode}: {self.decode_reason}",
+            f"greedy screen {screen}: {self.screen_reason}",
+        ]
+
+
+def _name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def choose_math_dtype(
+    flags: frozenset[str], weight_dtype: torch.dtype, cpu_half_compute: str = "auto"
+) -> tuple[torch.dtype, str]:
+    """Half math where the CPU has units for it (or it is forced), else float32."""
+    if weight_dtype == torch.float32:
+        return weight_dtype, "float32 weights"
+    if cpu_half_compute == "native":
+        return weight_dtype, "half math forced (cpu_half_compute=native)"
+    if cpu_half_compute == "float32":
+        return torch.float32, "float32 math asked for (cpu_half_compute=float32)"
+    units = HALF_UNITS.get(weight_dtype, frozenset()) & flags
+    if units:
+        return weight_dtype, f"the CPU has {_name(weight_dtype)} matrix units ({', '.join(sorted(units))})"
+    return torch.float32, f"no {_name(weight_dtype)} matrix units: torch's half GEMMs would be emulated"
+
+
+def choose_cpu_dispatch(
+    flags: frozenset[str],
+    weight_dtype: torch.dtype,
+    *,
+    cpu_half_compute: str = "auto",
+    native_kernels: bool = True,
+    matmul_tuning: bool = True,
+    decode_graphs: bool = True,
+    tp_size: int = 1,
+) -> CpuDispatch:
+    """The CPU paths for weights of `weight_dtype` on a CPU with `flags`.
+    `native_kernels`: the native kernels are allowed (AIOSERVE_NATIVE; built
+    or building); `decode_graphs`: captured decode steps are allowed
+    (--disable-cuda-graph turns them off on every device)."""
+    math, math_reason = choose_math_dtype(flags, weight_dtype, cpu_half_compute)
+    blas = "forms timed per weight shape at load" if matmul_tuning else "one fixed form (--disable-cpu-matmul-tuning)"
+    if not native_kernels:
+        packed, matmul_reason = False, f"the native kernels are off (AIOSERVE_NATIVE=0); {blas}"
+    elif math != torch.float32 and AMX_HALF & flags:
+        packed, matmul_reason = False, f"half math on AMX tiles: oneDNN's kernels beat the packed ones; {blas}"
+    else:
+        packed, matmul_reason = True, "weights packed once in column blocks, read at the checkpoint's width"
+    if not packed:
+        native_decode, decode_reason = False, "the DecoderStack needs the packed matmul"
+    elif not decode_graphs:
+        native_decode, decode_reason = False, "captured decode steps are off (--disable-cuda-graph)"
+    elif tp_size > 1:
+        native_decode, decode_reason = False, "tensor parallel (the layers all-reduce between kernels)"
+    else:
+        native_decode, decode_reason = True, "one native call per decode-only step, where the model's layers allow it"
+    screen, screen_reason = _choose_screen(flags, weight_dtype, packed, tp_size)
+    return CpuDispatch(
+        math, math_reason, packed, matmul_reason, matmul_tuning, native_decode, decode_reason, screen, screen_reason
+    )
+
+
+def _choose_screen(
+    flags: frozenset[str], weight_dtype: torch.dtype, packed: bool, tp_size: int
+) -> tuple[torch.dtype | None, str]:
+    if weight_dtype != torch.float32:
+        return None, "the LM head is read at half width already"
+    if not packed:
+        return None, "the screen reads the packed float32 LM head"
+    if tp_size > 1:
+        return None, "a sharded LM head would need a cross-rank argmax"
+    if BF16_PAIR_DOTS in flags:
+        return torch.bfloat16, "AVX512-BF16 dots bf16 pairs: half the multiply-adds too"
+    return torch.float16, "a tighter bound than bf16, one float32 multiply-add per weight"
