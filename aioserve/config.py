@@ -16,7 +16,7 @@ DEFAULT_CPU_KV_BYTES = 4 << 30
 DEFAULT_MAX_REQUEST_BYTES = 16 << 20
 
 # CLI argument groups, in the order `aioserve serve --help` lists them.
-GROUPS = ("model", "KV cache", "scheduling", "distributed", "HTTP")
+GROUPS = ("model", "KV cache", "scheduling", "speculative decoding", "distributed", "HTTP")
 
 # Equals aioserve.attention.BACKENDS (tests/test_cli.py checks it). Spelled out
 # because importing it would make this leaf module, which everything imports,
@@ -181,6 +181,27 @@ class EngineConfig:
     num_threads: int | None = option(None, help="torch intra-op threads on CPU", group="scheduling")
     debug_integrity: bool = option(
         False, help="check the KV bookkeeping whenever the scheduler goes idle", group="scheduling"
+    )
+
+    speculative_config: dict[str, Any] | None = option(
+        None, group="speculative decoding", parse=_json_object,
+        help='vLLM\'s JSON object, e.g. \'{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4, '
+        '"prompt_lookup_min": 1, "disable_by_batch_size": 8}\': propose tokens and verify them in one forward '
+        "(lossless: the outputs are the model's own); see docs/speculative.md",
+    )
+    speculative_algorithm: str | None = option(
+        None, group="speculative decoding",
+        help="SGLang's spelling of the method: NGRAM (prompt lookup); with --speculative-num-draft-tokens N "
+        "(N - 1 tokens proposed a step) or --speculative-num-steps K (K proposed)",
+    )
+    speculative_draft_model_path: str | None = option(
+        None, group="speculative decoding", help="SGLang's draft model flag (STANDALONE, EAGLE3)"
+    )
+    speculative_num_draft_tokens: int | None = option(
+        None, group="speculative decoding", help="SGLang's count: tokens verified a step, the proposed ones plus one"
+    )
+    speculative_num_steps: int | None = option(
+        None, group="speculative decoding", help="SGLang's count: tokens proposed a step"
     )
 
     tp_size: int = option(

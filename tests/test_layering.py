@@ -27,6 +27,7 @@ RANKS: dict[str, float] = {
     "kvcache": 3,
     "layers": 2, "kernel_contracts": 1.8, "cpu": 1.5,
     "tp": 1,  # the TP group's collectives and the plan's transport: the layers call them
+    "speculative_config": 0.5,  # reads config's ConfigError and EngineConfig
     "config": 0, "sampling_params": 0, "batch_plan": 0, "placeholders": 0, "hf_imports": 0,
 }
 

@@ -107,6 +107,21 @@ class KVManager:
         kv.own_pages += pages
         return True
 
+    def truncate(self, kv: RequestKV, num_tokens: int) -> None:
+        """Shrink `kv` to its first `num_tokens` tokens (a verified draft whose
+        tail was rejected): the KV past them is garbage and the pages that
+        held only such KV go back to the pool at once. Only the request's own
+        pages can go: a cached prefix page holds accepted tokens."""
+        kv.check_live()
+        if num_tokens > kv.kv_len:
+            raise ValueError(f"cannot truncate KV of {kv.kv_len} tokens to {num_tokens}")
+        keep = max(self.pages_for(num_tokens) - len(kv.prefix.pages), 0)
+        if keep < len(kv.own_pages):
+            self.allocator.free(kv.own_pages[keep:])
+            kv.own_pages = kv.own_pages[:keep]
+        kv.kv_len = num_tokens
+        kv.kv_done = min(kv.kv_done, num_tokens)
+
     def share_computed(self, kv: RequestKV, tokens: list[int]) -> None:
         """Hand the whole computed pages of a running request to the prefix
         cache, so requests admitted from now on can match them before this

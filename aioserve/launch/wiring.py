@@ -16,6 +16,7 @@ from aioserve.engine.executor import start_executor
 from aioserve.launch.leader import TPLeader
 from aioserve.launch.world import is_distributed
 from aioserve.scheduler.scheduler import ModelFacts, Scheduler
+from aioserve.speculative_config import resolve_speculative
 
 
 def model_facts(engine: Engine) -> ModelFacts:
@@ -34,6 +35,7 @@ def build_scheduler(
 ) -> tuple[Engine, Scheduler]:
     """`on_tp_failure(reason)` is called (from another thread) when a
     tensor-parallel rank dies or a step fails: the group cannot go on."""
+    resolve_speculative(config)  # a bad speculative setting is refused before any weight loads
     if not is_distributed(config):
         engine, executor = start_executor(config)
         return engine, Scheduler(config, model_facts(engine), executor)

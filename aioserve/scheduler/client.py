@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from aioserve.scheduler.request import Request
+from aioserve.scheduler.speculation import SpeculationStats
 
 
 @dataclass
@@ -28,6 +29,7 @@ class SchedulerInfo:
     kv_integrity: str  # "ok", what the integrity check found, or "not checked"
     max_prefill_tokens: int
     stats: dict[str, int] = field(default_factory=dict)
+    speculation: SpeculationStats | None = None  # with speculative decoding on: its counters
 
     @property
     def kv_usage(self) -> float:

@@ -12,7 +12,7 @@ not known when N+1 is planned, so a constrained request is planned only when
 it has no token in flight: it sits out every other step, unless at least half
 of the decoding requests are constrained, in which case the loop lets the
 step in flight land before planning the next (planner.py,
-StepPlanner.constrained_wait_for_tokens).
+StepPlanner.waits_for_tokens).
 """
 
 from __future__ import annotations

@@ -10,6 +10,11 @@
 5. `_event`: what the consumer hears (the first event also carries the
    prompt's metadata); then finish the request or just deliver.
 
+A verified draft (speculation.py) goes through the same phases once per
+token it gives: its tokens up to the first the target did not propose,
+which is the target's own; the KV of the rest is dropped (its pages freed)
+before anything is delivered.
+
 Entries of requests that ended meanwhile (aborted, stop string) only
 settle their pending count. A row the sampler could not sample (logits not
 finite, or no token left by its parameters; marked with a NaN logprob) ends
@@ -28,6 +33,7 @@ from aioserve.batch_plan import StepOutput
 from aioserve.scheduler.plan_builder import ScheduledStep, StepEntry
 from aioserve.scheduler.request import Request, RequestEvent, Status
 from aioserve.scheduler.request_table import RequestTable
+from aioserve.scheduler.speculation import SpeculationStats
 
 logger = logging.getLogger(__name__)
 
@@ -63,9 +69,12 @@ class _HostOutput:
 
 
 class OutputProcessor:
-    def __init__(self, table: RequestTable, eos_token_ids: list[int]) -> None:
+    def __init__(
+        self, table: RequestTable, eos_token_ids: list[int], speculation: SpeculationStats | None = None
+    ) -> None:
         self.table = table
         self.eos_token_ids = frozenset(eos_token_ids)
+        self.speculation = speculation
 
     def process(self, step: ScheduledStep, output: StepOutput) -> None:
         host = _HostOutput.of(output)
@@ -74,6 +83,9 @@ class OutputProcessor:
             if entry.row is not None:
                 request.pending.landed()
             if request.finished:
+                continue
+            if entry.draft:
+                self._process_verified(request, entry, host)
                 continue
             if entry.row is not None and not host.sampled(entry.row):
                 self._fail_unsampled(request)
@@ -90,6 +102,43 @@ class OutputProcessor:
                 continue
             reason = self._stop_reason(request, token)
             event = self._event(request, entry.row, token, reason, host)
+            if reason is not None:
+                self.table.finish(request, reason, event)
+            else:
+                self.table.deliver(request, event)
+
+    def _process_verified(self, request: Request, entry: StepEntry, host: _HostOutput) -> None:
+        """A verified draft: the target's tokens at its positions, up to and
+        including the first that differs from the proposal."""
+        assert entry.row is not None
+        proposed = len(entry.draft)
+        tokens: list[int] = []
+        for i in range(proposed + 1):
+            if not host.sampled(entry.row + i):
+                self._fail_unsampled(request)
+                return
+            tokens.append(host.tokens[entry.row + i])
+            if i == proposed or tokens[-1] != entry.draft[i]:
+                break
+        if self.speculation is not None:
+            self.speculation.record(proposed, len(tokens) - 1, len(tokens))
+        events: list[tuple[RequestEvent, str | None]] = []
+        for i, token in enumerate(tokens):
+            self._accept(request, entry.row + i, host)
+            reason = self._stop_reason(request, token)
+            events.append((self._event(request, entry.row + i, token, reason, host), reason))
+            if reason is not None:
+                break
+        if request.status is Status.RUNNING and request.kv is entry.kv:
+            # KV stands for the positions of the tokens kept (the newest
+            # token's and the accepted proposals'); the pages that held only
+            # rejected or unneeded positions go back now.
+            valid = entry.first_position + len(events)
+            self.table.kv.truncate(request.kv, valid)
+            request.kv.computed(valid)
+        for event, reason in events:
+            if request.finished:  # its consumer failed and ended it
+                return
             if reason is not None:
                 self.table.finish(request, reason, event)
             else:

@@ -2,7 +2,11 @@
 names the newest of them in the next plan (see aioserve/placeholders.py).
 
 With overlap a request can have up to two tokens in flight: one sampled by
-the step being processed and one by the step already launched after it.
+the step being processed and one by the step already launched after it. A
+step that verifies a draft samples several rows for the request, and which
+of them ends up its newest token is known only once the step is processed:
+no placeholder names it (`nameable` False) and nothing plans the request
+until it lands.
 """
 
 from __future__ import annotations
@@ -17,10 +21,11 @@ class PendingTokens:
     count: int = 0
     step: int = -1  # the step that sampled the newest pending token
     row: int = -1  # its row among that step's samples
+    nameable: bool = True  # False while a verified draft is in flight
 
-    def sampled(self, step: int, row: int) -> None:
+    def sampled(self, step: int, row: int, nameable: bool = True) -> None:
         self.count += 1
-        self.step, self.row = step, row
+        self.step, self.row, self.nameable = step, row, nameable
 
     def landed(self) -> None:
         """A step that sampled one of them has been processed."""
@@ -30,8 +35,9 @@ class PendingTokens:
 
     def reachable_from(self, step: int) -> bool:
         """Whether step `step` can name the newest pending token: only the
-        step right after the one that sampled it can."""
-        return self.count == 0 or self.step == step - 1
+        step right after the one that sampled it can, and none names a
+        verified draft's."""
+        return self.count == 0 or (self.nameable and self.step == step - 1)
 
     def placeholder_for(self, step: int) -> int | None:
         """The id step `step` uses for the newest pending token; None when

@@ -26,6 +26,7 @@ class StepEntry:
     row: int | None = None  # sampled row, if this step samples the request
     prefill: bool = False  # a prompt chunk, not a decode
     prompt_logprob_span: tuple[int, int] | None = None  # (first, count) in the step's prompt logprobs
+    draft: list[int] = field(default_factory=list)  # verified proposal: rows row .. row + len(draft) are sampled
 
 
 @dataclass
@@ -87,6 +88,17 @@ class PlanBuilder:
         self.entries.append(entry)
         return entry
 
+    def add_verify(self, request: Request, draft: list[int], samples: list[SampleRow]) -> StepEntry:
+        """A decoding request's newest token and a proposal after it, as an
+        extend that samples every position (the first row is `entry.row`)."""
+        start = request.kv_len
+        entry = self.add(request, [request.all_ids[-1], *draft], start, None, decode=False)
+        entry.prefill, entry.draft, entry.row = False, draft, len(self.sample_rows)
+        first_row = len(self.ids) - len(samples)
+        self.sample_rows += samples
+        self.logits_indices += range(first_row, len(self.ids))
+        return entry
+
     @property
     def num_tokens(self) -> int:
         return len(self.ids)
@@ -137,5 +149,5 @@ class PlanBuilder:
             sampling=self.sampling.build(self.sample_rows) if self.sample_rows else None,
             prompt_logprobs=prompt_lp,
         )
-        num_prefill = sum(self.lengths[self.num_decodes :])
+        num_prefill = sum(length for entry, length in zip(self.entries, self.lengths) if entry.prefill)
         return ScheduledStep(plan, self.entries, num_prefill)

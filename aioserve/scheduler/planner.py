@@ -3,7 +3,9 @@
 1. **decodes**: every running request whose prompt is computed gets one
    token (a grammar-constrained one only once its previous token has
    landed: its mask is built from it). When its next token starts a page it gets a new page first; while
-   the pool cannot give those, the newest request is preempted.
+   the pool cannot give those, the newest request is preempted. With
+   speculative decoding, those with a proposal verify it instead
+   (speculation.py), after the plain decodes.
 2. **chunks of prompts under way**, up to `max_prefill_tokens` in all.
 3. **admissions**: waiting requests in arrival order, while the budget, a
    slot and the pool (prompt + a decode reserve for it and for every running
@@ -24,6 +26,7 @@ from aioserve.scheduler.plan_builder import PlanBuilder, ScheduledStep, StepEntr
 from aioserve.scheduler.request import Request, RequestEvent
 from aioserve.scheduler.request_table import RequestTable
 from aioserve.scheduler.sampling_batch import SampleRow, SamplingBatchBuilder
+from aioserve.scheduler.speculation import Speculator
 
 logger = logging.getLogger(__name__)
 
@@ -36,8 +39,10 @@ class StepPlanner:
         kv: KVManager,
         sampling: SamplingBatchBuilder,
         max_prefill_tokens: int,
+        speculator: Speculator | None = None,
     ) -> None:
         self.config = config
+        self.speculator = speculator
         self.max_prefill_tokens = max_prefill_tokens
         self.table = table
         self.kv = kv
@@ -53,24 +58,45 @@ class StepPlanner:
     # -- phase 1: decodes --------------------------------------------------------
 
     def _plan_decodes(self, builder: PlanBuilder, step_id: int) -> None:
-        decoders = [r for r in self.table.running if self._can_decode(r, step_id)]
-        for request in self._reserve_pages(decoders):
+        decoders = self._reserve_pages([r for r in self.table.running if self._can_decode(r, step_id)])
+        drafts = self.speculator.drafts(decoders, self.kv) if self.speculator is not None else {}
+        for request in decoders:
+            if request in drafts:
+                continue
             placeholder = request.pending.placeholder_for(step_id)
             token = placeholder if placeholder is not None else request.all_ids[-1]
             sample = SampleRow(request, request.num_generated, placeholder)
             entry = builder.add(request, [token], request.kv_len, sample, decode=True)
             request.admitted_kv.scheduled(request.kv_len + 1)
             self._mark_sampled(request, entry, step_id)
+        for request, draft in drafts.items():
+            self._add_verify(builder, request, draft, step_id)
 
-    def constrained_wait_for_tokens(self) -> bool:
-        """Whether at least half of the decoding requests are constrained with
-        a token in flight. Planned now, they would sit this step out (their
-        masks need that token) and decode every other step; waiting for the
-        step in flight instead gives up overlap for one step but keeps every
-        request decoding. With few constrained requests among many free ones,
-        skipping them is the cheaper of the two."""
+    @staticmethod
+    def _add_verify(builder: PlanBuilder, request: Request, draft: list[int], step_id: int) -> None:
+        """Verify `draft`: every position is sampled as a decode would be,
+        penalties counting the proposed tokens before it."""
+        first = request.num_generated
+        samples = [SampleRow(request, first + i, None, tuple(draft[:i])) for i in range(len(draft) + 1)]
+        entry = builder.add_verify(request, draft, samples)
+        request.admitted_kv.scheduled(request.kv_len + len(draft) + 1)
+        assert entry.row is not None
+        request.pending.sampled(step_id, entry.row, nameable=False)
+
+    def waits_for_tokens(self) -> bool:
+        """Whether the loop should let the step in flight land before planning
+        the next. Requests whose next plan needs that step's tokens (a
+        grammar's mask; a proposal, which is made from the newest token) would
+        otherwise sit the step out: when speculation is on at this batch
+        size, or at least half of the decoders are constrained with a token
+        in flight, waiting gives up overlap for one step but keeps every
+        request going. With few such requests among many free ones, skipping
+        them is the cheaper of the two."""
         decoding = [r for r in self.table.running if not r.is_prefilling]
-        waiting = sum(1 for r in decoding if r.is_constrained and r.pending.count)
+        in_flight = [r for r in decoding if r.pending.count]
+        if in_flight and self.speculator is not None and self.speculator.active_for(len(decoding)):
+            return True
+        waiting = sum(1 for r in in_flight if r.is_constrained or not r.pending.nameable)
         return waiting > 0 and 2 * waiting >= len(decoding)
 
     @staticmethod

@@ -85,12 +85,13 @@ class _PenaltyLists:
         self.lengths: list[int] = []
         self.ids = array("q")
 
-    def add(self, row: int, tokens: array, pending: int | None) -> None:
+    def add(self, row: int, tokens: array, pending: int | None, drafted: tuple[int, ...] = ()) -> None:
         self.ids.extend(tokens)  # array from array: a memcpy
         if pending is not None:
             self.ids.append(pending)
+        self.ids.extend(drafted)
         self.rows.append(row)
-        self.lengths.append(len(tokens) + (pending is not None))
+        self.lengths.append(len(tokens) + (pending is not None) + len(drafted))
 
     def tensors(self) -> tuple[torch.Tensor, torch.Tensor]:
         if not self.ids:
@@ -106,6 +107,7 @@ class SampleRow:
     request: Request
     token_index: int  # which output token this row samples (0 = the first)
     pending_placeholder: int | None  # placeholder id of the in-flight token, if any
+    drafted: tuple[int, ...] = ()  # proposed tokens before this row's position (a verified draft's rows)
 
 
 class SamplingBatchBuilder:
@@ -157,12 +159,13 @@ class SamplingBatchBuilder:
             repetition.append(p.repetition_penalty)
             if p.has_penalties:
                 # The token in flight (a placeholder) belongs to the history
-                # too; listed in `seen` it may repeat a token, which is harmless.
+                # too, as do the proposed tokens before a verified row; listed
+                # in `seen` they may repeat a token, which is harmless.
                 history = self._history(row.request)
                 if p.presence_penalty or p.frequency_penalty:
-                    outputs.add(i, history.output, row.pending_placeholder)
+                    outputs.add(i, history.output, row.pending_placeholder, row.drafted)
                 if p.repetition_penalty != 1.0:
-                    seen.add(i, history.seen, row.pending_placeholder)
+                    seen.add(i, history.seen, row.pending_placeholder, row.drafted)
         sampled = [t > 0 for t in temps]
         out_rows, out_ids = outputs.tensors()
         seen_rows, seen_ids = seen.tensors()

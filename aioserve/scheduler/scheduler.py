@@ -18,6 +18,7 @@ afresh, so the server keeps serving and no consumer waits forever.
 from __future__ import annotations
 
 import asyncio
+import copy
 import logging
 from collections import deque
 from dataclasses import dataclass
@@ -34,6 +35,8 @@ from aioserve.scheduler.planner import StepPlanner
 from aioserve.scheduler.request import Request, RequestEvent, RequestRejected
 from aioserve.scheduler.request_table import RequestTable, SchedulerStats
 from aioserve.scheduler.sampling_batch import SamplingBatchBuilder
+from aioserve.scheduler.speculation import Speculator
+from aioserve.speculative_config import resolve_speculative
 
 logger = logging.getLogger(__name__)
 
@@ -66,8 +69,11 @@ class Scheduler:
             self.kv = self._new_kv()
         self.table = RequestTable(self.kv)
         sampling = SamplingBatchBuilder(facts.vocab_size, facts.eos_token_ids, config.seed)
-        self.planner = StepPlanner(config, self.table, self.kv, sampling, facts.max_prefill_tokens)
-        self.outputs = OutputProcessor(self.table, facts.eos_token_ids)
+        speculative = resolve_speculative(config)
+        self.speculator = Speculator(speculative) if speculative is not None else None
+        self.planner = StepPlanner(config, self.table, self.kv, sampling, facts.max_prefill_tokens, self.speculator)
+        speculation = self.speculator.stats if self.speculator is not None else None
+        self.outputs = OutputProcessor(self.table, facts.eos_token_ids, speculation)
         self._next_step = 0
         self._wake: asyncio.Event | None = None
         self._stopping = False
@@ -211,6 +217,7 @@ class Scheduler:
             kv_integrity=integrity,
             max_prefill_tokens=self.facts.max_prefill_tokens,
             stats=dict(vars(self.stats)),
+            speculation=copy.deepcopy(self.speculator.stats) if self.speculator is not None else None,
         )
 
     def shutdown(self) -> None:
@@ -239,9 +246,9 @@ class Scheduler:
         inflight: tuple[ScheduledStep, asyncio.Future[StepOutput]] | None = None
         while not self._stopping:
             self._wake.clear()
-            if inflight is not None and self.planner.constrained_wait_for_tokens():
-                # Most decoders need the in-flight step's tokens for their grammar
-                # masks: let it land first rather than skip them in this step.
+            if inflight is not None and self.planner.waits_for_tokens():
+                # Decoders need the in-flight step's tokens (grammar masks,
+                # proposals): let it land first rather than skip them in this step.
                 await self._complete(*inflight)
                 inflight = None
             try:

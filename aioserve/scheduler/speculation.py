@@ -1,0 +1,92 @@
+"""Speculative decoding in the scheduler: which decoding requests verify
+drafts this step, and how many of a verified draft's tokens stand.
+
+A speculating request's entry is an extend of k + 1 tokens, its newest
+token and k proposed ones, each position sampled as a decode would sample
+it (the same parameters, penalties counting the proposed tokens before it,
+the same seeded draw for the same output index). Proposals are single
+sequences (top-1), so a proposal's distribution is a point mass and the
+speculative-sampling rule (accept d with probability min(1, p(d)/q(d)),
+else sample the residual) reduces to: keep d while the target's own sample
+at its position is d; the first position where they differ gives the
+target's token instead. Every token emitted is therefore the token the
+target samples at that position, seeded draws included: the output is the
+one plain decoding gives.
+
+A verified request's next token depends on how many drafts stood, which no
+placeholder can name, so it is planned again only once its step has been
+processed (the loop waits for it when most decoders speculate; see
+planner.py's `waits_for_tokens`). Above `disable_by_batch_size` decoding
+requests a step verifies nothing and plain decoding (with overlap) runs.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from aioserve.kvcache.manager import KVManager
+from aioserve.scheduler.request import Request
+from aioserve.scheduler.ngram_proposer import NgramProposer
+from aioserve.speculative_config import SpeculativeConfig
+
+
+@dataclass
+class SpeculationStats:
+    """vLLM's spec-decode counters (its names under aioserve's prefix)."""
+
+    drafts: int = 0  # verifications: one per request per step that verified a draft
+    draft_tokens: int = 0  # tokens proposed and verified
+    accepted_tokens: int = 0  # proposed tokens that stood
+    accepted_per_position: list[int] = field(default_factory=list)  # [i]: drafts whose token i stood
+    emitted_tokens: int = 0  # tokens the verifications gave (accepted + one from the target each)
+
+    @property
+    def mean_acceptance_length(self) -> float:
+        """Tokens a verification step gives on average (SGLang's avg_spec_accept_length); 0 before any."""
+        return self.emitted_tokens / self.drafts if self.drafts else 0.0
+
+    def record(self, proposed: int, accepted: int, emitted: int) -> None:
+        self.drafts += 1
+        self.draft_tokens += proposed
+        self.accepted_tokens += accepted
+        self.emitted_tokens += emitted
+        if len(self.accepted_per_position) < proposed:
+            self.accepted_per_position += [0] * (proposed - len(self.accepted_per_position))
+        for position in range(accepted):
+            self.accepted_per_position[position] += 1
+
+
+class Speculator:
+    def __init__(self, config: SpeculativeConfig) -> None:
+        self.config = config
+        self.proposer = NgramProposer(config.lookup_max, config.lookup_min)
+        self.stats = SpeculationStats()
+
+    def active_for(self, num_decoding: int) -> bool:
+        """Whether a step with this many decoding requests verifies drafts."""
+        return 0 < num_decoding <= self.config.disable_by_batch_size
+
+    @staticmethod
+    def can_speculate(request: Request) -> bool:
+        """Its newest token is known (landed) and nothing else rules it out: a
+        grammar's mask for position i would need the matcher advanced by the
+        i proposed tokens before it, which the constraint interface does not
+        offer, so a constrained request decodes plainly."""
+        return request.pending.count == 0 and request.constraint is None
+
+    def drafts(self, decoders: list[Request], kv: KVManager) -> dict[Request, list[int]]:
+        """The proposal each decoder verifies this step (those without one
+        decode plainly). A request proposes no more tokens than it may still
+        generate after the target's own, and only as many as the pool holds
+        pages for right now: a draft never preempts anyone."""
+        if not self.active_for(len(decoders)):
+            return {}
+        chosen: dict[Request, list[int]] = {}
+        for request in decoders:
+            if not self.can_speculate(request):
+                continue
+            room = request.max_new_tokens - request.num_generated - 1
+            draft = self.proposer.propose(request, min(self.config.num_tokens, room))
+            if draft and kv.extend(request.admitted_kv, request.kv_len + 1 + len(draft)):
+                chosen[request] = draft
+        return chosen

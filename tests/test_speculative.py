@@ -1,0 +1,192 @@
+"""Speculative decoding (scheduler/speculation.py): verified drafts give the
+outputs plain decoding gives, token for token with their logprobs, greedy
+and seeded alike, whatever the proposals; rejected positions give their
+pages back; the flags of vLLM and SGLang both turn it on."""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+
+import pytest
+
+from aioserve import LLM, SamplingParams
+from aioserve.config import ConfigError, EngineConfig
+from aioserve.scheduler.request import Request
+from aioserve.speculative_config import SpeculativeConfig, resolve_speculative
+from hf_reference import hf_encode
+
+NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3, "prompt_lookup_min": 1}
+# Prompts that quote themselves, so prompt lookup finds something to propose.
+TEXTS = [
+    "1 2 3 4 5 6 7 1 2 3 4 5 6 7 1 2 3",
+    "the cat sat on the mat and the cat sat on the",
+    "Once upon a time",
+    "a b c a b c a b",
+]
+
+
+def same_outputs(a: list, b: list) -> bool:
+    """Tokens and finish reasons equal; logprobs equal to float32 rounding (a
+    position computed in a verification's extend rounds its last bits
+    differently from one computed as a decode)."""
+    return len(a) == len(b) and all(
+        x[0] == y[0] and x[2] == y[2] and x[1] == pytest.approx(y[1], abs=1e-4) for x, y in zip(a, b)
+    )
+
+
+def _run(model: Path, prompts: list[list[int]], params: list[SamplingParams], **options) -> tuple[list, LLM]:
+    llm = LLM(str(model), page_size=4, debug_integrity=True, **options)
+    try:
+        outs = llm.generate(prompts, params)
+        llm.scheduler.check_integrity()
+        assert llm.scheduler.kv.allocator.num_free + llm.scheduler.kv.cache.num_pages == llm.scheduler.kv.num_usable_pages
+    finally:
+        llm.close()
+    return [(o.token_ids, o.logprobs, o.finish_reason) for o in outs], llm
+
+
+class OracleProposer:
+    """Proposes what the plain run produced, with every `corrupt`-th
+    proposal's token changed: acceptance from full to none, at will."""
+
+    def __init__(self, expected: dict[tuple[int, ...], list[int]], corrupt: int, seed: int = 0) -> None:
+        self.expected, self.corrupt, self.rng, self.calls = expected, corrupt, random.Random(seed), 0
+
+    def propose(self, request: Request, num_tokens: int) -> list[int]:
+        self.calls += 1
+        full = self.expected[tuple(request.prompt_ids)]
+        done = request.num_output_tokens
+        draft = list(full[done : done + num_tokens])  # row 0 samples output token `done`
+        if draft and self.corrupt and self.calls % self.corrupt == 0:
+            draft[self.rng.randrange(len(draft))] = self.rng.randrange(100)
+        return draft
+
+
+def _params(kind: str) -> SamplingParams:
+    if kind == "greedy":
+        return SamplingParams(max_tokens=24, temperature=0, ignore_eos=True, logprobs=2)
+    if kind == "seeded":
+        return SamplingParams(max_tokens=24, temperature=0.8, top_p=0.9, top_k=40, seed=7, ignore_eos=True, logprobs=1)
+    # penalties, a bias and min_tokens: each position's settings count the proposed tokens before it
+    return SamplingParams(
+        max_tokens=24, temperature=0.7, seed=3, presence_penalty=0.5, frequency_penalty=0.3,
+        repetition_penalty=1.2, logit_bias={5: 2.0}, min_tokens=20, logprobs=0,
+    )
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+@pytest.mark.parametrize("kind", ["greedy", "seeded", "penalised"])
+def test_ngram_outputs_equal_plain_decoding(tiny_checkpoints: dict[str, Path], arch: str, kind: str) -> None:
+    model = tiny_checkpoints[arch]
+    prompts = [hf_encode(model, t) for t in TEXTS]
+    params = [_params(kind)] * len(prompts)
+    plain, _ = _run(model, prompts, params)
+    speculative, llm = _run(model, prompts, params, speculative_config=NGRAM)
+    assert same_outputs(speculative, plain)
+    stats = llm.scheduler.speculator.stats
+    assert stats.drafts > 0 and stats.draft_tokens >= stats.accepted_tokens
+
+
+@pytest.mark.parametrize("corrupt", [0, 1, 3])  # every proposal right; every one wrong; one in three wrong
+@pytest.mark.parametrize("kind", ["greedy", "seeded", "penalised"])
+def test_any_proposal_gives_the_plain_outputs(tiny_checkpoints: dict[str, Path], corrupt: int, kind: str) -> None:
+    model = tiny_checkpoints["qwen3"]
+    prompts = [hf_encode(model, t) for t in TEXTS]
+    params = [_params(kind)] * len(prompts)
+    plain, _ = _run(model, prompts, params)
+    expected = {tuple(p): out[0] for p, out in zip(prompts, plain)}
+    llm = LLM(str(model), page_size=4, debug_integrity=True, speculative_config=NGRAM)
+    try:
+        llm.scheduler.speculator.proposer = OracleProposer(expected, corrupt)
+        outs = llm.generate(prompts, params)
+        llm.scheduler.check_integrity()
+        stats = llm.scheduler.speculator.stats
+    finally:
+        llm.close()
+    assert same_outputs([(o.token_ids, o.logprobs, o.finish_reason) for o in outs], plain)
+    assert stats.drafts > 0
+    if corrupt == 0:  # every token proposed stands: k + 1 tokens a verification
+        assert stats.accepted_tokens == stats.draft_tokens and stats.mean_acceptance_length > 3
+    if corrupt == 1:
+        assert stats.accepted_tokens < stats.draft_tokens
+
+
+def test_limits_mid_draft_and_small_pools(tiny_checkpoints: dict[str, Path]) -> None:
+    """max_tokens landing inside a proposal, a stop token inside one, and a
+    pool so small that requests are preempted: still the plain outputs."""
+    model = tiny_checkpoints["llama"]
+    prompts = [hf_encode(model, t) for t in TEXTS]
+    plain_greedy, _ = _run(model, prompts, [SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)] * 4)
+    expected = {tuple(p): out[0] for p, out in zip(prompts, plain_greedy)}
+    stop_at = plain_greedy[1][0][6]
+    params = [
+        SamplingParams(max_tokens=5, temperature=0, ignore_eos=True),
+        SamplingParams(max_tokens=40, temperature=0, ignore_eos=True, stop_token_ids=[stop_at]),
+        SamplingParams(max_tokens=13, temperature=0, ignore_eos=True),
+        SamplingParams(max_tokens=40, temperature=0, ignore_eos=True),
+    ]
+    for options in ({}, {"num_pages": 24}):
+        plain, _ = _run(model, prompts, params, **options)
+        llm = LLM(str(model), page_size=4, debug_integrity=True, speculative_config=NGRAM, **options)
+        try:
+            llm.scheduler.speculator.proposer = OracleProposer(expected, corrupt=0)
+            outs = llm.generate(prompts, params)
+            llm.scheduler.check_integrity()
+            kv = llm.scheduler.kv
+            assert kv.allocator.num_free + kv.cache.num_pages == kv.num_usable_pages  # every page back
+        finally:
+            llm.close()
+        assert same_outputs([(o.token_ids, o.logprobs, o.finish_reason) for o in outs], plain)
+        assert outs[1].finish_reason == "stop" and outs[1].token_ids[-1] == stop_at
+
+
+def test_rejected_positions_give_their_pages_back(tiny_checkpoints: dict[str, Path]) -> None:
+    """A proposal that is always wrong: each verification keeps one token,
+    so a request never holds more pages than its tokens need."""
+    model = tiny_checkpoints["qwen3"]
+    prompt = hf_encode(model, TEXTS[0])
+
+    class Wrong:
+        def propose(self, request: Request, num_tokens: int) -> list[int]:
+            return [(request.all_ids[-1] + 1) % 50] * num_tokens  # almost never the model's choice
+
+    llm = LLM(str(model), page_size=2, speculative_config={"method": "ngram", "num_speculative_tokens": 6})
+    held: list[tuple[int, int]] = []
+    try:
+        scheduler = llm.scheduler
+        scheduler.speculator.proposer = Wrong()
+        original = scheduler.outputs.process
+
+        def process(step, output):  # after each step: pages held against tokens computed
+            original(step, output)
+            for request in scheduler.running:
+                held.append((request.admitted_kv.num_pages, scheduler.kv.pages_for(request.kv_len + 1)))
+
+        scheduler.outputs.process = process
+        llm.generate([prompt], SamplingParams(max_tokens=20, temperature=0, ignore_eos=True))
+    finally:
+        llm.close()
+    assert held and all(pages <= needed for pages, needed in held)
+
+
+def test_the_flags_of_vllm_and_sglang() -> None:
+    assert resolve_speculative(EngineConfig()) is None
+    vllm = resolve_speculative(EngineConfig(speculative_config={"method": "ngram", "num_speculative_tokens": 3}))
+    assert vllm == SpeculativeConfig("ngram", 3, lookup_max=4, lookup_min=1)
+    sglang = resolve_speculative(EngineConfig(speculative_algorithm="NGRAM", speculative_num_draft_tokens=5))
+    assert sglang is not None and (sglang.method, sglang.num_tokens) == ("ngram", 4)  # SGLang counts the verified one
+    steps = resolve_speculative(EngineConfig(speculative_algorithm="ngram", speculative_num_steps=2))
+    assert steps is not None and steps.num_tokens == 2
+    for bad, message in (
+        ({"speculative_config": {"method": "medusa"}}, "method must be one of"),
+        ({"speculative_config": {"method": "ngram", "num_speculative_tokens": 0}}, "positive integer"),
+        ({"speculative_config": {"method": "ngram", "prompt_lookup_min": 5, "prompt_lookup_max": 2}}, "exceeds"),
+        ({"speculative_config": {"method": "ngram", "lookahead": 2}}, "unknown keys"),
+        ({"speculative_config": {"method": "eagle3", "model": "x"}}, "not available"),
+        ({"speculative_algorithm": "NGRAM", "speculative_config": {"method": "ngram"}}, "not both"),
+        ({"speculative_algorithm": "MEDUSA"}, "choose from"),
+        ({"speculative_num_steps": 3}, "need --speculative-algorithm"),
+    ):
+        with pytest.raises(ConfigError, match=message):
+            resolve_speculative(EngineConfig(**bad))
