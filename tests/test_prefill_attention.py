@@ -52,7 +52,9 @@ def test_chunks_together_equal_chunks_alone(dtype, kv_dtype, window) -> None:
     backend = TorchNativeBackend(pool)
     plan = extend_plan(chunks, first_page=1)
     metadata = backend.prepare(plan, plan)
-    assert [len(run) for run in metadata.extend_runs] == [3, 1, 1, 2]
+    # The chunk after a prefix is short: the native decode kernel takes it, a token at a time.
+    paged = metadata.kernels is not None
+    assert [len(run) for run in metadata.extend_runs] == ([3, 1, 2] if paged else [3, 1, 1, 2])
     together = metadata.attend(0, q, k, v, dim**-0.5, window)
     start = 0
     width = plan.page_table.shape[1]

@@ -5,7 +5,9 @@ pages back; the flags of vLLM and SGLang both turn it on."""
 
 from __future__ import annotations
 
+import math
 import random
+from collections import Counter
 from pathlib import Path
 
 import pytest
@@ -190,3 +192,73 @@ def test_the_flags_of_vllm_and_sglang() -> None:
     ):
         with pytest.raises(ConfigError, match=message):
             resolve_speculative(EngineConfig(**bad))
+
+
+def _chi_square_critical(df: int, z: float = 3.09) -> float:
+    """The chi-square quantile at p = 0.001 (z: the normal's), by Wilson and Hilferty."""
+    return df * (1 - 2 / (9 * df) + z * math.sqrt(2 / (9 * df))) ** 3
+
+
+def _homogeneous(a: Counter, b: Counter, min_count: int = 10) -> tuple[float, float]:
+    """Two-sample chi-square statistic and its critical value; rare tokens pooled."""
+    common = [t for t in set(a) | set(b) if a[t] + b[t] >= min_count]
+    cells = [(a[t], b[t]) for t in common]
+    cells.append((sum(a.values()) - sum(x for x, _ in cells), sum(b.values()) - sum(y for _, y in cells)))
+    cells = [c for c in cells if sum(c) > 0]
+    total_a, total_b = sum(x for x, _ in cells), sum(y for _, y in cells)
+    n = total_a + total_b
+    stat = 0.0
+    for x, y in cells:
+        for observed, total in ((x, total_a), (y, total_b)):
+            expected = total * (x + y) / n
+            stat += (observed - expected) ** 2 / expected
+    return stat, _chi_square_critical(max(len(cells) - 1, 1))
+
+
+def test_sampled_tokens_follow_the_models_distribution(tiny_checkpoints: dict[str, Path]) -> None:
+    """Unseeded sampling draws from the engine's own generator, which a
+    verification consumes differently: the tokens differ run to run, their
+    distribution must not. Output positions 1 to 3 (verified rows, the
+    later ones kept only when the proposals before them stood) compared by a chi-square
+    test at p = 0.001; the engine's seed fixes every draw, so it cannot flake."""
+    model = tiny_checkpoints["llama"]
+    # A prompt that holds its own likely continuation (the model's greedy
+    # one, then its start again): prompt lookup proposes it, and it often stands.
+    base = hf_encode(model, "a b")
+    llm = LLM(str(model), page_size=4)
+    greedy = llm.generate([base], SamplingParams(max_tokens=40, temperature=0, ignore_eos=True))[0].token_ids
+    llm.close()
+    prompt = base + greedy + base + greedy[:8]
+    params = SamplingParams(max_tokens=4, temperature=0.25, ignore_eos=True)  # peaked: tokens the prompt holds
+    spec = {**NGRAM, "disable_by_batch_size": 1024}
+    runs = []
+    for options in ({}, {"speculative_config": spec}):
+        llm = LLM(str(model), page_size=4, seed=11, **options)
+        try:
+            runs.append([o.token_ids for o in llm.generate([prompt] * 600, params)])
+            if options:
+                stats = llm.scheduler.speculator.stats
+                assert stats.drafts > 300 and 0 < stats.accepted_tokens < stats.draft_tokens
+        finally:
+            llm.close()
+    plain, speculative = runs
+    assert plain != speculative  # the draws differ
+    for position in (1, 2, 3):
+        stat, critical = _homogeneous(Counter(t[position] for t in plain), Counter(t[position] for t in speculative))
+        assert stat < critical, f"output position {position}: chi-square {stat:.1f} >= {critical:.1f}"
+
+
+def test_tensor_parallel_verification(tiny_checkpoints: dict[str, Path]) -> None:
+    """At tp 2 the plan broadcast carries the verified drafts: the outputs
+    are tp 1's plain ones."""
+    model = tiny_checkpoints["llama"]
+    prompts = [hf_encode(model, t) for t in TEXTS]
+    params = [_params("greedy"), _params("seeded")] * 2
+    plain, _ = _run(model, prompts, params)
+    llm = LLM(str(model), page_size=4, tp=2, speculative_config=NGRAM)
+    try:
+        outs = llm.generate(prompts, params)
+        assert llm.scheduler.speculator.stats.drafts > 0
+    finally:
+        llm.close()
+    assert same_outputs([(o.token_ids, o.logprobs, o.finish_reason) for o in outs], plain)

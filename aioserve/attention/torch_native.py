@@ -4,8 +4,11 @@ Decodes (one new token each) are attended as one padded batch: every
 request's KV slots are gathered into a [B, max_len] grid, padding points at
 the reserved zero page and is masked out. On CPU, when native/ builds, the
 decodes instead go to a C++ kernel that reads the pages in place (2-3x
-faster, no gather copy). Extends (prefill chunks) are attended one request
-at a time with a causal mask shifted by the cached prefix, so a long prompt
+faster, no gather copy), and so do short extends after a prefix (a
+verified draft of speculative decoding, a short chunk after a cached
+prefix): each of their new tokens is a decode at its own length over the
+same pages, whose KV is stored before any is read.
+Longer extends (prefill chunks) are attended one request at a time with a causal mask shifted by the cached prefix, so a long prompt
 never pads the short ones; side-by-side chunks of one length with nothing
 cached before them (a burst of equal prompts) attend as one batch.
 """
@@ -22,6 +25,12 @@ from aioserve.attention.backend import AttentionBackend, AttentionMetadata
 from aioserve.batch_plan import BatchPlan
 from aioserve.kvcache.kv_pool import KVPool, to_cache_dtype
 from aioserve.cpu.native import cpu_kernels
+
+
+# Extends up to this long attend through the native decode kernel, a token
+# at a time (a 5-token verification of a 260K model: SDPA's CPU flash kernel
+# took 0.5 ms a layer, most of the step).
+SHORT_EXTEND = 16
 
 
 def kv_slots(page_rows: torch.Tensor, length: int, page_size: int) -> torch.Tensor:
@@ -100,9 +109,17 @@ class TorchNativeMetadata(AttentionMetadata):
         nd = plan.num_decodes
         self.num_decodes = nd
         self._decode_masks: dict[int | None, torch.Tensor] = {}
+        # Rows the native decode kernel attends: the decodes, then (with the
+        # kernels) short extends' tokens; `paged_rows` None means rows [0, nd).
+        self.paged_rows: torch.Tensor | None = None
+        short = [
+            i for i in range(nd, plan.num_requests) if extend_lens[i] <= SHORT_EXTEND and seq_lens[i] > extend_lens[i]
+        ] if kernels else []
         if nd:
             self.decode_pages = plan.page_table[:nd]
             self.decode_lens = plan.seq_lens[:nd]
+        if short:
+            self._page_short_extends(plan, short, seq_lens, extend_lens)
         if nd and kernels is None:
             max_len = max(seq_lens[:nd])
             lens = plan.seq_lens[:nd]
@@ -118,10 +135,23 @@ class TorchNativeMetadata(AttentionMetadata):
         for i in range(nd, plan.num_requests):
             length, total = extend_lens[i], seq_lens[i]
             prefix = total - length
-            slots = kv_slots(plan.page_table[i : i + 1], total, pool.page_size)[0] if prefix else None
-            self.extends.append(_Extend(start, length, prefix, slots, plan.input_ids.device))
+            if i not in short:
+                slots = kv_slots(plan.page_table[i : i + 1], total, pool.page_size)[0] if prefix else None
+                self.extends.append(_Extend(start, length, prefix, slots, plan.input_ids.device))
             start += length
         self.extend_runs = _fresh_runs(self.extends)
+
+    def _page_short_extends(self, plan: BatchPlan, short: list[int], seq_lens: list[int], extend_lens: list[int]) -> None:
+        """Each token of the `short` extends as a decode: its request's page
+        row, the length up to and including it."""
+        nd = plan.num_decodes
+        firsts = [nd + sum(extend_lens[nd:i]) for i in short]
+        rows = list(range(nd)) + [first + j for first, i in zip(firsts, short) for j in range(extend_lens[i])]
+        requests = list(range(nd)) + [i for i in short for _ in range(extend_lens[i])]
+        lens = seq_lens[:nd] + [seq_lens[i] - extend_lens[i] + 1 + j for i in short for j in range(extend_lens[i])]
+        self.paged_rows = torch.tensor(rows, dtype=torch.long, device=plan.seq_lens.device)
+        self.decode_pages = plan.page_table[torch.tensor(requests, dtype=torch.long, device=plan.seq_lens.device)]
+        self.decode_lens = torch.tensor(lens, dtype=plan.seq_lens.dtype, device=plan.seq_lens.device)
 
     def _decode_mask(self, window: int | None) -> torch.Tensor:
         """[B, 1, 1, max_len]: valid positions, within the window if any."""
@@ -149,7 +179,10 @@ class TorchNativeMetadata(AttentionMetadata):
             k, v = to_cache_dtype(k, keys.dtype).to(q.dtype), to_cache_dtype(v, keys.dtype).to(q.dtype)
         out = torch.empty_like(q)
         nd = self.num_decodes
-        if nd:
+        if self.paged_rows is not None:
+            attended = self._attend_decodes(q.index_select(0, self.paged_rows), keys, values, scale, sliding_window)
+            out.index_copy_(0, self.paged_rows, attended)
+        elif nd:
             out[:nd] = self._attend_decodes(q[:nd], keys, values, scale, sliding_window)
         for run in self.extend_runs:
             if len(run) > 1 and run[0].mask(sliding_window) is None:

@@ -1,0 +1,157 @@
+"""Speculative decoding: acceptance length and output tok/s, with and without.
+
+For each concurrency (requests submitted together through the Python API),
+the same prompts run plainly and with each proposer, alternated repeat by
+repeat: prompt lookup (ngram) on prompts that quote themselves (a story
+retold, a list repeated), and an "oracle" that proposes the plain run's own
+tokens (the ceiling: every proposal stands, what a draft equal to the
+target would give) and one that proposes wrong tokens (the floor: the cost
+of verifying k + 1 positions for one token). Greedy outputs are checked equal
+to the plain run's on every repeat.
+
+    python benchmarks/speculative.py                         # demo model, concurrency 1 4 16
+    python benchmarks/speculative.py --tokens 64 --k 4 --png spec.png
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import statistics
+import time
+from dataclasses import dataclass, field
+
+from tqdm import tqdm
+
+from aioserve import LLM, SamplingParams
+from aioserve.scheduler.request import Request
+from aioserve.scheduler.speculation import SpeculationStats
+
+logger = logging.getLogger("benchmarks.speculative")
+
+# Prompts that quote themselves: what prompt lookup is for.
+QUOTING = [
+    "Once upon a time there was a little girl named Lily. She loved to play outside. "
+    "Once upon a time there was a little girl named Lily. She loved to",
+    "One day, Tom went to the park with his mom. They saw a big dog. One day, Tom went to the park with his",
+    "apples, pears, plums, apples, pears, plums, apples, pears, plums, apples,",
+    "The sun was hot. The sun was hot. The sun was hot. The sun was",
+]
+
+
+class Oracle:
+    """Proposes the plain run's tokens (right) or a shifted copy of them (wrong)."""
+
+    def __init__(self, expected: dict[tuple[int, ...], list[int]], right: bool) -> None:
+        self.expected, self.right = expected, right
+
+    def propose(self, request: Request, num_tokens: int) -> list[int]:
+        done = request.num_output_tokens
+        draft = self.expected[tuple(request.prompt_ids)][done : done + num_tokens]
+        return draft if self.right else [(t + 1) % 256 for t in draft]
+
+
+@dataclass
+class Row:
+    method: str
+    concurrency: int
+    seconds: list[float] = field(default_factory=list)
+    output_tokens: int = 0
+    acceptance: float = 0.0  # mean tokens a verification gives (1 = plain)
+
+    @property
+    def tok_s(self) -> float:
+        return self.output_tokens / statistics.median(self.seconds)
+
+
+def run_once(llm: LLM, prompts: list[list[int]], params: SamplingParams) -> tuple[float, list[list[int]]]:
+    start = time.perf_counter()
+    outs = llm.generate(prompts, params)
+    return time.perf_counter() - start, [o.token_ids for o in outs]
+
+
+def measure(args: argparse.Namespace) -> list[Row]:
+    spec = {"method": "ngram", "num_speculative_tokens": args.k, "prompt_lookup_max": 4, "prompt_lookup_min": 1,
+            "disable_by_batch_size": args.disable_by_batch_size}
+    plain = LLM(args.model, num_threads=args.threads)
+    fast = LLM(args.model, num_threads=args.threads, speculative_config=spec)
+    params = SamplingParams(max_tokens=args.tokens, temperature=0, ignore_eos=True)
+    rows: list[Row] = []
+    ngram = fast.scheduler.speculator.proposer
+    try:
+        for concurrency in args.concurrency:
+            texts = [QUOTING[i % len(QUOTING)] for i in range(concurrency)]
+            prompts = [plain.encode(t) for t in texts]
+            _, reference = run_once(plain, prompts, params)  # warm-up, and the outputs to match
+            expected = {tuple(p): out for p, out in zip(prompts, reference)}
+            proposers = {"ngram": ngram, "oracle (ceiling)": Oracle(expected, True),
+                         "wrong (floor)": Oracle(expected, False)}
+            by_method = {name: Row(name, concurrency) for name in ["plain", *proposers]}
+            for _ in tqdm(range(args.repeats), desc=f"concurrency {concurrency}"):
+                seconds, outs = run_once(plain, prompts, params)
+                by_method["plain"].seconds.append(seconds)
+                for name, proposer in proposers.items():
+                    fast.scheduler.speculator.proposer = proposer
+                    fast.scheduler.speculator.stats = stats = SpeculationStats()
+                    fast.scheduler.outputs.speculation = stats
+                    seconds, outs = run_once(fast, prompts, params)
+                    if outs != reference:
+                        raise AssertionError(f"{name} at concurrency {concurrency}: outputs differ from plain decoding")
+                    by_method[name].seconds.append(seconds)
+                    by_method[name].acceptance = stats.mean_acceptance_length
+            for row in by_method.values():
+                row.output_tokens = concurrency * args.tokens
+            rows += by_method.values()
+    finally:
+        plain.close()
+        fast.close()
+    return rows
+
+
+def print_table(rows: list[Row]) -> None:
+    print(f"{'method':<17} {'conc':>4} {'tok/s':>8} {'vs plain':>8} {'accept len':>10}")
+    plain = {r.concurrency: r.tok_s for r in rows if r.method == "plain"}
+    for r in rows:
+        accept = f"{r.acceptance:.2f}" if r.method != "plain" else "-"
+        print(f"{r.method:<17} {r.concurrency:>4} {r.tok_s:>8.1f} {r.tok_s / plain[r.concurrency]:>7.2f}x {accept:>10}")
+
+
+def write_plot(rows: list[Row], path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4))
+    for method in dict.fromkeys(r.method for r in rows):
+        mine = [r for r in rows if r.method == method]
+        ax.plot([r.concurrency for r in mine], [r.tok_s for r in mine], marker="o", label=method)
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("concurrent requests")
+    ax.set_ylabel("output tok/s")
+    ax.set_title("speculative decoding (greedy, outputs equal to plain)")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default="stories260K")
+    parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 16])
+    parser.add_argument("--tokens", type=int, default=64, help="output tokens per request")
+    parser.add_argument("--k", type=int, default=4, help="tokens proposed per verification")
+    parser.add_argument("--disable-by-batch-size", type=int, default=8)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--threads", type=int, default=None)
+    parser.add_argument("--png", help="also write a plot here")
+    args = parser.parse_args()
+    logging.basicConfig(level=logging.WARNING)
+    rows = measure(args)
+    print_table(rows)
+    if args.png:
+        write_plot(rows, args.png)
+
+
+if __name__ == "__main__":
+    main()
