@@ -58,7 +58,9 @@ from aioserve.cpu import elementwise as native_elementwise  # noqa: E402
 from aioserve.engine.cuda_graph import EagerCapture  # noqa: E402
 from aioserve.engine import engine as engine_module  # noqa: E402
 from aioserve.engine.engine import Engine  # noqa: E402
-from aioserve.layers import flashinfer_elementwise, linear as linear_module  # noqa: E402
+from aioserve.flashinfer import elementwise as flashinfer_elementwise  # noqa: E402
+from aioserve.flashinfer import loader as flashinfer_loader  # noqa: E402
+from aioserve.layers import linear as linear_module  # noqa: E402
 from aioserve.sampling_params import SamplingParams  # noqa: E402
 from aioserve.scheduler.request import Request  # noqa: E402
 from aioserve.scheduler.sampling_batch import SampleRow, SamplingBatchBuilder  # noqa: E402
@@ -249,20 +251,20 @@ def cuda_code_path(counter: KernelCounter) -> Iterator[Any]:
     """The layers' CUDA choices taken on CPU tensors: FlashInfer's fused ops
     through the counted fake, plain F.linear for every matmul, no native kernels."""
     fake = counted_flashinfer(counter)
-    saved = (native_elementwise.ENABLED, flashinfer_elementwise.DEVICE_TYPES, flashinfer_elementwise._flashinfer,
-             flashinfer_elementwise._tried, linear_module.cpu_matmul)
+    saved = (native_elementwise.ENABLED, flashinfer_elementwise.DEVICE_TYPES, flashinfer_loader._flashinfer,
+             flashinfer_loader._tried, linear_module.cpu_matmul)
     native_elementwise.ENABLED = False
     flashinfer_elementwise.DEVICE_TYPES = ("cuda", "cpu")
-    flashinfer_elementwise._flashinfer = fake
-    flashinfer_elementwise._tried = True
+    flashinfer_loader._flashinfer = fake
+    flashinfer_loader._tried = True
     linear_module.cpu_matmul = lambda x, w, choice, bias=None, float_out=False, out=None: F.linear(x, w, bias)
     flashinfer_elementwise.forget_decisions()
     try:
         yield fake
     finally:
         flashinfer_elementwise.forget_decisions()  # decided for CPU tensors: nobody else's
-        (native_elementwise.ENABLED, flashinfer_elementwise.DEVICE_TYPES, flashinfer_elementwise._flashinfer,
-         flashinfer_elementwise._tried, linear_module.cpu_matmul) = saved
+        (native_elementwise.ENABLED, flashinfer_elementwise.DEVICE_TYPES, flashinfer_loader._flashinfer,
+         flashinfer_loader._tried, linear_module.cpu_matmul) = saved
 
 
 # -- the engine and its steps ------------------------------------------------------------------

@@ -13,11 +13,11 @@ or store off its alignment (computed address by address from the kernels'
 own loop: RMSNorm loads gcd(16 / itemsize, d) elements at a time, SiLU-and-mul
 and RoPE 16 bytes), a layout the kernel indexes as if it were dense, a head
 dim no kernel is built for, a wrong index dtype. These checks are written
-from the kernels, not from aioserve/kernel_contracts.py, so a contract
+from the kernels, not from aioserve/flashinfer/contracts.py, so a contract
 written too loosely there fails here. One liberty: the wrappers accept
 float32 so the CPU tests can compare them token for token with the float32
 torch reference (the real ones refuse it with a Python error, and
-kernel_contracts.paged_attention keeps float32 away from them).
+flashinfer/contracts.py, paged_attention, keeps float32 away from them).
 With it the FlashInfer backend's planning, row routing and graph buffers,
 and the layers' fused-op choices, run on CPU; the real kernels are tested
 on a GPU (tests/test_gpu_fast_path.py).

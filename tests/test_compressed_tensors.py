@@ -21,7 +21,9 @@ import torch
 from safetensors.torch import load_file
 
 from aioserve import LLM
-from aioserve.models.quantization import Fp8Config, UnsupportedQuantization
+from aioserve.quant.config import read_quantization
+from aioserve.quant.fp8 import Fp8Config
+from aioserve.quant.method import UnsupportedQuantization
 from fp8_checkpoints import (build_compressed_tensors_checkpoints, check_completion_over_http, check_held_products,
                             compressed_tensors_config, cuda_logprob_gap, held_fp8_linears, with_quantization)
 from hf_reference import hf_encode, hf_greedy
@@ -66,7 +68,7 @@ def test_greedy_matches_transformers_on_dequantised_weights(case: str, checkpoin
     assert tensors[down + ".weight_scale"].dim() == len(expected[strategy])
     llm = LLM(str(fp8), page_size=4)
     try:
-        config = llm.engine.model_config.fp8
+        config = llm.engine.model_config.quantization
         assert config is not None and (config.method, config.strategy) == ("compressed-tensors", strategy)
         assert config.activation_scheme == ("static" if static else "dynamic")
         check_against_hf(reference, llm, [hf_encode(reference, p) for p in PROMPTS])
@@ -84,7 +86,7 @@ def test_early_compression_config_key(checkpoints: dict[str, tuple[Path, Path]],
     (folder / "config.json").write_text(json.dumps({**config, "compression_config": quantization}))
     llm = LLM(str(folder), page_size=4)
     try:
-        assert llm.engine.model_config.fp8 is not None and llm.engine.model_config.fp8.strategy == "channel"
+        assert llm.engine.model_config.quantization is not None and llm.engine.model_config.quantization.strategy == "channel"
         check_against_hf(reference, llm, [hf_encode(reference, PROMPTS[0])])
     finally:
         llm.close()
@@ -152,7 +154,7 @@ def test_other_compressed_tensors_schemes_fail_at_load_naming_what(
     """Refused by the config alone: the checkpoint beside it is a plain one,
     so a refusal after reading weights would fail differently."""
     with pytest.raises(UnsupportedQuantization) as refusal:
-        Fp8Config.from_dict(quantization)
+        read_quantization(quantization)
     assert "compressed-tensors" in str(refusal.value)
     folder = with_quantization(checkpoints["qwen3-channel"][1], tmp_path / "quantised", quantization)
     with pytest.raises(ValueError, match=named):
@@ -162,13 +164,13 @@ def test_other_compressed_tensors_schemes_fail_at_load_naming_what(
 def test_llm_compressor_presets_parse() -> None:
     """The three FP8 presets as llm-compressor writes them (FP8: static
     per-tensor activations; FP8_DYNAMIC; FP8_BLOCK, with per-group activations)."""
-    tensor = Fp8Config.from_dict(compressed_tensors_config("tensor", input_scales=True))
+    tensor = read_quantization(compressed_tensors_config("tensor", input_scales=True))
     assert tensor == Fp8Config(None, "static", "tensor", "compressed-tensors")
-    assert Fp8Config.from_dict(compressed_tensors_config("channel")) == Fp8Config(None, "dynamic", "channel",
-                                                                                  "compressed-tensors")
+    assert read_quantization(compressed_tensors_config("channel")) == Fp8Config(None, "dynamic", "channel",
+                                                                                "compressed-tensors")
     block = compressed_tensors_config("block")
     block["config_groups"]["group_0"]["input_activations"].update(strategy="group", group_size=128)
-    assert Fp8Config.from_dict(block) == Fp8Config((128, 128), "dynamic", "block", "compressed-tensors")
+    assert read_quantization(block) == Fp8Config((128, 128), "dynamic", "block", "compressed-tensors")
 
 
 def test_per_channel_weights_held_in_fp8_are_the_checkpoints_and_multiply_like_the_dequantised(

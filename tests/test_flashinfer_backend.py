@@ -16,7 +16,7 @@ from aioserve import LLM, SamplingParams
 from aioserve.attention import create_backend
 from aioserve.attention.backend import AttentionShape
 from aioserve.attention.flashinfer import FlashInferBackend
-from aioserve.attention.flashinfer_args import paged_kv_args, qo_indptr, window_left
+from aioserve.flashinfer.paged_args import paged_kv_args, qo_indptr, window_left
 from aioserve.attention.torch_native import kv_slots
 from aioserve.engine.cuda_graph import EagerCapture
 from aioserve.kvcache.kv_pool import KVPool

@@ -7,7 +7,7 @@ as dense, a head dim with no kernel). The real kernels run in
 tests/test_gpu_fast_path.py.
 
 What is proven here: the fused forms agree with the torch forms; each
-contract in aioserve/kernel_contracts.py refuses what the kernel model
+contract in aioserve/flashinfer/contracts.py refuses what the kernel model
 faults on and never admits an input it faults on; the demo model (head_dim
 8, intermediate 172: the shapes that crashed an H100) and tiny shapes run
 through the fake without a fault, each op falling back for the reason that
@@ -21,10 +21,11 @@ from pathlib import Path
 import pytest
 import torch
 
-import aioserve.kernel_contracts as contracts
 from aioserve import LLM, SamplingParams
 from aioserve.cpu import elementwise as native_elementwise
-from aioserve.layers import flashinfer_elementwise
+from aioserve.flashinfer import contracts
+from aioserve.flashinfer import elementwise as flashinfer_elementwise
+from aioserve.flashinfer import loader as flashinfer_loader
 from aioserve.layers.activation import gelu_tanh_and_mul, silu_and_mul
 from aioserve.layers.norm import RMSNorm
 from aioserve.layers.rotary import RopeScaling, RotaryEmbedding
@@ -39,8 +40,8 @@ def fused_on_cpu(monkeypatch: pytest.MonkeyPatch):
     """The layers' FlashInfer path taken on CPU tensors, through the fake."""
     monkeypatch.setattr(native_elementwise, "ENABLED", False)  # the CPU path would take these calls
     monkeypatch.setattr(flashinfer_elementwise, "DEVICE_TYPES", ("cuda", "cpu"))
-    monkeypatch.setattr(flashinfer_elementwise, "_flashinfer", fake_flashinfer)
-    monkeypatch.setattr(flashinfer_elementwise, "_tried", True)
+    monkeypatch.setattr(flashinfer_loader, "_flashinfer", fake_flashinfer)
+    monkeypatch.setattr(flashinfer_loader, "_tried", True)
     flashinfer_elementwise.forget_decisions()
     yield
     flashinfer_elementwise.forget_decisions()

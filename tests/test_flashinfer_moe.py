@@ -23,12 +23,14 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-import aioserve.kernel_contracts as contracts
 from aioserve import LLM, SamplingParams
 from aioserve.llm import GenerationOutput
 from aioserve.cpu import elementwise as native_elementwise
 from aioserve.cpu_engine.fast_paths import CpuFastPaths
-from aioserve.layers import flashinfer_elementwise, flashinfer_moe
+from aioserve.flashinfer import contracts
+from aioserve.flashinfer import elementwise as flashinfer_elementwise
+from aioserve.flashinfer import loader as flashinfer_loader
+from aioserve.flashinfer import moe as flashinfer_moe
 from aioserve.layers.moe import FusedMoE, grouped_experts
 from fake_flashinfer import KernelFault, fake_flashinfer
 from tiny_models import build_checkpoint
@@ -74,13 +76,13 @@ def fused_on_cpu(monkeypatch: pytest.MonkeyPatch):
     function that installs a MoE kernel stand-in (recording its calls)."""
     monkeypatch.setattr(native_elementwise, "ENABLED", False)  # the CPU path would take the elementwise calls
     monkeypatch.setattr(flashinfer_elementwise, "DEVICE_TYPES", ("cuda", "cpu"))
-    monkeypatch.setattr(flashinfer_elementwise, "_tried", True)
+    monkeypatch.setattr(flashinfer_loader, "_tried", True)
     # The experts stay stacked, as on CUDA (the CPU would pack them for its native matmul).
     monkeypatch.setattr(CpuFastPaths, "_pack_experts", lambda self: None)
 
     def install(kernel=fake_moe) -> Recording:
         recording = Recording(kernel)
-        monkeypatch.setattr(flashinfer_elementwise, "_flashinfer", with_moe_kernel(recording))
+        monkeypatch.setattr(flashinfer_loader, "_flashinfer", with_moe_kernel(recording))
         flashinfer_elementwise.forget_decisions()
         return recording
 

@@ -1,6 +1,6 @@
 """Block-scaled FP8 checkpoints (128 x 128 `weight_scale_inv`, the Qwen3-FP8
-layout) multiplied as FP8 on CUDA (layers/fp8_block_linear.py,
-models/fp8_layers.py), proven on the CPU:
+layout) multiplied as FP8 on CUDA (quant/fp8_block_linear.py,
+quant/fp8_layers.py), proven on the CPU:
 
 - the contract accepts what torch's 1x128 x 128x128 scaled_mm takes and
   names the reason for each thing it does not, torch's own layout checks
@@ -29,18 +29,17 @@ import torch
 import torch.nn.functional as F
 
 from aioserve import LLM, SamplingParams
-from aioserve.layers import fp8_block_linear
-from aioserve.layers.fp8_block_linear import block_fp8_linear, block_scaled_mm_reason, scale_columns
 from aioserve.layers.linear import (
     ColumnParallelLinear,
     MergedColumnParallelLinear,
     QKVParallelLinear,
     RowParallelLinear,
-    linear,
 )
-from aioserve.models import fp8_layers
 from aioserve.models.model_config import ModelConfig
 from aioserve.models.weight_loader import build_model
+from aioserve.quant import fp8_block_linear, fp8_layers
+from aioserve.quant.fp8_block_linear import block_fp8_linear, block_scaled_mm_reason, scale_columns
+from aioserve.quant.fp8_loading import load_block_scale
 from aioserve.tp.distributed import TPGroup, tp_group_as
 from fp8_checkpoints import BLOCK, QUANTISED, build_fp8_checkpoints, dequantize, fake_quantise_activations, quantize
 from fp8_checkpoints import cuda_logprob_gap, held_fp8_linears, reference_scaled_mm
@@ -176,7 +175,7 @@ def _split_layers() -> dict[str, torch.nn.Module]:
     }
     for layer in layers.values():
         assert fp8_layers._block_reason(layer, CUDA, torch.bfloat16, forced=True) is None
-        layer.use_fp8_weight(blocks=True)
+        fp8_layers.use_fp8_weight(layer, blocks=True)
     return layers
 
 
@@ -201,10 +200,10 @@ def test_tensor_parallel_shards_and_fused_parts_load_their_block_scales(
                 for name, shard in parts[kind]:
                     q, grid = full[name]
                     layer.load_weight("weight", q, shard)
-                    layer.load_block_scale(grid, q.shape, shard)
+                    load_block_scale(layer, grid, q.shape, shard)
         for kind, layer in layers.items():
             inputs = row_x[:, rank * 256 : (rank + 1) * 256] if kind == "row" else x
-            outputs[kind].append(linear(inputs, layer.weight, weight_scale=layer.weight_scale))
+            outputs[kind].append(layer.matmul(inputs))
     wide = {name: dequantize(q, grid, BLOCK) for name, (q, grid) in full.items()}
     quantised, quantised_row = fake_quantise_activations(x), fake_quantise_activations(row_x)
     expected = {
@@ -235,9 +234,9 @@ def test_pieces_off_a_block_boundary_stay_dequantised() -> None:
 
 def test_a_bad_block_scale_grid_is_refused() -> None:
     layer = ColumnParallelLinear(256, 256)
-    layer.use_fp8_weight(blocks=True)
+    fp8_layers.use_fp8_weight(layer, blocks=True)
     with pytest.raises(ValueError, match=r"block scales of \(2, 1\) for a \[256, 256\] weight"):
-        layer.load_block_scale(torch.ones(2, 1), torch.Size([256, 256]), None)
+        load_block_scale(layer, torch.ones(2, 1), torch.Size([256, 256]), None)
 
 
 @pytest.fixture(scope="module")
@@ -272,7 +271,7 @@ def test_block_checkpoint_held_in_fp8_matches_transformers(
     fp8, reference = block_checkpoint
     monkeypatch.setattr(fp8_layers, "block_scaled_mm_reason",
                         lambda device, dtype, k, n: block_scaled_mm_reason(CUDA, torch.bfloat16, k, n))
-    with caplog.at_level(logging.INFO, logger="aioserve.models.fp8_layers"):
+    with caplog.at_level(logging.INFO, logger="aioserve.quant.fp8_layers"):
         llm = LLM(str(fp8), page_size=4)
     try:
         assert "8 linear layers multiply in FP8" in caplog.text and "self-check" not in caplog.text
@@ -361,7 +360,7 @@ def test_self_check_dequantises_a_layer_whose_fp8_product_fails(
     monkeypatch.setattr(F, "scaled_mm", faulty)
     fp8, reference = block_checkpoint
     config = ModelConfig.from_path(fp8)
-    with caplog.at_level(logging.WARNING, logger="aioserve.models.fp8_layers"):
+    with caplog.at_level(logging.WARNING, logger="aioserve.quant.fp8_layers"):
         model = build_model(config, fp8, torch.float32, torch.device("cpu"), "auto", 0, fp8_matmul="force")
     assert not held_fp8_linears(model)
     reason = "CUBLAS_STATUS_NOT_SUPPORTED" if fault == "raises" else "off the dequantised one by more than 2%"

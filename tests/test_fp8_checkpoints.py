@@ -40,8 +40,8 @@ def test_fp8_greedy_matches_transformers_on_dequantised_weights(
     fp8, reference = fp8_checkpoints[case]
     llm = LLM(str(fp8), page_size=4)
     try:
-        assert llm.engine.model_config.fp8 is not None
-        assert llm.engine.model_config.fp8.block == CASES[case][1]
+        assert llm.engine.model_config.quantization is not None
+        assert llm.engine.model_config.quantization.block == CASES[case][1]
         check_against_hf(reference, llm, [hf_encode(reference, p) for p in PROMPTS])
     finally:
         llm.close()
@@ -98,7 +98,7 @@ def test_fp8_weight_without_its_scale_is_refused(fp8_checkpoints: dict[str, tupl
 def test_weights_held_in_fp8_are_the_checkpoints_and_multiply_like_the_dequantised(
     fp8_checkpoints: dict[str, tuple[Path, Path]],
 ) -> None:
-    """The CUDA path's layers (layers/fp8_linear.py), built on the CPU (whose
+    """The CUDA path's layers (quant/fp8_linear.py), built on the CPU (whose
     torch._scaled_mm takes row-wise scales too): every linear layer holds the
     checkpoint's e4m3 bytes and its per-tensor scale on every row, and
     multiplies within FP8's error of the dequantised layer."""

@@ -46,7 +46,7 @@ def test_values_saturate() -> None:
 def test_fp8_cache_on_cuda(backend: str, qwen3_64: Path) -> None:
     """Prompt logprobs with an e4m3 cache stay near the bfloat16 cache's;
     greedy decoding runs through prefill, decode and CUDA graphs."""
-    from aioserve.layers.flashinfer_elementwise import load_flashinfer
+    from aioserve.flashinfer.loader import load_flashinfer
 
     if backend == "flashinfer" and load_flashinfer() is None:
         pytest.skip("flashinfer does not import (the gpu extra)")

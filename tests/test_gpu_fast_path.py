@@ -265,7 +265,7 @@ def test_auto_picks_flashinfer_on_cuda_when_it_imports(stories_path: Path, extra
             llm.close()
 
 
-# -- kernel contracts on the real kernels (aioserve/kernel_contracts.py) ----------------
+# -- kernel contracts on the real kernels (aioserve/flashinfer/contracts.py) ----------------
 
 
 @needs_flashinfer
@@ -273,7 +273,7 @@ def test_fused_ops_follow_their_contracts_on_cuda(stories_path: Path, extra_mode
     """stories260K (head_dim 8, intermediate 172) faulted with "misaligned
     address": it must now serve, RoPE and SiLU-and-mul in torch; the Llama
     and Qwen3 shapes (head_dim 64, 128) take every fused op."""
-    from aioserve.layers import flashinfer_elementwise
+    from aioserve.flashinfer import elementwise as flashinfer_elementwise
 
     params = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
     for path, all_fused in ((stories_path, False), (extra_models["llama-hd64-gqa"], True), (extra_models["qwen3-hd128"], True)):

@@ -1,8 +1,8 @@
 """The house rules of imports: every package sits on one level and nothing
 imports upward (server -> launch, with tensor parallelism's processes ->
 scheduler -> engine -> cpu_engine -> models -> attention -> kvcache ->
-layers -> the CPU kernels -> tp's transport, with plain-data modules at the
-bottom), and no module imports itself back through others. Lazy imports
+quantised checkpoints -> layers -> FlashInfer's kernels -> the CPU kernels
+-> tp's transport, with plain-data modules at the bottom), and no module imports itself back through others. Lazy imports
 inside functions count too. The same rules are checked on the package
 graph: no upward arrow between packages, no loop through them."""
 
@@ -25,7 +25,8 @@ RANKS: dict[str, float] = {
     "engine": 5, "cpu_engine": 4.8,  # the engine's CPU fast paths: they read the model and the KV pool
     "models": 4.5, "attention": 4,  # a model's forward takes the attention backend's metadata
     "kvcache": 3,
-    "layers": 2, "kernel_contracts": 1.8, "cpu": 1.5,
+    "quant": 2.5,  # quantised checkpoints: the loader asks it, and it gives linear layers their quantised product
+    "layers": 2, "flashinfer": 1.8, "cpu": 1.5,  # the layers call FlashInfer's kernels and the CPU's
     "tp": 1,  # the TP group's collectives and the plan's transport: the layers call them
     "speculative_config": 0.5,  # reads config's ConfigError and EngineConfig
     "config": 0, "sampling_params": 0, "batch_plan": 0, "placeholders": 0, "hf_imports": 0,

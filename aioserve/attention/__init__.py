@@ -4,27 +4,26 @@ from __future__ import annotations
 
 import logging
 
-import aioserve.kernel_contracts as kernel_contracts
 from aioserve.attention.backend import AttentionBackend, AttentionMetadata, AttentionShape
 from aioserve.config import ConfigError
+from aioserve.flashinfer import contracts, loader
 from aioserve.kvcache.kv_pool import KVPool
-from aioserve.layers import flashinfer_elementwise
 
 logger = logging.getLogger(__name__)
 
 BACKENDS = ("auto", "torch_native", "flashinfer")
-FLASHINFER_HEAD_DIMS = kernel_contracts.PAGED_HEAD_DIMS  # what its paged kernels are built for
+FLASHINFER_HEAD_DIMS = contracts.PAGED_HEAD_DIMS  # what its paged kernels are built for
 
 
 def flashinfer_unusable(pool: KVPool, shape: AttentionShape) -> str | None:
     """Why FlashInfer cannot serve this engine, or None if it can."""
     if pool.buffer.device.type != "cuda":
         return "it needs CUDA"
-    why = kernel_contracts.paged_attention(shape.head_dim, shape.q_dtype, pool.dtype)
+    why = contracts.paged_attention(shape.head_dim, shape.q_dtype, pool.dtype)
     if why is not None:
         return why
-    if flashinfer_elementwise.load_flashinfer() is None:
-        why = flashinfer_elementwise.import_error
+    if loader.load_flashinfer() is None:
+        why = loader.import_error
         return f"flashinfer does not import ({why}; install the gpu extra: pip install 'aioserve[gpu]')"
     return None
 

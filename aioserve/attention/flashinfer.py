@@ -14,7 +14,7 @@ For CUDA graphs (engine/cuda_graph.py) the backend keeps one decode wrapper
 per captured batch size in FlashInfer's CUDA-graph mode; they share fixed
 index buffers, which each `plan` rewrites in place before a replay.
 
-`flashinfer` is imported on first use (layers/flashinfer_elementwise.py's
+`flashinfer` is imported on first use (flashinfer/loader.py's
 `load_flashinfer`, shared with the fused elementwise ops): without the extra
 (or without CUDA) this module still imports, and `create_backend` falls
 back to torch_native with one log line.
@@ -29,10 +29,10 @@ from typing import Any, Protocol
 import torch
 
 from aioserve.attention.backend import AttentionBackend, AttentionMetadata, AttentionShape
-from aioserve.attention.flashinfer_args import PagedKVArgs, paged_kv_args, qo_indptr, window_left
 from aioserve.batch_plan import BatchPlan
+from aioserve.flashinfer import loader
+from aioserve.flashinfer.paged_args import PagedKVArgs, paged_kv_args, qo_indptr, window_left
 from aioserve.kvcache.kv_pool import KVPool
-from aioserve.layers import flashinfer_elementwise
 
 logger = logging.getLogger(__name__)
 
@@ -102,9 +102,9 @@ class FlashInferBackend(AttentionBackend):
     supports_graphs = True
 
     def __init__(self, pool: KVPool, shape: AttentionShape, flashinfer: ModuleType | None = None) -> None:
-        fi = flashinfer or flashinfer_elementwise.load_flashinfer()
+        fi = flashinfer or loader.load_flashinfer()
         if fi is None:
-            raise ImportError(f"flashinfer does not import: {flashinfer_elementwise.import_error}")
+            raise ImportError(f"flashinfer does not import: {loader.import_error}")
         self.fi: ModuleType = fi
         self.pool = pool
         self.shape = shape

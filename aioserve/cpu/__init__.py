@@ -1,5 +1,4 @@
-"""The CPU's kernels, in one place (as the FlashInfer side has
-kernel_contracts.py and layers/flashinfer_elementwise.py):
+"""The CPU's kernels, in one place (as flashinfer/ has FlashInfer's):
 
   isa.py            what this CPU can do (its flags, or AIOSERVE_CPU_ISA's), the kernels' ISA flags
   dispatch.py       which paths a model takes on those flags (math dtype, matmul, decode, screen), and why

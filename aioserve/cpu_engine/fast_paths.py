@@ -40,9 +40,9 @@ class CpuFastPaths:
         self.greedy_screen: GreedyScreen | None = None
         # Weights waiting to be packed for the native matmul (the kernels are building).
         self._unpacked: list[MatmulModule] = []
-        # A layer holding FP8 weights multiplies through its scaled matmul, never the CPU's.
+        # A layer holding quantised weights multiplies through its LinearQuant (FP8), never the CPU's.
         matmuls = cast("list[MatmulModule]", [m for m in model.modules() if hasattr(m, "matmul_choice")
-                                              and getattr(m, "weight_scale", None) is None])
+                                              and getattr(m, "quant", None) is None])
         if dispatch.packed_matmul and pack_cpu_weights(matmuls, weight_dtype):
             self._pack_experts()
         else:

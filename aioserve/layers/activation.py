@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from aioserve.layers.flashinfer_elementwise import GELU_TANH_AND_MUL, SILU_AND_MUL
+from aioserve.flashinfer.elementwise import GELU_TANH_AND_MUL, SILU_AND_MUL
 from aioserve.cpu.elementwise import elementwise_kernels
 
 

@@ -7,11 +7,16 @@ only index it (`loaded[a:b]`, `loaded[:, a:b]`, `loaded[:]`) and read
 `.shape`, so each rank reads just its slice from the file.
 Column-parallel layers split the output features and need no comms;
 row-parallel layers split the input features and all-reduce their output.
+
+A layer may hold its weight quantised (FP8 with its scales): the
+checkpoint's quantisation method (quant/) sets it up before loading and
+gives it a `LinearQuant`, which its forward asks for the product. That is
+the layers' one seam with quant/: they know no format.
 """
 
 from __future__ import annotations
 
-from typing import cast
+from typing import Protocol, cast
 
 import torch
 import torch.nn.functional as F
@@ -19,8 +24,6 @@ from torch import nn
 
 from aioserve.tp.distributed import all_reduce, get_tp_group, kv_heads_per_rank, shard_range
 from aioserve.cpu.matmul import MatmulChoice, cpu_matmul
-from aioserve.layers.fp8_block_linear import BLOCK, block_fp8_linear, dequantize_held, scale_columns
-from aioserve.layers.fp8_linear import FP8, scaled_fp8_linear
 
 
 def linear(
@@ -30,16 +33,10 @@ def linear(
     choice: MatmulChoice | None = None,
     float_out: bool = False,
     out: torch.Tensor | None = None,
-    weight_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """x W^T (+ b). On CPU by the form tuned for this weight, or its packed
     kernel (cpu_matmul.py). `float_out`: float32 is welcome; `out`: a
-    destination the packed kernel may write into (both: see cpu_matmul).
-    An FP8 weight comes with its `weight_scale`: one per row (fp8_linear.py)
-    or a grid of 128 x 128 block scales (fp8_block_linear.py)."""
-    if weight_scale is not None:
-        fp8_linear = block_fp8_linear if weight_scale.dim() == 2 else scaled_fp8_linear
-        return fp8_linear(x, weight, weight_scale, bias)
+    destination the packed kernel may write into (both: see cpu_matmul)."""
     if x.device.type != "cpu":
         return F.linear(x, weight, bias)
     if x.dim() != 2:
@@ -55,60 +52,48 @@ def _check_full(loaded: torch.Tensor, dim: int, expected: int, what: str) -> Non
 
 
 def _weight_or_bias(layer: nn.Module, name: str) -> nn.Parameter:
-    """The parameter a checkpoint tensor loads into (weight, bias, or an FP8
-    weight's per-row weight_scale); a checkpoint holds a bias only for layers
-    the config builds with one."""
+    """The parameter a checkpoint tensor loads into (weight, bias, or a
+    quantised weight's per-row weight_scale); a checkpoint holds a bias only
+    for layers the config builds with one."""
     return cast(nn.Parameter, getattr(layer, name))
 
 
-class _Fp8Capable(nn.Module):
-    """A linear layer whose weight may be held in FP8: with a scale per row,
-    or with a float32 scale per 128 x 128 block."""
+class LinearQuant(Protocol):
+    """How a layer holding a quantised weight multiplies (quant/: FP8 with
+    its scales per row or per block): given to the layer before loading."""
+
+    def apply(self, layer: QuantizableLinear, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor: ...
+
+
+class QuantizableLinear(nn.Module):
+    """A linear layer whose weight may be held quantised: then `quant` is
+    set, `weight` holds the stored values and `weight_scale` their scales
+    (both laid out by quant/); else `quant` is None and the weight is wide."""
 
     weight: nn.Parameter
     weight_scale: nn.Parameter | None
+    matmul_choice: MatmulChoice | None
+    quant: LinearQuant | None = None
 
-    def use_fp8_weight(self, blocks: bool = False) -> None:
-        """Hold the weight in e4m3, before loading. Its scales: one per row
-        (loaded beside it, as the bias is: the same rows of the same shards),
-        or, with `blocks`, a [N/128, K/128] grid (load_block_scale) kept in
-        the first columns of [N/128, L4] (fp8_block_linear.py: the operand
-        is its transposed view)."""
-        rows, cols = self.weight.shape
-        device = self.weight.device
-        self.weight = nn.Parameter(torch.empty(rows, cols, dtype=FP8, device=device), requires_grad=False)
-        shape = (rows // BLOCK, scale_columns(cols // BLOCK)) if blocks else (rows,)
-        self.weight_scale = nn.Parameter(torch.ones(shape, dtype=torch.float32, device=device), requires_grad=False)
+    def load_weight(self, name: str, loaded: torch.Tensor, shard: object = None) -> None:
+        """Copy this rank's part of a checkpoint tensor into parameter `name` (each kind cuts its own)."""
+        raise NotImplementedError
 
-    def dequantize_weight(self, dtype: torch.dtype) -> None:
-        """Back to a wide weight of `dtype` holding the FP8 values times their
-        scales (a block-scaled layer that failed its self-check)."""
-        scale = self.weight_scale
-        if scale is None:
-            return
-        weight = self.weight
-        wide = dequantize_held(weight, scale) if scale.dim() == 2 else weight.float() * scale[:, None]
-        self.weight = nn.Parameter(wide.to(dtype), requires_grad=False)
-        self.weight_scale = None
+    def matmul(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        """x W^T (+ b), this rank's part: by the quantised form when there is one."""
+        if self.quant is not None:
+            return self.quant.apply(self, x, bias)
+        return linear(x, self.weight, bias, self.matmul_choice)
 
 
-def _block_scale_grid(scale: torch.Tensor, full_shape: torch.Size, what: str) -> torch.Tensor:
-    """A checkpoint's block scales, checked against its weight's shape."""
-    expected = (-(-full_shape[0] // BLOCK), -(-full_shape[1] // BLOCK))
-    if tuple(scale.shape) != expected:
-        raise ValueError(f"{what}: FP8 block scales of {tuple(scale.shape)} for a {list(full_shape)} weight "
-                         f"in {BLOCK}x{BLOCK} blocks (expected {expected})")
-    return scale.float()
-
-
-def _copy_checked(param: torch.Tensor, loaded: torch.Tensor, what: str) -> None:
+def copy_checked(param: torch.Tensor, loaded: torch.Tensor, what: str) -> None:
     """`loaded` is the already-sliced tensor."""
     if param.shape != loaded.shape:
         raise ValueError(f"{what}: checkpoint shape {tuple(loaded.shape)} != {tuple(param.shape)}")
     param.data.copy_(loaded)
 
 
-class ColumnParallelLinear(_Fp8Capable):
+class ColumnParallelLinear(QuantizableLinear):
     """y = x W^T + b with W's rows (output features) split over ranks."""
 
     def __init__(self, in_features: int, out_features: int, bias: bool = False) -> None:
@@ -117,7 +102,7 @@ class ColumnParallelLinear(_Fp8Capable):
         self.out_start, out_end = shard_range(out_features)
         self.weight = nn.Parameter(torch.empty(out_end - self.out_start, in_features), requires_grad=False)
         self.bias = nn.Parameter(torch.empty(out_end - self.out_start), requires_grad=False) if bias else None
-        self.register_parameter("weight_scale", None)  # an FP8 weight's rows' scales (use_fp8_weight)
+        self.register_parameter("weight_scale", None)  # a quantised weight's scales (quant/)
         self.matmul_choice: MatmulChoice | None = None  # set by tune_cpu_matmuls or pack_cpu_weights
 
     def part_rows(self, shard: object) -> tuple[int, int, int, int]:
@@ -129,7 +114,7 @@ class ColumnParallelLinear(_Fp8Capable):
         offset, size, start, full = self.part_rows(shard)
         what = name if shard is None else f"{name}[{shard}]"
         _check_full(loaded, 0, full, what)
-        _copy_checked(_weight_or_bias(self, name)[offset : offset + size], loaded[start : start + size], what)
+        copy_checked(_weight_or_bias(self, name)[offset : offset + size], loaded[start : start + size], what)
 
     def block_boundaries(self) -> list[int]:
         """Its columns, and where each part starts and ends in this rank's
@@ -139,17 +124,8 @@ class ColumnParallelLinear(_Fp8Capable):
         parts = [self.part_rows(shard) for shard in getattr(self, "shard_ids", (None,))]
         return [self.weight.shape[1]] + [v for offset, size, start, _ in parts for v in (offset, size, start)]
 
-    def load_block_scale(self, scale: torch.Tensor, full_shape: torch.Size, shard: object) -> None:
-        """This part's rows of a checkpoint weight's [N/128, K/128] block
-        scales (`full_shape`: that weight's [N, K]), cut as its weight rows are."""
-        assert self.weight_scale is not None
-        offset, size, start, _ = (v // BLOCK for v in self.part_rows(shard))
-        grid = _block_scale_grid(scale, full_shape, f"weight_scale_inv[{shard}]")
-        _copy_checked(self.weight_scale[offset : offset + size, : grid.shape[1]], grid[start : start + size],
-                      f"weight_scale_inv[{shard}]")
-
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return linear(x, self.weight, self.bias, self.matmul_choice, weight_scale=self.weight_scale)
+        return self.matmul(x, self.bias)
 
 
 class MergedColumnParallelLinear(ColumnParallelLinear):
@@ -197,7 +173,7 @@ class QKVParallelLinear(ColumnParallelLinear):
         self.q_head_start = tp.rank * self.num_heads
         self.weight = nn.Parameter(torch.empty(out, hidden), requires_grad=False)
         self.bias = nn.Parameter(torch.empty(out), requires_grad=False) if bias else None
-        self.register_parameter("weight_scale", None)  # an FP8 weight's rows' scales (use_fp8_weight)
+        self.register_parameter("weight_scale", None)  # a quantised weight's scales (quant/)
         self.matmul_choice: MatmulChoice | None = None
 
     @property
@@ -218,7 +194,7 @@ class QKVParallelLinear(ColumnParallelLinear):
         raise ValueError(f"unknown qkv shard {shard!r}")
 
 
-class RowParallelLinear(_Fp8Capable):
+class RowParallelLinear(QuantizableLinear):
     """y = x W^T + b with W's columns (input features) split over ranks; the
     partial products are summed across ranks, then the bias is added once."""
 
@@ -228,28 +204,21 @@ class RowParallelLinear(_Fp8Capable):
         self.in_start, in_end = shard_range(in_features)
         self.weight = nn.Parameter(torch.empty(out_features, in_end - self.in_start), requires_grad=False)
         self.bias = nn.Parameter(torch.empty(out_features), requires_grad=False) if bias else None
-        self.register_parameter("weight_scale", None)  # an FP8 weight's rows' scales (use_fp8_weight)
+        self.register_parameter("weight_scale", None)  # a quantised weight's scales (quant/)
         self.matmul_choice: MatmulChoice | None = None
 
     def load_weight(self, name: str, loaded: torch.Tensor, shard: object = None) -> None:
         if name in ("bias", "weight_scale"):  # over the output rows, which this layer does not split
-            _copy_checked(_weight_or_bias(self, name), loaded[:], name)
+            copy_checked(_weight_or_bias(self, name), loaded[:], name)
             return
         cols = self.weight.shape[1]
         _check_full(loaded, 1, self.in_full, name)
-        _copy_checked(self.weight, loaded[:, self.in_start : self.in_start + cols], name)
+        copy_checked(self.weight, loaded[:, self.in_start : self.in_start + cols], name)
 
     def block_boundaries(self) -> list[int]:
         """Its rows and its columns' span in the checkpoint tensor (see ColumnParallelLinear's)."""
         return [self.weight.shape[0], self.weight.shape[1], self.in_start]
 
-    def load_block_scale(self, scale: torch.Tensor, full_shape: torch.Size, shard: object) -> None:
-        """The columns of the block scales that this rank's input features span."""
-        assert self.weight_scale is not None
-        grid = _block_scale_grid(scale, full_shape, "weight_scale_inv")
-        first, count = self.in_start // BLOCK, self.weight.shape[1] // BLOCK
-        _copy_checked(self.weight_scale[:, :count], grid[:, first : first + count], "weight_scale_inv")
-
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = all_reduce(linear(x, self.weight, choice=self.matmul_choice, weight_scale=self.weight_scale))
+        y = all_reduce(self.matmul(x))
         return y + self.bias if self.bias is not None else y

@@ -8,8 +8,8 @@ rank computes a partial sum for every routed token and one all-reduce after
 the down projection completes it. The router runs, identically, on every rank.
 
 On CUDA the experts run as FlashInfer's fused MoE kernel where its contract
-and a one-time self-check hold (layers/flashinfer_moe.py), else as the
-grouped torch form here; on the CPU as the native packed matmul when built.
+and a one-time self-check hold (flashinfer/moe.py), else as the grouped
+torch form here; on the CPU as the native packed matmul when built.
 """
 
 from __future__ import annotations
@@ -22,8 +22,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from aioserve.flashinfer.moe import FlashInferExperts
 from aioserve.layers.activation import silu_and_mul
-from aioserve.layers.flashinfer_moe import FlashInferExperts
 from aioserve.tp.distributed import all_reduce, get_tp_group
 
 GATE, UP, DOWN = 0, 1, 2  # an expert projection's part in a checkpoint shard id (expert, part)

@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from aioserve.layers.flashinfer_elementwise import FUSED_ADD_RMSNORM, RMSNORM
+from aioserve.flashinfer.elementwise import FUSED_ADD_RMSNORM, RMSNORM
 from aioserve.cpu.elementwise import elementwise_kernels
 
 

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from aioserve.layers.flashinfer_elementwise import ROPE
+from aioserve.flashinfer.elementwise import ROPE
 from aioserve.cpu.elementwise import elementwise_kernels
 
 

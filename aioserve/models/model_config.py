@@ -10,8 +10,9 @@ from typing import Any
 from aioserve.tp.distributed import kv_heads_per_rank
 from aioserve.layers.rotary import RopeScaling
 from aioserve.models.moe_config import MoeConfig
-from aioserve.models.quantization import Fp8Config
 from aioserve.models.text_of_multimodal import TEXT_MODEL_OF, text_model_config
+from aioserve.quant.config import read_quantization
+from aioserve.quant.method import QuantMethod
 
 
 @dataclass
@@ -40,7 +41,7 @@ class ModelConfig:
     local_rope: tuple[float, RopeScaling] | None = None
     final_logit_softcapping: float | None = None  # logits = c * tanh(logits / c)
     hidden_act: str = "silu"
-    fp8: Fp8Config | None = None  # FP8-quantised checkpoints only
+    quantization: QuantMethod | None = None  # quantised checkpoints only (quant/: FP8)
     # The architecture config.json names when it wraps this text model with a
     # vision tower (Gemma3ForConditionalGeneration): its weights carry prefixes.
     wrapper: str | None = None
@@ -85,7 +86,7 @@ class ModelConfig:
             eos_token_ids=_eos_ids(raw, generation or {}),
             moe=MoeConfig.from_dict(raw, num_layers),
             # (compression_config: where early compressed-tensors checkpoints wrote it)
-            fp8=Fp8Config.from_dict(raw.get("quantization_config") or raw.get("compression_config")),
+            quantization=read_quantization(raw.get("quantization_config") or raw.get("compression_config")),
             attention_scale=float(scalar or head_dim) ** -0.5,
             local_rope=_rope(raw, "sliding_attention") if layered_rope else None,
             final_logit_softcapping=raw.get("final_logit_softcapping"),

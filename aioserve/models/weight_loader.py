@@ -6,6 +6,11 @@ tensor-parallel shard and fuses q/k/v and gate/up in place. The layer gets a
 `CheckpointTensor`, not the tensor: indexing it reads only the rows or
 columns asked for from the memory-mapped file, so a rank never holds a full
 copy of a sharded weight.
+
+A quantised checkpoint's format (ModelConfig.quantization, a QuantMethod of
+quant/) is asked at each step: which layers hold quantised weights, which
+tensors are read with their weight, how a weight loads. Nothing here knows
+a format.
 """
 
 from __future__ import annotations
@@ -22,16 +27,14 @@ from safetensors import safe_open
 from torch import nn
 from tqdm import tqdm
 
-from aioserve.layers.linear import ColumnParallelLinear, RowParallelLinear
+from aioserve.layers.linear import QuantizableLinear
 from aioserve.layers.moe import DOWN, GATE, UP
 from aioserve.tp.distributed import get_tp_group
 from aioserve.models.llama import LlamaForCausalLM
-from aioserve.models.fp8_checkpoint import FP8_DTYPE, Fp8CheckpointTensor
-from aioserve.models.fp8_layers import fill_dummy_fp8, load_fp8_weight, scale_name, self_check_block_fp8, use_fp8_matmuls
 from aioserve.models.model_config import ModelConfig
-from aioserve.models.quantization import ACTIVATION_SCALE_SUFFIX, KV_SCALE_SUFFIXES, WEIGHT_SCALE_SUFFIXES
 from aioserve.models.registry import model_class
 from aioserve.models.text_of_multimodal import text_weight_name
+from aioserve.quant.method import LazyTensor, QuantMethod
 
 logger = logging.getLogger(__name__)
 
@@ -53,7 +56,7 @@ _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 
 
 _SAFETENSORS_DTYPES = {
-    "F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16, "F8_E4M3": FP8_DTYPE,
+    "F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16, "F8_E4M3": torch.float8_e4m3fn,
 }
 
 
@@ -124,15 +127,16 @@ def _target(model: nn.Module, hf_name: str) -> tuple[nn.Module, str, object] | N
 
 def load_safetensors(model: nn.Module, config: ModelConfig, path: Path) -> set[torch.dtype]:
     """Load every checkpoint tensor into its parameter; returns the dtypes
-    the checkpoint stores them in (an FP8 weight counts as the float32 it is
+    the checkpoint stores them in (a quantised weight counts as the float32 it is
     dequantised to)."""
+    method = config.quantization
     loaded: dict[int, set[object]] = {}  # id(parameter) -> the fused parts loaded into it
     stored: set[torch.dtype] = set()
     skipped = 0
     files = safetensors_files(path)
     quiet = len(files) < 2 or not get_tp_group().is_leader  # one bar, on rank 0
     with contextlib.ExitStack() as stack:
-        # Every shard open at once: an FP8 weight's scale may sit in another one.
+        # Every shard open at once: a quantised weight's scale may sit in another one.
         handles = [stack.enter_context(safe_open(str(file), framework="pt")) for file in files]
         owner = {name: handle for handle in handles for name in handle.keys()}
         for handle in tqdm(handles, desc="loading weights", unit="file", disable=quiet):
@@ -143,20 +147,19 @@ def load_safetensors(model: nn.Module, config: ModelConfig, path: Path) -> set[t
                     continue
                 if config.tie_word_embeddings and name == "lm_head.weight":
                     continue  # tied: the embedding is the head
-                if config.fp8 is not None and name.endswith(
-                        (*WEIGHT_SCALE_SUFFIXES, ACTIVATION_SCALE_SUFFIX, *KV_SCALE_SUFFIXES)):
-                    continue  # read with their weight; activations and the KV cache are not quantised with them
+                if method is not None and method.reads_with_weight(name):
+                    continue  # a scale, read with its weight (or one not used)
                 target = _target(model, name)
                 if target is None:
                     logger.warning("ignoring checkpoint tensor %s", hf_name)
                     continue
                 module, param, shard = target
-                if param == "weight" and isinstance(module, (ColumnParallelLinear, RowParallelLinear)) \
-                        and module.weight_scale is not None:
-                    stored.add(load_fp8_weight(module, CheckpointTensor(handle, hf_name), owner, shard))
+                if param == "weight" and method is not None and isinstance(module, QuantizableLinear) \
+                        and module.quant is not None:
+                    stored.add(method.load_held(module, CheckpointTensor(handle, hf_name), owner, shard))
                     loaded.setdefault(id(getattr(module, "weight_scale")), set()).add(shard)
                 else:
-                    tensor = _checkpoint_tensor(handle, hf_name, owner, config)
+                    tensor = _checkpoint_tensor(handle, hf_name, owner, method)
                     stored.add(tensor.dtype)
                     cast(_LoadsWeights, module).load_weight(param, tensor, shard)
                 loaded.setdefault(id(getattr(module, param)), set()).add(shard)
@@ -166,29 +169,26 @@ def load_safetensors(model: nn.Module, config: ModelConfig, path: Path) -> set[t
     return stored
 
 
-def _checkpoint_tensor(
-    handle: Any, hf_name: str, owner: dict[str, Any], config: ModelConfig
-) -> CheckpointTensor | Fp8CheckpointTensor:
-    """The lazy tensor a layer loads from; an FP8 weight with its scale, dequantised as it is read."""
+def _checkpoint_tensor(handle: Any, hf_name: str, owner: dict[str, Any], method: QuantMethod | None) -> LazyTensor:
+    """The lazy tensor a layer loads from; a quantised weight dequantised as it is read."""
     tensor = CheckpointTensor(handle, hf_name)
-    if tensor.dtype != FP8_DTYPE:
-        return tensor
-    if config.fp8 is None:
+    if method is not None:
+        return method.as_wide(tensor, owner)
+    if tensor.dtype == torch.float8_e4m3fn:
         raise ValueError(f"{hf_name} is stored in FP8 but config.json has no FP8 quantization_config")
-    name = scale_name(hf_name, owner)
-    return Fp8CheckpointTensor(tensor, owner[name].get_tensor(name), config.fp8)
+    return tensor
 
 
-def fp8_stored_layers(model: nn.Module, config: ModelConfig, path: Path) -> set[int]:
+def quantised_layers(model: nn.Module, config: ModelConfig, method: QuantMethod, path: Path) -> set[int]:
     """The ids of the modules at least one of whose checkpoint weights is
-    stored in FP8 (the safetensors headers only): the layers a checkpoint's
+    stored quantised (the safetensors headers only): the layers a checkpoint's
     `ignore` list left wide are not among them."""
     layers: set[int] = set()
     for file in safetensors_files(path):
         with safe_open(str(file), framework="pt") as handle:
             for hf_name in handle.keys():
                 name = text_weight_name(hf_name) if config.wrapper else hf_name
-                if name is None or handle.get_slice(hf_name).get_dtype() != "F8_E4M3":
+                if name is None or not method.stores_quantised(handle.get_slice(hf_name).get_dtype()):
                     continue
                 target = _target(model, name)
                 if target is not None:
@@ -210,18 +210,20 @@ def _check_complete(model: nn.Module, loaded: dict[int, set[object]], path: Path
         raise ValueError(f"checkpoint at {path} lacks {len(missing)} weights, e.g. {missing[:3]}")
 
 
-def init_dummy(model: nn.Module, seed: int) -> None:
+def init_dummy(model: nn.Module, seed: int, method: QuantMethod | None = None) -> None:
     """Random weights of the real shapes: N(0, 0.02) like HF's init, norms at
-    1; FP8-held weights quantised from such values in their layer's form."""
+    1; weights held quantised (by `method`) quantised from such values in their layer's form."""
     generator = torch.Generator().manual_seed(seed)
     for name, param in model.named_parameters():
         if name.endswith("norm.weight"):
             param.data.fill_(1.0)
         elif not name.endswith("weight_scale"):
             param.data.copy_(torch.randn(param.shape, generator=generator) * 0.02)
+    if method is None:
+        return
     for module in model.modules():
-        if isinstance(module, (ColumnParallelLinear, RowParallelLinear)) and module.weight_scale is not None:
-            fill_dummy_fp8(module, torch.randn(module.weight.shape, generator=generator) * 0.02)
+        if isinstance(module, QuantizableLinear) and module.quant is not None:
+            method.fill_dummy(module, torch.randn(module.weight.shape, generator=generator) * 0.02)
 
 
 def build_model(
@@ -240,8 +242,9 @@ def build_model(
     With `matmul_dtype`, the matmul weights (modules with a `matmul_choice`)
     are held in it from the start: the native matmul reads them at that
     width, and the checkpoint loads without a float32 copy of them (Qwen3-0.6B
-    bf16 computed in float32: ~3 s of a ~6 s load). `fp8_matmul`: see
-    use_fp8_matmuls."""
+    bf16 computed in float32: ~3 s of a ~6 s load). `fp8_matmul` (auto,
+    force, off): which layers of a quantised checkpoint hold its quantised
+    weights (QuantMethod.prepare; quant/fp8_layers.py's use_fp8_matmuls for FP8)."""
     with _default_dtype(dtype), torch.device(device):
         model = model_class(config)(config)
     if matmul_dtype is not None:
@@ -249,21 +252,25 @@ def build_model(
             if hasattr(module, "matmul_choice"):  # (untouched yet: torch.empty only reserved the wide copy)
                 weight = cast(torch.Tensor, module.weight)
                 weight.data = torch.empty(weight.shape, dtype=matmul_dtype, device=device)
-    from_file = load_format in ("auto", "safetensors") and config.fp8 is not None
-    use_fp8_matmuls(model, config, device, dtype, fp8_matmul,
-                    fp8_stored_layers(model, config, path) if from_file else None)
+    method = config.quantization
+    if method is not None:
+        from_file = load_format in ("auto", "safetensors")
+        method.prepare(model, device, dtype, fp8_matmul,
+                       quantised_layers(model, config, method, path) if from_file else None)
     stored: set[torch.dtype] = {dtype}
     if load_format == "dummy":
-        init_dummy(model, seed)
+        init_dummy(model, seed, method)
     elif load_format in ("auto", "safetensors"):
         stored = load_safetensors(model, config, path)
     else:
         raise ValueError(f"unknown load_format {load_format!r} (auto, safetensors, dummy)")
-    self_check_block_fp8(model, dtype)  # (before the rounding below: a layer it dequantises is rounded too)
+    if method is not None:
+        method.after_loading(model, dtype)  # (before the rounding below: a layer it dequantises is rounded too)
     # A checkpoint stored in `round_to` has nothing to round (Qwen3-0.6B's
     # bf16: a 1.3 s pass saved).
     if round_to is not None and round_to != dtype and stored != {round_to}:
         for name, param in model.named_parameters():
-            if param.dtype not in (round_to, FP8_DTYPE) and not name.endswith("weight_scale"):
+            # (one-byte weights are quantised ones, their scales float32: both kept as stored)
+            if param.dtype != round_to and param.element_size() > 1 and not name.endswith("weight_scale"):
                 param.data.copy_(param.data.to(round_to))
     return model.eval()

@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import torch
 
-from aioserve.layers import fp8_block_linear
-from aioserve.layers.fp8_block_linear import BLOCK, block_fp8_linear, quantize_blocks, scale_columns
+from aioserve.quant import fp8_block_linear
+from aioserve.quant.fp8_block_linear import BLOCK, block_fp8_linear, quantize_blocks, scale_columns
 
 ROWS = (1, 2, 3, 4, 7, 8, 15, 16, 17, 32, 33, 64, 128, 256)
 

@@ -36,7 +36,7 @@ from functools import lru_cache
 import torch
 import torch.nn.functional as F
 
-from aioserve.layers.fp8_linear import E4M3_MAX, FP8
+from aioserve.quant.fp8_linear import E4M3_MAX, FP8
 
 BLOCK = 128  # rows and columns of a weight block; columns of an activation group
 CUBLAS_ROW_MULTIPLE = 4  # cuBLASLt's block-scaled FP8 takes M only in multiples of 4 (see above)

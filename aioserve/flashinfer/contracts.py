@@ -4,7 +4,7 @@ A CUDA kernel does not check its inputs: handed a pointer 8 bytes off the
 16-byte boundary its vector loads need, it faults with "misaligned address",
 and the error is sticky (every later CUDA call of the process fails, far
 from its cause). So every call site asks the matching function here first,
-once per input layout (layers/flashinfer_elementwise.py), and takes the
+once per input layout (elementwise.py), and takes the
 torch form when the answer is a reason instead of None.
 
 The contracts, read off FlashInfer's kernels (include/flashinfer/*.cuh) and

@@ -2,11 +2,11 @@
 output row, activations quantised per token as they come, and torch's
 scaled matmul (`torch._scaled_mm`, row-wise scales) with bfloat16 out.
 
-Used for FP8 checkpoints with per-tensor scales on CUDA devices where the
-contract below holds: each weight's per-tensor scale becomes its rows'
-scale, so the checkpoint's e4m3 values are multiplied as they are. Block
-scaled checkpoints (128 x 128) and everything else are dequantised at load
-(models/fp8_checkpoint.py).
+Used for FP8 checkpoints with per-tensor or per-channel scales on CUDA
+devices where the contract below holds: each weight's per-tensor scale
+becomes its rows' scale, so the checkpoint's e4m3 values are multiplied as
+they are. Block-scaled checkpoints (128 x 128) take fp8_block_linear.py; a
+layer neither contract admits is dequantised at load (fp8_checkpoint.py).
 
 The contract (torch's checks for row-wise scaled_mm, aten/src/ATen/native/
 cuda/Blas.cpp): compute capability 9.0 or newer, bfloat16 output, mat1

@@ -5,9 +5,9 @@ these ops are several kernels each (RoPE about ten); FlashInfer has one
 fused kernel for each (RMSNorm with the residual add, RoPE in place from a
 cos/sin cache, SiLU-and-mul), the ones SGLang uses.
 
-A fused kernel is taken only where its contract (aioserve/kernel_contracts.py)
-holds: half precision, the layout and the 16-byte alignment its vector loads
-need, a head dim it is built for. The check runs once per input layout
+A fused kernel is taken only where its contract (contracts.py) holds: half
+precision, the layout and the 16-byte alignment its vector loads need, a
+head dim it is built for. The check runs once per input layout
 (dtype, device, trailing shape, strides, pointer alignment: not per token),
 each `FusedOp` keeps its decisions, and the first fall-back for a reason is
 logged once. float32 math, CPU tensors, a missing FlashInfer, or
@@ -25,41 +25,21 @@ from types import ModuleType
 
 import torch
 
-import aioserve.kernel_contracts as kernel_contracts
+from aioserve.flashinfer import contracts
+from aioserve.flashinfer.loader import load_flashinfer
 
 logger = logging.getLogger(__name__)
 
 ENABLED = os.environ.get("AIOSERVE_FLASHINFER_ELEMENTWISE", "1") != "0"
-HALF = kernel_contracts.HALF
+HALF = contracts.HALF
 DEVICE_TYPES = ("cuda",)  # the CPU tests add "cpu" to run a stand-in through the same calls
-
-_flashinfer: ModuleType | None = None
-_tried = False
-import_error: str | None = None  # why flashinfer did not import, once tried
 
 # One input's part in a layout's key: what a contract can depend on, minus the token count.
 LayoutKey = tuple[torch.dtype, str, tuple[int, ...], tuple[int, ...], int]
 
 
-def load_flashinfer() -> ModuleType | None:
-    """The optional `flashinfer` module (the gpu extra), imported once for the
-    whole process (these ops and the attention backend); None if it does not
-    import, and `import_error` says why."""
-    global _flashinfer, _tried, import_error
-    if not _tried:
-        _tried = True
-        try:
-            import flashinfer  # noqa: PLC0415 - the optional gpu extra
-
-            _flashinfer = flashinfer
-        except ImportError as exc:
-            import_error = str(exc)
-            logger.info("flashinfer does not import (%s): torch serves its ops", exc)
-    return _flashinfer
-
-
 def _layout(t: torch.Tensor) -> LayoutKey:
-    return (t.dtype, t.device.type, tuple(t.shape[1:]), t.stride(), t.data_ptr() % kernel_contracts.ALIGNMENT)
+    return (t.dtype, t.device.type, tuple(t.shape[1:]), t.stride(), t.data_ptr() % contracts.ALIGNMENT)
 
 
 class FusedOp:
@@ -91,7 +71,7 @@ class FusedOp:
             if why is not None and why not in self._logged:
                 self._logged.add(why)
                 logger.info("%s: the torch form, not FlashInfer's kernel, because %s", self.name, why)
-        return _flashinfer if self.decisions[key] is None else None
+        return load_flashinfer() if self.decisions[key] is None else None
 
     def fell_back(self) -> set[str]:
         return {why for why in self.decisions.values() if why is not None}
@@ -109,15 +89,15 @@ class FusedOp:
         return any(why is None for why in self.decisions.values())
 
 
-RMSNORM = FusedOp("rmsnorm", kernel_contracts.rmsnorm)
-FUSED_ADD_RMSNORM = FusedOp("fused_add_rmsnorm", kernel_contracts.fused_add_rmsnorm)
-ROPE = FusedOp("rope", kernel_contracts.rope)
-SILU_AND_MUL = FusedOp("silu_and_mul", kernel_contracts.silu_and_mul)
+RMSNORM = FusedOp("rmsnorm", contracts.rmsnorm)
+FUSED_ADD_RMSNORM = FusedOp("fused_add_rmsnorm", contracts.fused_add_rmsnorm)
+ROPE = FusedOp("rope", contracts.rope)
+SILU_AND_MUL = FusedOp("silu_and_mul", contracts.silu_and_mul)
 FUSED_OPS = (RMSNORM, FUSED_ADD_RMSNORM, ROPE, SILU_AND_MUL)
-# Ops only some models call (layers/flashinfer_moe.py's fused MoE), added by
-# their modules; reported once a layer asked for them.
+# Ops only some models call (moe.py's fused MoE), added by their modules;
+# reported once a layer asked for them.
 MODEL_OPS: list[FusedOp] = []
-GELU_TANH_AND_MUL = FusedOp("gelu_tanh_and_mul", kernel_contracts.gelu_tanh_and_mul)  # Gemma's GeGLU
+GELU_TANH_AND_MUL = FusedOp("gelu_tanh_and_mul", contracts.gelu_tanh_and_mul)  # Gemma's GeGLU
 MODEL_OPS.append(GELU_TANH_AND_MUL)
 
 

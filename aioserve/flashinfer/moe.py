@@ -6,8 +6,8 @@ routing-weighted sum in one call, where the grouped torch form
 (layers/moe.py) is a sort, a gather, two grouped matmuls, an activation and
 a scatter-add. It is taken only where three things hold:
 
-- its contract (kernel_contracts.fused_moe) for the input layout, asked once
-  per layout like the elementwise ops (layers/flashinfer_elementwise.py);
+- its contract (contracts.fused_moe) for the input layout, asked once per
+  layout like the elementwise ops (elementwise.py);
 - the kernel exists: its first call JIT-builds a large module, which the
   project's trimmed GPU bundle does not carry, so a failure to import or
   build is a reason, logged once, not an error;
@@ -37,9 +37,8 @@ from types import ModuleType
 
 import torch
 
-import aioserve.kernel_contracts as kernel_contracts
-from aioserve.layers import flashinfer_elementwise
-from aioserve.layers.flashinfer_elementwise import FusedOp
+from aioserve.flashinfer import contracts, elementwise
+from aioserve.flashinfer.elementwise import FusedOp
 
 logger = logging.getLogger(__name__)
 
@@ -61,7 +60,7 @@ class FusedMoeOp(FusedOp):
     and the self-check's verdict per weight shape (None: it passed)."""
 
     def __init__(self) -> None:
-        super().__init__("fused_moe", kernel_contracts.fused_moe)
+        super().__init__("fused_moe", contracts.fused_moe)
         self.verdicts: dict[ShapeKey, str | None] = {}
 
     @staticmethod
@@ -96,7 +95,7 @@ class FusedMoeOp(FusedOp):
 
 
 FUSED_MOE = FusedMoeOp()
-flashinfer_elementwise.MODEL_OPS.append(FUSED_MOE)
+elementwise.MODEL_OPS.append(FUSED_MOE)
 
 
 def run_kernel(

@@ -1,65 +1,19 @@
-"""The `quantization_config` of a config.json: what aioserve can run (FP8
-e4m3 weights with per-tensor, per-channel or block scales, written as
-quant_method "fp8" or as llm-compressor's "compressed-tensors") and a clear
-refusal, naming the format, for what it cannot (AWQ, GPTQ, bitsandbytes,
-int4/int8 or NVFP4 compressed-tensors schemes, ...)."""
+"""llm-compressor's "compressed-tensors" quantization_config: its FP8 schemes
+(FP8, FP8_DYNAMIC, FP8_BLOCK: e4m3 weights with per-tensor, per-channel or
+block scales) read as an Fp8Config (fp8.py), and a refusal naming what is
+unsupported for every other scheme (int4/int8 or NVFP4 weights, sparsity,
+transforms, mixed strategies, ...), before a weight is read."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Any
 
-# The checkpoint tensors FP8 quantisation adds beside a weight: its scale
-# (per tensor, per channel or per block; Qwen3-FP8 and DeepSeek name the
-# block form `weight_scale_inv`, though it multiplies) and static activation scales.
-WEIGHT_SCALE_SUFFIXES = ("weight_scale_inv", "weight_scale")
-ACTIVATION_SCALE_SUFFIX = "input_scale"
-# A compressed-tensors kv_cache_scheme's static KV scales (on the attention
-# module, or as k_proj / v_proj `output_scale` in older checkpoints): the KV
-# cache here is not quantised with them.
-KV_SCALE_SUFFIXES = ("k_scale", "v_scale", "output_scale")
+from aioserve.quant.fp8 import Fp8Config
+from aioserve.quant.method import UnsupportedQuantization
+
 STRATEGIES = ("tensor", "channel", "block")
 # compressed-tensors formats that store FP8 weights as e4m3 tensors beside their scales.
 _CT_FP8_FORMATS = ("float-quantized", "naive-quantized")
-
-
-class UnsupportedQuantization(ValueError):
-    """A checkpoint quantised in a format aioserve cannot load."""
-
-
-@dataclass(frozen=True)
-class Fp8Config:
-    """FP8 e4m3 weights. `strategy`: one scale per tensor ("tensor"), per
-    output row ("channel": [N, 1] scales) or per `block` of (rows, cols)
-    ("block"; `block` is None otherwise)."""
-
-    block: tuple[int, int] | None
-    activation_scheme: str  # "dynamic" or "static" (input_scale tensors, not used: activations are quantised per token)
-    strategy: str = "tensor"
-    method: str = "fp8"  # the quant_method it was written as: "fp8" or "compressed-tensors"
-
-    @classmethod
-    def from_dict(cls, raw: dict[str, Any] | None) -> "Fp8Config | None":
-        """None for an unquantised checkpoint; raises for a format other than FP8 e4m3."""
-        if not raw:
-            return None
-        method = str(raw.get("quant_method") or raw.get("quantization_method") or "unknown").lower()
-        if method == "compressed-tensors":
-            return _from_compressed_tensors(raw)
-        if method != "fp8":
-            raise UnsupportedQuantization(
-                f"the checkpoint is quantised as {method!r} (config.json quantization_config), which aioserve "
-                "cannot load; it runs unquantised checkpoints and FP8 e4m3 weights (quant_method 'fp8', or "
-                "'compressed-tensors' with FP8 weights)"
-            )
-        fmt = str(raw.get("fmt", "e4m3")).lower()
-        if fmt != "e4m3":
-            raise UnsupportedQuantization(f"FP8 in the {fmt!r} format: aioserve loads e4m3 weights only")
-        block = raw.get("weight_block_size")
-        if block is not None and (len(block) != 2 or min(block) < 1):
-            raise UnsupportedQuantization(f"FP8 weight_block_size {block!r}: expected [rows, cols]")
-        return cls(tuple(block) if block else None, str(raw.get("activation_scheme", "dynamic")),
-                   "block" if block else "tensor")
 
 
 def _refuse(what: str) -> UnsupportedQuantization:
@@ -70,7 +24,7 @@ def _refuse(what: str) -> UnsupportedQuantization:
     )
 
 
-def _from_compressed_tensors(raw: dict[str, Any]) -> Fp8Config:
+def from_compressed_tensors(raw: dict[str, Any]) -> Fp8Config:
     """llm-compressor's FP8 schemes (FP8, FP8_DYNAMIC, FP8_BLOCK): every config
     group FP8 weights of one strategy. Anything else is refused here, before
     a weight is read, naming what is unsupported."""

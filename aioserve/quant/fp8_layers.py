@@ -1,53 +1,78 @@
 """Which linear layers of an FP8 checkpoint keep their weights in e4m3 and
-multiply them as FP8, how such a layer loads its weight and scales, and the
-self-check a block-scaled layer passes before its first request.
+multiply them as FP8, how such a layer holds them (and widens them again),
+and the self-check a block-scaled layer passes before its first request.
 
 Per-tensor scales: each scale becomes its rows' scale; per-channel scales
 (compressed-tensors' "channel" strategy) are already one per row; both run
-torch's row-wise scaled matmul (layers/fp8_linear.py). 128 x 128 block
-scales: the blocks' own scales, torch's 1x128 x 128x128 scaled matmul (layers/fp8_block_linear.py).
-A layer whose shapes or device fail the kernel's contract is dequantised at
-load, as on a CPU (models/fp8_checkpoint.py). The experts, the embeddings
-and the LM head stay wide.
+torch's row-wise scaled matmul (fp8_linear.py). 128 x 128 block scales: the
+blocks' own scales, torch's 1x128 x 128x128 scaled matmul (fp8_block_linear.py).
+A layer holding FP8 gets the matching LinearQuant (ROWWISE or BLOCKWISE),
+which its forward asks. A layer whose shapes or device fail the kernel's
+contract is dequantised at load, as on a CPU (fp8_checkpoint.py). The
+experts, the embeddings and the LM head stay wide.
 """
 
 from __future__ import annotations
 
 import logging
-from typing import Any, Protocol, cast
+from collections.abc import Callable
+from typing import cast
 
 import torch
 from torch import nn
 
-from aioserve.layers.fp8_block_linear import BLOCK, block_scaled_mm_reason, quantize_blocks, self_check_error
-from aioserve.layers.fp8_linear import quantize_rows, scaled_mm_reason
-from aioserve.layers.linear import ColumnParallelLinear, RowParallelLinear
-from aioserve.models.fp8_checkpoint import FP8_DTYPE
-from aioserve.models.model_config import ModelConfig
-from aioserve.models.quantization import WEIGHT_SCALE_SUFFIXES
+from aioserve.layers.linear import ColumnParallelLinear, QuantizableLinear, RowParallelLinear
+from aioserve.quant.fp8_block_linear import (BLOCK, block_fp8_linear, block_scaled_mm_reason, dequantize_held,
+                                             scale_columns, self_check_error)
+from aioserve.quant.fp8_linear import FP8, scaled_fp8_linear, scaled_mm_reason
 
 logger = logging.getLogger(__name__)
 
 FP8Linear = ColumnParallelLinear | RowParallelLinear
+# An FP8 product: (x, e4m3 weight, its scales, bias) -> x W^T (+ b) in x's dtype.
+Fp8Kernel = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None], torch.Tensor]
 
 
-class _LazyTensor(Protocol):
-    """The loader's CheckpointTensor: a name, a shape, a dtype, and slicing."""
+class Fp8Product:
+    """A layer's FP8 product, by one kernel over its e4m3 weight and its
+    scales: the LinearQuant (layers/linear.py) its forward asks."""
 
-    name: str
-    shape: torch.Size
-    dtype: torch.dtype
+    def __init__(self, kernel: Fp8Kernel) -> None:
+        self.kernel = kernel
 
-    def __getitem__(self, index: Any) -> torch.Tensor: ...
+    def apply(self, layer: QuantizableLinear, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        return self.kernel(x, layer.weight, cast(torch.Tensor, layer.weight_scale), bias)
 
 
-def scale_name(hf_name: str, owner: dict[str, Any]) -> str:
-    """The checkpoint name of an FP8 weight's scale (in whichever shard holds it)."""
-    base = hf_name.removesuffix("weight")
-    name = next((base + s for s in WEIGHT_SCALE_SUFFIXES if base + s in owner), None)
-    if name is None:
-        raise ValueError(f"the FP8 weight {hf_name} has no scale ({' or '.join(base + s for s in WEIGHT_SCALE_SUFFIXES)})")
-    return name
+ROWWISE = Fp8Product(scaled_fp8_linear)  # a scale per row (per-tensor or per-channel checkpoints)
+BLOCKWISE = Fp8Product(block_fp8_linear)  # a scale per 128 x 128 block
+
+
+def use_fp8_weight(layer: QuantizableLinear, blocks: bool = False) -> None:
+    """Hold the layer's weight in e4m3, before loading. Its scales: one per
+    row (loaded beside it, as the bias is: the same rows of the same
+    shards), or, with `blocks`, a [N/128, K/128] grid (load_block_scale) kept
+    in the first columns of [N/128, L4] (fp8_block_linear.py: the operand is
+    its transposed view)."""
+    rows, cols = layer.weight.shape
+    device = layer.weight.device
+    layer.weight = nn.Parameter(torch.empty(rows, cols, dtype=FP8, device=device), requires_grad=False)
+    shape = (rows // BLOCK, scale_columns(cols // BLOCK)) if blocks else (rows,)
+    layer.weight_scale = nn.Parameter(torch.ones(shape, dtype=torch.float32, device=device), requires_grad=False)
+    layer.quant = BLOCKWISE if blocks else ROWWISE
+
+
+def dequantize_weight(layer: QuantizableLinear, dtype: torch.dtype) -> None:
+    """Back to a wide weight of `dtype` holding the FP8 values times their
+    scales (a block-scaled layer that failed its self-check)."""
+    scale = layer.weight_scale
+    if scale is None:
+        return
+    weight = layer.weight
+    wide = dequantize_held(weight, scale) if scale.dim() == 2 else weight.float() * scale[:, None]
+    layer.weight = nn.Parameter(wide.to(dtype), requires_grad=False)
+    layer.weight_scale = None
+    layer.quant = None
 
 
 def _block_reason(module: FP8Linear, device: torch.device, dtype: torch.dtype, forced: bool) -> str | None:
@@ -63,7 +88,7 @@ def _block_reason(module: FP8Linear, device: torch.device, dtype: torch.dtype, f
 
 
 def use_fp8_matmuls(
-    model: nn.Module, config: ModelConfig, device: torch.device, dtype: torch.dtype, mode: str,
+    model: nn.Module, block: tuple[int, int] | None, device: torch.device, dtype: torch.dtype, mode: str,
     stored_fp8: set[int] | None = None,
 ) -> None:
     """Before loading: hold each linear layer's weight in e4m3 where the
@@ -73,9 +98,8 @@ def use_fp8_matmuls(
     FP8 weights for), a layer the checkpoint left wide (a compressed-tensors
     `ignore` entry, a `modules_to_not_convert`) stays wide. Logs how many,
     and each distinct reason for the others once."""
-    if mode == "off" or config.fp8 is None:
+    if mode == "off":
         return
-    block = config.fp8.block
     if block is not None and block != (BLOCK, BLOCK):
         logger.info("FP8 weights in %s blocks: dequantised to %s at load (the FP8 GEMM takes %dx%d blocks)",
                     block, dtype, BLOCK, BLOCK)
@@ -92,61 +116,13 @@ def use_fp8_matmuls(
             else:
                 reason = None if mode == "force" else scaled_mm_reason(device, dtype, cols, rows)
             if reason is None:
-                module.use_fp8_weight(blocks=block is not None)
+                use_fp8_weight(module, blocks=block is not None)
                 held += 1
             else:
                 reasons.add(reason)
     kernel = "torch's 1x128 x 128x128 block-scaled scaled_mm" if block else "torch._scaled_mm, row-wise scales"
     logger.info("FP8 weights: %d linear layers multiply in FP8 (%s)%s", held, kernel,
                 f"; the others wide: {'; '.join(sorted(reasons))}" if reasons else "")
-
-
-def _row_scales(name: str, scale: torch.Tensor, rows: int) -> torch.Tensor:
-    """A checkpoint weight's scale as one per row of it: a per-tensor scale
-    repeated, per-channel scales ([rows, 1]) as they are. The layer then cuts
-    its rows (its shard, its part of a fused layer) as it does the weight's."""
-    if scale.numel() == 1:
-        return scale.reshape(1).expand(rows).contiguous()
-    if scale.numel() == rows and scale.shape[0] == rows:
-        return scale.reshape(rows)
-    raise ValueError(f"{name}: FP8 scales of {tuple(scale.shape)} for a weight of {rows} rows "
-                     f"(expected one per tensor or [{rows}, 1])")
-
-
-def load_fp8_weight(module: FP8Linear, tensor: _LazyTensor, owner: dict[str, Any], shard: object) -> torch.dtype:
-    """Into a layer held in FP8: the checkpoint's e4m3 values as they are,
-    with its per-tensor scale as every row's, its per-channel scales as its
-    rows', or its block scales; a wide
-    weight (a layer the checkpoint left unquantised) quantised here in the
-    layer's form. Returns the dtype the values are stored in."""
-    assert module.weight_scale is not None
-    blocks = module.weight_scale.dim() == 2
-    if tensor.dtype != FP8_DTYPE:
-        weight, scale = (quantize_blocks if blocks else quantize_rows)(tensor[:])
-    else:
-        name = scale_name(tensor.name, owner)
-        # The lazy tensor itself: the layer reads just its rank's slice.
-        weight, scale = cast(torch.Tensor, tensor), owner[name].get_tensor(name).float()
-        if not blocks:
-            scale = _row_scales(name, scale, tensor.shape[0])
-    module.load_weight("weight", weight, shard)
-    if blocks:
-        module.load_block_scale(scale, tensor.shape, shard)
-    else:
-        module.load_weight("weight_scale", scale, shard)
-    return torch.float32
-
-
-def fill_dummy_fp8(module: FP8Linear, wide: torch.Tensor) -> None:
-    """Random weights for a layer held in FP8: `wide` quantised in its form."""
-    scale = module.weight_scale
-    assert scale is not None
-    if scale.dim() == 2:
-        weight, grid = quantize_blocks(wide)
-        scale.data[:, : grid.shape[1]] = grid.to(scale.device)
-    else:
-        weight, scale.data = (t.to(scale.device) for t in quantize_rows(wide))
-    module.weight.data = weight.to(module.weight.device)
 
 
 def self_check_block_fp8(model: nn.Module, dtype: torch.dtype) -> int:
@@ -163,7 +139,7 @@ def self_check_block_fp8(model: nn.Module, dtype: torch.dtype) -> int:
                 continue
             reason = self_check_error(module.weight, scale, dtype)
             if reason is not None:
-                module.dequantize_weight(dtype)
+                dequantize_weight(module, dtype)
                 failed.setdefault(reason, []).append(name)
     for reason, names in failed.items():
         logger.warning("block-scaled FP8 self-check: %s; dequantised to %s: %s", reason, dtype,
