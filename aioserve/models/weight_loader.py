@@ -25,7 +25,7 @@ from tqdm import tqdm
 from aioserve.layers.linear import ColumnParallelLinear, RowParallelLinear
 from aioserve.layers.moe import DOWN, GATE, UP
 from aioserve.tp.distributed import get_tp_group
-from aioserve.models.llama import LlamaForCausalLM
+from aioserve.models.causal_lm import CausalLM
 from aioserve.models.fp8_checkpoint import FP8_DTYPE, Fp8CheckpointTensor
 from aioserve.models.fp8_layers import fill_dummy_fp8, load_fp8_weight, scale_name, self_check_block_fp8, use_fp8_matmuls
 from aioserve.models.model_config import ModelConfig
@@ -234,7 +234,7 @@ def build_model(
     round_to: torch.dtype | None = None,
     matmul_dtype: torch.dtype | None = None,
     fp8_matmul: str = "auto",
-) -> LlamaForCausalLM:
+) -> CausalLM:
     """The model with parameters in `dtype`; with `round_to`, their values are
     rounded to that (narrower) dtype first (half weights computed in float32).
     With `matmul_dtype`, the matmul weights (modules with a `matmul_choice`)
@@ -244,6 +244,8 @@ def build_model(
     use_fp8_matmuls."""
     with _default_dtype(dtype), torch.device(device):
         model = model_class(config)(config)
+    if not isinstance(model, nn.Module):  # the loading below finds each weight's module by its checkpoint name
+        raise TypeError(f"{config.architecture}: {type(model).__name__} is not a torch module")
     if matmul_dtype is not None:
         for module in model.modules():
             if hasattr(module, "matmul_choice"):  # (untouched yet: torch.empty only reserved the wide copy)
