@@ -323,7 +323,7 @@ def prefill_plan(engine: Engine, tokens: int, sampling: SamplingBatchBuilder) ->
 @contextmanager
 def sections_of(engine: Engine, counter: KernelCounter) -> Iterator[None]:
     """Route the counts: each decoder layer, embedding, final norm, head, sampler."""
-    model = engine.model.model if hasattr(engine.model, "model") else engine.model
+    model = engine.model
     hooks = []
 
     def enter(name: str) -> Callable[..., None]:
@@ -332,8 +332,8 @@ def sections_of(engine: Engine, counter: KernelCounter) -> Iterator[None]:
     def leave(module: Any, args: Any, output: Any) -> None:
         counter.scope.pop()
 
-    parts = {f"layer {i}": layer for i, layer in enumerate(model.layers)}
-    parts.update({"embedding": model.embed_tokens, "final norm": model.norm})
+    parts = {f"layer {i}": layer for i, layer in enumerate(model.decoder_layers())}
+    parts.update({"embedding": model.embed_tokens, "final norm": model.final_norm})
     for name, module in parts.items():
         hooks += [module.register_forward_pre_hook(enter(name)), module.register_forward_hook(leave)]
     original_logits, original_tokens = engine.model.compute_logits, engine._tokens

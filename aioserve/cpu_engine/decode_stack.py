@@ -27,6 +27,9 @@ from aioserve.batch_plan import BatchPlan
 from aioserve.tp.distributed import get_tp_group
 from aioserve.kvcache.kv_pool import KVPool
 from aioserve.cpu.elementwise import elementwise_kernels
+from aioserve.models.causal_lm import CausalLM
+# The one place outside models/ that names a family: DecoderStack reproduces
+# Llama's layers kernel for kernel, so it reads their concrete layout.
 from aioserve.models.llama import LlamaAttention, LlamaForCausalLM, LlamaMLP
 from aioserve.models.qwen2 import Qwen2Attention
 from aioserve.models.qwen3 import Qwen3Attention
@@ -38,7 +41,7 @@ logger = logging.getLogger(__name__)
 SUPPORTED_ATTENTION = (LlamaAttention, Qwen2Attention, Qwen3Attention)
 
 
-def unsupported_reason(model: torch.nn.Module, device: torch.device) -> str | None:
+def unsupported_reason(model: CausalLM, device: torch.device) -> str | None:
     """Why the native decode step cannot run this model here, or None."""
     if device.type != "cpu":
         return "not on a CPU"
@@ -111,7 +114,8 @@ class NativeDecodeRunner:
     """Runs decode-only steps through a DecoderStack (the engine's
     `graph_runner` on CPU: same `can_run` / `run` as the CUDA one)."""
 
-    def __init__(self, model: LlamaForCausalLM, pool: KVPool, kernels: ModuleType) -> None:
+    def __init__(self, model: CausalLM, pool: KVPool, kernels: ModuleType) -> None:
+        assert isinstance(model, LlamaForCausalLM)  # unsupported_reason refuses any other family
         self.model = model
         self.stack = build_decoder_stack(model, pool, kernels)
         self.replays = 0  # decode steps it ran (the CUDA runner's name for the same count)

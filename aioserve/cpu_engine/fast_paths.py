@@ -23,7 +23,7 @@ from aioserve.cpu_engine.greedy_screen import GreedyScreen
 from aioserve.cpu_engine.decode_stack import NativeDecodeRunner, unsupported_reason
 from aioserve.kvcache.kv_pool import KVPool
 from aioserve.layers.moe import FusedMoE
-from aioserve.models.llama import LlamaForCausalLM
+from aioserve.models.causal_lm import CausalLM
 from aioserve.cpu.matmul import MatmulModule, pack_cpu_weights, tune_cpu_matmuls
 from aioserve.cpu.native import cpu_kernels
 
@@ -32,7 +32,7 @@ logger = logging.getLogger(__name__)
 
 class CpuFastPaths:
     def __init__(
-        self, model: LlamaForCausalLM, pool: KVPool, dispatch: CpuDispatch, weight_dtype: torch.dtype
+        self, model: CausalLM, pool: KVPool, dispatch: CpuDispatch, weight_dtype: torch.dtype
     ) -> None:
         self.model, self.pool, self.dispatch = model, pool, dispatch
         self.weight_dtype, self.dtype = weight_dtype, dispatch.math_dtype
@@ -80,11 +80,10 @@ class CpuFastPaths:
 
     def _start_native_paths(self) -> None:
         self._start_native_decode()
-        lm_head = getattr(self.model, "lm_head", None)
         kernels = cpu_kernels(wait=False)
-        if lm_head is not None and kernels is not None:
+        if kernels is not None:
             # Greedy rows' argmax from a half copy of the LM head (greedy_screen.py).
-            self.greedy_screen = GreedyScreen.build(lm_head, kernels, self.dispatch.screen_dtype)
+            self.greedy_screen = GreedyScreen.build(self.model.lm_head, kernels, self.dispatch.screen_dtype)
 
     def _start_native_decode(self) -> None:
         """Decode-only steps through the native DecoderStack when this CPU's

@@ -35,10 +35,10 @@ from dataclasses import dataclass, replace
 from typing import Any, Protocol
 
 import torch
-from torch import nn
 
 from aioserve.attention.backend import AttentionBackend
 from aioserve.batch_plan import BatchPlan
+from aioserve.models.causal_lm import CausalLM
 
 logger = logging.getLogger(__name__)
 
@@ -131,7 +131,7 @@ class CudaGraphCapture:
 class DecodeGraphRunner:
     def __init__(
         self,
-        model: nn.Module,
+        model: CausalLM,
         attention: AttentionBackend,
         hidden_size: int,
         dtype: torch.dtype,

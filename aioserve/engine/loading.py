@@ -19,7 +19,7 @@ from aioserve.cpu.native import enabled as native_kernels_enabled
 from aioserve.engine.dtypes import kv_cache_dtype, resolve_dtype
 from aioserve.kvcache.kv_pool import FP8_KV, RESERVED_PAGES, KVPool
 from aioserve.layers.moe import FusedMoE
-from aioserve.models.llama import LlamaForCausalLM
+from aioserve.models.causal_lm import CausalLM
 from aioserve.models.model_config import ModelConfig
 from aioserve.models.source import resolve_model_path
 from aioserve.models.weight_loader import build_model
@@ -46,7 +46,7 @@ class LoadedModel:
     kv_dtype: torch.dtype  # what the KV cache holds
     max_model_len: int
     max_prefill_tokens: int
-    model: LlamaForCausalLM  # every registered architecture is one (models/registry.py)
+    model: CausalLM  # what every registered architecture builds (models/registry.py)
     num_pages: int  # what this rank's memory holds; ranks then take the smallest
     cpu_dispatch: CpuDispatch | None = None  # on a CPU: its paths for this model (cpu/dispatch.py)
 

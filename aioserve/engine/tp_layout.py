@@ -17,6 +17,7 @@ from aioserve.tp.distributed import TPGroup, gather_from_ranks
 from aioserve.kvcache.kv_pool import KVPool
 from aioserve.layers.embedding import VocabParallelEmbedding
 from aioserve.layers.linear import MergedColumnParallelLinear, QKVParallelLinear
+from aioserve.models.causal_lm import CausalLM
 from aioserve.models.model_config import ModelConfig
 
 
@@ -34,7 +35,7 @@ class EngineView(Protocol):
     kv_dtype: torch.dtype
 
     @property
-    def model(self) -> torch.nn.Module: ...  # read only: the Engine's is a concrete model class
+    def model(self) -> CausalLM: ...
 
     @property
     def kv_capacity_tokens(self) -> int: ...
@@ -58,7 +59,7 @@ class RankShard:
     agreed: dict[str, Any]  # facts every rank must share
 
 
-def _first(model: torch.nn.Module, kind: type) -> Any:
+def _first(model: CausalLM, kind: type) -> Any:
     return next((m for m in model.modules() if isinstance(m, kind)), None)
 
 

@@ -23,10 +23,11 @@ from torch import nn
 
 from aioserve.attention.backend import AttentionMetadata
 from aioserve.layers.activation import gelu_tanh_and_mul
-from aioserve.layers.embedding import ParallelLMHead, VocabParallelEmbedding
+from aioserve.layers.embedding import VocabParallelEmbedding
 from aioserve.layers.norm import RMSNorm
 from aioserve.layers.rotary import RotaryEmbedding
-from aioserve.models.llama import LlamaForCausalLM, LlamaMLP
+from aioserve.models.decoder_lm import DecoderLM, DecoderModel
+from aioserve.models.llama import LlamaMLP
 from aioserve.models.model_config import ModelConfig
 from aioserve.models.qwen3 import Qwen3Attention
 
@@ -76,7 +77,7 @@ class Gemma3DecoderLayer(nn.Module):
         return self.post_feedforward_layernorm(self.mlp(hidden)), residual
 
 
-class Gemma3Model(nn.Module):
+class Gemma3Model(DecoderModel):
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
         if config.hidden_act not in GELU_TANH:
@@ -96,27 +97,21 @@ class Gemma3Model(nn.Module):
     def decoder_layers(self) -> list[Gemma3DecoderLayer]:
         return cast("list[Gemma3DecoderLayer]", list(self.layers))
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+    def new_step(self) -> None:
         self.rotary.new_step()
         self.local_rotary.new_step()
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         hidden = self.embed_tokens(input_ids)
         # The scale in the embeddings' dtype first (sqrt(3072) is 55.5 in bfloat16), as Hugging Face has it.
-        hidden = hidden * torch.tensor(self.embed_scale, dtype=self.embed_tokens.dtype).to(hidden.dtype)
-        residual = None
-        for layer in self.layers:
-            hidden, residual = layer(positions, hidden, residual, meta)
-        hidden, _ = self.norm(hidden, residual)
-        return hidden
+        return hidden * torch.tensor(self.embed_scale, dtype=self.embed_tokens.dtype).to(hidden.dtype)
 
 
-class Gemma3ForCausalLM(LlamaForCausalLM):
+class Gemma3ForCausalLM(DecoderLM):
+    model: Gemma3Model
+
     def __init__(self, config: ModelConfig) -> None:
-        nn.Module.__init__(self)
-        self.config = config
-        self.model = Gemma3Model(config)  # type: ignore[assignment]  # Llama's interface, Gemma's layers
-        self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size)
-        if config.tie_word_embeddings:
-            self.lm_head.tie_to(self.model.embed_tokens)
+        super().__init__(config, Gemma3Model(config))
         self.softcap = config.final_logit_softcapping
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -15,10 +15,11 @@ from torch import nn
 
 from aioserve.attention.backend import AttentionMetadata
 from aioserve.layers.activation import silu_and_mul
-from aioserve.layers.embedding import ParallelLMHead, VocabParallelEmbedding
+from aioserve.layers.embedding import VocabParallelEmbedding
 from aioserve.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 from aioserve.layers.norm import RMSNorm
 from aioserve.layers.rotary import RotaryEmbedding
+from aioserve.models.decoder_lm import DecoderLM, DecoderModel
 from aioserve.models.model_config import ModelConfig
 
 
@@ -101,7 +102,7 @@ class LlamaDecoderLayer(nn.Module):
         return self.mlp(hidden), residual
 
 
-class LlamaModel(nn.Module):
+class LlamaModel(DecoderModel):
     def __init__(self, config: ModelConfig, attention_cls: type[LlamaAttention], mlp_factory: MlpFactory) -> None:
         super().__init__()
         self.rotary = rotary = RotaryEmbedding(
@@ -117,38 +118,19 @@ class LlamaModel(nn.Module):
         """The layers with their type (a ModuleList's items are plain Modules to a type checker)."""
         return cast("list[LlamaDecoderLayer]", list(self.layers))
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+    def new_step(self) -> None:
         self.rotary.new_step()
-        hidden = self.embed_tokens(input_ids)
-        residual = None
-        for layer in self.layers:
-            hidden, residual = layer(positions, hidden, residual, meta)
-        hidden, _ = self.norm(hidden, residual)
-        return hidden
 
 
-class LlamaForCausalLM(nn.Module):
+class LlamaForCausalLM(DecoderLM):
     attention_cls: type[LlamaAttention] = LlamaAttention
+    model: LlamaModel
 
     def __init__(self, config: ModelConfig) -> None:
-        super().__init__()
-        self.config = config
-        self.model = LlamaModel(config, self.attention_cls, self.build_mlp)
-        self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size)
-        if config.tie_word_embeddings:
-            self.lm_head.tie_to(self.model.embed_tokens)
+        super().__init__(config, LlamaModel(config, self.attention_cls, self.build_mlp))
 
     def build_mlp(self, config: ModelConfig, layer_id: int) -> nn.Module:
         return LlamaMLP(config)
-
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        """Final hidden states of every token: [T, hidden]."""
-        return self.model(input_ids, positions, meta)
-
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """float32 logits over the whole vocabulary for the given rows, valid
-        until the next call (the LM head may reuse their memory)."""
-        return self.lm_head(hidden).float()
 
 
 class MistralForCausalLM(LlamaForCausalLM):

@@ -1,8 +1,11 @@
-"""Architecture name (config.json `architectures[0]`) -> model class."""
+"""Architecture name (config.json `architectures[0]`) -> model class: each
+builds a `CausalLM` (models/causal_lm.py), the one type the rest of aioserve
+knows a model by."""
 
 from __future__ import annotations
 
 from aioserve.config import ConfigError
+from aioserve.models.causal_lm import ModelClass
 from aioserve.models.gemma3 import Gemma3ForCausalLM
 from aioserve.models.llama import LlamaForCausalLM, MistralForCausalLM
 from aioserve.models.mixtral import MixtralForCausalLM
@@ -11,7 +14,7 @@ from aioserve.models.qwen2 import Qwen2ForCausalLM
 from aioserve.models.qwen3 import Qwen3ForCausalLM
 from aioserve.models.qwen3_moe import Qwen3MoeForCausalLM
 
-MODEL_CLASSES: dict[str, type[LlamaForCausalLM]] = {
+MODEL_CLASSES: dict[str, ModelClass] = {
     "Gemma3ForCausalLM": Gemma3ForCausalLM,
     "LlamaForCausalLM": LlamaForCausalLM,
     "MistralForCausalLM": MistralForCausalLM,
@@ -22,7 +25,7 @@ MODEL_CLASSES: dict[str, type[LlamaForCausalLM]] = {
 }
 
 
-def model_class(config: ModelConfig) -> type[LlamaForCausalLM]:
+def model_class(config: ModelConfig) -> ModelClass:
     try:
         return MODEL_CLASSES[config.architecture]
     except KeyError:

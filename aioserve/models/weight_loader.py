@@ -30,7 +30,7 @@ from tqdm import tqdm
 from aioserve.layers.linear import QuantizableLinear
 from aioserve.layers.moe import DOWN, GATE, UP
 from aioserve.tp.distributed import get_tp_group
-from aioserve.models.llama import LlamaForCausalLM
+from aioserve.models.causal_lm import CausalLM
 from aioserve.models.model_config import ModelConfig
 from aioserve.models.registry import model_class
 from aioserve.models.text_of_multimodal import text_weight_name
@@ -236,7 +236,7 @@ def build_model(
     round_to: torch.dtype | None = None,
     matmul_dtype: torch.dtype | None = None,
     fp8_matmul: str = "auto",
-) -> LlamaForCausalLM:
+) -> CausalLM:
     """The model with parameters in `dtype`; with `round_to`, their values are
     rounded to that (narrower) dtype first (half weights computed in float32).
     With `matmul_dtype`, the matmul weights (modules with a `matmul_choice`)
@@ -247,6 +247,8 @@ def build_model(
     weights (QuantMethod.prepare; quant/fp8_layers.py's use_fp8_matmuls for FP8)."""
     with _default_dtype(dtype), torch.device(device):
         model = model_class(config)(config)
+    if not isinstance(model, nn.Module):  # the loading below finds each weight's module by its checkpoint name
+        raise TypeError(f"{config.architecture}: {type(model).__name__} is not a torch module")
     if matmul_dtype is not None:
         for module in model.modules():
             if hasattr(module, "matmul_choice"):  # (untouched yet: torch.empty only reserved the wide copy)

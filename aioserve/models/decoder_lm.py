@@ -1,0 +1,82 @@
+"""The plumbing every decoder-only family here shares, Llama's and Gemma 3's
+alike: embed the tokens, run the decoder layers with the residual add fused
+into the next norm, the final norm, the LM head (tied to the embedding when
+the config says so). A family builds its own layers; these two classes only
+wire them, so Gemma 3 need not pose as Llama to reuse the wiring.
+
+Module names follow Hugging Face's checkpoints (`model.embed_tokens`,
+`model.layers.<i>`, `model.norm`, `lm_head`): the weight loader finds a
+tensor's module by its name.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+from torch import nn
+
+from aioserve.attention.backend import AttentionMetadata
+from aioserve.layers.embedding import ParallelLMHead, VocabParallelEmbedding
+from aioserve.layers.norm import RMSNorm
+from aioserve.models.model_config import ModelConfig
+
+
+class DecoderModel(nn.Module):
+    """Embeddings -> layers -> final norm. A subclass sets the three modules
+    below in its `__init__` (their order there is the parameters' order,
+    which dummy weights are drawn in); each layer is called as
+    `layer(positions, hidden, residual, meta) -> (hidden, residual)`."""
+
+    embed_tokens: VocabParallelEmbedding
+    layers: nn.ModuleList
+    norm: RMSNorm
+
+    def new_step(self) -> None:
+        """Called first in every forward: the rotary embeddings forget the
+        last step's rows (RotaryEmbedding.new_step)."""
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.embed_tokens(input_ids)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        self.new_step()
+        hidden = self.embed(input_ids)
+        residual = None
+        for layer in self.layers:
+            hidden, residual = layer(positions, hidden, residual, meta)
+        hidden, _ = self.norm(hidden, residual)
+        return hidden
+
+
+class DecoderLM(nn.Module):
+    """A `DecoderModel` under `model` and the LM head: the `CausalLM`
+    members (models/causal_lm.py) a family gets by subclassing this."""
+
+    def __init__(self, config: ModelConfig, model: DecoderModel) -> None:
+        super().__init__()
+        self.config = config
+        self.model = model
+        self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size)
+        if config.tie_word_embeddings:
+            self.lm_head.tie_to(model.embed_tokens)
+
+    @property
+    def embed_tokens(self) -> VocabParallelEmbedding:
+        return self.model.embed_tokens
+
+    @property
+    def final_norm(self) -> RMSNorm:
+        return self.model.norm
+
+    def decoder_layers(self) -> Sequence[nn.Module]:
+        return list(self.model.layers)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        """Final hidden states of every token: [T, hidden]."""
+        return self.model(input_ids, positions, meta)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """float32 logits over the whole vocabulary for the given rows, valid
+        until the next call (the LM head may reuse their memory)."""
+        return self.lm_head(hidden).float()
