@@ -64,6 +64,9 @@ class _Inner:
     def is_terminated(self) -> bool:
         return self.accepted == [7]
 
+    def rollback(self, num_tokens: int) -> None:
+        del self.accepted[len(self.accepted) - num_tokens :]
+
 
 def test_a_deferred_grammar_starts_after_the_end_of_reasoning() -> None:
     import torch

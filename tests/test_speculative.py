@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import math
 import random
+import re
 from collections import Counter
 from pathlib import Path
 
@@ -262,3 +263,70 @@ def test_tensor_parallel_verification(tiny_checkpoints: dict[str, Path]) -> None
     finally:
         llm.close()
     assert same_outputs([(o.token_ids, o.logprobs, o.finish_reason) for o in outs], plain)
+
+
+def test_over_http_streams_equal_plain_decoding(stories_path: Path) -> None:
+    """A server started with vLLM's flag streams the completions an offline
+    plain run gives, several tokens a chunk where drafts stand, and reports
+    its counters in /server_info and /metrics."""
+    import json
+
+    import httpx
+
+    from server_harness import start_server
+
+    texts = ["Once upon a time there was a girl. Once upon a time there was a", "Tom had a dog. Tom had a"]
+    params = SamplingParams(max_tokens=32, temperature=0, ignore_eos=True)
+    llm = LLM(str(stories_path), page_size=4)
+    try:
+        plain = [o.text for o in llm.generate(texts, params)]
+    finally:
+        llm.close()
+    spec = json.dumps({"method": "ngram", "num_speculative_tokens": 4})
+    server = start_server(stories_path, "--page-size", "4", "--debug-integrity", "--speculative-config", spec)
+    try:
+        for text, expected in zip(texts, plain):
+            body = {"model": str(stories_path), "prompt": text, "max_tokens": 32, "temperature": 0,
+                    "ignore_eos": True, "stream": True}
+            pieces = []
+            with httpx.stream("POST", f"{server.v1}/completions", json=body, timeout=60) as response:
+                assert response.status_code == 200
+                for line in response.iter_lines():
+                    if line.startswith("data: ") and line != "data: [DONE]":
+                        pieces += [c["text"] for c in json.loads(line[6:])["choices"]]
+            assert "".join(pieces) == expected
+        info = server.wait_idle()
+        assert info["kv_integrity"] == "ok"
+        assert info["avg_spec_accept_length"] > 1.0
+        metrics = httpx.get(f"{server.url}/metrics", timeout=10).text
+        for name in ("spec_decode_num_drafts", "spec_decode_num_draft_tokens", "spec_decode_num_accepted_tokens"):
+            assert f"aioserve:{name}_total" in metrics
+        assert 'aioserve:spec_decode_num_accepted_tokens_per_pos_total{position="0"}' in metrics
+    finally:
+        server.stop()
+
+
+@pytest.mark.parametrize("kind", ["greedy", "seeded"])
+def test_structured_output_checks_the_proposals(tiny_checkpoints: dict[str, Path], kind: str) -> None:
+    """Under a grammar, proposals are cut where the matcher refuses them and
+    each position's mask follows the proposed tokens before it: the outputs
+    are plain decoding's, and they match the grammar."""
+    from aioserve.sampling_params import StructuredOutputParams
+
+    model = tiny_checkpoints["llama"]
+    regex = r"(ab |cd ){3,12}(e|f)"
+    prompts = [hf_encode(model, t) for t in ["ab cd ab cd ab cd ab", "cd cd cd cd", "ab ab ab ab ab"]]
+    extra = {"temperature": 0} if kind == "greedy" else {"temperature": 0.9, "seed": 5}
+    params = [SamplingParams(max_tokens=40, structured_outputs=StructuredOutputParams(regex=regex), **extra)] * 3
+    plain, _ = _run(model, prompts, params)
+    llm = LLM(str(model), page_size=4, debug_integrity=True, speculative_config=NGRAM)
+    try:
+        outs = llm.generate(prompts, params)
+        stats = llm.scheduler.speculator.stats
+    finally:
+        llm.close()
+    assert same_outputs([(o.token_ids, o.logprobs, o.finish_reason) for o in outs], plain)
+    assert stats.drafts > 0 and stats.accepted_tokens > 0
+    for out in outs:
+        if out.finish_reason == "stop":
+            assert re.fullmatch(regex, out.text), out.text

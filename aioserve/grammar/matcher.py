@@ -34,6 +34,10 @@ class GrammarMatcher:
     def is_terminated(self) -> bool:
         return self._matcher.is_terminated()
 
+    def rollback(self, num_tokens: int) -> None:
+        if num_tokens:
+            self._matcher.rollback(num_tokens)
+
 
 class CompiledGrammar:
     """A grammar compiled for one vocabulary; shared by every request that asks

@@ -42,6 +42,11 @@ class TokenConstraint(Protocol):
         """The grammar is complete and has accepted its stop token (or needs none)."""
         ...
 
+    def rollback(self, num_tokens: int) -> None:
+        """Undo the last `num_tokens` accepted tokens (a speculative proposal
+        checked against the grammar, or its positions' masks built)."""
+        ...
+
 
 class ConstraintFactory(Protocol):
     """A compiled grammar: makes a fresh matcher for each request."""

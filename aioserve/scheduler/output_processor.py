@@ -125,6 +125,8 @@ class OutputProcessor:
         events: list[tuple[RequestEvent, str | None]] = []
         for i, token in enumerate(tokens):
             self._accept(request, entry.row + i, host)
+            if not self._advance_grammar(request, token):
+                return
             reason = self._stop_reason(request, token)
             events.append((self._event(request, entry.row + i, token, reason, host), reason))
             if reason is not None:

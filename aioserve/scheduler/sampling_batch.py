@@ -200,7 +200,9 @@ class SamplingBatchBuilder:
 
     def _grammar_bitmask(self, rows: list[SampleRow], grammar_rows: list[int]) -> torch.Tensor:
         """The allowed tokens of each constrained row, from its matcher's
-        current state: which is why such a row never follows a pending token."""
+        current state (which is why such a row never follows a pending
+        token), advanced by the proposed tokens before the row's position
+        for a verified draft's rows, and rolled back after."""
         if not grammar_rows:
             return _NO_BITMASK
         bitmask = torch.zeros(len(grammar_rows), bitmask_width(self.vocab_size), dtype=torch.int32)
@@ -208,6 +210,11 @@ class SamplingBatchBuilder:
             row = rows[i]
             if row.pending_placeholder is not None:
                 raise RuntimeError(f"request {row.request.rid} is constrained but planned after a pending token")
-            assert row.request.constraint is not None
-            row.request.constraint.fill_bitmask(bitmask, k)
+            constraint = row.request.constraint
+            assert constraint is not None
+            for token in row.drafted:
+                if not constraint.accept(token):
+                    raise RuntimeError(f"request {row.request.rid}: its grammar refused a proposal it had allowed")
+            constraint.fill_bitmask(bitmask, k)
+            constraint.rollback(len(row.drafted))
         return bitmask

@@ -11,7 +11,9 @@ else sample the residual) reduces to: keep d while the target's own sample
 at its position is d; the first position where they differ gives the
 target's token instead. Every token emitted is therefore the token the
 target samples at that position, seeded draws included: the output is the
-one plain decoding gives.
+one plain decoding gives. Under a grammar, a proposal is cut where the
+matcher refuses it, and position i's mask is the matcher's after the i
+proposed tokens before it (advanced, read, rolled back).
 
 A verified request's next token depends on how many drafts stood, which no
 placeholder can name, so it is planned again only once its step has been
@@ -25,6 +27,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from aioserve.kvcache.manager import KVManager
+from aioserve.scheduler.constraint import TokenConstraint
 from aioserve.scheduler.request import Request
 from aioserve.scheduler.ngram_proposer import NgramProposer
 from aioserve.speculative_config import SpeculativeConfig
@@ -67,12 +70,16 @@ class Speculator:
         return 0 < num_decoding <= self.config.disable_by_batch_size
 
     @staticmethod
-    def can_speculate(request: Request) -> bool:
-        """Its newest token is known (landed) and nothing else rules it out: a
-        grammar's mask for position i would need the matcher advanced by the
-        i proposed tokens before it, which the constraint interface does not
-        offer, so a constrained request decodes plainly."""
-        return request.pending.count == 0 and request.constraint is None
+    def grammatical(constraint: TokenConstraint, draft: list[int]) -> list[int]:
+        """The longest start of `draft` the grammar allows (nothing past its
+        end); the matcher is left as it was."""
+        kept = 0
+        for token in draft:
+            if constraint.is_terminated() or not constraint.accept(token):
+                break
+            kept += 1
+        constraint.rollback(kept)
+        return draft[:kept]
 
     def drafts(self, decoders: list[Request], kv: KVManager) -> dict[Request, list[int]]:
         """The proposal each decoder verifies this step (those without one
@@ -83,10 +90,12 @@ class Speculator:
             return {}
         chosen: dict[Request, list[int]] = {}
         for request in decoders:
-            if not self.can_speculate(request):
+            if request.pending.count:  # proposals are made from the newest token: it must have landed
                 continue
             room = request.max_new_tokens - request.num_generated - 1
             draft = self.proposer.propose(request, min(self.config.num_tokens, room))
+            if draft and request.constraint is not None:
+                draft = self.grammatical(request.constraint, draft)
             if draft and kv.extend(request.admitted_kv, request.kv_len + 1 + len(draft)):
                 chosen[request] = draft
         return chosen
