@@ -30,6 +30,7 @@ class SchedulerInfo:
     max_prefill_tokens: int
     stats: dict[str, int] = field(default_factory=dict)
     speculation: SpeculationStats | None = None  # with speculative decoding on: its counters
+    avg_spec_accept_length: float | None = None  # SGLang's name: tokens a verification gives, on average
 
     @property
     def kv_usage(self) -> float:

@@ -218,6 +218,7 @@ class Scheduler:
             max_prefill_tokens=self.facts.max_prefill_tokens,
             stats=dict(vars(self.stats)),
             speculation=copy.deepcopy(self.speculator.stats) if self.speculator is not None else None,
+            avg_spec_accept_length=self.speculator.stats.mean_acceptance_length if self.speculator else None,
         )
 
     def shutdown(self) -> None:

@@ -15,6 +15,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from starlette.requests import Request
 from starlette.responses import Response
 
+from aioserve.scheduler.speculation import SpeculationStats
 from aioserve.server.context import ServingContext
 
 
@@ -53,6 +54,27 @@ class SchedulerCollector:
         yield counter("aioserve:num_preemptions", "Requests preempted to free KV pages.", stats["preemptions"])
         yield counter("aioserve:request_aborted", "Requests aborted.", stats["aborted"])
         yield counter("aioserve:engine_steps", "Forward steps run.", stats["steps"])
+        if info.speculation is not None:
+            yield from self._speculation(info.speculation, labels)
+
+    @staticmethod
+    def _speculation(spec: SpeculationStats, labels: dict[str, str]) -> Iterator[Metric]:
+        """vLLM's speculative-decoding counters, under aioserve's prefix."""
+        for name, doc, value in (
+            ("spec_decode_num_drafts", "Proposals verified (one per request and step).", spec.drafts),
+            ("spec_decode_num_draft_tokens", "Tokens proposed and verified.", spec.draft_tokens),
+            ("spec_decode_num_accepted_tokens", "Proposed tokens that stood.", spec.accepted_tokens),
+        ):
+            metric = CounterMetricFamily(f"aioserve:{name}", doc, labels=list(labels))
+            metric.add_metric(list(labels.values()), value)
+            yield metric
+        per_position = CounterMetricFamily(
+            "aioserve:spec_decode_num_accepted_tokens_per_pos", "Proposed tokens that stood, by their position.",
+            labels=[*labels, "position"],
+        )
+        for position, value in enumerate(spec.accepted_per_position):
+            per_position.add_metric([*labels.values(), str(position)], value)
+        yield per_position
 
 def register_scheduler_metrics(ctx: ServingContext) -> None:
     """The scheduler's gauges and counters join the request metrics' registry."""
