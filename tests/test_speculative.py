@@ -330,3 +330,49 @@ def test_structured_output_checks_the_proposals(tiny_checkpoints: dict[str, Path
     for out in outs:
         if out.finish_reason == "stop":
             assert re.fullmatch(regex, out.text), out.text
+
+
+@pytest.mark.parametrize("arch", ["qwen3-moe", "gemma3"])
+def test_moe_and_gemma3_targets(tmp_path: Path, arch: str) -> None:
+    """A mixture of experts and Gemma 3 (sliding-window layers, its own
+    norms and softcapping) as targets, under proposals from the oracle (every
+    token stands) and prompt lookup: the plain outputs."""
+    from tiny_models import build_checkpoint
+
+    model = build_checkpoint(arch, tmp_path / arch)
+    prompts = [hf_encode(model, t) for t in TEXTS]
+    params = [_params("greedy"), _params("seeded")] * 2
+    plain, _ = _run(model, prompts, params)
+    expected = {tuple(p): out[0] for p, out in zip(prompts, plain)}
+    for proposer in ("ngram", "oracle"):
+        llm = LLM(str(model), page_size=4, debug_integrity=True, speculative_config=NGRAM)
+        try:
+            if proposer == "oracle":
+                llm.scheduler.speculator.proposer = OracleProposer(expected, corrupt=0)
+            outs = llm.generate(prompts, params)
+            assert llm.scheduler.speculator.stats.drafts > 0
+        finally:
+            llm.close()
+        assert same_outputs([(o.token_ids, o.logprobs, o.finish_reason) for o in outs], plain), proposer
+
+
+def test_chunked_prefill_and_prefix_hits(tiny_checkpoints: dict[str, Path]) -> None:
+    """Prompts prefilled in chunks of 8 beside verifications, a second batch
+    that finds the first's prompts in the prefix cache (only accepted tokens
+    went there): the plain outputs, every page back."""
+    model = tiny_checkpoints["qwen3"]
+    prompts = [hf_encode(model, t) for t in TEXTS]
+    params = [_params("greedy")] * len(prompts)
+    results = []
+    for options in ({}, {"speculative_config": NGRAM}):
+        llm = LLM(str(model), page_size=4, max_prefill_tokens=8, debug_integrity=True, **options)
+        try:
+            first = llm.generate(prompts, params)
+            second = llm.generate([p + o.token_ids[:5] for p, o in zip(prompts, first)], params)
+            llm.scheduler.check_integrity()
+            results.append([(o.token_ids, o.num_cached_tokens) for o in first + second])
+        finally:
+            llm.close()
+    plain, speculative = results
+    assert [t for t, _ in speculative] == [t for t, _ in plain]
+    assert all(cached > 0 for _, cached in speculative[len(prompts):])
