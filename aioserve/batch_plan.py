@@ -43,6 +43,27 @@ def _move(obj: _Plain, device: torch.device, **nested: object) -> _Plain:
     return replace(obj, **moved, **nested)
 
 
+# Extends up to this many tokens after a prefix (a verified draft of
+# speculative decoding) can run as decodes, a token at a time: each is a
+# decode at its own KV length over its request's pages (the step stores
+# every new token's KV before any is read). On CPU the native decode kernels
+# then serve them (a 5-token verification of the demo model: SDPA's flash
+# kernel took 0.5 ms a layer, most of the step).
+MAX_EXTEND_AS_DECODES = 16
+
+
+def token_rows(seq_lens: list[int], extend_lens: list[int], first: int = 0) -> tuple[list[int], list[int]]:
+    """Each new token of requests first.. as a decode of its own: the request
+    it belongs to and its KV length, up to and including it."""
+    requests: list[int] = []
+    lengths: list[int] = []
+    for i in range(first, len(seq_lens)):
+        total, new = seq_lens[i], extend_lens[i]
+        requests += [i] * new
+        lengths += range(total - new + 1, total + 1)
+    return requests, lengths
+
+
 @dataclass
 class SamplingTensors:
     """Per sampled row settings; S rows, one per request that samples this step."""
@@ -141,6 +162,13 @@ class BatchPlan:
     @property
     def is_decode_only(self) -> bool:
         return self.num_decodes == self.num_requests
+
+    def runs_as_decodes(self) -> bool:
+        """Every extend is short and after a prefix (MAX_EXTEND_AS_DECODES):
+        the whole step can run as decodes, a token each (read on the host plan)."""
+        lengths = self.extend_lens[self.num_decodes :].tolist()
+        totals = self.seq_lens[self.num_decodes :].tolist()
+        return all(new <= MAX_EXTEND_AS_DECODES and total > new for new, total in zip(lengths, totals))
 
     def to(self, device: torch.device) -> "BatchPlan":
         if device.type == "cpu" and self.input_ids.device.type == "cpu":

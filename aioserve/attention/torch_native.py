@@ -22,15 +22,9 @@ import torch
 import torch.nn.functional as F
 
 from aioserve.attention.backend import AttentionBackend, AttentionMetadata
-from aioserve.batch_plan import BatchPlan
+from aioserve.batch_plan import MAX_EXTEND_AS_DECODES, BatchPlan, token_rows
 from aioserve.kvcache.kv_pool import KVPool, to_cache_dtype
 from aioserve.cpu.native import cpu_kernels
-
-
-# Extends up to this long attend through the native decode kernel, a token
-# at a time (a 5-token verification of a 260K model: SDPA's CPU flash kernel
-# took 0.5 ms a layer, most of the step).
-SHORT_EXTEND = 16
 
 
 def kv_slots(page_rows: torch.Tensor, length: int, page_size: int) -> torch.Tensor:
@@ -113,7 +107,8 @@ class TorchNativeMetadata(AttentionMetadata):
         # kernels) short extends' tokens; `paged_rows` None means rows [0, nd).
         self.paged_rows: torch.Tensor | None = None
         short = [
-            i for i in range(nd, plan.num_requests) if extend_lens[i] <= SHORT_EXTEND and seq_lens[i] > extend_lens[i]
+            i for i in range(nd, plan.num_requests)
+            if extend_lens[i] <= MAX_EXTEND_AS_DECODES and seq_lens[i] > extend_lens[i]
         ] if kernels else []
         if nd:
             self.decode_pages = plan.page_table[:nd]
@@ -145,13 +140,19 @@ class TorchNativeMetadata(AttentionMetadata):
         """Each token of the `short` extends as a decode: its request's page
         row, the length up to and including it."""
         nd = plan.num_decodes
-        firsts = [nd + sum(extend_lens[nd:i]) for i in short]
-        rows = list(range(nd)) + [first + j for first, i in zip(firsts, short) for j in range(extend_lens[i])]
-        requests = list(range(nd)) + [i for i in short for _ in range(extend_lens[i])]
-        lens = seq_lens[:nd] + [seq_lens[i] - extend_lens[i] + 1 + j for i in short for j in range(extend_lens[i])]
-        self.paged_rows = torch.tensor(rows, dtype=torch.long, device=plan.seq_lens.device)
-        self.decode_pages = plan.page_table[torch.tensor(requests, dtype=torch.long, device=plan.seq_lens.device)]
-        self.decode_lens = torch.tensor(lens, dtype=plan.seq_lens.dtype, device=plan.seq_lens.device)
+        rows, requests, lens = list(range(nd)), list(range(nd)), seq_lens[:nd]
+        first_row = nd
+        for i in range(nd, plan.num_requests):
+            if i in short:
+                owners, lengths = token_rows(seq_lens[: i + 1], extend_lens[: i + 1], first=i)
+                rows += range(first_row, first_row + extend_lens[i])
+                requests += owners
+                lens += lengths
+            first_row += extend_lens[i]
+        device = plan.seq_lens.device
+        self.paged_rows = torch.tensor(rows, dtype=torch.long, device=device)
+        self.decode_pages = plan.page_table[torch.tensor(requests, dtype=torch.long, device=device)]
+        self.decode_lens = torch.tensor(lens, dtype=plan.seq_lens.dtype, device=device)
 
     def _decode_mask(self, window: int | None) -> torch.Tensor:
         """[B, 1, 1, max_len]: valid positions, within the window if any."""

@@ -23,7 +23,7 @@ from typing import Protocol
 
 import torch
 
-from aioserve.batch_plan import BatchPlan
+from aioserve.batch_plan import BatchPlan, token_rows
 from aioserve.tp.distributed import get_tp_group
 from aioserve.kvcache.kv_pool import KVPool
 from aioserve.cpu.elementwise import elementwise_kernels
@@ -122,14 +122,22 @@ class NativeDecodeRunner:
 
     def can_run(self, host_plan: BatchPlan) -> bool:
         # The elementwise switch is read at every call (the modules honor it
-        # mid-run too), and this runs nothing but native kernels.
-        return host_plan.is_decode_only and host_plan.prompt_logprobs is None and elementwise_kernels() is not None
+        # mid-run too), and this runs nothing but native kernels. A step of
+        # decodes and verified drafts runs too: each token as a decode.
+        return (
+            host_plan.prompt_logprobs is None
+            and elementwise_kernels() is not None
+            and (host_plan.is_decode_only or host_plan.runs_as_decodes())
+        )
 
     def run(self, input_ids: torch.Tensor, plan: BatchPlan, host_plan: BatchPlan) -> torch.Tensor:
-        """Final hidden states [n, hidden] of a decode-only step."""
+        """Final hidden states [T, hidden] of the step's tokens."""
         n = host_plan.num_requests
         hidden = self.model.model.embed_tokens(input_ids).contiguous()
         self.replays += 1
-        return self.stack.forward(
-            hidden, plan.positions, plan.out_cache_loc, plan.page_table[:n], plan.seq_lens[:n]
-        )
+        if host_plan.is_decode_only:
+            return self.stack.forward(hidden, plan.positions, plan.out_cache_loc, plan.page_table[:n], plan.seq_lens[:n])
+        owners, lengths = token_rows(host_plan.seq_lens.tolist(), host_plan.extend_lens.tolist())
+        page_table = plan.page_table[torch.tensor(owners, dtype=torch.long)]
+        seq_lens = torch.tensor(lengths, dtype=plan.seq_lens.dtype)
+        return self.stack.forward(hidden, plan.positions, plan.out_cache_loc, page_table, seq_lens)
