@@ -186,7 +186,7 @@ class EngineConfig:
     speculative_config: dict[str, Any] | None = option(
         None, group="speculative decoding", parse=_json_object,
         help='vLLM\'s JSON object, e.g. \'{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4, '
-        '"prompt_lookup_min": 1, "disable_by_batch_size": 8}\': propose tokens and verify them in one forward '
+        '"prompt_lookup_min": 2, "disable_by_batch_size": 8}\': propose tokens and verify them in one forward '
         "(lossless: the outputs are the model's own); see docs/speculative.md",
     )
     speculative_algorithm: str | None = option(

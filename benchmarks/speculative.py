@@ -26,6 +26,7 @@ from tqdm import tqdm
 from aioserve import LLM, SamplingParams
 from aioserve.scheduler.request import Request
 from aioserve.scheduler.speculation import SpeculationStats
+from aioserve.speculative_config import DEFAULT_DISABLE_BY_BATCH_SIZE, DEFAULT_LOOKUP_MAX, DEFAULT_LOOKUP_MIN
 
 logger = logging.getLogger("benchmarks.speculative")
 
@@ -71,8 +72,8 @@ def run_once(llm: LLM, prompts: list[list[int]], params: SamplingParams) -> tupl
 
 
 def measure(args: argparse.Namespace) -> list[Row]:
-    spec = {"method": "ngram", "num_speculative_tokens": args.k, "prompt_lookup_max": 4, "prompt_lookup_min": 1,
-            "disable_by_batch_size": args.disable_by_batch_size}
+    spec = {"method": "ngram", "num_speculative_tokens": args.k, "prompt_lookup_max": args.lookup_max,
+            "prompt_lookup_min": args.lookup_min, "disable_by_batch_size": args.disable_by_batch_size}
     plain = LLM(args.model, num_threads=args.threads)
     fast = LLM(args.model, num_threads=args.threads, speculative_config=spec)
     params = SamplingParams(max_tokens=args.tokens, temperature=0, ignore_eos=True)
@@ -93,7 +94,6 @@ def measure(args: argparse.Namespace) -> list[Row]:
                 for name, proposer in proposers.items():
                     fast.scheduler.speculator.proposer = proposer
                     fast.scheduler.speculator.stats = stats = SpeculationStats()
-                    fast.scheduler.outputs.speculation = stats
                     seconds, outs = run_once(fast, prompts, params)
                     if outs != reference:
                         raise AssertionError(f"{name} at concurrency {concurrency}: outputs differ from plain decoding")
@@ -141,7 +141,9 @@ def main() -> None:
     parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 16])
     parser.add_argument("--tokens", type=int, default=64, help="output tokens per request")
     parser.add_argument("--k", type=int, default=4, help="tokens proposed per verification")
-    parser.add_argument("--disable-by-batch-size", type=int, default=8)
+    parser.add_argument("--disable-by-batch-size", type=int, default=DEFAULT_DISABLE_BY_BATCH_SIZE)
+    parser.add_argument("--lookup-max", type=int, default=DEFAULT_LOOKUP_MAX)
+    parser.add_argument("--lookup-min", type=int, default=DEFAULT_LOOKUP_MIN)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--threads", type=int, default=None)
     parser.add_argument("--png", help="also write a plot here")

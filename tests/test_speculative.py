@@ -176,7 +176,7 @@ def test_rejected_positions_give_their_pages_back(tiny_checkpoints: dict[str, Pa
 def test_the_flags_of_vllm_and_sglang() -> None:
     assert resolve_speculative(EngineConfig()) is None
     vllm = resolve_speculative(EngineConfig(speculative_config={"method": "ngram", "num_speculative_tokens": 3}))
-    assert vllm == SpeculativeConfig("ngram", 3, lookup_max=4, lookup_min=1)
+    assert vllm == SpeculativeConfig("ngram", 3, lookup_max=4, lookup_min=2)
     sglang = resolve_speculative(EngineConfig(speculative_algorithm="NGRAM", speculative_num_draft_tokens=5))
     assert sglang is not None and (sglang.method, sglang.num_tokens) == ("ngram", 4)  # SGLang counts the verified one
     steps = resolve_speculative(EngineConfig(speculative_algorithm="ngram", speculative_num_steps=2))

@@ -33,7 +33,7 @@ from aioserve.batch_plan import StepOutput
 from aioserve.scheduler.plan_builder import ScheduledStep, StepEntry
 from aioserve.scheduler.request import Request, RequestEvent, Status
 from aioserve.scheduler.request_table import RequestTable
-from aioserve.scheduler.speculation import SpeculationStats
+from aioserve.scheduler.speculation import Speculator
 
 logger = logging.getLogger(__name__)
 
@@ -70,11 +70,11 @@ class _HostOutput:
 
 class OutputProcessor:
     def __init__(
-        self, table: RequestTable, eos_token_ids: list[int], speculation: SpeculationStats | None = None
+        self, table: RequestTable, eos_token_ids: list[int], speculator: Speculator | None = None
     ) -> None:
         self.table = table
         self.eos_token_ids = frozenset(eos_token_ids)
-        self.speculation = speculation
+        self.speculator = speculator
 
     def process(self, step: ScheduledStep, output: StepOutput) -> None:
         host = _HostOutput.of(output)
@@ -120,8 +120,8 @@ class OutputProcessor:
             tokens.append(host.tokens[entry.row + i])
             if i == proposed or tokens[-1] != entry.draft[i]:
                 break
-        if self.speculation is not None:
-            self.speculation.record(proposed, len(tokens) - 1, len(tokens))
+        if self.speculator is not None:
+            self.speculator.verified(request, proposed, len(tokens) - 1)
         events: list[tuple[RequestEvent, str | None]] = []
         for i, token in enumerate(tokens):
             self._accept(request, entry.row + i, host)

@@ -72,8 +72,7 @@ class Scheduler:
         speculative = resolve_speculative(config)
         self.speculator = Speculator(speculative) if speculative is not None else None
         self.planner = StepPlanner(config, self.table, self.kv, sampling, facts.max_prefill_tokens, self.speculator)
-        speculation = self.speculator.stats if self.speculator is not None else None
-        self.outputs = OutputProcessor(self.table, facts.eos_token_ids, speculation)
+        self.outputs = OutputProcessor(self.table, facts.eos_token_ids, self.speculator)
         self._next_step = 0
         self._wake: asyncio.Event | None = None
         self._stopping = False

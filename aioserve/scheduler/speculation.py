@@ -20,11 +20,18 @@ placeholder can name, so it is planned again only once its step has been
 processed (the loop waits for it when most decoders speculate; see
 planner.py's `waits_for_tokens`). Above `disable_by_batch_size` decoding
 requests a step verifies nothing and plain decoding (with overlap) runs.
+
+A verification costs more than a decode (k + 1 rows, and no overlap), so a
+request whose proposals keep failing backs off: after m verifications in a
+row that kept no proposed token it skips the next 2**m - 1 chances to
+propose (at most MAX_BACKOFF_STEPS), and any kept token resets it.
 """
 
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass, field
+from typing import Protocol
 
 from aioserve.kvcache.manager import KVManager
 from aioserve.scheduler.constraint import TokenConstraint
@@ -59,11 +66,44 @@ class SpeculationStats:
             self.accepted_per_position[position] += 1
 
 
+MAX_BACKOFF_STEPS = 15
+
+
+@dataclass
+class _Backoff:
+    misses: int = 0  # verifications in a row that kept no proposed token
+    skip: int = 0  # chances to propose still to pass up
+
+
+class Proposer(Protocol):
+    def propose(self, request: Request, num_tokens: int) -> list[int]:
+        """At most `num_tokens` tokens to follow `request.all_ids`."""
+        ...
+
+
 class Speculator:
     def __init__(self, config: SpeculativeConfig) -> None:
         self.config = config
-        self.proposer = NgramProposer(config.lookup_max, config.lookup_min)
+        self.proposer: Proposer = NgramProposer(config.lookup_max, config.lookup_min)
         self.stats = SpeculationStats()
+        self._backoff: weakref.WeakKeyDictionary[Request, _Backoff] = weakref.WeakKeyDictionary()
+
+    def verified(self, request: Request, proposed: int, accepted: int) -> None:
+        """A verification of `request`'s proposal was processed."""
+        self.stats.record(proposed, accepted, accepted + 1)
+        backoff = self._backoff.setdefault(request, _Backoff())
+        if accepted:
+            backoff.misses = backoff.skip = 0
+        else:
+            backoff.misses += 1
+            backoff.skip = min(2**backoff.misses - 1, MAX_BACKOFF_STEPS)
+
+    def _backs_off(self, request: Request) -> bool:
+        backoff = self._backoff.get(request)
+        if backoff is None or not backoff.skip:
+            return False
+        backoff.skip -= 1
+        return True
 
     def active_for(self, num_decoding: int) -> bool:
         """Whether a step with this many decoding requests verifies drafts."""
@@ -90,7 +130,7 @@ class Speculator:
             return {}
         chosen: dict[Request, list[int]] = {}
         for request in decoders:
-            if request.pending.count:  # proposals are made from the newest token: it must have landed
+            if request.pending.count or self._backs_off(request):  # proposals need the newest token landed
                 continue
             room = request.max_new_tokens - request.num_generated - 1
             draft = self.proposer.propose(request, min(self.config.num_tokens, room))
