@@ -22,7 +22,7 @@ from starlette.routing import Route
 from starlette.testclient import TestClient
 
 from aioserve.config import EngineConfig, ServerArgs
-from aioserve.server.app import create_app
+from aioserve.server.endpoints.app import create_app
 
 DOCUMENT_URI = "urn:aioserve-openapi"
 HTTP_METHODS = ("get", "put", "post", "delete", "options", "head", "patch", "trace")
@@ -343,7 +343,7 @@ def test_the_document_is_open_like_the_page_that_reads_it() -> None:
 
 
 def test_the_document_is_built_once(chat_server) -> None:
-    from aioserve.server import routes
+    from aioserve.server.endpoints import routes
 
     first = httpx.get(f"{chat_server.url}/openapi.json", timeout=30).content
     assert first == httpx.get(f"{chat_server.url}/openapi.json", timeout=30).content

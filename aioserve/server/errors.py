@@ -13,7 +13,7 @@ from pydantic import ValidationError
 from starlette.requests import Request
 from starlette.responses import Response
 
-from aioserve.server.responses import ErrorDetail, ErrorResponse
+from aioserve.server.output.completion_bodies import ErrorDetail, ErrorResponse
 from aioserve.server.wire import json_response
 
 logger = logging.getLogger(__name__)

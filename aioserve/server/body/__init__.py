@@ -1,0 +1,1 @@
+"""The raw JSON body: bounds, parsing, and the worker process that parses large bodies."""

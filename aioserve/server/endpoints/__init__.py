@@ -1,0 +1,1 @@
+"""The endpoints: the app, the route table and every handler."""

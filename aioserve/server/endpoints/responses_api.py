@@ -1,0 +1,312 @@
+"""POST /v1/responses: OpenAI's Responses API over the chat machinery.
+
+The request (text or a list of input items, `instructions`, function
+tools, `text.format`, `max_output_tokens`) becomes a chat request, rendered
+by the model's template; the output becomes Responses items: a `reasoning`
+item (with a reasoning parser), a `message` with one `output_text` part,
+and a `function_call` item per tool call. Streams send OpenAI's typed
+events (response.created ... response.completed). Nothing is stored: a
+request must carry its whole conversation (`previous_response_id` is
+refused), as `store: false` asks of OpenAI.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from starlette.requests import Request
+from starlette.responses import Response
+
+from aioserve.server.output.assembly import ChoiceUpdate, respond
+from aioserve.server.endpoints.chat import start_chat
+from aioserve.server.context import ServingContext
+from aioserve.server.errors import APIError, from_validation_error
+from aioserve.server.output.generation import Choice
+from aioserve.server.intake.openai_requests import ChatCompletionRequest, RequestModel
+from aioserve.server.intake.request_body import parse_body
+from aioserve.server.output.completion_bodies import Usage
+from aioserve.server.output.tool_parsers.calls import new_call_id
+from aioserve.server.wire import WireModel
+
+TEXT_PARTS = ("input_text", "output_text", "text")
+
+
+class ResponsesRequest(RequestModel):
+    model: str | None = None
+    input: str | list[dict[str, Any]]
+    instructions: str | None = None
+    max_output_tokens: int | None = Field(None, ge=1)
+    temperature: float | None = None
+    top_p: float | None = None
+    stream: bool = False
+    text: dict[str, Any] | None = None
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool = True
+    previous_response_id: str | None = None
+    metadata: dict[str, str] | None = None
+    user: str | None = None
+
+
+class Event(WireModel):
+    """A Responses object or stream event: its fields as built here."""
+
+    model_config = ConfigDict(extra="allow", ser_json_inf_nan="null")
+
+
+def _text_of(content: Any, where: str) -> str:
+    if isinstance(content, str):
+        return content
+    if not isinstance(content, list):
+        raise APIError("content must be a string or a list of parts", param=f"{where}.content")
+    texts = []
+    for number, part in enumerate(content):
+        kind = part.get("type") if isinstance(part, dict) else None
+        if kind not in TEXT_PARTS:
+            raise APIError(
+                f"this model takes text only: a part of type {kind!r} is not supported", param=f"{where}.content.{number}"
+            )
+        texts.append(str(part.get("text", "")))
+    return "\n".join(texts)
+
+
+def chat_messages(body: ResponsesRequest) -> list[dict[str, Any]]:
+    """Input items -> chat messages (function calls and their outputs included)."""
+    messages: list[dict[str, Any]] = []
+    if body.instructions:
+        messages.append({"role": "system", "content": body.instructions})
+    items = [{"role": "user", "content": body.input}] if isinstance(body.input, str) else body.input
+    for number, item in enumerate(items):
+        where = f"input.{number}"
+        kind = item.get("type", "message")
+        if kind == "message":
+            messages.append({"role": item.get("role", "user"), "content": _text_of(item.get("content", ""), where)})
+        elif kind == "function_call":
+            call = {"id": item.get("call_id"), "type": "function",
+                    "function": {"name": item.get("name"), "arguments": item.get("arguments", "{}")}}
+            last = messages[-1] if messages else None
+            if last and last["role"] == "assistant" and last.get("tool_calls") is not None:
+                last["tool_calls"].append(call)  # parallel calls: one assistant turn
+            else:
+                messages.append({"role": "assistant", "content": None, "tool_calls": [call]})
+        elif kind == "function_call_output":
+            output = item.get("output", "")
+            messages.append({"role": "tool", "tool_call_id": item.get("call_id"),
+                             "content": output if isinstance(output, str) else _text_of(output, where)})
+        elif kind == "reasoning":
+            continue  # an earlier turn's thought: templates drop it
+        else:
+            raise APIError(f"input items of type {kind!r} are not supported", param=f"{where}.type")
+    return messages
+
+
+def chat_request(body: ResponsesRequest) -> ChatCompletionRequest:
+    if body.previous_response_id is not None:
+        raise APIError(
+            "previous_response_id is not supported: this server stores no responses; send the conversation in input",
+            param="previous_response_id",
+        )
+    fields: dict[str, Any] = {
+        "model": body.model, "messages": chat_messages(body), "stream": body.stream,
+        "max_tokens": body.max_output_tokens, "temperature": body.temperature, "top_p": body.top_p,
+        "parallel_tool_calls": body.parallel_tool_calls, "user": body.user,
+    }
+    tools = []
+    for number, tool in enumerate(body.tools or []):
+        if tool.get("type") != "function":
+            raise APIError(f"tools of type {tool.get('type')!r} are not supported (only function tools)",
+                           param=f"tools.{number}.type")
+        tools.append({"type": "function", "function": {
+            k: tool[k] for k in ("name", "description", "parameters", "strict") if tool.get(k) is not None
+        }})
+    if tools:
+        fields["tools"] = tools
+    choice = body.tool_choice
+    if isinstance(choice, dict) and choice.get("type") == "function":
+        choice = {"type": "function", "function": {"name": choice.get("name")}}
+    fields["tool_choice"] = choice
+    text_format = (body.text or {}).get("format")
+    if text_format:
+        kind = text_format.get("type")
+        if kind == "json_schema":
+            fields["response_format"] = {"type": "json_schema", "json_schema": {
+                "name": text_format.get("name"), "schema": text_format.get("schema"), "strict": text_format.get("strict"),
+            }}
+        elif kind in ("json_object", "text"):
+            fields["response_format"] = {"type": kind}
+        else:
+            raise APIError(f"text.format type {kind!r} is not supported", param="text.format.type")
+    try:
+        return ChatCompletionRequest.model_validate(fields)
+    except ValidationError as exc:
+        raise from_validation_error(exc) from None
+
+
+async def create_response(request: Request) -> Response:
+    ctx: ServingContext = request.app.state.ctx
+    body = await parse_body(request, ResponsesRequest)
+    chat = chat_request(body)
+    generation, new_processor = await start_chat(request, ctx, chat, "resp")
+    builder = ResponsesBuilder(ctx, body, generation.request_id)
+    # include_usage: the usage hook is where the stream's closing events go out.
+    return await respond(
+        request, generation, builder, stream=body.stream, include_usage=True, new_processor=new_processor
+    )
+
+
+class ResponsesBuilder:
+    def __init__(self, ctx: ServingContext, body: ResponsesRequest, request_id: str) -> None:
+        self.ctx = ctx
+        self.body = body
+        self.id = request_id.replace("resp-", "resp_", 1)
+        self.created = int(time.time())
+        self._sequence = 0
+        self._items: list[dict[str, Any]] = []  # the streamed output items, in order
+        self._message: dict[str, Any] | None = None  # the open message item
+        self._calls: dict[int, dict[str, Any]] = {}  # stream index -> function_call item
+        self._reasoning = ""
+        self._finish: str | None = None
+
+    # -- the response object -------------------------------------------------------
+
+    def _response(self, status: str, output: list[dict[str, Any]], usage: Usage | None) -> dict[str, Any]:
+        body = self.body
+        return {
+            "id": self.id, "object": "response", "created_at": self.created, "status": status,
+            "model": self.ctx.model_name, "output": output, "instructions": body.instructions,
+            "max_output_tokens": body.max_output_tokens, "temperature": body.temperature, "top_p": body.top_p,
+            "tools": body.tools or [], "tool_choice": body.tool_choice or "auto",
+            "parallel_tool_calls": body.parallel_tool_calls, "text": body.text or {"format": {"type": "text"}},
+            "previous_response_id": None, "metadata": body.metadata or {}, "store": False, "truncation": "disabled",
+            "error": None, "user": body.user,
+            "incomplete_details": {"reason": "max_output_tokens"} if status == "incomplete" else None,
+            "usage": _usage(usage) if usage else None,
+        }
+
+    def _status(self) -> str:
+        return "incomplete" if self._finish == "length" else "completed"
+
+    def whole(self, results: list[ChoiceUpdate], usage: Usage) -> BaseModel:
+        (update,) = results  # the Responses API has no n
+        self._finish = update.finish_reason
+        message = update.message
+        output: list[dict[str, Any]] = []
+        if message.reasoning_content:
+            output.append(_reasoning_item(message.reasoning_content))
+        if message.content or not message.tool_calls:
+            output.append(_message_item(_item_id("msg"), message.content, "completed"))
+        for call in message.tool_calls:
+            function = call.get("function", {})
+            output.append(_call_item(call.get("id") or new_call_id(), function.get("name", ""),
+                                     function.get("arguments", ""), "completed"))
+        return Event(**self._response(self._status(), output, usage))
+
+    # -- the stream ----------------------------------------------------------------
+
+    def _event(self, kind: str, **fields: Any) -> Event:
+        event = Event(type=kind, sequence_number=self._sequence, **fields)
+        self._sequence += 1
+        return event
+
+    def opening(self, choices: list[Choice]) -> list[WireModel]:
+        started = self._response("in_progress", [], None)
+        return [self._event("response.created", response=started),
+                self._event("response.in_progress", response=started)]
+
+    def chunk(self, updates: list[ChoiceUpdate]) -> list[WireModel]:
+        events: list[WireModel] = []
+        for update in updates:
+            content = update.content
+            self._reasoning += content.reasoning_content
+            if content.content:
+                events += self._text(content.content)
+            for piece in content.tool_calls:
+                events += self._call_piece(piece)
+            if update.finish_reason:
+                self._finish = update.finish_reason
+        return events
+
+    def _text(self, text: str) -> list[WireModel]:
+        events: list[WireModel] = []
+        if self._message is None:
+            self._message = _message_item(_item_id("msg"), "", "in_progress")
+            self._items.append(self._message)
+            index = len(self._items) - 1
+            events.append(self._event("response.output_item.added", output_index=index,
+                                      item={**self._message, "content": []}))
+            events.append(self._event("response.content_part.added", item_id=self._message["id"],
+                                      output_index=index, content_index=0, part=_text_part("")))
+        self._message["content"][0]["text"] += text
+        events.append(self._event("response.output_text.delta", item_id=self._message["id"],
+                                  output_index=self._items.index(self._message), content_index=0, delta=text,
+                                  logprobs=[]))
+        return events
+
+    def _call_piece(self, piece: dict[str, Any]) -> list[WireModel]:
+        function = piece.get("function", {})
+        call = self._calls.get(piece.get("index", 0))
+        events: list[WireModel] = []
+        if call is None:
+            call = _call_item(piece.get("id") or new_call_id(), function.get("name", ""), "", "in_progress")
+            self._calls[piece.get("index", 0)] = call
+            self._items.append(call)
+            events.append(self._event("response.output_item.added", output_index=len(self._items) - 1, item=dict(call)))
+        if function.get("arguments"):
+            call["arguments"] += function["arguments"]
+            events.append(self._event("response.function_call_arguments.delta", item_id=call["id"],
+                                      output_index=self._items.index(call), delta=function["arguments"]))
+        return events
+
+    def usage_chunk(self, usage: Usage) -> list[WireModel]:
+        """The stream's end: each item closed, then response.completed with the usage."""
+        events: list[WireModel] = []
+        for index, item in enumerate(self._items):
+            item["status"] = "completed"
+            if item["type"] == "message":
+                part = item["content"][0]
+                events.append(self._event("response.output_text.done", item_id=item["id"], output_index=index,
+                                          content_index=0, text=part["text"], logprobs=[]))
+                events.append(self._event("response.content_part.done", item_id=item["id"], output_index=index,
+                                          content_index=0, part=part))
+            else:
+                events.append(self._event("response.function_call_arguments.done", item_id=item["id"],
+                                          output_index=index, arguments=item["arguments"]))
+            events.append(self._event("response.output_item.done", output_index=index, item=item))
+        output = ([_reasoning_item(self._reasoning)] if self._reasoning else []) + self._items
+        final = "response.incomplete" if self._status() == "incomplete" else "response.completed"
+        events.append(self._event(final, response=self._response(self._status(), output, usage)))
+        return events
+
+
+def _item_id(prefix: str) -> str:
+    return f"{prefix}_{new_call_id().removeprefix('call_')}"
+
+
+def _text_part(text: str) -> dict[str, Any]:
+    return {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
+
+
+def _message_item(item_id: str, text: str, status: str) -> dict[str, Any]:
+    return {"type": "message", "id": item_id, "status": status, "role": "assistant", "content": [_text_part(text)]}
+
+
+def _call_item(call_id: str, name: str, arguments: str, status: str) -> dict[str, Any]:
+    return {"type": "function_call", "id": _item_id("fc"), "call_id": call_id, "name": name,
+            "arguments": arguments, "status": status}
+
+
+def _reasoning_item(text: str) -> dict[str, Any]:
+    return {"type": "reasoning", "id": _item_id("rs"), "summary": [],
+            "content": [{"type": "reasoning_text", "text": text}], "status": "completed"}
+
+
+def _usage(usage: Usage) -> dict[str, Any]:
+    return {
+        "input_tokens": usage.prompt_tokens,
+        "input_tokens_details": {"cached_tokens": usage.prompt_tokens_details.cached_tokens},
+        "output_tokens": usage.completion_tokens,
+        "output_tokens_details": {"reasoning_tokens": 0},
+        "total_tokens": usage.total_tokens,
+    }

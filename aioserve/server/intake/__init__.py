@@ -1,0 +1,1 @@
+"""Request intake: reading the body, the request models, their limits."""

@@ -1,0 +1,1 @@
+"""The OpenAPI document, its operations and schemas, and Swagger UI."""

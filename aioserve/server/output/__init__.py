@@ -1,0 +1,1 @@
+"""The output side: generation, content processing, response bodies, SSE."""
