@@ -16,13 +16,13 @@ from starlette.routing import Route
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from aioserve.server.context import RETRY_AFTER_S, ServingContext
-from aioserve.server.errors import APIError, api_error_handler, client_left_handler, unexpected_error_handler
 from aioserve.server.endpoints.metrics import register_scheduler_metrics
-from aioserve.server.openapi.docs_routes import docs_assets
 from aioserve.server.endpoints.page import page_routes
 from aioserve.server.endpoints.routes import ENDPOINTS
-from aioserve.server.request_metrics import stamp_arrival
+from aioserve.server.errors import APIError, api_error_handler, client_left_handler, unexpected_error_handler
 from aioserve.server.intake.upload_guard import UploadGuard
+from aioserve.server.openapi.docs_routes import docs_assets
+from aioserve.server.request_metrics import stamp_arrival
 
 logger = logging.getLogger(__name__)
 

@@ -10,16 +10,12 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from aioserve.scheduler.constraint import ConstraintFactory
-from aioserve.server.output.assembly import ChoiceUpdate, respond
-from aioserve.server.output.content import ContentDelta, ContentProcessor
 from aioserve.server.context import ServingContext
 from aioserve.server.errors import APIError
-from aioserve.server.output.generation import Choice, Generation, new_id
-from aioserve.server.output.logprobs import chat_logprobs
-from aioserve.server.output.prompt_logprobs import vllm_prompt_logprobs
 from aioserve.server.intake.openai_requests import ChatCompletionRequest
 from aioserve.server.intake.request_body import parse_body
-from aioserve.server.request_metrics import arrival_time
+from aioserve.server.intake.structured import compile_grammar, structured_request
+from aioserve.server.output.assembly import ChoiceUpdate, respond
 from aioserve.server.output.completion_bodies import (
     ChatChoice,
     ChatChunkChoice,
@@ -31,9 +27,13 @@ from aioserve.server.output.completion_bodies import (
     Usage,
     openai_finish_reason,
 )
-from aioserve.server.intake.structured import compile_grammar, structured_request
+from aioserve.server.output.content import ContentDelta, ContentProcessor
+from aioserve.server.output.generation import Choice, Generation, new_id
+from aioserve.server.output.logprobs import chat_logprobs
+from aioserve.server.output.prompt_logprobs import vllm_prompt_logprobs
 from aioserve.server.output.thinking import after_reasoning, chat_template_kwargs, thinks_first
 from aioserve.server.output.tools import ToolPlan, content_processors, plan_tools, template_messages
+from aioserve.server.request_metrics import arrival_time
 from aioserve.server.wire import WireModel
 from aioserve.tokenizer import ChatTemplateError
 

@@ -10,18 +10,18 @@ from pydantic import BaseModel
 from starlette.requests import Request
 from starlette.responses import Response
 
-from aioserve.server.output.assembly import ChoiceUpdate, respond
 from aioserve.server.body.checks import prompt_count
 from aioserve.server.context import ServingContext
 from aioserve.server.errors import APIError
+from aioserve.server.intake.openai_requests import CompletionRequest
+from aioserve.server.intake.request_body import parse_body
+from aioserve.server.intake.structured import compile_grammar, structured_request
+from aioserve.server.output.assembly import ChoiceUpdate, respond
+from aioserve.server.output.completion_bodies import Completion, CompletionChoice, CompletionLogprobs, Usage, openai_finish_reason
 from aioserve.server.output.generation import Choice, Generation, new_id
 from aioserve.server.output.logprobs import completion_logprobs, prompt_text_offsets
 from aioserve.server.output.prompt_logprobs import vllm_prompt_logprobs
-from aioserve.server.intake.openai_requests import CompletionRequest
-from aioserve.server.intake.request_body import parse_body
 from aioserve.server.request_metrics import arrival_time
-from aioserve.server.output.completion_bodies import Completion, CompletionChoice, CompletionLogprobs, Usage, openai_finish_reason
-from aioserve.server.intake.structured import compile_grammar, structured_request
 from aioserve.server.wire import WireModel
 
 

@@ -11,24 +11,17 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from aioserve.output_stream import OutputStream, TopLogprobs
-from aioserve.server.output.assembly import ChoiceUpdate, respond
 from aioserve.server.body.checks import prompt_count
 from aioserve.server.context import ServingContext
 from aioserve.server.errors import APIError
-from aioserve.server.intake.generate_request import (
-    FinishReason,
-    GenerateBatch,
-    GenerateOutput,
-    GenerateRequest,
-    LogprobEntry,
-    MetaInfo,
-    sglang_param,
-)
-from aioserve.server.output.generation import Choice, Generation
+from aioserve.server.intake.generate_request import GenerateRequest, sglang_param
 from aioserve.server.intake.request_body import parse_body
-from aioserve.server.request_metrics import arrival_time
-from aioserve.server.output.completion_bodies import Usage
 from aioserve.server.intake.structured import compile_grammar
+from aioserve.server.output.assembly import ChoiceUpdate, respond
+from aioserve.server.output.completion_bodies import Usage
+from aioserve.server.output.generate_bodies import FinishReason, GenerateBatch, GenerateOutput, LogprobEntry, MetaInfo
+from aioserve.server.output.generation import Choice, Generation
+from aioserve.server.request_metrics import arrival_time
 from aioserve.server.wire import WireModel
 
 

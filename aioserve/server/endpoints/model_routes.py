@@ -6,7 +6,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from aioserve.server.context import ServingContext
-from aioserve.server.output.completion_bodies import ModelCard, ModelList
+from aioserve.server.output.service_bodies import ModelCard, ModelList
 from aioserve.server.wire import json_response
 
 

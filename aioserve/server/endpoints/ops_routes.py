@@ -6,10 +6,10 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from aioserve.server.context import ServingContext
-from aioserve.server.errors import APIError
-from aioserve.server.output.completion_bodies import FlushCacheResponse, ServerInfo, TensorParallelInfo
-from aioserve.server.wire import json_response
 from aioserve.server.endpoints.worker_routes import model_path, package_version
+from aioserve.server.errors import APIError
+from aioserve.server.output.service_bodies import FlushCacheResponse, ServerInfo, TensorParallelInfo
+from aioserve.server.wire import json_response
 
 
 async def health(request: Request) -> Response:
@@ -41,6 +41,6 @@ async def server_info(request: Request) -> Response:
             max_running_requests=engine.max_running_requests,
             version=package_version(),
             generation_defaults=ctx.generation_defaults,
-            **vars(ctx.scheduler.info(check_integrity=True)),  # ServerInfo has SchedulerInfo's fields (responses.py)
+            **vars(ctx.scheduler.info(check_integrity=True)),  # ServerInfo has SchedulerInfo's fields (service_bodies.py)
         )
     )

@@ -11,16 +11,16 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from aioserve.server.endpoints import model_routes, ops_routes, token_routes, worker_routes
-from aioserve.server.openapi import operations as op
 from aioserve.server.endpoints.chat import create_chat_completion
 from aioserve.server.endpoints.completions import create_completion
-from aioserve.server.openapi.docs_routes import DOCS_INIT, docs_init, docs_page
-from aioserve.server.openapi.endpoint import Endpoint
 from aioserve.server.endpoints.generate import generate
 from aioserve.server.endpoints.metrics import metrics
-from aioserve.server.openapi.document import document_bytes
-from aioserve.server.openapi.operations import ref
 from aioserve.server.endpoints.responses_api import create_response
+from aioserve.server.openapi import operations as op
+from aioserve.server.openapi.docs_routes import DOCS_INIT, docs_init, docs_page
+from aioserve.server.openapi.document import document_bytes
+from aioserve.server.openapi.endpoint import Endpoint
+from aioserve.server.openapi.operations import ref
 
 
 @cache

@@ -6,12 +6,12 @@ from pydantic import ValidationError
 from starlette.requests import Request
 from starlette.responses import Response
 
-from aioserve.server.endpoints.chat import encode_messages
 from aioserve.server.context import ServingContext
+from aioserve.server.endpoints.chat import encode_messages
 from aioserve.server.errors import APIError, from_validation_error
 from aioserve.server.intake.openai_requests import ChatCompletionRequest, DetokenizeRequest, TokenizeRequest
 from aioserve.server.intake.request_body import parse_body
-from aioserve.server.output.completion_bodies import DetokenizeResponse, TokenizeResponse
+from aioserve.server.output.service_bodies import DetokenizeResponse, TokenizeResponse
 from aioserve.server.output.tools import plan_tools
 from aioserve.server.wire import json_response
 

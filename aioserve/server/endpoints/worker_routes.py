@@ -29,7 +29,8 @@ from aioserve.config import DEMO_MODEL
 from aioserve.sampling_params import SamplingParams
 from aioserve.server.context import ServingContext
 from aioserve.server.output.generation import Generation, new_id
-from aioserve.server.wire import WireModel, json_response
+from aioserve.server.output.service_bodies import ModelInfo, VersionInfo, WorkerLoad
+from aioserve.server.wire import json_response
 
 logger = logging.getLogger(__name__)
 
@@ -59,37 +60,6 @@ def model_path(ctx: ServingContext) -> str:
 def architectures(ctx: ServingContext) -> list[str]:
     agreed = ctx.tp_layout[0].get("agreed", {}) if ctx.tp_layout else {}
     return [agreed["architecture"]] if "architecture" in agreed else []
-
-
-class ModelInfo(WireModel):
-    """GET /model_info (and /get_model_info), SGLang's fields."""
-
-    model_path: str
-    tokenizer_path: str
-    served_model_name: str
-    is_generation: bool
-    preferred_sampling_params: dict | None
-    weight_version: str
-    has_image_understanding: bool
-    has_audio_understanding: bool
-    architectures: list[str]
-    max_context_length: int
-    vocab_size: int
-
-
-class WorkerLoad(WireModel):
-    """One entry of GET /get_load: SGLang answers a list, one per
-    data-parallel rank inside the server (aioserve has one); the router
-    sums num_tokens as the worker's load."""
-
-    dp_rank: int
-    num_reqs: int  # running and waiting
-    num_waiting_reqs: int
-    num_tokens: int  # KV tokens held by requests
-
-
-class VersionInfo(WireModel):
-    version: str
 
 
 def _ctx(request: Request) -> ServingContext:

@@ -1,4 +1,5 @@
-"""SGLang's native POST /generate: request and response bodies.
+"""SGLang's native POST /generate: its request body (the response bodies
+are output/generate_bodies.py).
 
 Names and defaults are SGLang's (io_struct.GenerateReqInput and its
 sampling params), so SGLang clients and scripts work unchanged. As with the
@@ -11,7 +12,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any, cast
 
-from pydantic import Field, RootModel, field_validator
+from pydantic import Field, field_validator
 
 from aioserve.sampling_params import SamplingParams, StructuredOutputParams
 from aioserve.server.errors import APIError
@@ -19,7 +20,6 @@ from aioserve.server.intake.generation_defaults import or_default
 from aioserve.server.intake.openai_requests import RequestModel, check_logit_bias_keys
 from aioserve.server.intake.structured import StructuredRequest
 from aioserve.server.intake.unhonoured_fields import GENERATE_FIELDS
-from aioserve.server.wire import WireModel
 
 
 class GenerateSamplingParams(RequestModel):
@@ -134,52 +134,8 @@ PARAM_NAMES = {
     },
 }
 
-# [logprob, token id, token text or null]: SGLang's logprob entries.
-LogprobEntry = tuple[float | None, int, str | None]
-
-
-class FinishReason(WireModel):
-    omit_when_none = ("matched", "length", "message")
-
-    type: str  # stop | length | abort
-    matched: int | str | None = None  # for stop: the token id or the stop string
-    length: int | None = None
-    message: str | None = None
-
-
-class MetaInfo(WireModel):
-    omit_when_none = ("input_token_logprobs", "input_top_logprobs", "output_token_logprobs", "output_top_logprobs")
-
-    id: str
-    finish_reason: FinishReason | None
-    prompt_tokens: int
-    completion_tokens: int
-    cached_tokens: int
-    e2e_latency: float
-    input_token_logprobs: list[LogprobEntry] | None = None
-    input_top_logprobs: list[list[LogprobEntry] | None] | None = None
-    output_token_logprobs: list[LogprobEntry] | None = None
-    output_top_logprobs: list[list[LogprobEntry] | None] | None = None
-
-
-class GenerateOutput(WireModel):
-    """One prompt's (or one of its n samples') result; in a stream, the
-    result so far, text and ids cumulative, as SGLang streams them."""
-
-    omit_when_none = ("index",)
-
-    text: str
-    output_ids: list[int]
-    meta_info: MetaInfo
-    index: int | None = None  # in a stream of several outputs: whose this event is
-
-
-class GenerateBatch(RootModel[list[GenerateOutput]]):
-    pass
-
 
 def sglang_param(param: str | None, prompt_field: str) -> str | None:
     if param == "prompt":
         return prompt_field
     return PARAM_NAMES.get(param or "", param)
-

@@ -18,7 +18,8 @@ from typing import Any
 from pydantic import BaseModel
 from pydantic.json_schema import models_json_schema
 
-from aioserve.server.intake.generate_request import GenerateBatch, GenerateOutput, GenerateRequest
+from aioserve.server.errors import ErrorResponse
+from aioserve.server.intake.generate_request import GenerateRequest
 from aioserve.server.intake.openai_requests import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -26,21 +27,21 @@ from aioserve.server.intake.openai_requests import (
     RequestModel,
     TokenizeRequest,
 )
-from aioserve.server.output.completion_bodies import (
-    ChatCompletion,
-    ChatCompletionChunk,
-    Completion,
+from aioserve.server.intake.responses_request import ResponsesRequest
+from aioserve.server.output.completion_bodies import ChatCompletion, ChatCompletionChunk, Completion
+from aioserve.server.output.generate_bodies import GenerateBatch, GenerateOutput
+from aioserve.server.output.service_bodies import (
     DetokenizeResponse,
-    ErrorResponse,
     FlushCacheResponse,
     ModelCard,
+    ModelInfo,
     ModelList,
     ServerInfo,
     TokenizeResponse,
+    VersionInfo,
+    WorkerLoad,
 )
-from aioserve.server.endpoints.responses_api import ResponsesRequest
 from aioserve.server.wire import WireModel
-from aioserve.server.endpoints.worker_routes import ModelInfo, VersionInfo, WorkerLoad
 
 REF_TEMPLATE = "#/components/schemas/{model}"
 JsonDict = dict[str, Any]

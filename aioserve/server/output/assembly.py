@@ -22,11 +22,11 @@ from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 
 from aioserve.output_stream import OutputDelta
-from aioserve.server.output import sse
-from aioserve.server.output.content import ContentDelta, ContentProcessor, PlainText
 from aioserve.server.errors import APIError
-from aioserve.server.output.generation import Choice, Generation
+from aioserve.server.output import sse
 from aioserve.server.output.completion_bodies import Usage
+from aioserve.server.output.content import ContentDelta, ContentProcessor, PlainText
+from aioserve.server.output.generation import Choice, Generation
 from aioserve.server.wire import WireModel, json_response
 
 logger = logging.getLogger(__name__)

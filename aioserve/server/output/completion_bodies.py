@@ -1,16 +1,13 @@
-"""OpenAI response bodies: completions, chat completions, their stream
-chunks, usage, logprobs, models and errors, shaped as OpenAI's published
-spec has them (tests/test_openapi_spec.py checks every body against it)."""
+"""The bodies of /v1/completions and /v1/chat/completions: whole responses,
+their stream chunks, usage and logprobs, shaped as OpenAI's published spec
+has them (tests/test_openapi_spec.py checks every body against it). The
+other endpoints' bodies: service_bodies.py, generate_bodies.py,
+responses_api_bodies.py; errors: server/errors.py."""
 
 from __future__ import annotations
 
-import dataclasses
-import typing
 from typing import Any, Literal
 
-from pydantic import BaseModel, create_model
-
-from aioserve.scheduler import SchedulerInfo
 from aioserve.server.wire import WireModel
 
 # Ours are stop | length | abort | error; OpenAI's spec adds tool_calls and
@@ -163,91 +160,3 @@ class ChatCompletionChunk(WireModel):
     model: str
     choices: list[ChatChunkChoice]
     usage: Usage | None = None
-
-
-# -- /v1/models ------------------------------------------------------------------
-
-
-class ModelCard(WireModel):
-    id: str
-    object: Literal["model"] = "model"
-    created: int
-    owned_by: str
-    root: str  # vLLM's extras: where the weights came from, and the context length
-    max_model_len: int
-
-
-class ModelList(WireModel):
-    object: Literal["list"] = "list"
-    data: list[ModelCard]
-
-
-# -- errors ----------------------------------------------------------------------
-
-
-class ErrorDetail(WireModel):
-    message: str
-    type: str
-    param: str | None
-    code: str | None
-
-
-class ErrorResponse(WireModel):
-    error: ErrorDetail
-
-
-# -- the small endpoints (model_routes, token_routes, ops_routes) ------------------------------------------------
-
-
-class TokenizeResponse(BaseModel):
-    tokens: list[int]
-    count: int
-    max_model_len: int
-
-
-class DetokenizeResponse(BaseModel):
-    prompt: str
-
-
-class FlushCacheResponse(BaseModel):
-    flushed: bool
-
-
-class TensorParallelInfo(BaseModel):
-    tp_size: int
-    nnodes: int
-    ranks: list[dict[str, Any]]  # per rank: heads, KV heads, MLP columns, vocab rows, KV pool
-
-
-class ServerConfigInfo(BaseModel):
-    """What /server_info tells of the configuration."""
-
-    model: str
-    max_model_len: int
-    overlap: bool
-    cache: str
-    tensor_parallel: TensorParallelInfo
-    # The model's sampling defaults a request's unset fields take (--generation-config).
-    generation_defaults: dict[str, Any] = {}
-    # SGLang's names for what a router reads when a worker registers
-    # (server/endpoints/worker_routes.py): its served name, model and sizes.
-    served_model_name: str
-    model_path: str
-    tp_size: int
-    dp_size: int  # replicas inside this server: always 1 (--dp runs each as a server of its own)
-    max_running_requests: int
-    version: str
-
-
-def _scheduler_info_fields() -> dict[str, Any]:
-    hints = typing.get_type_hints(SchedulerInfo)
-    return {field.name: (hints[field.name], ...) for field in dataclasses.fields(SchedulerInfo)}
-
-
-# GET /server_info: the configuration and the scheduler's snapshot, flattened.
-# The snapshot's fields are SchedulerInfo's own (scheduler/client.py), read
-# from the dataclass, so a counter added there reaches /server_info and the
-# OpenAPI document with no copy kept here.
-ServerInfo = create_model(
-    "ServerInfo", __base__=ServerConfigInfo, __doc__="GET /server_info", **_scheduler_info_fields()
-)

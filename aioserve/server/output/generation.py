@@ -27,8 +27,8 @@ from functools import partial
 from aioserve.output_stream import OutputDelta, OutputStream
 from aioserve.sampling_params import SamplingParams, SamplingParamsError
 from aioserve.scheduler import Request, RequestEvent, RequestRejected
-from aioserve.scheduler.request import EventSink
 from aioserve.scheduler.constraint import ConstraintFactory
+from aioserve.scheduler.request import EventSink
 from aioserve.server.context import ServingContext
 from aioserve.server.errors import APIError
 from aioserve.server.output.completion_bodies import PromptTokensDetails, Usage

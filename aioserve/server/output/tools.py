@@ -20,13 +20,13 @@ from dataclasses import dataclass
 from typing import Any
 
 from aioserve.sampling_params import StructuredOutputParams
-from aioserve.server.output import tool_parsers
-from aioserve.server.output.content import ContentProcessor, PlainText
 from aioserve.server.context import ServingContext
 from aioserve.server.errors import APIError
 from aioserve.server.intake.openai_requests import ChatCompletionRequest
-from aioserve.server.output.reasoning import Chained, new_reasoning_parser
 from aioserve.server.intake.structured import StructuredRequest
+from aioserve.server.output import tool_parsers
+from aioserve.server.output.content import ContentProcessor, PlainText
+from aioserve.server.output.reasoning import Chained, new_reasoning_parser
 from aioserve.server.output.tool_parsers.forced import NamedCall, RequiredCalls, named_schema, required_schema
 
 

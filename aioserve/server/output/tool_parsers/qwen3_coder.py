@@ -23,8 +23,8 @@ import re
 from typing import Any
 
 from aioserve.server.output.content import ContentDelta
-from aioserve.server.output.tool_parsers.json_scan import partial_suffix
 from aioserve.server.output.tool_parsers.calls import arguments_object
+from aioserve.server.output.tool_parsers.json_scan import partial_suffix
 from aioserve.server.output.tool_parsers.streamed_call import arguments_chunk, header_chunk
 
 START, END = "<tool_call>", "</tool_call>"
