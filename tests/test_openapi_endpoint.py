@@ -373,6 +373,8 @@ EXCHANGES: list[tuple[str, str, str, dict[str, Any] | None]] = [
      {"input_ids": [[5, 6], [7, 8, 9]], "sampling_params": {"max_new_tokens": 3, "n": 2},
       "return_logprob": True, "top_logprobs_num": 2, "logprob_start_len": 0, "return_text_in_logprobs": True}),
     ("/generate", "POST", "/generate", {"text": "Once", "stream": True, "sampling_params": {"max_new_tokens": 4}}),
+    ("/v1/responses", "POST", "/v1/responses", {"input": "Say something.", "max_output_tokens": 4}),
+    ("/v1/responses", "POST", "/v1/responses", {"input": MESSAGES, "max_output_tokens": 4, "stream": True}),
     ("/v1/models", "GET", "/v1/models", None),
     ("/v1/models/{model}", "GET", "/v1/models/tiny-chat", None),
     ("/tokenize", "POST", "/tokenize", {"prompt": "Once upon"}),

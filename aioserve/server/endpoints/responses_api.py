@@ -26,12 +26,28 @@ from aioserve.server.intake.responses_request import ResponsesRequest, chat_requ
 from aioserve.server.output.assembly import ChoiceUpdate, respond
 from aioserve.server.output.completion_bodies import Usage
 from aioserve.server.output.generation import Choice
+from aioserve.server.output.responses_api_bodies import (
+    FunctionToolCall,
+    IncompleteDetails,
+    InputTokensDetails,
+    ItemStatus,
+    OutputItem,
+    OutputMessage,
+    OutputTextContent,
+    OutputTokensDetails,
+    ReasoningItem,
+    ReasoningTextContent,
+    ResponseObject,
+    ResponseStatus,
+    ResponseUsage,
+)
 from aioserve.server.output.tool_parsers.calls import new_call_id
 from aioserve.server.wire import WireModel
 
 
 class Event(WireModel):
-    """A Responses object or stream event: its fields as built here."""
+    """A stream event: its type, its sequence number and the fields of its
+    type, which hold the objects of output/responses_api_bodies.py."""
 
     model_config = ConfigDict(extra="allow", ser_json_inf_nan="null")
 
@@ -55,36 +71,34 @@ class ResponsesBuilder:
         self.id = request_id.replace("resp-", "resp_", 1)
         self.created = int(time.time())
         self._sequence = 0
-        self._items: list[dict[str, Any]] = []  # the streamed output items, in order
-        self._message: dict[str, Any] | None = None  # the open message item
-        self._calls: dict[int, dict[str, Any]] = {}  # stream index -> function_call item
+        self._items: list[OutputMessage | FunctionToolCall] = []  # the streamed output items, in order
+        self._message: OutputMessage | None = None  # the open message item
+        self._calls: dict[int, FunctionToolCall] = {}  # stream index -> function_call item
         self._reasoning = ""
         self._finish: str | None = None
 
     # -- the response object -------------------------------------------------------
 
-    def _response(self, status: str, output: list[dict[str, Any]], usage: Usage | None) -> dict[str, Any]:
+    def _response(self, status: ResponseStatus, output: list[OutputItem], usage: Usage | None) -> ResponseObject:
         body = self.body
-        return {
-            "id": self.id, "object": "response", "created_at": self.created, "status": status,
-            "model": self.ctx.model_name, "output": output, "instructions": body.instructions,
-            "max_output_tokens": body.max_output_tokens, "temperature": body.temperature, "top_p": body.top_p,
-            "tools": body.tools or [], "tool_choice": body.tool_choice or "auto",
-            "parallel_tool_calls": body.parallel_tool_calls, "text": body.text or {"format": {"type": "text"}},
-            "previous_response_id": None, "metadata": body.metadata or {}, "store": False, "truncation": "disabled",
-            "error": None, "user": body.user,
-            "incomplete_details": {"reason": "max_output_tokens"} if status == "incomplete" else None,
-            "usage": _usage(usage) if usage else None,
-        }
+        return ResponseObject(
+            id=self.id, created_at=self.created, status=status, model=self.ctx.model_name, output=output,
+            instructions=body.instructions, max_output_tokens=body.max_output_tokens, temperature=body.temperature,
+            top_p=body.top_p, tools=body.tools or [], tool_choice=body.tool_choice or "auto",
+            parallel_tool_calls=body.parallel_tool_calls, text=body.text or {"format": {"type": "text"}},
+            metadata=body.metadata or {}, user=body.user,
+            incomplete_details=IncompleteDetails(reason="max_output_tokens") if status == "incomplete" else None,
+            usage=_usage(usage) if usage else None,
+        )
 
-    def _status(self) -> str:
+    def _status(self) -> ResponseStatus:
         return "incomplete" if self._finish == "length" else "completed"
 
     def whole(self, results: list[ChoiceUpdate], usage: Usage) -> BaseModel:
         (update,) = results  # the Responses API has no n
         self._finish = update.finish_reason
         message = update.message
-        output: list[dict[str, Any]] = []
+        output: list[OutputItem] = []
         if message.reasoning_content:
             output.append(_reasoning_item(message.reasoning_content))
         if message.content or not message.tool_calls:
@@ -93,7 +107,7 @@ class ResponsesBuilder:
             function = call.get("function", {})
             output.append(_call_item(call.get("id") or new_call_id(), function.get("name", ""),
                                      function.get("arguments", ""), "completed"))
-        return Event(**self._response(self._status(), output, usage))
+        return self._response(self._status(), output, usage)
 
     # -- the stream ----------------------------------------------------------------
 
@@ -121,17 +135,19 @@ class ResponsesBuilder:
         return events
 
     def _text(self, text: str) -> list[WireModel]:
+        """An event's item or part is a copy where the stream goes on
+        filling the original (the event tells of it as it was then)."""
         events: list[WireModel] = []
         if self._message is None:
             self._message = _message_item(_item_id("msg"), "", "in_progress")
             self._items.append(self._message)
             index = len(self._items) - 1
             events.append(self._event("response.output_item.added", output_index=index,
-                                      item={**self._message, "content": []}))
-            events.append(self._event("response.content_part.added", item_id=self._message["id"],
-                                      output_index=index, content_index=0, part=_text_part("")))
-        self._message["content"][0]["text"] += text
-        events.append(self._event("response.output_text.delta", item_id=self._message["id"],
+                                      item=self._message.model_copy(update={"content": []})))
+            events.append(self._event("response.content_part.added", item_id=self._message.id,
+                                      output_index=index, content_index=0, part=OutputTextContent(text="")))
+        self._message.content[0].text += text
+        events.append(self._event("response.output_text.delta", item_id=self._message.id,
                                   output_index=self._items.index(self._message), content_index=0, delta=text,
                                   logprobs=[]))
         return events
@@ -144,10 +160,11 @@ class ResponsesBuilder:
             call = _call_item(piece.get("id") or new_call_id(), function.get("name", ""), "", "in_progress")
             self._calls[piece.get("index", 0)] = call
             self._items.append(call)
-            events.append(self._event("response.output_item.added", output_index=len(self._items) - 1, item=dict(call)))
+            events.append(self._event("response.output_item.added", output_index=len(self._items) - 1,
+                                      item=call.model_copy()))
         if function.get("arguments"):
-            call["arguments"] += function["arguments"]
-            events.append(self._event("response.function_call_arguments.delta", item_id=call["id"],
+            call.arguments += function["arguments"]
+            events.append(self._event("response.function_call_arguments.delta", item_id=call.id,
                                       output_index=self._items.index(call), delta=function["arguments"]))
         return events
 
@@ -155,18 +172,19 @@ class ResponsesBuilder:
         """The stream's end: each item closed, then response.completed with the usage."""
         events: list[WireModel] = []
         for index, item in enumerate(self._items):
-            item["status"] = "completed"
-            if item["type"] == "message":
-                part = item["content"][0]
-                events.append(self._event("response.output_text.done", item_id=item["id"], output_index=index,
-                                          content_index=0, text=part["text"], logprobs=[]))
-                events.append(self._event("response.content_part.done", item_id=item["id"], output_index=index,
+            item.status = "completed"
+            if isinstance(item, OutputMessage):
+                part = item.content[0]
+                events.append(self._event("response.output_text.done", item_id=item.id, output_index=index,
+                                          content_index=0, text=part.text, logprobs=[]))
+                events.append(self._event("response.content_part.done", item_id=item.id, output_index=index,
                                           content_index=0, part=part))
             else:
-                events.append(self._event("response.function_call_arguments.done", item_id=item["id"],
-                                          output_index=index, arguments=item["arguments"]))
+                events.append(self._event("response.function_call_arguments.done", item_id=item.id,
+                                          output_index=index, arguments=item.arguments))
             events.append(self._event("response.output_item.done", output_index=index, item=item))
-        output = ([_reasoning_item(self._reasoning)] if self._reasoning else []) + self._items
+        output: list[OutputItem] = [_reasoning_item(self._reasoning)] if self._reasoning else []
+        output += self._items
         final = "response.incomplete" if self._status() == "incomplete" else "response.completed"
         events.append(self._event(final, response=self._response(self._status(), output, usage)))
         return events
@@ -176,29 +194,23 @@ def _item_id(prefix: str) -> str:
     return f"{prefix}_{new_call_id().removeprefix('call_')}"
 
 
-def _text_part(text: str) -> dict[str, Any]:
-    return {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
+def _message_item(item_id: str, text: str, status: ItemStatus) -> OutputMessage:
+    return OutputMessage(id=item_id, status=status, content=[OutputTextContent(text=text)])
 
 
-def _message_item(item_id: str, text: str, status: str) -> dict[str, Any]:
-    return {"type": "message", "id": item_id, "status": status, "role": "assistant", "content": [_text_part(text)]}
+def _call_item(call_id: str, name: str, arguments: str, status: ItemStatus) -> FunctionToolCall:
+    return FunctionToolCall(id=_item_id("fc"), call_id=call_id, name=name, arguments=arguments, status=status)
 
 
-def _call_item(call_id: str, name: str, arguments: str, status: str) -> dict[str, Any]:
-    return {"type": "function_call", "id": _item_id("fc"), "call_id": call_id, "name": name,
-            "arguments": arguments, "status": status}
+def _reasoning_item(text: str) -> ReasoningItem:
+    return ReasoningItem(id=_item_id("rs"), content=[ReasoningTextContent(text=text)], status="completed")
 
 
-def _reasoning_item(text: str) -> dict[str, Any]:
-    return {"type": "reasoning", "id": _item_id("rs"), "summary": [],
-            "content": [{"type": "reasoning_text", "text": text}], "status": "completed"}
-
-
-def _usage(usage: Usage) -> dict[str, Any]:
-    return {
-        "input_tokens": usage.prompt_tokens,
-        "input_tokens_details": {"cached_tokens": usage.prompt_tokens_details.cached_tokens},
-        "output_tokens": usage.completion_tokens,
-        "output_tokens_details": {"reasoning_tokens": 0},
-        "total_tokens": usage.total_tokens,
-    }
+def _usage(usage: Usage) -> ResponseUsage:
+    return ResponseUsage(
+        input_tokens=usage.prompt_tokens,
+        input_tokens_details=InputTokensDetails(cached_tokens=usage.prompt_tokens_details.cached_tokens),
+        output_tokens=usage.completion_tokens,
+        output_tokens_details=OutputTokensDetails(reasoning_tokens=0),
+        total_tokens=usage.total_tokens,
+    )

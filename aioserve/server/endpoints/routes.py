@@ -95,8 +95,9 @@ ENDPOINTS: tuple[Endpoint, ...] = (
         op.POST_ERRORS)),
     Endpoint("/v1/responses", "POST", create_response, op.generating(
         "OpenAI Responses API (stateless: previous_response_id is refused)", "createResponse", "ResponsesRequest",
-        {"type": "object", "description": "A Response object"},
-        {"type": "object", "description": "A typed stream event (response.created ... response.completed)"})),
+        ref("Response"),
+        {"type": "object", "description": "A typed stream event (response.created ... response.completed), "
+         "whose `response`, `item` and `part` fields hold the Response, its output items and OutputTextContent"})),
     Endpoint("/docs", "GET", docs_page, op.probe("Swagger UI over this document", "docs", _HTML), open=True),
     Endpoint(DOCS_INIT, "GET", docs_init, op.probe("The Swagger UI page's start-up script", "docsInit", _SCRIPT),
              open=True),

@@ -30,6 +30,7 @@ from aioserve.server.intake.openai_requests import (
 from aioserve.server.intake.responses_request import ResponsesRequest
 from aioserve.server.output.completion_bodies import ChatCompletion, ChatCompletionChunk, Completion
 from aioserve.server.output.generate_bodies import GenerateBatch, GenerateOutput
+from aioserve.server.output.responses_api_bodies import ResponseObject
 from aioserve.server.output.service_bodies import (
     DetokenizeResponse,
     FlushCacheResponse,
@@ -52,11 +53,13 @@ REQUEST_MODELS: tuple[type[BaseModel], ...] = (
 RESPONSE_MODELS: tuple[type[BaseModel], ...] = (
     Completion, ChatCompletion, ChatCompletionChunk, ModelList, ModelCard, GenerateOutput, GenerateBatch,
     ErrorResponse, TokenizeResponse, DetokenizeResponse, FlushCacheResponse, ServerInfo,
-    ModelInfo, WorkerLoad, VersionInfo,
+    ModelInfo, WorkerLoad, VersionInfo, ResponseObject,
 )
 # The request and the response each have a class named ChatMessage; the
-# response's takes OpenAI's name for it, so both keep a short name.
-RESPONSE_RENAMES = {"ChatMessage": "ChatCompletionMessage"}
+# response's takes OpenAI's name for it, so both keep a short name. The
+# Responses API's response object takes OpenAI's name, which in the code
+# would read as starlette's Response.
+RESPONSE_RENAMES = {"ChatMessage": "ChatCompletionMessage", "ResponseObject": "Response"}
 
 
 def _nested_models(model: type[BaseModel]) -> Iterator[type[BaseModel]]:
