@@ -28,6 +28,7 @@ RANKS: dict[str, float] = {
     "layers": 2, "kernel_contracts": 1.8, "cpu": 1.5,
     "tp": 1,  # the TP group's collectives and the plan's transport: the layers call them
     "config": 0, "sampling_params": 0, "batch_plan": 0, "placeholders": 0, "hf_imports": 0,
+    "sampling_limits": -1,  # the ranges of the sampling fields: sampling_params reads them
 }
 
 

@@ -326,6 +326,23 @@ def test_request_schemas_accept_null_for_optional_fields(spec: OpenAPIDocument) 
     assert list(validator.iter_errors({"prompt": None})), "a required field stays non-null"
 
 
+def test_ranges_come_from_the_one_table(document: dict[str, Any]) -> None:
+    """Each route's request model declares the ranges aioserve/sampling_limits.py
+    gives that route: OpenAI's temperature for OpenAI's routes, the engine's for /generate."""
+    from aioserve.sampling_limits import GENERATE_BOUNDS, OPENAI_BOUNDS
+
+    schemas = document["components"]["schemas"]
+
+    def maximum(model: str, field: str) -> float:
+        (bounded,) = [option for option in schemas[model]["properties"][field]["anyOf"] if option.get("type") != "null"]
+        return bounded["maximum"]
+
+    for model in ("CompletionRequest", "ChatCompletionRequest", "ResponsesRequest"):
+        assert maximum(model, "temperature") == OPENAI_BOUNDS["temperature"].high == 2
+    assert maximum("GenerateSamplingParams", "temperature") == GENERATE_BOUNDS["temperature"].high == 100
+    assert maximum("GenerateSamplingParams", "presence_penalty") == maximum("CompletionRequest", "presence_penalty") == 2
+
+
 def test_the_openapi_spec_validator_accepts_it(document: dict[str, Any]) -> None:
     validators = pytest.importorskip("openapi_spec_validator", reason="openapi-spec-validator not installed")
     validators.validate(document)

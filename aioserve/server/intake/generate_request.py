@@ -4,7 +4,9 @@ are output/generate_bodies.py).
 Names and defaults are SGLang's (io_struct.GenerateReqInput and its
 sampling params), so SGLang clients and scripts work unchanged. As with the
 OpenAI bodies, unknown fields are ignored and null means the default; what
-SGLang supports and we do not (structural tags) is refused with a 400.
+SGLang supports and we do not (structural tags) is refused with a 400. The
+ranges are the engine's own, wider than OpenAI's where SGLang's are
+(aioserve/sampling_limits.py).
 """
 
 from __future__ import annotations
@@ -14,30 +16,30 @@ from typing import Any, cast
 
 from pydantic import Field, field_validator
 
+from aioserve.sampling_limits import GENERATE_BOUNDS
 from aioserve.sampling_params import SamplingParams, StructuredOutputParams
-from aioserve.server.errors import APIError
 from aioserve.server.intake.generation_defaults import or_default
-from aioserve.server.intake.openai_requests import RequestModel, check_logit_bias_keys
-from aioserve.server.intake.structured import StructuredRequest
+from aioserve.server.intake.request_model import RequestModel, bounded, check_logit_bias_keys
+from aioserve.server.intake.structured import StructuredRequest, one_constraint
 from aioserve.server.intake.unhonoured_fields import GENERATE_FIELDS
 
 
 class GenerateSamplingParams(RequestModel):
     max_new_tokens: int = Field(128, ge=0)
-    min_new_tokens: int = Field(0, ge=0)
-    temperature: float = Field(1.0, ge=0.0)
-    top_p: float = Field(1.0, gt=0.0, le=1.0)
-    top_k: int = Field(-1, ge=-1)
-    min_p: float = Field(0.0, ge=0.0, le=1.0)
+    min_new_tokens: int = bounded(0, GENERATE_BOUNDS["min_tokens"])
+    temperature: float = bounded(1.0, GENERATE_BOUNDS["temperature"])
+    top_p: float = bounded(1.0, GENERATE_BOUNDS["top_p"])
+    top_k: int = bounded(-1, GENERATE_BOUNDS["top_k"])
+    min_p: float = bounded(0.0, GENERATE_BOUNDS["min_p"])
     stop: str | list[str] | None = None
     stop_token_ids: list[int] | None = None
     ignore_eos: bool = False
     skip_special_tokens: bool = True
     no_stop_trim: bool = False
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
-    repetition_penalty: float = 1.0
-    n: int = Field(1, ge=1, le=128)
+    presence_penalty: float = bounded(0.0, GENERATE_BOUNDS["presence_penalty"])
+    frequency_penalty: float = bounded(0.0, GENERATE_BOUNDS["frequency_penalty"])
+    repetition_penalty: float = bounded(1.0, GENERATE_BOUNDS["repetition_penalty"])
+    n: int = bounded(1, GENERATE_BOUNDS["n"])
     sampling_seed: int | None = None
     seed: int | None = None  # what OpenAI-minded clients send
     logit_bias: dict[str, float] | None = None
@@ -62,9 +64,7 @@ class GenerateSamplingParams(RequestModel):
             )
             if value is not None
         ]
-        if len(given) > 1:
-            raise APIError("give one of json_schema, regex and ebnf", param=given[1].param)
-        return given[0] if given else None
+        return one_constraint(given, "give one of json_schema, regex and ebnf")
 
     @field_validator("logit_bias")
     @classmethod
@@ -80,7 +80,7 @@ class GenerateRequest(RequestModel):
     sampling_params: GenerateSamplingParams = Field(default_factory=GenerateSamplingParams)
     stream: bool = False
     return_logprob: bool = False
-    top_logprobs_num: int = Field(0, ge=0, le=SamplingParams.MAX_TOP_LOGPROBS)
+    top_logprobs_num: int = bounded(0, GENERATE_BOUNDS["logprobs"])
     logprob_start_len: int = Field(-1, ge=-1)  # -1: no prompt logprobs
     return_text_in_logprobs: bool = False
     rid: str | list[str] | None = None

@@ -3,51 +3,26 @@
 Unknown fields are ignored, as OpenAI's own server does; fields we cannot
 honour (best_of > n, suffix, images) are refused with a clear 400. The
 structured-output fields (response_format, vLLM's structured_outputs and its
-older guided_*) are read by server/intake/structured.py, tools by server/output/tools.py.
+older guided_*) are read by structured.py, tools by server/output/tools.py.
 An explicit null means the field's default, as in OpenAI's spec (clients
-and SDKs send `"n": null` and the like).
+and SDKs send `"n": null` and the like). The ranges are OpenAI's
+(aioserve/sampling_limits.py).
 """
 
 from __future__ import annotations
 
-import re
-
 import json
 from collections.abc import Mapping
-from typing import Annotated, Any, ClassVar, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import (
-    BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr, field_validator, model_validator,
-)
+from pydantic import Field, StrictBool, StrictInt, StrictStr, field_validator, model_validator
 
+from aioserve.sampling_limits import OPENAI_BOUNDS
 from aioserve.sampling_params import SamplingParams
 from aioserve.server.errors import APIError
 from aioserve.server.intake.generation_defaults import or_default
-from aioserve.server.intake.unhonoured_fields import OPENAI_FIELDS, refuse_unhonoured
-
-
-def check_logit_bias_keys(value: dict[str, float] | None) -> dict[str, float] | None:
-    """JSON object keys are strings; logit_bias keys must spell token ids."""
-    for key in value or {}:
-        # ASCII digits only: str.isdigit() also takes "²" (int() fails) and "٣" (int() reads 3).
-        if not re.fullmatch(r"-?[0-9]+", key):
-            raise ValueError(f"logit_bias keys must be token ids, got {key!r}")
-    return value
-
-
-class RequestModel(BaseModel):
-    model_config = ConfigDict(extra="ignore")
-    # Fields other servers take and aioserve cannot honour -> why: a 400 naming
-    # the field when one asks for something (server/intake/unhonoured_fields.py).
-    unhonoured: ClassVar[Mapping[str, str]] = {}
-
-    @model_validator(mode="before")
-    @classmethod
-    def _null_means_default(cls, data: Any) -> Any:
-        refuse_unhonoured(data, cls.unhonoured)
-        if isinstance(data, dict):
-            return {key: value for key, value in data.items() if value is not None}
-        return data
+from aioserve.server.intake.request_model import RequestModel, bounded, check_logit_bias_keys
+from aioserve.server.intake.unhonoured_fields import OPENAI_FIELDS
 
 
 class StreamOptions(RequestModel):
@@ -82,28 +57,28 @@ class SamplingFields(RequestModel):
     unhonoured = OPENAI_FIELDS
 
     model: str | None = None
-    temperature: float | None = Field(None, ge=0.0, le=2.0)
-    top_p: float | None = Field(None, gt=0.0, le=1.0)
-    top_k: int | None = Field(None, ge=-1)
-    min_p: float | None = Field(None, ge=0.0, le=1.0)
+    temperature: float | None = bounded(None, OPENAI_BOUNDS["temperature"])
+    top_p: float | None = bounded(None, OPENAI_BOUNDS["top_p"])
+    top_k: int | None = bounded(None, OPENAI_BOUNDS["top_k"])
+    min_p: float | None = bounded(None, OPENAI_BOUNDS["min_p"])
     # Strict where OpenAI is: "3" is not a number, "yes" not a boolean (400, not coerced).
-    n: StrictInt = Field(1, ge=1, le=128)
+    n: StrictInt = bounded(1, OPENAI_BOUNDS["n"])
     stop: str | list[str] | None = None
     stop_token_ids: list[int] | None = None
     ignore_eos: bool = False
     seed: StrictInt | None = None
     stream: StrictBool = False
     stream_options: StreamOptions | None = None
-    presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)
-    frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
-    repetition_penalty: float = Field(1.0, gt=0.0, le=2.0)
-    min_tokens: int = Field(0, ge=0)
+    presence_penalty: float = bounded(0.0, OPENAI_BOUNDS["presence_penalty"])
+    frequency_penalty: float = bounded(0.0, OPENAI_BOUNDS["frequency_penalty"])
+    repetition_penalty: float = bounded(1.0, OPENAI_BOUNDS["repetition_penalty"])
+    min_tokens: int = bounded(0, OPENAI_BOUNDS["min_tokens"])
     logit_bias: dict[str, float] | None = None
     user: str | None = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     # vLLM's: the N likeliest tokens at each prompt position, with the prompt token's own logprob and rank.
-    prompt_logprobs: StrictInt | None = Field(None, ge=0, le=SamplingParams.MAX_TOP_LOGPROBS)
+    prompt_logprobs: StrictInt | None = bounded(None, OPENAI_BOUNDS["prompt_logprobs"])
     # Constrained decoding (server/intake/structured.py turns these into StructuredOutputParams).
     response_format: ResponseFormat | None = None
     structured_outputs: StructuredOutputsField | None = None
@@ -175,7 +150,7 @@ PromptField = Annotated[
 class CompletionRequest(SamplingFields):
     prompt: PromptField
     max_tokens: StrictInt = Field(16, ge=0)  # 0: score the prompt (with echo and logprobs), generate nothing
-    logprobs: StrictInt | None = Field(None, ge=0, le=20)
+    logprobs: StrictInt | None = bounded(None, OPENAI_BOUNDS["logprobs"])
     echo: StrictBool = False
     best_of: int | None = None
     suffix: str | None = None
@@ -287,7 +262,7 @@ class ChatCompletionRequest(SamplingFields):
     max_tokens: StrictInt | None = Field(None, ge=1)
     max_completion_tokens: StrictInt | None = Field(None, ge=1)
     logprobs: StrictBool = False
-    top_logprobs: StrictInt | None = Field(None, ge=0, le=20)
+    top_logprobs: StrictInt | None = bounded(None, OPENAI_BOUNDS["logprobs"])
     add_generation_prompt: bool = True
     # vLLM's: the final (assistant) message is left open and the output continues it.
     continue_final_message: StrictBool = False

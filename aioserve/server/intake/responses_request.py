@@ -10,8 +10,10 @@ from typing import Any
 
 from pydantic import Field, ValidationError
 
+from aioserve.sampling_limits import OPENAI_BOUNDS
 from aioserve.server.errors import APIError, from_validation_error
-from aioserve.server.intake.openai_requests import ChatCompletionRequest, RequestModel
+from aioserve.server.intake.openai_requests import ChatCompletionRequest
+from aioserve.server.intake.request_model import RequestModel, bounded
 
 TEXT_PARTS = ("input_text", "output_text", "text")
 
@@ -21,8 +23,8 @@ class ResponsesRequest(RequestModel):
     input: str | list[dict[str, Any]]
     instructions: str | None = None
     max_output_tokens: int | None = Field(None, ge=1)
-    temperature: float | None = None
-    top_p: float | None = None
+    temperature: float | None = bounded(None, OPENAI_BOUNDS["temperature"])
+    top_p: float | None = bounded(None, OPENAI_BOUNDS["top_p"])
     stream: bool = False
     text: dict[str, Any] | None = None
     tools: list[dict[str, Any]] | None = None

@@ -7,9 +7,10 @@ Three spellings reach one StructuredOutputParams:
 * vLLM's older `guided_json` / `guided_regex` / `guided_choice` /
   `guided_grammar`, which vLLM 0.12 dropped (silently: a 200 with free text)
   and which many clients still send: honoured here.
-At most one of them may be given. The grammar is compiled on the
-tokenizer's thread pool (cached by constraint); one that does not compile is
-a 400 naming the field it came from.
+At most one of them may be given (SGLang's /generate has its own three,
+json_schema, regex and ebnf, checked here alike). The grammar is compiled
+on the tokenizer's thread pool (cached by constraint); one that does not
+compile is a 400 naming the field it came from.
 """
 
 from __future__ import annotations
@@ -60,22 +61,23 @@ def structured_request(body: SamplingFields) -> StructuredRequest | None:
         value = getattr(body, field)
         if value is not None:
             found.append(StructuredRequest(StructuredOutputParams(**{kind: value}), field))
+    return one_constraint(found, f"give one output constraint: {', '.join(f.param for f in found)} were all given")
+
+
+def one_constraint(found: list[StructuredRequest], too_many: str) -> StructuredRequest | None:
+    """The one place every route's constraint is checked (/generate's too):
+    at most one given (`too_many` says so otherwise), and its spec valid by
+    StructuredOutputParams' own rules, before any grammar is compiled; a
+    400 names the field it came from."""
     if len(found) > 1:
-        raise APIError(
-            "give one output constraint: " + ", ".join(f.param for f in found) + " were all given",
-            param=found[1].param,
-        )
+        raise APIError(too_many, param=found[1].param)
     if not found:
         return None
-    check(found[0])
-    return found[0]
-
-
-def check(request: StructuredRequest) -> None:
     try:
-        request.spec.validate()
+        found[0].spec.validate()
     except SamplingParamsError as exc:
-        raise APIError(str(exc), param=request.param) from None
+        raise APIError(str(exc), param=found[0].param) from None
+    return found[0]
 
 
 async def compile_grammar(ctx: ServingContext, request: StructuredRequest | None) -> CompiledGrammar | None:

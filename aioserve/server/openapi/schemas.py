@@ -24,9 +24,9 @@ from aioserve.server.intake.openai_requests import (
     ChatCompletionRequest,
     CompletionRequest,
     DetokenizeRequest,
-    RequestModel,
     TokenizeRequest,
 )
+from aioserve.server.intake.request_model import RequestModel
 from aioserve.server.intake.responses_request import ResponsesRequest
 from aioserve.server.output.completion_bodies import ChatCompletion, ChatCompletionChunk, Completion
 from aioserve.server.output.generate_bodies import GenerateBatch, GenerateOutput
