@@ -17,7 +17,13 @@ from aioserve.server.intake.openai_requests import CompletionRequest
 from aioserve.server.intake.request_body import parse_body
 from aioserve.server.intake.structured import compile_grammar, structured_request
 from aioserve.server.output.assembly import ChoiceUpdate, respond
-from aioserve.server.output.completion_bodies import Completion, CompletionChoice, CompletionLogprobs, Usage, openai_finish_reason
+from aioserve.server.output.completion_bodies import (
+    Completion,
+    CompletionChoice,
+    CompletionLogprobs,
+    Usage,
+    openai_finish_reason,
+)
 from aioserve.server.output.generation import Choice, Generation, new_id
 from aioserve.server.output.logprobs import completion_logprobs, prompt_text_offsets
 from aioserve.server.output.prompt_logprobs import vllm_prompt_logprobs

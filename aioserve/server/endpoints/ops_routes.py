@@ -41,6 +41,6 @@ async def server_info(request: Request) -> Response:
             max_running_requests=engine.max_running_requests,
             version=package_version(),
             generation_defaults=ctx.generation_defaults,
-            **vars(ctx.scheduler.info(check_integrity=True)),  # ServerInfo has SchedulerInfo's fields (service_bodies.py)
+            **vars(ctx.scheduler.info(check_integrity=True)),  # ServerInfo has SchedulerInfo's fields
         )
     )

@@ -1,6 +1,6 @@
-"""The route table: every API endpoint once, read by the app (app.py) and by
-the OpenAPI document (openapi/document.py). The chat page (page.py) is not API and
-stays out of the document."""
+"""The route table: every API endpoint once, read by the app (app.py) and
+by the OpenAPI document (openapi/document.py). The chat page (page.py) is
+not API and stays out of the document."""
 
 from __future__ import annotations
 

@@ -4,8 +4,8 @@ Unknown fields are ignored, as OpenAI's own server does; fields we cannot
 honour (best_of > n, suffix, images) are refused with a clear 400. The
 structured-output fields (response_format, vLLM's structured_outputs and its
 older guided_*) are read by structured.py, tools by server/output/tools.py.
-An explicit null means the field's default, as in OpenAI's spec (clients
-and SDKs send `"n": null` and the like). The ranges are OpenAI's
+An explicit null means the field's default, as in OpenAI's spec (clients and
+SDKs send `"n": null` and the like). The ranges are OpenAI's
 (aioserve/sampling_limits.py).
 """
 

@@ -1,6 +1,6 @@
-"""The OpenAPI 3.1 document of the route table: every endpoint endpoints/routes.py
-lists, with the schemas of schemas.py. It depends on no runtime
-state, so endpoints/routes.py builds it once per process."""
+"""The OpenAPI 3.1 document of the route table: every endpoint that
+endpoints/routes.py lists, with the schemas of schemas.py. It depends on no
+runtime state, so endpoints/routes.py builds it once per process."""
 
 from __future__ import annotations
 

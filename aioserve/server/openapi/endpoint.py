@@ -1,6 +1,7 @@
 """One HTTP endpoint as plain data: where it is, what answers it, and how
-the OpenAPI document describes it. endpoints/routes.py lists them; the app and the
-document both read that one list, so a route cannot be served undocumented."""
+the OpenAPI document describes it. endpoints/routes.py lists them; the app
+and the document both read that one list, so a route cannot be served
+undocumented."""
 
 from __future__ import annotations
 

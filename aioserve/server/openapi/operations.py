@@ -1,5 +1,5 @@
-"""OpenAPI operation objects for the route table (endpoints/routes.py): what each kind
-of endpoint takes and answers, its errors included."""
+"""OpenAPI operation objects for the route table (endpoints/routes.py):
+what each kind of endpoint takes and answers, its errors included."""
 
 from __future__ import annotations
 
