@@ -264,7 +264,7 @@ class ServerArgs:
         '\'{"enable_thinking": false}\'; a request\'s chat_template_kwargs win',
     )
     # Spelled out: config imports nothing of the project; tests/test_tool_parsers.py
-    # checks them against aioserve.server.tool_parsers.CHOICES and server.reasoning.PARSERS.
+    # checks them against aioserve.server.output.tool_parsers.CHOICES and server.output.reasoning.PARSERS.
     tool_call_parser: str = option(
         "auto", group="model",
         choices=(
@@ -366,7 +366,7 @@ class ServerArgs:
         help="seconds a request body may stall (nothing arriving) before the request gets 408 and its "
         "connection is closed",
     )
-    # Bounds on one request (server/body_checks.py), checked on the parsed JSON
+    # Bounds on one request (server/body/checks.py), checked on the parsed JSON
     # before it is validated or any work is built; each a 400 naming its option.
     max_choices_per_request: int = option(
         1024, group="HTTP",

@@ -35,9 +35,9 @@ from aioserve.config import ServerArgs
 from aioserve.launch.follower import run_node
 from aioserve.launch.world import DistributedInitError, is_distributed
 from aioserve.launch.wiring import build_scheduler
-from aioserve.server.app import create_app
 from aioserve.server.context import InFlight, ServingContext
-from aioserve.server.generation_defaults import load_generation_defaults
+from aioserve.server.endpoints.app import create_app
+from aioserve.server.intake.generation_defaults import load_generation_defaults
 from aioserve.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)

@@ -1,7 +1,8 @@
 """Per-request sampling and stopping settings.
 
 Plain data at the bottom of the dependency graph: imports nothing of the
-project, so the server, the scheduler and the offline API can all share it.
+project but the table of ranges (sampling_limits.py), so the server, the
+scheduler and the offline API can all share it.
 """
 
 from __future__ import annotations
@@ -9,6 +10,8 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, field
 from typing import Any
+
+from aioserve.sampling_limits import BOUNDS, MAX_TOP_LOGPROBS
 
 
 class SamplingParamsError(ValueError):
@@ -134,8 +137,6 @@ class SamplingParams:
     # Constrained decoding: the output follows a grammar (see StructuredOutputParams).
     structured_outputs: StructuredOutputParams | None = None
 
-    MAX_TOP_LOGPROBS = 20
-
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
             self.stop = [self.stop]
@@ -157,39 +158,32 @@ class SamplingParams:
         )
 
     def validate(self, vocab_size: int | None = None) -> None:
-        """Raise SamplingParamsError for any value a sampler cannot honour."""
+        """Raise SamplingParamsError for any value a sampler cannot honour
+        (the ranges: sampling_limits.BOUNDS)."""
         if self.max_tokens is not None and self.max_tokens < 0:
             raise SamplingParamsError("max_tokens must not be negative", "max_tokens")
-        if not 0.0 <= self.temperature <= 100.0:
-            raise SamplingParamsError("temperature must be in [0, 100]", "temperature")
-        if not 0.0 < self.top_p <= 1.0:
-            raise SamplingParamsError("top_p must be in (0, 1]", "top_p")
-        if not -1 <= self.top_k < 2**31:  # past the vocabulary it is off; past int32 it is a mistake
+        self._check_range("temperature", "top_p")
+        if self.top_k not in BOUNDS["top_k"]:  # past the vocabulary it is off; past int32 it is a mistake
             raise SamplingParamsError("top_k must be -1 (off) or a positive integer below 2**31", "top_k")
-        if not 0.0 <= self.min_p <= 1.0:
-            raise SamplingParamsError("min_p must be in [0, 1]", "min_p")
-        if self.min_tokens < 0:
+        self._check_range("min_p")
+        if self.min_tokens not in BOUNDS["min_tokens"]:
             raise SamplingParamsError("min_tokens must be non-negative", "min_tokens")
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
             raise SamplingParamsError("min_tokens must not exceed max_tokens", "min_tokens")
-        for name in ("presence_penalty", "frequency_penalty"):
-            if not -2.0 <= getattr(self, name) <= 2.0:
-                raise SamplingParamsError(f"{name} must be in [-2, 2]", name)
-        if not 0.0 < self.repetition_penalty <= 2.0:
-            raise SamplingParamsError("repetition_penalty must be in (0, 2]", "repetition_penalty")
+        self._check_range("presence_penalty", "frequency_penalty", "repetition_penalty")
         for name in ("logprobs", "prompt_logprobs"):
             value = getattr(self, name)
-            if value is not None and not 0 <= value <= self.MAX_TOP_LOGPROBS:
+            if value is not None and value not in BOUNDS[name]:
                 raise SamplingParamsError(
-                    f"{name} must be between 0 and {self.MAX_TOP_LOGPROBS}", name
+                    f"{name} must be between 0 and {MAX_TOP_LOGPROBS}", name
                 )
-        if self.seed is not None and not -(2**63) <= self.seed < 2**64:
+        if self.seed is not None and self.seed not in BOUNDS["seed"]:
             raise SamplingParamsError("seed must fit in 64 bits", "seed")
         if any(not s for s in self.stop):
             raise SamplingParamsError("stop strings must not be empty", "stop")
         for bias in self.logit_bias.values():
-            if not -100.0 <= bias <= 100.0:
-                raise SamplingParamsError("logit_bias values must be in [-100, 100]", "logit_bias")
+            if bias not in BOUNDS["logit_bias"]:
+                raise SamplingParamsError(f"logit_bias values must be in {BOUNDS['logit_bias']}", "logit_bias")
         if self.structured_outputs is not None:
             self.structured_outputs.validate()
         if vocab_size is not None:
@@ -201,3 +195,8 @@ class SamplingParams:
                     raise SamplingParamsError(
                         f"{name} holds a token id outside [0, {vocab_size})", name
                     )
+
+    def _check_range(self, *names: str) -> None:
+        for name in names:
+            if getattr(self, name) not in BOUNDS[name]:
+                raise SamplingParamsError(f"{name} must be in {BOUNDS[name]}", name)

@@ -11,7 +11,7 @@ from starlette.responses import JSONResponse
 from starlette.routing import Route
 from starlette.testclient import TestClient
 
-from aioserve.server.app import build_middleware, parse_origins
+from aioserve.server.endpoints.app import build_middleware, parse_origins
 from server_harness import start_server
 
 GOOD = "http://good.example:3000"

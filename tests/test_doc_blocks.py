@@ -99,8 +99,8 @@ def test_ci_runs_the_readmes_test_command() -> None:
 
 
 def test_the_readme_lists_every_endpoint() -> None:
-    from aioserve.server.docs_routes import DOCS_INIT
-    from aioserve.server.routes import ENDPOINTS
+    from aioserve.server.openapi.docs_routes import DOCS_INIT
+    from aioserve.server.endpoints.routes import ENDPOINTS
 
     text = README.read_text()
     for endpoint in ENDPOINTS:

@@ -152,11 +152,18 @@ def test_stops_report_what_matched(stories_server) -> None:
         ({"text": []}, "text"),
         ({"input_ids": [1, 2, 99999]}, "input_ids"),
         ({"text": PROMPT, "sampling_params": {"temperature": -1}}, "sampling_params.temperature"),
+        # The engine's ranges (aioserve/sampling_limits.py), declared by the request model.
+        ({"text": PROMPT, "sampling_params": {"temperature": 100.5}}, "sampling_params.temperature"),
+        ({"text": PROMPT, "sampling_params": {"presence_penalty": 2.5}}, "sampling_params.presence_penalty"),
+        ({"text": PROMPT, "sampling_params": {"repetition_penalty": 0}}, "sampling_params.repetition_penalty"),
         ({"text": PROMPT, "sampling_params": {"max_new_tokens": 600}}, "sampling_params.max_new_tokens"),
         ({"text": PROMPT, "sampling_params": {"min_new_tokens": 9, "max_new_tokens": 4}}, "sampling_params.min_new_tokens"),
         ({"text": PROMPT, "sampling_params": {"stop_token_ids": [-3]}}, "sampling_params.stop_token_ids"),
         ({"text": PROMPT, "sampling_params": {"json_schema": "{not json"}}, "sampling_params.json_schema"),
         ({"text": PROMPT, "sampling_params": {"regex": "[a-"}}, "sampling_params.regex"),
+        # Checked before compiling, as the OpenAI routes check theirs (it was named structured_outputs.json).
+        ({"text": PROMPT, "sampling_params": {"json_schema": '{"$ref": "https://example.com/s.json"}'}},
+         "sampling_params.json_schema"),
         ({"text": PROMPT, "sampling_params": {"structural_tag": "{}"}}, "sampling_params.structural_tag"),
         ({"text": PROMPT, "return_logprob": True, "top_logprobs_num": 50}, "top_logprobs_num"),
         ({"text": [PROMPT, PROMPT], "rid": ["only-one"]}, "rid"),

@@ -17,9 +17,9 @@ import httpx
 import pytest
 
 from aioserve.server.errors import APIError
-from aioserve.server.generation_defaults import load_generation_defaults
-from aioserve.server.protocol import ChatCompletionRequest
-from aioserve.server.tools import plan_tools
+from aioserve.server.intake.generation_defaults import load_generation_defaults
+from aioserve.server.intake.openai_requests import ChatCompletionRequest
+from aioserve.server.output.tools import plan_tools
 
 QWEN3_STYLE = {"bos_token_id": 1, "do_sample": True, "eos_token_id": 2, "temperature": 0.6, "top_k": 20, "top_p": 0.95}
 DEFAULTS = {"temperature": 0.6, "top_p": 0.95, "top_k": 20}

@@ -1,6 +1,6 @@
 """Hostile load through HTTP: bodies that ask for unbounded work get a 400
 naming the limit at once, and large bodies are parsed off the event loop
-(server/body_checks.py, server/body_parser.py) while /health keeps answering."""
+(server/body/checks.py, server/body/parser_process.py) while /health keeps answering."""
 
 from __future__ import annotations
 

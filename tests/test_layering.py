@@ -30,6 +30,7 @@ RANKS: dict[str, float] = {
     "tp": 1,  # the TP group's collectives and the plan's transport: the layers call them
     "speculative_config": 0.5,  # reads config's ConfigError and EngineConfig
     "config": 0, "sampling_params": 0, "batch_plan": 0, "placeholders": 0, "hf_imports": 0,
+    "sampling_limits": -1,  # the ranges of the sampling fields: sampling_params reads them
 }
 
 

@@ -22,7 +22,7 @@ from starlette.routing import Route
 from starlette.testclient import TestClient
 
 from aioserve.config import EngineConfig, ServerArgs
-from aioserve.server.app import create_app
+from aioserve.server.endpoints.app import create_app
 
 DOCUMENT_URI = "urn:aioserve-openapi"
 HTTP_METHODS = ("get", "put", "post", "delete", "options", "head", "patch", "trace")
@@ -326,6 +326,23 @@ def test_request_schemas_accept_null_for_optional_fields(spec: OpenAPIDocument) 
     assert list(validator.iter_errors({"prompt": None})), "a required field stays non-null"
 
 
+def test_ranges_come_from_the_one_table(document: dict[str, Any]) -> None:
+    """Each route's request model declares the ranges aioserve/sampling_limits.py
+    gives that route: OpenAI's temperature for OpenAI's routes, the engine's for /generate."""
+    from aioserve.sampling_limits import GENERATE_BOUNDS, OPENAI_BOUNDS
+
+    schemas = document["components"]["schemas"]
+
+    def maximum(model: str, field: str) -> float:
+        (bounded,) = [option for option in schemas[model]["properties"][field]["anyOf"] if option.get("type") != "null"]
+        return bounded["maximum"]
+
+    for model in ("CompletionRequest", "ChatCompletionRequest", "ResponsesRequest"):
+        assert maximum(model, "temperature") == OPENAI_BOUNDS["temperature"].high == 2
+    assert maximum("GenerateSamplingParams", "temperature") == GENERATE_BOUNDS["temperature"].high == 100
+    assert maximum("GenerateSamplingParams", "presence_penalty") == maximum("CompletionRequest", "presence_penalty") == 2
+
+
 def test_the_openapi_spec_validator_accepts_it(document: dict[str, Any]) -> None:
     validators = pytest.importorskip("openapi_spec_validator", reason="openapi-spec-validator not installed")
     validators.validate(document)
@@ -343,7 +360,7 @@ def test_the_document_is_open_like_the_page_that_reads_it() -> None:
 
 
 def test_the_document_is_built_once(chat_server) -> None:
-    from aioserve.server import routes
+    from aioserve.server.endpoints import routes
 
     first = httpx.get(f"{chat_server.url}/openapi.json", timeout=30).content
     assert first == httpx.get(f"{chat_server.url}/openapi.json", timeout=30).content
@@ -373,6 +390,8 @@ EXCHANGES: list[tuple[str, str, str, dict[str, Any] | None]] = [
      {"input_ids": [[5, 6], [7, 8, 9]], "sampling_params": {"max_new_tokens": 3, "n": 2},
       "return_logprob": True, "top_logprobs_num": 2, "logprob_start_len": 0, "return_text_in_logprobs": True}),
     ("/generate", "POST", "/generate", {"text": "Once", "stream": True, "sampling_params": {"max_new_tokens": 4}}),
+    ("/v1/responses", "POST", "/v1/responses", {"input": "Say something.", "max_output_tokens": 4}),
+    ("/v1/responses", "POST", "/v1/responses", {"input": MESSAGES, "max_output_tokens": 4, "stream": True}),
     ("/v1/models", "GET", "/v1/models", None),
     ("/v1/models/{model}", "GET", "/v1/models/tiny-chat", None),
     ("/tokenize", "POST", "/tokenize", {"prompt": "Once upon"}),

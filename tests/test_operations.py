@@ -229,7 +229,7 @@ def test_a_whole_response_holds_back_a_bounded_number_of_events() -> None:
     events stay few; a stream's, or a choice with stop strings, at once."""
     from aioserve.sampling_params import SamplingParams
     from aioserve.scheduler import RequestEvent
-    from aioserve.server.generation import HELD_EVENTS, Generation
+    from aioserve.server.output.generation import HELD_EVENTS, Generation
 
     def queued(incremental: bool, params: SamplingParams, tokens: int, finish: bool) -> int:
         generation = Generation(ctx=None, request_id="x", incremental=incremental)  # type: ignore[arg-type]

@@ -7,8 +7,8 @@ import json
 
 import pytest
 
-from aioserve.server import tool_parsers
-from aioserve.server.reasoning import Chained, new_reasoning_parser
+from aioserve.server.output import tool_parsers
+from aioserve.server.output.reasoning import Chained, new_reasoning_parser
 from test_tool_parsers import calls, run
 
 CASES = [
@@ -90,7 +90,7 @@ def test_a_deferred_grammar_starts_after_the_end_of_reasoning() -> None:
 
 
 def test_a_forced_call_after_a_thought() -> None:
-    from aioserve.server.tool_parsers.forced import NamedCall
+    from aioserve.server.output.tool_parsers.forced import NamedCall
 
     text = '<think>\nWeather, so call it.\n</think>\n\n{"city": "Paris"}'
     for pieces in (1, 5, len(text)):

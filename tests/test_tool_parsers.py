@@ -12,11 +12,11 @@ from pathlib import Path
 import pytest
 
 from aioserve.config import ServerArgs
-from aioserve.server import tool_parsers
-from aioserve.server.content import ContentDelta, ContentProcessor
-from aioserve.server.reasoning import PARSERS as REASONING_PARSERS
-from aioserve.server.tool_parsers.forced import NamedCall, RequiredCalls
-from aioserve.server.tools import ToolPlan, template_messages
+from aioserve.server.output import tool_parsers
+from aioserve.server.output.content import ContentDelta, ContentProcessor
+from aioserve.server.output.reasoning import PARSERS as REASONING_PARSERS
+from aioserve.server.output.tool_parsers.forced import NamedCall, RequiredCalls
+from aioserve.server.output.tools import ToolPlan, template_messages
 from real_vocab_models import build_fixture_tokenizer
 
 

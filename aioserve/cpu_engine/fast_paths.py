@@ -54,10 +54,6 @@ class CpuFastPaths:
                 tune_cpu_matmuls(matmuls)
         self._start_native_paths()
 
-    @property
-    def waiting_for_kernels(self) -> bool:
-        return bool(self._unpacked)
-
     def upgrade(self) -> bool:
         """Between steps: once the kernels are built, pack the weights and
         start the native paths. True when that happened (the engine then

@@ -72,7 +72,6 @@ class Request:
     kv: RequestKV | None = None  # while admitted (see the module docstring)
     pending: PendingTokens = field(default_factory=PendingTokens)
     num_cached_tokens: int | None = None  # prefix-cache hit at first admission
-    num_preemptions: int = 0
     prompt_logprobs: list[tuple[float, list[tuple[int, float]]] | None] = field(default_factory=list)
     prompt_logprob_ranks: list[int] = field(default_factory=list)  # beside prompt_logprobs[1:]
     first_event_sent: bool = False

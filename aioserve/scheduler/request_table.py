@@ -67,7 +67,6 @@ class RequestTable:
         (its computed pages go to the prefix cache, so often little is lost)."""
         self._release(request)
         request.status = Status.WAITING
-        request.num_preemptions += 1
         self.stats.preemptions += 1
         self.waiting.appendleft(request)
         logger.info(

@@ -11,8 +11,8 @@ from typing import Any, Protocol
 
 from aioserve.config import ServerArgs
 from aioserve.scheduler import SchedulerClient
-from aioserve.server.body_checks import RequestLimits
-from aioserve.server.body_parser import BodyParserProcess
+from aioserve.server.body.checks import RequestLimits
+from aioserve.server.body.parser_process import BodyParserProcess
 from aioserve.server.errors import APIError
 from aioserve.server.request_metrics import RequestMetrics
 from aioserve.tokenizer import Tokenizer
@@ -57,7 +57,7 @@ class ServingContext:
     failure: str | None = None
     # Requests accepted past --max-waiting-requests' check, not yet submitted.
     admitting: int = 0
-    # Parses large request bodies in a process of its own (server/body_parser.py).
+    # Parses large request bodies in a process of its own (server/body/parser_process.py).
     body_parser: BodyParserProcess = field(default_factory=BodyParserProcess)
 
     def __post_init__(self) -> None:
@@ -108,7 +108,7 @@ class ServingContext:
 
     def admitted(self, scope: MutableMapping[str, Any]) -> None:
         """The request's reservation ends: its requests are in the scheduler's
-        queue now, or it failed (app.ServingGate calls this when a request ends)."""
+        queue now, or it failed (endpoints/app.py's ServingGate calls this when a request ends)."""
         self.admitting -= scope.pop(ADMITTING_KEY, 0)
 
     def check_prompt_chars(self, chars: int, param: str) -> None:

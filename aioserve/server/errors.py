@@ -13,10 +13,20 @@ from pydantic import ValidationError
 from starlette.requests import Request
 from starlette.responses import Response
 
-from aioserve.server.responses import ErrorDetail, ErrorResponse
-from aioserve.server.wire import json_response
+from aioserve.server.wire import WireModel, json_response
 
 logger = logging.getLogger(__name__)
+
+
+class ErrorDetail(WireModel):
+    message: str
+    type: str
+    param: str | None
+    code: str | None
+
+
+class ErrorResponse(WireModel):
+    error: ErrorDetail
 
 
 class APIError(Exception):

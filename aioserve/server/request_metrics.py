@@ -5,7 +5,7 @@ Names and units follow vLLM's `vllm:*` family (seconds, `_bucket/_sum/_count`
 histograms, `finished_reason` labels) so that existing dashboards need only
 the prefix changed. One registry per app: two servers in one process (tests)
 do not share counts. The scheduler's own counters and gauges are read at
-scrape time by metrics.py, into the same registry.
+scrape time by endpoints/metrics.py, into the same registry.
 """
 
 from __future__ import annotations
@@ -86,7 +86,7 @@ class RequestMetrics:
 
 
 def stamp_arrival(scope: Scope) -> None:
-    """Called first thing for every HTTP request (app.py's ServingGate)."""
+    """Called first thing for every HTTP request (endpoints/app.py's ServingGate)."""
     scope.setdefault("state", {})["arrival"] = time.monotonic()
 
 
