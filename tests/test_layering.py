@@ -2,13 +2,16 @@
 imports upward (server -> launch, with tensor parallelism's processes ->
 scheduler -> engine -> cpu_engine -> models -> attention -> kvcache ->
 quantised checkpoints -> layers -> FlashInfer's kernels -> the CPU kernels
--> tp's transport, with plain-data modules at the bottom), and no module imports itself back through others. Lazy imports
-inside functions count too. The same rules are checked on the package
-graph: no upward arrow between packages, no loop through them."""
+-> tp's transport, with plain-data modules at the bottom), and no module
+imports itself back through others. Lazy imports inside functions count
+too. The same rules are checked on the package graph (no upward arrow
+between packages, no loop through them), and docs/architecture.md's layer
+table draws these ranks."""
 
 from __future__ import annotations
 
 import ast
+import re
 from collections.abc import Mapping, Set
 from pathlib import Path
 
@@ -122,3 +125,28 @@ def test_packages_sit_on_one_level_each() -> None:
     assert not upward, upward
     cycle = find_cycle(packages)
     assert cycle is None, "package loop: " + " -> ".join(cycle or [])
+
+
+def architecture_layers() -> list[tuple[str, set[str]]]:
+    """docs/architecture.md's layer table, top to bottom: (layer, the
+    top-level packages and modules its "where" column names)."""
+    text = (PACKAGE.parent / "docs" / "architecture.md").read_text()
+    table = text.split("| layer | where | what it is |", 1)[1].split("\n\n", 1)[0]
+    layers = []
+    for line in table.strip().splitlines()[1:]:
+        name, where = line.split("|")[1:3]
+        names = {n.rstrip("/").removesuffix(".py") for n in re.findall(r"`([^`]+)`", where)}
+        layers.append((name.strip(), names))
+    return layers
+
+
+def test_the_architecture_map_draws_the_ranks() -> None:
+    """The layer table of docs/architecture.md names every ranked package
+    once, and its rows go down the ranks: each row's lowest rank is above
+    the next row's highest."""
+    layers = architecture_layers()
+    named = [n for _, names in layers for n in names]
+    assert sorted(named) == sorted(set(named)), "a package named twice in the layer table"
+    assert set(named) == set(RANKS), f"not in the table: {set(RANKS) - set(named)}; unknown: {set(named) - set(RANKS)}"
+    for (upper, above), (lower, below) in zip(layers, layers[1:]):
+        assert min(RANKS[n] for n in above) > max(RANKS[n] for n in below), f"{upper} is not above {lower}"

@@ -5,7 +5,7 @@ tokens. Given text only, the wrapper computes exactly its decoder's forward,
 so aioserve serves the decoder: the config's `text_config` (with the text
 model's defaults filled in, as transformers reads it), the language model's
 weights, and the vision tower left on disk. Image content parts are refused
-at the API (server/protocol.py), as for any text model.
+at the API (server/intake/openai_requests.py), as for any text model.
 """
 
 from __future__ import annotations
