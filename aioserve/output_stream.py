@@ -10,7 +10,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from aioserve.sampling_params import SamplingParams
-from aioserve.scheduler.request import RequestEvent
+from aioserve.scheduler.request import RequestEvent, SpeculativeCounts
 from aioserve.tokenizer import IncrementalDetokenizer, StopStringMatcher, Tokenizer
 
 TopLogprobs = list[tuple[int, float]]
@@ -61,6 +61,7 @@ class OutputStream:
         self.finish_reason: str | None = None
         self.matched_stop: str | int | None = None  # the stop string, or the token id that stopped it
         self.num_cached_tokens = 0
+        self.speculation: SpeculativeCounts | None = None  # with speculative decoding on: its counts so far
         self.prompt_logprobs: PromptLogprobs | None = None
         self.prompt_logprob_ranks: list[int] = []  # each prompt token's rank, beside prompt_logprobs[1:]
         self.error: str | None = None
@@ -76,6 +77,8 @@ class OutputStream:
             return delta  # tokens computed after a stop string, or a late abort echo
         if event.num_cached_tokens is not None:
             self.num_cached_tokens = event.num_cached_tokens
+        if event.speculation is not None:
+            self.speculation = event.speculation
         if event.prompt_logprobs is not None:
             self.prompt_logprobs = event.prompt_logprobs
             self.prompt_logprob_ranks = event.prompt_logprob_ranks or []

@@ -295,6 +295,12 @@ def test_over_http_streams_equal_plain_decoding(stories_path: Path) -> None:
                     if line.startswith("data: ") and line != "data: [DONE]":
                         pieces += [c["text"] for c in json.loads(line[6:])["choices"]]
             assert "".join(pieces) == expected
+        # SGLang's /generate reports the request's speculation in meta_info.
+        body = {"text": texts[0], "sampling_params": {"max_new_tokens": 32, "temperature": 0, "ignore_eos": True}}
+        meta = httpx.post(f"{server.url}/generate", json=body, timeout=60).json()["meta_info"]
+        assert meta["completion_tokens"] == 32 and 0 < meta["spec_verify_ct"] < 32
+        assert meta["spec_accept_length"] == pytest.approx(32 / meta["spec_verify_ct"])
+        assert 0 < meta["spec_num_correct_drafts"] <= meta["spec_num_proposed_drafts"]
         info = server.wait_idle()
         assert info["kv_integrity"] == "ok"
         assert info["avg_spec_accept_length"] > 1.0

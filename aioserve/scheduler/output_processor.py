@@ -25,6 +25,7 @@ the prefix cache.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 from dataclasses import dataclass
@@ -97,6 +98,8 @@ class OutputProcessor:
                 if current and request.max_new_tokens == 0 and entry.kv_len_after == request.num_prompt_tokens:
                     self._finish_prompt_only(request)
                 continue
+            if request.speculation is not None:
+                request.speculation.steps += 1
             token = self._accept(request, entry.row, host)
             if not self._advance_grammar(request, token):
                 continue
@@ -122,6 +125,10 @@ class OutputProcessor:
                 break
         if self.speculator is not None:
             self.speculator.verified(request, proposed, len(tokens) - 1)
+        if request.speculation is not None:
+            request.speculation.steps += 1
+            request.speculation.proposed += proposed
+            request.speculation.accepted += len(tokens) - 1
         events: list[tuple[RequestEvent, str | None]] = []
         for i, token in enumerate(tokens):
             self._accept(request, entry.row + i, host)
@@ -218,6 +225,7 @@ class OutputProcessor:
             logprob=host.logprobs[row],
             top_logprobs=host.top(row, request.params.logprobs),
             finish_reason=reason,
+            speculation=dataclasses.replace(request.speculation) if request.speculation is not None else None,
         )
         self._add_first_event_metadata(request, event)
         return event

@@ -39,6 +39,16 @@ class Status(enum.Enum):
 
 
 @dataclass
+class SpeculativeCounts:
+    """One request's speculative decoding so far (SGLang's meta_info names
+    them spec_verify_ct, spec_num_proposed_drafts, spec_num_correct_drafts)."""
+
+    steps: int = 0  # steps that gave it tokens (a verification or a plain one)
+    proposed: int = 0  # tokens proposed for it and verified
+    accepted: int = 0  # of those, the ones that stood
+
+
+@dataclass
 class RequestEvent:
     """One step's news for a request's consumer."""
 
@@ -52,6 +62,7 @@ class RequestEvent:
     prompt_logprobs: list[tuple[float, list[tuple[int, float]]] | None] | None = None
     prompt_logprob_ranks: list[int] | None = None  # of each prompt token after the first
     error: str | None = None
+    speculation: SpeculativeCounts | None = None  # with speculative decoding on: the counts so far
 
 
 EventSink = Callable[[RequestEvent], None]
@@ -76,6 +87,7 @@ class Request:
     prompt_logprob_ranks: list[int] = field(default_factory=list)  # beside prompt_logprobs[1:]
     first_event_sent: bool = False
     finish_reason: str | None = None
+    speculation: SpeculativeCounts | None = None  # set at submission when speculative decoding is on
     grammar: ConstraintFactory | None = None  # compiled from params.structured_outputs
     constraint: TokenConstraint | None = None  # its matcher, made at submission
 

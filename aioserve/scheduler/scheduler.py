@@ -32,7 +32,7 @@ from aioserve.scheduler.client import SchedulerInfo
 from aioserve.scheduler.output_processor import OutputProcessor
 from aioserve.scheduler.plan_builder import ScheduledStep
 from aioserve.scheduler.planner import StepPlanner
-from aioserve.scheduler.request import Request, RequestEvent, RequestRejected
+from aioserve.scheduler.request import Request, RequestEvent, RequestRejected, SpeculativeCounts
 from aioserve.scheduler.request_table import RequestTable, SchedulerStats
 from aioserve.scheduler.sampling_batch import SamplingBatchBuilder
 from aioserve.scheduler.speculation import Speculator
@@ -158,6 +158,8 @@ class Scheduler:
             self._queue(request)
 
     def _queue(self, request: Request) -> None:
+        if self.speculator is not None and request.speculation is None:
+            request.speculation = SpeculativeCounts()
         if request.grammar is not None and request.constraint is None:
             request.constraint = request.grammar.new_constraint(self._stop_token_ids(request))
         if request.params.prompt_logprobs is not None and not request.prompt_logprobs:

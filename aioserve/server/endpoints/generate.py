@@ -112,6 +112,10 @@ class GenerateBuilder:
         )
         if self.body.return_logprob:
             self._add_logprobs(meta, stream)
+        if stream.speculation is not None and stream.speculation.steps:
+            spec = stream.speculation
+            meta.spec_verify_ct, meta.spec_accept_length = spec.steps, len(stream.token_ids) / spec.steps
+            meta.spec_num_proposed_drafts, meta.spec_num_correct_drafts = spec.proposed, spec.accepted
         return GenerateOutput(text=update.message.content, output_ids=stream.token_ids, meta_info=meta, index=index)
 
     def _add_logprobs(self, meta: MetaInfo, stream: OutputStream) -> None:

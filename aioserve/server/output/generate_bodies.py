@@ -21,7 +21,10 @@ class FinishReason(WireModel):
 
 
 class MetaInfo(WireModel):
-    omit_when_none = ("input_token_logprobs", "input_top_logprobs", "output_token_logprobs", "output_top_logprobs")
+    omit_when_none = (
+        "input_token_logprobs", "input_top_logprobs", "output_token_logprobs", "output_top_logprobs",
+        "spec_verify_ct", "spec_num_proposed_drafts", "spec_num_correct_drafts", "spec_accept_length",
+    )
 
     id: str
     finish_reason: FinishReason | None
@@ -33,6 +36,12 @@ class MetaInfo(WireModel):
     input_top_logprobs: list[list[LogprobEntry] | None] | None = None
     output_token_logprobs: list[LogprobEntry] | None = None
     output_top_logprobs: list[list[LogprobEntry] | None] | None = None
+    # With speculative decoding on (SGLang's names): steps that gave tokens,
+    # tokens proposed and verified, those that stood, tokens a step.
+    spec_verify_ct: int | None = None
+    spec_num_proposed_drafts: int | None = None
+    spec_num_correct_drafts: int | None = None
+    spec_accept_length: float | None = None
 
 
 class GenerateOutput(WireModel):
