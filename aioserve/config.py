@@ -380,6 +380,14 @@ class ServerArgs:
     max_logit_bias_entries: int = option(1024, help="logit_bias entries in one request", group="HTTP")
     max_stop_sequences: int = option(16, help="stop strings in one request", group="HTTP")
     max_tools_per_request: int = option(128, help="tools in one chat request (OpenAI's limit)", group="HTTP")
+    max_json_depth: int = option(
+        64, group="HTTP", help="nesting of objects and arrays in a request body (a JSON schema, chat_template_kwargs)"
+    )
+    max_json_values: int = option(
+        65536, group="HTTP",
+        help="values in a request body's objects and arrays, token-id lists aside (bounded by "
+        "--max-token-ids-per-request): what validating it costs the event loop",
+    )
     log_level: str = option("info", choices=("debug", "info", "warning", "error"), help="logging level", group="HTTP")
     access_log: bool = option(
         False, group="HTTP",

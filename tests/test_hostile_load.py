@@ -151,6 +151,81 @@ def test_other_large_bodies_keep_health_fast(server: RunningServer, path: str, b
     assert probe.worst < HEALTH_BOUND_S, probe.worst
 
 
+def _nested(depth: int) -> dict[str, Any]:
+    value: dict[str, Any] = {"type": "string"}
+    for _ in range(depth):
+        value = {"type": "object", "properties": {"a": value}}
+    return value
+
+
+def _deep_list(depth: int) -> str:
+    """A list nested `depth` deep, as a marker the raw body replaces (json.dumps recurses)."""
+    return f"DEEP{depth}"
+
+
+def _raw(body: dict[str, Any]) -> bytes:
+    text = json.dumps(body, separators=(",", ":"))
+    while "\"DEEP" in text:
+        start = text.index("\"DEEP")
+        end = text.index("\"", start + 1)
+        depth = int(text[start + 5 : end])
+        text = text[:start] + "[" * depth + "]" * depth + text[end + 1 :]
+    return text.encode()
+
+
+SCHEMA_FORMAT = {"type": "json_schema", "json_schema": {"name": "x", "schema": _nested(300)}}
+MESSAGES = [{"role": "user", "content": "hi"}]
+
+
+@pytest.mark.parametrize(
+    ("path", "body", "param", "option"),
+    [
+        ("/v1/chat/completions", {"messages": MESSAGES, "chat_template_kwargs": {"x": _deep_list(900)}}, None,
+         "--max-json-depth"),
+        ("/v1/chat/completions", {"messages": MESSAGES, "response_format": SCHEMA_FORMAT}, None, "--max-json-depth"),
+        ("/generate", {"text": "hi", "sampling_params": {"json_schema": json.dumps(_nested(2)),
+                                                         "extra": _deep_list(2000)}}, None, "--max-json-depth"),
+        ("/v1/responses", {"input": [{"role": "user", "content": "hi"}] * 450_000}, "body", "--max-json-values"),
+        ("/v1/chat/completions", {"messages": MESSAGES, "response_format": {"type": "json_schema", "json_schema": {
+            "name": "x", "schema": {"type": "integer", "examples": list(range(1_500_000))}}}}, "body",
+         "--max-json-values"),
+        ("/v1/chat/completions", {"messages": MESSAGES, "tools": [{"type": "function", "function": {
+            "name": "f", "parameters": {"type": "object", "properties": {
+                f"p{i}": {"type": "string"} for i in range(40_000)}}}}]}, "body", "--max-json-values"),
+    ],
+    ids=["template-kwargs-900-deep", "schema-600-deep", "generate-2000-deep", "responses-450k-items",
+         "examples-1.5M", "tool-parameters-40k"],
+)
+def test_wide_or_deep_json_is_a_400_before_any_work(
+    server: RunningServer, path: str, body: dict[str, Any], param: str | None, option: str
+) -> None:
+    """Every free-form JSON value is bounded by depth and width in the body
+    parser: a 400 naming the option, /health fast throughout."""
+    raw = _raw(body)
+    with HealthProbe(server.url) as probe:
+        response = post(server, path, raw)
+    assert response.status_code == 400, response.text[:300]
+    error = response.json()["error"]
+    assert option in error["message"] and error["param"] == param, error
+    assert probe.worst < HEALTH_BOUND_S, probe.worst
+
+
+@pytest.mark.parametrize(
+    ("path", "raw", "param"),
+    [
+        ("/v1/completions", b'{"prompt": "x", "max_tokens": ' + b"9" * 5000 + b"}", None),
+        ("/v1/completions", b'{"prompt": "x", "seed": -' + b"1" * 4400 + b"}", None),
+        ("/v1/responses", b'{"input": "hi", "text": {"format": "json"}}', "text.format"),
+        ("/v1/responses", b'{"input": "hi", "text": {"format": ["json"]}}', "text.format"),
+    ],
+    ids=["int-5000-digits", "negative-int-4400-digits", "text-format-string", "text-format-list"],
+)
+def test_malformed_values_are_400s_not_500s(server: RunningServer, path: str, raw: bytes, param: str | None) -> None:
+    response = post(server, path, raw)
+    assert response.status_code == 400, response.text[:300]
+    assert response.json()["error"]["param"] == param
+
+
 def test_large_body_within_the_bounds_is_served(server: RunningServer) -> None:
     """A body over the worker's threshold that breaks no bound comes back
     from the worker and is served like any other."""

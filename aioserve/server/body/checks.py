@@ -1,6 +1,7 @@
 """Checks on a parsed JSON request body that come before pydantic sees it:
-the per-request bounds (prompts × n, messages, token ids, logit_bias
-entries, stop strings, tools) and lone surrogates.
+its shape (nesting depth, values in its objects and arrays), the
+per-request bounds (prompts × n, messages, token ids, logit_bias entries,
+stop strings, tools) and lone surrogates.
 
 Standard library only, and nothing of aioserve: server/body/worker.py, a
 plain-Python process that parses large bodies away from the event loop, runs
@@ -27,6 +28,8 @@ class RequestLimits:
     max_logit_bias_entries: int
     max_stop_sequences: int
     max_tools_per_request: int
+    max_json_depth: int
+    max_json_values: int
 
     def as_dict(self) -> dict[str, int]:
         """Plain data for the worker process (which cannot unpickle this class)."""
@@ -72,6 +75,48 @@ def check_sizes(data: dict[str, Any], limits: RequestLimits) -> None:
     text = data.get("text")  # /generate's batch of texts
     if isinstance(text, list):
         _check_choices(len(text), _n(sampling), limits, "text")
+
+
+# Token-id lists, bounded by max_token_ids_per_request (and prompts × n), not
+# counted as values: a 128K-token prompt is one legitimate list.
+TOKEN_ID_FIELDS = frozenset({"prompt", "input_ids", "tokens", "stop_token_ids"})
+
+
+def check_shape(data: dict[str, Any], limits: RequestLimits) -> None:
+    """Bound every free-form JSON value of the body (a schema, tool
+    parameters, chat_template_kwargs, Responses input items) by its nesting
+    and its number of values, walked without recursion: what pydantic,
+    a template or a grammar compiler would otherwise take seconds over, or
+    recurse into until a RecursionError."""
+    stack: list[tuple[Any, int]] = [
+        (value, 1) for key, value in data.items() if key not in TOKEN_ID_FIELDS and key != "sampling_params"
+    ]
+    sampling = data.get("sampling_params")
+    if isinstance(sampling, dict):
+        stack += [(value, 2) for key, value in sampling.items() if key not in TOKEN_ID_FIELDS]
+    values = 0
+    while stack:
+        value, depth = stack.pop()
+        if isinstance(value, dict):
+            items: Any = value.values()
+        elif isinstance(value, list):
+            items = value
+        else:
+            continue
+        if depth > limits.max_json_depth:
+            raise _too_deep(limits)
+        values += len(items)
+        if values > limits.max_json_values:
+            raise _over("too many values in the request body's objects and arrays", values,
+                        limits.max_json_values, "max_json_values", "body")
+        stack += [(item, depth + 1) for item in items if isinstance(item, (dict, list))]
+
+
+def _too_deep(limits: RequestLimits) -> BodyRejected:
+    return BodyRejected(
+        f"the request body nests objects and arrays more than {limits.max_json_depth} deep "
+        "(--max-json-depth raises it)", None, "request_too_large",
+    )
 
 
 def _n(fields: dict[str, Any]) -> int:
@@ -145,16 +190,17 @@ def decode(raw: bytes, limits: RequestLimits, known_fields: frozenset[str]) -> t
 
     try:
         data = json.loads(raw)
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+    except ValueError as exc:  # not JSON, not UTF-8, or an integer past Python's 4300 digits
         raise BodyRejected(f"the request body is not valid JSON: {exc}", None) from None
-    except RecursionError:
-        raise BodyRejected("the request body is nested too deeply", None) from None
+    except RecursionError:  # deeper than the parser goes (~1000), past any --max-json-depth
+        raise _too_deep(limits) from None
     if not isinstance(data, dict):
         raise BodyRejected("the request body must be a JSON object", None)
     unknown = [name for name in data if name not in known_fields]
     for name in unknown:
         del data[name]
-    check_sizes(data, limits)
+    check_sizes(data, limits)  # first: its bounds name the field and the option that raise them
+    check_shape(data, limits)
     if ESCAPED_SURROGATE.search(raw):
         check_surrogates(data, [])
     return data, unknown

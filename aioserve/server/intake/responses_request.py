@@ -107,6 +107,8 @@ def chat_request(body: ResponsesRequest) -> ChatCompletionRequest:
         choice = {"type": "function", "function": {"name": choice.get("name")}}
     fields["tool_choice"] = choice
     text_format = (body.text or {}).get("format")
+    if text_format is not None and not isinstance(text_format, dict):
+        raise APIError("text.format must be an object, e.g. {\"type\": \"json_schema\", ...}", param="text.format")
     if text_format:
         kind = text_format.get("type")
         if kind == "json_schema":
