@@ -352,3 +352,36 @@ def test_a_remote_ref_in_a_schema_is_refused_not_fetched(server: RunningServer) 
     local = {"$defs": {"a": {"type": "integer"}}, "type": "object", "properties": {"a": {"$ref": "#/$defs/a"}}}
     body["response_format"]["json_schema"]["schema"] = local
     assert post(server, "/v1/completions", body).status_code == 200
+
+
+def test_a_busy_server_passes_its_readiness_probe_and_refuses_the_impossible(stories_path: Path) -> None:
+    """/health_generate on a server with 4 running and dozens waiting answers
+    200 as soon as the engine finishes a step, not after the queue; a request
+    asking for more generations than --max-waiting-requests can ever queue
+    is a 400 naming the bound, not a retryable 429."""
+    server = start_server(stories_path, "--page-size", "4", "--max-running-requests", "4",
+                          "--max-waiting-requests", "64")
+    body = {"prompt": "Once upon a time", "max_tokens": 400, "ignore_eos": True, "temperature": 0}
+    try:
+        with httpx.Client(timeout=120) as client:
+            threads = [threading.Thread(target=client.post, args=(f"{server.v1}/completions",),
+                                        kwargs={"json": body}) for _ in range(40)]
+            for thread in threads:
+                thread.start()
+            deadline = time.monotonic() + 30
+            while server.info()["waiting"] < 20 and time.monotonic() < deadline:
+                time.sleep(0.05)
+            assert server.info()["waiting"] >= 20
+            for _ in range(3):
+                start = time.perf_counter()
+                assert client.get(f"{server.url}/health_generate").status_code == 200
+                assert time.perf_counter() - start < 2.0
+            response = client.post(f"{server.v1}/completions", json={**body, "n": 65, "max_tokens": 1})
+            assert response.status_code == 400, response.text
+            error = response.json()["error"]
+            assert error["param"] == "n" and "--max-waiting-requests 64" in error["message"]
+            for thread in threads:
+                thread.join()
+            assert client.get(f"{server.url}/health_generate").status_code == 200  # idle: a generation of its own
+    finally:
+        server.stop()

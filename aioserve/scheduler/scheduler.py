@@ -288,6 +288,7 @@ class Scheduler:
                 if not entry.request.finished:
                     self._fail(entry.request, f"forward failed: {exc}")
             return
+        self.stats.steps_done += 1
         try:
             self.outputs.process(step, output)
         except Exception:

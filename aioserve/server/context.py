@@ -92,6 +92,13 @@ class ServingContext:
         bound = self.args.max_waiting_requests
         if bound is None:
             return
+        if new_requests > bound:  # never admissible, however empty the queue: not a retry
+            raise APIError(
+                f"this request asks for {new_requests} generations (prompts × n), more than the server queues "
+                f"at once (--max-waiting-requests {bound})",
+                param="n",
+                code="request_too_large",
+            )
         waiting = self.scheduler.num_waiting + self.admitting
         if waiting + new_requests > bound:
             raise APIError(

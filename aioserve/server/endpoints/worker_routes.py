@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from importlib.metadata import PackageNotFoundError, version
 
 from starlette.requests import Request
@@ -34,6 +35,7 @@ from aioserve.server.wire import json_response
 
 logger = logging.getLogger(__name__)
 
+STEP_POLL_S = 0.02  # how often a busy server's probe looks for a finished step
 # /health_generate's one-token generation must end within this (SGLang waits 20 s).
 HEALTH_GENERATE_TIMEOUT_S = 20.0
 
@@ -99,11 +101,17 @@ async def get_load(request: Request) -> Response:
 
 
 async def health_generate(request: Request) -> Response:
-    """SGLang's deeper probe: 200 once a one-token generation came back, 503
-    if the server is draining or failed, or the generation errs or hangs."""
+    """SGLang's deeper probe: 503 if the server is draining or failed. A busy
+    server answers 200 as soon as the engine finishes a step (a generation
+    of its own would wait its turn behind the queue, and a router would take
+    a working replica out exactly when load is highest); an idle one once a
+    one-token generation came back, 503 if it errs or hangs."""
     ctx = _ctx(request)
     if not ctx.healthy:
         return Response(status_code=503)
+    info = ctx.scheduler.info()
+    if info.running or info.waiting:
+        return Response(status_code=200 if await _steps_advance(ctx, info.stats["steps_done"]) else 503)
     generation = Generation(ctx, new_id("health"))
     try:
         generation.start([[0]], SamplingParams(max_tokens=1, temperature=0.0))
@@ -113,6 +121,18 @@ async def health_generate(request: Request) -> Response:
         generation.close()
         return Response(status_code=503)
     return Response(status_code=200 if generation.error() is None else 503)
+
+
+async def _steps_advance(ctx: ServingContext, done: int) -> bool:
+    """Whether the scheduler processes a step past `done` within the probe's time."""
+    deadline = time.monotonic() + HEALTH_GENERATE_TIMEOUT_S
+    while time.monotonic() < deadline:
+        await asyncio.sleep(STEP_POLL_S)
+        if ctx.scheduler.info().stats["steps_done"] > done:
+            return True
+        if not ctx.healthy:
+            return False
+    return False
 
 
 async def _read_to_end(generation: Generation) -> None:
