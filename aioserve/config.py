@@ -366,6 +366,11 @@ class ServerArgs:
         help="seconds a request body may stall (nothing arriving) before the request gets 408 and its "
         "connection is closed",
     )
+    request_body_deadline: float = option(
+        120.0, group="HTTP",
+        help="seconds a whole request body may take to arrive, however steadily it trickles in (408 and the "
+        "connection closed past it)",
+    )
     # Bounds on one request (server/body/checks.py), checked on the parsed JSON
     # before it is validated or any work is built; each a 400 naming its option.
     max_choices_per_request: int = option(

@@ -20,11 +20,13 @@ from server_harness import RunningServer, start_server
 # process; 0.24-1.2 s with these bodies parsed on the loop; the issue saw 55.6 s).
 HEALTH_BOUND_S = 0.3
 BODY_TIMEOUT_S = 1.0
+BODY_DEADLINE_S = 4.0
 
 
 @pytest.fixture(scope="module")
 def server(stories_path: Path):
-    started = start_server(stories_path, "--page-size", "4", "--request-body-timeout", str(BODY_TIMEOUT_S))
+    started = start_server(stories_path, "--page-size", "4", "--request-body-timeout", str(BODY_TIMEOUT_S),
+                           "--request-body-deadline", str(BODY_DEADLINE_S))
     yield started
     started.stop()
 
@@ -264,6 +266,46 @@ def test_stalled_upload_gets_408_and_is_closed(server: RunningServer) -> None:
     assert answer.startswith(b"HTTP/1.1 408"), answer[:200]
     assert b"--request-body-timeout" in answer
     assert BODY_TIMEOUT_S * 0.9 < took < BODY_TIMEOUT_S + 3, took
+
+
+def test_trickling_upload_gets_408_at_its_deadline_and_is_closed(server: RunningServer) -> None:
+    """A byte every 0.3 s never stalls for --request-body-timeout, but the
+    whole body may take only --request-body-deadline."""
+    start = time.perf_counter()
+    with open_upload(server, 10_000, b"{") as sock:
+        sock.settimeout(0.3)
+        answer = b""
+        while time.perf_counter() - start < BODY_DEADLINE_S + 5:
+            try:
+                sock.sendall(b" ")
+                chunk = sock.recv(65536)
+            except socket.timeout:
+                continue
+            except (BrokenPipeError, ConnectionResetError):
+                break
+            if not chunk:
+                break
+            answer += chunk
+    took = time.perf_counter() - start
+    assert answer.startswith(b"HTTP/1.1 408") and b"--request-body-deadline" in answer, answer[:200]
+    assert BODY_DEADLINE_S * 0.9 < took < BODY_DEADLINE_S + 3, took
+
+
+def test_chunked_oversize_upload_gets_413(server: RunningServer) -> None:
+    """No Content-Length: the body is found too large while it streams in,
+    and the answer is a 413 that says to close the connection."""
+    host, port = server.url.removeprefix("http://").split(":")
+    with socket.create_connection((host, int(port)), timeout=10) as sock:
+        sock.sendall(f"POST /v1/completions HTTP/1.1\r\nHost: {host}\r\nContent-Type: application/json\r\n"
+                     "Transfer-Encoding: chunked\r\n\r\n".encode())
+        piece = b"1," * (512 << 10)
+        for _ in range(17):
+            sock.sendall(b"%x\r\n%s\r\n" % (len(piece), piece))
+        sock.sendall(b"0\r\n\r\n")
+        answer = b""
+        while b"--max-request-bytes" not in answer:
+            answer += sock.recv(65536)
+    assert answer.startswith(b"HTTP/1.1 413") and b"connection: close" in answer.lower(), answer[:200]
 
 
 @pytest.mark.parametrize("expect", [True, False], ids=["expect-100-continue", "plain"])

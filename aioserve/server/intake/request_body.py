@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from typing import TypeVar
 
 from pydantic import BaseModel, ValidationError
@@ -28,7 +29,9 @@ async def parse_body(request: Request, model: type[Body]) -> Body:
     """Read, check the per-request bounds (server/body/checks.py), validate.
     A large body is parsed and checked by the worker process, off the loop."""
     ctx = request.app.state.ctx
-    raw = await read_body(request, ctx.args.max_request_bytes, ctx.args.request_body_timeout)
+    raw = await read_body(
+        request, ctx.args.max_request_bytes, ctx.args.request_body_timeout, ctx.args.request_body_deadline
+    )
     _check_content_type(request)
     known = _known_fields(model)
     try:
@@ -51,23 +54,36 @@ async def parse_body(request: Request, model: type[Body]) -> Body:
 DISCARD_LIMIT = 64 << 20
 
 
-async def read_body(request: Request, limit: int, timeout: float | None = None) -> bytes:
+async def read_body(
+    request: Request, limit: int, timeout: float | None = None, deadline: float | None = None
+) -> bytes:
     """The body, refused with 413 as soon as it is known to be over `limit`
     (from Content-Length, else while it streams in) and never held whole;
-    with 408 when the client sends nothing for `timeout` seconds (a stalled
-    upload would hold its connection, and a file descriptor, forever).
-    ClientDisconnect passes up (endpoints/app.py answers it quietly: nobody to answer)."""
+    with 408 when the client sends nothing for `timeout` seconds, or the
+    whole body takes longer than `deadline` (a stalled upload, or one
+    trickling a byte a second, would hold its connection, and a file
+    descriptor, forever). ClientDisconnect passes up (endpoints/app.py
+    answers it quietly: nobody to answer)."""
     declared = request.headers.get("content-length")
     over = declared is not None and declared.isdigit() and int(declared) > limit
     chunks: list[bytes] = []
     size = 0
     stream = request.stream()
+    ends = time.monotonic() + deadline if deadline is not None else None
     while True:
+        wait = timeout
+        if ends is not None:
+            left = ends - time.monotonic()
+            if left <= 0:
+                raise body_deadline(deadline) from None
+            wait = left if wait is None else min(wait, left)
         try:
-            chunk = await asyncio.wait_for(anext(stream), timeout)
+            chunk = await asyncio.wait_for(anext(stream), wait)
         except StopAsyncIteration:
             break
         except asyncio.TimeoutError:
+            if ends is not None and time.monotonic() >= ends:
+                raise body_deadline(deadline) from None
             raise body_timeout(timeout) from None
         size += len(chunk)
         over = over or size > limit
@@ -89,11 +105,20 @@ def body_timeout(timeout: float | None) -> APIError:
     )
 
 
+def body_deadline(deadline: float | None) -> APIError:
+    return APIError(
+        f"the request body took longer than {deadline:g} s to arrive (--request-body-deadline)",
+        status=408, code="request_timeout", headers={"Connection": "close"},
+    )
+
+
 def too_large(limit: int) -> APIError:
+    """413; the connection is closed after it (a client may still be sending)."""
     return APIError(
         f"the request body is larger than this server's limit of {limit} bytes (--max-request-bytes)",
         status=413,
         code="request_too_large",
+        headers={"Connection": "close"},
     )
 
 

@@ -30,7 +30,6 @@ class UploadGuard:
             await self.app(scope, receive, send)
             return
         error = too_large(limit)
-        error.headers["Connection"] = "close"
         self.ctx.metrics.error(error.type, error.status)
         await error.response()(scope, receive, send)
         await _drain(receive, self.ctx.args.request_body_timeout)
