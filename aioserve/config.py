@@ -385,6 +385,11 @@ class ServerArgs:
     max_logit_bias_entries: int = option(1024, help="logit_bias entries in one request", group="HTTP")
     max_stop_sequences: int = option(16, help="stop strings in one request", group="HTTP")
     max_tools_per_request: int = option(128, help="tools in one chat request (OpenAI's limit)", group="HTTP")
+    max_logprob_entries_per_request: int = option(
+        1 << 20, group="HTTP",
+        help="logprob entries one response may hold, estimated before any work: prompts × n × (echoed prompt + "
+        "max_tokens) × (1 + top logprobs), a prompt's tokens counted as its characters",
+    )
     max_json_depth: int = option(
         64, group="HTTP", help="nesting of objects and arrays in a request body (a JSON schema, chat_template_kwargs)"
     )

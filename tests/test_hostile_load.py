@@ -213,6 +213,34 @@ def test_wide_or_deep_json_is_a_400_before_any_work(
 
 
 @pytest.mark.parametrize(
+    ("path", "body"),
+    [
+        ("/v1/completions", {"prompt": ["word " * 100] * 8, "n": 128, "echo": True, "logprobs": 20, "max_tokens": 1}),
+        ("/v1/completions", {"prompt": "x", "n": 64, "logprobs": 20, "max_tokens": 1000}),
+        ("/v1/chat/completions", {"messages": MESSAGES, "n": 100, "logprobs": True, "top_logprobs": 20,
+                                  "max_tokens": 1000}),
+        ("/generate", {"text": ["hi"] * 64, "return_logprob": True, "top_logprobs_num": 20,
+                       "sampling_params": {"max_new_tokens": 1000}}),
+        ("/v1/completions", {"prompt": "word " * 60000, "prompt_logprobs": 20, "max_tokens": 1}),
+    ],
+    ids=["echo-n128-top20", "n64-top20-1000", "chat-n100-top20", "generate-64-top20", "prompt-logprobs-top20"],
+)
+def test_products_past_the_logprob_budget_are_400s_at_once(
+    server: RunningServer, path: str, body: dict[str, Any]
+) -> None:
+    """Each bound holds alone; their product (prompts × n × tokens × (1 +
+    top logprobs)) is estimated before any work and refused naming it."""
+    with HealthProbe(server.url) as probe:
+        start = time.perf_counter()
+        response = post(server, path, body)
+        took = time.perf_counter() - start
+    assert response.status_code == 400, response.text[:300]
+    error = response.json()["error"]
+    assert "--max-logprob-entries-per-request" in error["message"] and error["param"] == "logprobs", error
+    assert took < 1.0 and probe.worst < HEALTH_BOUND_S, (took, probe.worst)
+
+
+@pytest.mark.parametrize(
     ("path", "raw", "param"),
     [
         ("/v1/completions", b'{"prompt": "x", "max_tokens": ' + b"9" * 5000 + b"}", None),
