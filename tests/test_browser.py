@@ -20,7 +20,7 @@ from playwright.sync_api import Browser, Page, expect, sync_playwright
 
 from server_harness import RunningServer, start_server
 
-STATIC = Path(__file__).resolve().parents[1] / "aioserve" / "server" / "static"
+STATIC = Path(__file__).resolve().parents[1] / "aioserve" / "server" / "endpoints" / "static"
 KEY = "page-s3cret"
 STATS = re.compile(r"^\d+ tokens? · ([\d.]+|–) tokens/s · time to first token \d+ ms$")
 

@@ -112,7 +112,10 @@ def test_serve_builds_before_listening_unless_told_otherwise(monkeypatch: pytest
 
     built: list[bool] = []
     monkeypatch.setattr(native, "build_with_progress", lambda: built.append(True))
-    monkeypatch.delenv("AIOSERVE_NATIVE", raising=False)
+    # setenv first: monkeypatch then restores the variable as it was (unset),
+    # which the cli's own os.environ write below would otherwise outlive.
+    monkeypatch.setenv("AIOSERVE_NATIVE", "1")
+    monkeypatch.delenv("AIOSERVE_NATIVE")
     cli.prepare_native_kernels(cli.parse_serve_args(["--device", "cpu"]))
     assert built == [True]  # the default: built (or loaded) before run_server listens
     cli.prepare_native_kernels(cli.parse_serve_args(["--device", "cpu", "--native-kernels", "background"]))
