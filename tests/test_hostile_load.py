@@ -256,6 +256,40 @@ def test_malformed_values_are_400s_not_500s(server: RunningServer, path: str, ra
     assert response.json()["error"]["param"] == param
 
 
+BIG = "word " * (600 << 10)  # 3 MiB of text: thousands of this model's contexts
+
+
+@pytest.mark.parametrize(
+    "body",
+    [
+        {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": BIG},
+                      {"role": "user", "content": "and?"}]},
+        {"messages": [{"role": "user", "content": "hi"},
+                      {"role": "assistant", "content": "", "reasoning_content": BIG},
+                      {"role": "user", "content": "and?"}]},
+        {"messages": MESSAGES, "tool_choice": "none",
+         "tools": [{"type": "function", "function": {"name": "f", "description": BIG}}]},
+        {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "tool_calls": [
+            {"id": "c", "type": "function", "function": {"name": "f", "arguments": BIG}}]},
+            {"role": "tool", "tool_call_id": "c", "content": "ok"}]},
+        {"messages": MESSAGES, "chat_template_kwargs": {"extra": BIG}},
+    ],
+    ids=["assistant-content", "reasoning-content", "tool-description", "tool-call-arguments", "template-kwargs"],
+)
+def test_text_every_part_hands_the_template_counts(chat_server: RunningServer, body: dict[str, Any]) -> None:
+    """Not only user content: every part of a chat request that reaches the
+    template or the tokenizer counts toward the length check, so megabytes
+    anywhere get their 400 before any templating, at once (a tiny model with
+    a template that renders tools)."""
+    with HealthProbe(chat_server.url) as probe:
+        start = time.perf_counter()
+        response = post(chat_server, "/v1/chat/completions", {**body, "max_tokens": 1})
+        took = time.perf_counter() - start
+    assert response.status_code == 400, response.text[:300]
+    assert response.json()["error"]["code"] == "context_length_exceeded"
+    assert took < 1.5 and probe.worst < HEALTH_BOUND_S, (took, probe.worst)
+
+
 def test_large_body_within_the_bounds_is_served(server: RunningServer) -> None:
     """A body over the worker's threshold that breaks no bound comes back
     from the worker and is served like any other."""

@@ -32,6 +32,11 @@ class InFlight(Protocol):
     def fail(self, reason: str) -> None: ...
 
 
+# How much more text than the context a chat template may be handed: it may
+# leave some out (earlier thinking), never most of it.
+TEMPLATE_TEXT_FACTOR = 4
+
+
 @dataclass
 class ServingContext:
     args: ServerArgs
@@ -127,6 +132,23 @@ class ServingContext:
             raise APIError(
                 f"the prompt is too long: its {chars} characters make at least {at_least} tokens, "
                 f"and this model's context is {self.max_model_len} tokens",
+                param=param,
+                code="context_length_exceeded",
+            )
+
+    def check_template_chars(self, chars: int, param: str) -> None:
+        """Everything a chat template is handed (messages of every role, tool
+        definitions, template arguments) may be templated and tokenized
+        whole, though a template may leave some out (Qwen3's drops earlier
+        thinking): more than TEMPLATE_TEXT_FACTOR contexts of it gets its 400
+        before the template runs (a 14 MB assistant message took 18 s to be
+        refused after templating and tokenizing)."""
+        at_least = self.tokenizer.min_tokens_for_chars(chars)
+        if at_least > TEMPLATE_TEXT_FACTOR * self.max_model_len:
+            raise APIError(
+                f"the request's text is too long: the messages (every role), tools and template arguments "
+                f"hold {chars} characters, at least {at_least} tokens for the chat template, more than "
+                f"{TEMPLATE_TEXT_FACTOR} times this model's context of {self.max_model_len} tokens",
                 param=param,
                 code="context_length_exceeded",
             )

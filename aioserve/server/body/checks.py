@@ -180,6 +180,22 @@ def check_shape(data: dict[str, Any], limits: RequestLimits) -> None:
         stack += [(item, depth + 1) for item in items if isinstance(item, (dict, list))]
 
 
+def text_chars(value: Any) -> int:
+    """Characters of every string in a JSON value, keys included, walked
+    without recursion: the text a chat template may be handed."""
+    total, stack = 0, [value]
+    while stack:
+        item = stack.pop()
+        if isinstance(item, str):
+            total += len(item)
+        elif isinstance(item, dict):
+            total += sum(len(key) for key in item if isinstance(key, str))
+            stack += item.values()
+        elif isinstance(item, list):
+            stack += item
+    return total
+
+
 def _too_deep(limits: RequestLimits) -> BodyRejected:
     return BodyRejected(
         f"the request body nests objects and arrays more than {limits.max_json_depth} deep "

@@ -32,6 +32,7 @@ from aioserve.server.output.generation import Choice, Generation, new_id
 from aioserve.server.output.logprobs import chat_logprobs
 from aioserve.server.output.prompt_logprobs import vllm_prompt_logprobs
 from aioserve.server.output.thinking import after_reasoning, chat_template_kwargs, thinks_first
+from aioserve.server.body.checks import text_chars
 from aioserve.server.output.tools import ToolPlan, content_processors, plan_tools, template_messages
 from aioserve.server.request_metrics import arrival_time
 from aioserve.server.wire import WireModel
@@ -48,6 +49,8 @@ TEMPLATE_CALL_ARGUMENTS = frozenset({
 
 async def encode_messages(ctx: ServingContext, body: ChatCompletionRequest, tools: ToolPlan) -> list[int]:
     ctx.check_prompt_chars(sum(m.kept_chars() for m in body.messages), "messages")
+    handed = body.model_dump(include={"messages", "tools", "chat_template_kwargs"}, exclude_none=True)
+    ctx.check_template_chars(text_chars(handed), "messages")
     template = ctx.tokenizer.hf.chat_template
     messages = template_messages(tools, [m.template_dict() for m in body.messages], template)
     # One dict, so that chat_template_kwargs may set add_generation_prompt too
