@@ -390,6 +390,16 @@ class ServerArgs:
         help="logprob entries one response may hold, estimated before any work: prompts × n × (echoed prompt + "
         "max_tokens) × (1 + top logprobs), a prompt's tokens counted as its characters",
     )
+    max_grammar_chars: int = option(
+        128 << 10, group="HTTP",
+        help="characters of the grammar text one constraint compiles from (a JSON schema, a regex, an EBNF, "
+        "the choices' grammar): past it a 400 before compiling",
+    )
+    grammar_compile_timeout: float = option(
+        20.0, group="HTTP",
+        help="seconds a request waits for its grammar to compile (on workers of their own) before its 400; the "
+        "compile finishes and is cached",
+    )
     max_json_depth: int = option(
         64, group="HTTP", help="nesting of objects and arrays in a request body (a JSON schema, chat_template_kwargs)"
     )

@@ -489,3 +489,66 @@ def test_a_busy_server_passes_its_readiness_probe_and_refuses_the_impossible(sto
             assert client.get(f"{server.url}/health_generate").status_code == 200  # idle: a generation of its own
     finally:
         server.stop()
+
+
+@pytest.mark.parametrize(
+    ("body", "param"),
+    [
+        ({"prompt": "x", "guided_choice": [f"option number {i}" for i in range(50_000)]}, "guided_choice"),
+        ({"prompt": "x", "structured_outputs": {"grammar": "root ::= " + " | ".join(f'"w{i}"' for i in range(150_000))}},
+         "structured_outputs.grammar"),
+        ({"prompt": "x", "structured_outputs": {"regex": "(" + "|".join(f"r{i}" for i in range(40_000)) + ")"}},
+         "structured_outputs.regex"),
+    ],
+    ids=["choices-50k", "ebnf-1.2MB", "regex-40k"],
+)
+def test_grammars_past_the_size_budget_are_400s_before_compiling(
+    server: RunningServer, body: dict[str, Any], param: str
+) -> None:
+    """A grammar text past --max-grammar-chars is refused before compiling,
+    at once, while a plain completion sent meanwhile is served as usual."""
+    with HealthProbe(server.url) as probe:
+        start = time.perf_counter()
+        response = post(server, "/v1/completions", {**body, "max_tokens": 1})
+        took = time.perf_counter() - start
+        plain = post(server, "/v1/completions", {"prompt": "hi", "max_tokens": 2})
+    assert response.status_code == 400, response.text[:300]
+    error = response.json()["error"]
+    assert "--max-grammar-chars" in error["message"] and error["param"] == param, error
+    assert plain.status_code == 200 and took < 2.0 and probe.worst < HEALTH_BOUND_S, (took, probe.worst)
+
+
+def test_a_compile_past_its_time_is_a_400_and_is_cached_for_the_next(stories_path: Path) -> None:
+    """A request whose grammar outlasts --grammar-compile-timeout gets its
+    400 then; the compile finishes on the grammar workers and is cached, so
+    the same constraint is served next time."""
+    server = start_server(stories_path, "--page-size", "4", "--grammar-compile-timeout", "0.000001")
+    body = {"prompt": "x", "max_tokens": 3, "structured_outputs": {"regex": "[a-z]{3}"}}
+    try:
+        first = post(server, "/v1/completions", body)
+        assert first.status_code == 400, first.text[:300]
+        assert "--grammar-compile-timeout" in first.json()["error"]["message"]
+        deadline = time.monotonic() + 30
+        while (later := post(server, "/v1/completions", body)).status_code != 200:
+            assert time.monotonic() < deadline, later.text[:300]
+            time.sleep(0.2)
+    finally:
+        server.stop()
+
+
+def test_the_grammar_cache_is_bounded_by_its_bytes(stories_path: Path) -> None:
+    from aioserve import LLM
+    from aioserve.grammar import GrammarCompiler
+    from aioserve.sampling_params import StructuredOutputParams
+
+    llm = LLM(str(stories_path))
+    try:
+        one = GrammarCompiler(llm.tokenizer, llm.engine.vocab_size)
+        size = one.compile(StructuredOutputParams(choice=["x9", "y9"])).compiled.memory_size_bytes
+        compiler = GrammarCompiler(llm.tokenizer, llm.engine.vocab_size, cache_bytes=2 * size + size // 2)
+        for i in range(6):
+            compiler.compile(StructuredOutputParams(choice=[f"x{i}", f"y{i}"]))
+            assert compiler.cached_bytes <= compiler.cache_bytes
+        assert len(compiler._cache) == 2  # the two newest, within the bytes
+    finally:
+        llm.close()

@@ -18,7 +18,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from aioserve.grammar import CompiledGrammar, GrammarError, compiler_for
+from aioserve.grammar import CompiledGrammar, GrammarBudget, GrammarError, compiler_for
 from aioserve.sampling_params import SamplingParamsError, StructuredOutputParams
 from aioserve.server.context import ServingContext
 from aioserve.server.errors import APIError
@@ -84,6 +84,7 @@ async def compile_grammar(ctx: ServingContext, request: StructuredRequest | None
     if request is None:
         return None
     try:
-        return await compiler_for(ctx.tokenizer, ctx.vocab_size).compile_async(request.spec)
+        budget = GrammarBudget(ctx.args.max_grammar_chars, ctx.args.grammar_compile_timeout)
+        return await compiler_for(ctx.tokenizer, ctx.vocab_size, budget).compile_async(request.spec)
     except GrammarError as exc:
         raise APIError(str(exc), param=request.param) from None
