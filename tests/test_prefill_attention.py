@@ -35,12 +35,22 @@ def extend_plan(chunks: list[tuple[int, int]], first_page: int) -> BatchPlan:
     )
 
 
+# Three fresh chunks of 9 (one batched run), a fresh 6, a chunk after a
+# cached prefix of 8, then two fresh 9s again (a second run); and two fresh
+# 9s on either side of a chunk after a prefix, which the native kernels take
+# a token at a time: not side by side, so not one run. Expected runs: with
+# the native kernels (the prefixed chunk is paged), without.
+LAYOUTS = [
+    ([(0, 9), (0, 9), (0, 9), (0, 6), (8, 9), (0, 9), (0, 9)], [3, 1, 2], [3, 1, 1, 2]),
+    ([(0, 9), (8, 9), (0, 9)], [1, 1], [1, 1, 1]),
+]
+
+
 @pytest.mark.parametrize("dtype,kv_dtype", [(torch.float32,) * 2, (torch.bfloat16,) * 2, (torch.float32, torch.bfloat16)])
 @pytest.mark.parametrize("window", [None, 5])
-def test_chunks_together_equal_chunks_alone(dtype, kv_dtype, window) -> None:
-    # Three fresh chunks of 9 (one batched run), a fresh 6, a chunk after a
-    # cached prefix of 8, then two fresh 9s again (a second run).
-    chunks = [(0, 9), (0, 9), (0, 9), (0, 6), (8, 9), (0, 9), (0, 9)]
+@pytest.mark.parametrize("layout", LAYOUTS, ids=["runs", "paged-between"])
+def test_chunks_together_equal_chunks_alone(dtype, kv_dtype, window, layout) -> None:
+    chunks, paged_runs, runs = layout
     heads, kv_heads, dim = 8, 2, 16
     generator = torch.Generator().manual_seed(7)
     pool = KVPool(1, 200, PAGE, kv_heads, dim, kv_dtype, torch.device("cpu"))
@@ -54,7 +64,7 @@ def test_chunks_together_equal_chunks_alone(dtype, kv_dtype, window) -> None:
     metadata = backend.prepare(plan, plan)
     # The chunk after a prefix is short: the native decode kernel takes it, a token at a time.
     paged = metadata.kernels is not None
-    assert [len(run) for run in metadata.extend_runs] == ([3, 1, 2] if paged else [3, 1, 1, 2])
+    assert [len(run) for run in metadata.extend_runs] == (paged_runs if paged else runs)
     together = metadata.attend(0, q, k, v, dim**-0.5, window)
     start = 0
     width = plan.page_table.shape[1]

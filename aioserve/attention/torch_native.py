@@ -59,12 +59,15 @@ class _Extend:
 
 
 def _fresh_runs(extends: list[_Extend]) -> list[list[_Extend]]:
-    """The extends in order, side-by-side ones of one length with nothing
-    cached before them grouped into one run."""
+    """The extends in order, side-by-side ones (adjacent rows) of one length
+    with nothing cached before them grouped into one run."""
     runs: list[list[_Extend]] = []
     for ext in extends:
         last = runs[-1][-1] if runs else None
-        if last is not None and ext.prefix == 0 and last.prefix == 0 and ext.length == last.length:
+        if (
+            last is not None and ext.prefix == 0 and last.prefix == 0 and ext.length == last.length
+            and ext.start == last.start + last.length  # side by side in the batch (a paged extend may sit between)
+        ):
             runs[-1].append(ext)
         else:
             runs.append([ext])
