@@ -71,20 +71,20 @@ async def read_body(
     stream = request.stream()
     ends = time.monotonic() + deadline if deadline is not None else None
     while True:
-        wait = timeout
+        wait, by_deadline = timeout, False
         if ends is not None:
             left = ends - time.monotonic()
             if left <= 0:
                 raise body_deadline(deadline) from None
-            wait = left if wait is None else min(wait, left)
+            if wait is None or left < wait:
+                wait, by_deadline = left, True
         try:
             chunk = await asyncio.wait_for(anext(stream), wait)
         except StopAsyncIteration:
             break
         except asyncio.TimeoutError:
-            if ends is not None and time.monotonic() >= ends:
-                raise body_deadline(deadline) from None
-            raise body_timeout(timeout) from None
+            # Which bound this wait was (a timer may fire a hair before the clock reads the deadline).
+            raise (body_deadline(deadline) if by_deadline else body_timeout(timeout)) from None
         size += len(chunk)
         over = over or size > limit
         if over:
