@@ -52,13 +52,17 @@ def _move(obj: _Plain, device: torch.device, **nested: object) -> _Plain:
 MAX_EXTEND_AS_DECODES = 16
 
 
-def token_rows(seq_lens: list[int], extend_lens: list[int], first: int = 0) -> tuple[list[int], list[int]]:
-    """Each new token of requests first.. as a decode of its own: the request
-    it belongs to and its KV length, up to and including it."""
+def extend_runs_as_decodes(new_tokens: int, kv_len: int) -> bool:
+    """Whether an extend of `new_tokens` ending at `kv_len` is short and after a prefix."""
+    return new_tokens <= MAX_EXTEND_AS_DECODES and kv_len > new_tokens
+
+
+def token_rows(seq_lens: list[int], extend_lens: list[int]) -> tuple[list[int], list[int]]:
+    """Each new token of the step as a decode of its own: the request it
+    belongs to and its KV length, up to and including it."""
     requests: list[int] = []
     lengths: list[int] = []
-    for i in range(first, len(seq_lens)):
-        total, new = seq_lens[i], extend_lens[i]
+    for i, (total, new) in enumerate(zip(seq_lens, extend_lens)):
         requests += [i] * new
         lengths += range(total - new + 1, total + 1)
     return requests, lengths
@@ -168,7 +172,7 @@ class BatchPlan:
         the whole step can run as decodes, a token each (read on the host plan)."""
         lengths = self.extend_lens[self.num_decodes :].tolist()
         totals = self.seq_lens[self.num_decodes :].tolist()
-        return all(new <= MAX_EXTEND_AS_DECODES and total > new for new, total in zip(lengths, totals))
+        return all(extend_runs_as_decodes(new, total) for new, total in zip(lengths, totals))
 
     def to(self, device: torch.device) -> "BatchPlan":
         if device.type == "cpu" and self.input_ids.device.type == "cpu":

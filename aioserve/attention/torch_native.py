@@ -7,9 +7,9 @@ decodes instead go to a C++ kernel that reads the pages in place (2-3x
 faster, no gather copy), and so do short extends after a prefix (a
 verified draft of speculative decoding, a short chunk after a cached
 prefix): each of their new tokens is a decode at its own length over the
-same pages, whose KV is stored before any is read.
-Longer extends (prefill chunks) are attended one request at a time with a causal mask shifted by the cached prefix, so a long prompt
-never pads the short ones; side-by-side chunks of one length with nothing
+same pages, whose KV is stored before any is read. Longer extends (prefill
+chunks) are attended one request at a time with a causal mask shifted by
+the cached prefix, so a long prompt never pads the short ones; side-by-side chunks of one length with nothing
 cached before them (a burst of equal prompts) attend as one batch.
 """
 
@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 
 from aioserve.attention.backend import AttentionBackend, AttentionMetadata
-from aioserve.batch_plan import MAX_EXTEND_AS_DECODES, BatchPlan, token_rows
+from aioserve.batch_plan import BatchPlan, extend_runs_as_decodes, token_rows
 from aioserve.kvcache.kv_pool import KVPool, to_cache_dtype
 from aioserve.cpu.native import cpu_kernels
 
@@ -109,10 +109,9 @@ class TorchNativeMetadata(AttentionMetadata):
         # Rows the native decode kernel attends: the decodes, then (with the
         # kernels) short extends' tokens; `paged_rows` None means rows [0, nd).
         self.paged_rows: torch.Tensor | None = None
-        short = [
-            i for i in range(nd, plan.num_requests)
-            if extend_lens[i] <= MAX_EXTEND_AS_DECODES and seq_lens[i] > extend_lens[i]
-        ] if kernels else []
+        short = {
+            i for i in range(nd, plan.num_requests) if extend_runs_as_decodes(extend_lens[i], seq_lens[i])
+        } if kernels else set()
         if nd:
             self.decode_pages = plan.page_table[:nd]
             self.decode_lens = plan.seq_lens[:nd]
@@ -139,23 +138,16 @@ class TorchNativeMetadata(AttentionMetadata):
             start += length
         self.extend_runs = _fresh_runs(self.extends)
 
-    def _page_short_extends(self, plan: BatchPlan, short: list[int], seq_lens: list[int], extend_lens: list[int]) -> None:
-        """Each token of the `short` extends as a decode: its request's page
-        row, the length up to and including it."""
-        nd = plan.num_decodes
-        rows, requests, lens = list(range(nd)), list(range(nd)), seq_lens[:nd]
-        first_row = nd
-        for i in range(nd, plan.num_requests):
-            if i in short:
-                owners, lengths = token_rows(seq_lens[: i + 1], extend_lens[: i + 1], first=i)
-                rows += range(first_row, first_row + extend_lens[i])
-                requests += owners
-                lens += lengths
-            first_row += extend_lens[i]
+    def _page_short_extends(self, plan: BatchPlan, short: set[int], seq_lens: list[int], extend_lens: list[int]) -> None:
+        """The decodes' and the `short` extends' tokens, each as a decode: its
+        row of the batch, its request's page row, its length up to and
+        including it."""
+        owners, lengths = token_rows(seq_lens, extend_lens)
+        rows = [t for t, owner in enumerate(owners) if owner < plan.num_decodes or owner in short]
         device = plan.seq_lens.device
         self.paged_rows = torch.tensor(rows, dtype=torch.long, device=device)
-        self.decode_pages = plan.page_table[torch.tensor(requests, dtype=torch.long, device=device)]
-        self.decode_lens = torch.tensor(lens, dtype=plan.seq_lens.dtype, device=device)
+        self.decode_pages = plan.page_table[torch.tensor([owners[t] for t in rows], dtype=torch.long, device=device)]
+        self.decode_lens = torch.tensor([lengths[t] for t in rows], dtype=plan.seq_lens.dtype, device=device)
 
     def _decode_mask(self, window: int | None) -> torch.Tensor:
         """[B, 1, 1, max_len]: valid positions, within the window if any."""
