@@ -125,10 +125,6 @@ class OutputProcessor:
                 break
         if self.speculator is not None:
             self.speculator.verified(request, proposed, len(tokens) - 1)
-        if request.speculation is not None:
-            request.speculation.steps += 1
-            request.speculation.proposed += proposed
-            request.speculation.accepted += len(tokens) - 1
         events: list[tuple[RequestEvent, str | None]] = []
         for i, token in enumerate(tokens):
             self._accept(request, entry.row + i, host)

@@ -48,18 +48,16 @@ class SpeculationStats:
     draft_tokens: int = 0  # tokens proposed and verified
     accepted_tokens: int = 0  # proposed tokens that stood
     accepted_per_position: list[int] = field(default_factory=list)  # [i]: drafts whose token i stood
-    emitted_tokens: int = 0  # tokens the verifications gave (accepted + one from the target each)
 
     @property
     def mean_acceptance_length(self) -> float:
         """Tokens a verification step gives on average (SGLang's avg_spec_accept_length); 0 before any."""
-        return self.emitted_tokens / self.drafts if self.drafts else 0.0
+        return 1 + self.accepted_tokens / self.drafts if self.drafts else 0.0  # the accepted, and the target's own
 
-    def record(self, proposed: int, accepted: int, emitted: int) -> None:
+    def record(self, proposed: int, accepted: int) -> None:
         self.drafts += 1
         self.draft_tokens += proposed
         self.accepted_tokens += accepted
-        self.emitted_tokens += emitted
         if len(self.accepted_per_position) < proposed:
             self.accepted_per_position += [0] * (proposed - len(self.accepted_per_position))
         for position in range(accepted):
@@ -89,8 +87,13 @@ class Speculator:
         self._backoff: weakref.WeakKeyDictionary[Request, _Backoff] = weakref.WeakKeyDictionary()
 
     def verified(self, request: Request, proposed: int, accepted: int) -> None:
-        """A verification of `request`'s proposal was processed."""
-        self.stats.record(proposed, accepted, accepted + 1)
+        """A verification of `request`'s proposal was processed: the counters
+        (the server's and the request's own) and the request's backoff."""
+        self.stats.record(proposed, accepted)
+        if request.speculation is not None:
+            request.speculation.steps += 1
+            request.speculation.proposed += proposed
+            request.speculation.accepted += accepted
         backoff = self._backoff.setdefault(request, _Backoff())
         if accepted:
             backoff.misses = backoff.skip = 0
