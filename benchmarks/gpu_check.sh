@@ -29,7 +29,10 @@
 #     $OUT/steps.txt            one line per step: phase, step, status, seconds
 #     $OUT/<phase>.log          the phase's whole console (setup.log, tests.log, bench.log)
 #     $OUT/tests/gpu-summary.txt, cuda-summary.txt   one line per test: outcome, seconds, node id
-#     $OUT/tests/gpu-reruns.log  the console of each failure rerun alone with CUDA_LAUNCH_BLOCKING=1
+#     $OUT/tests/gpu-reruns.log  the console of each failure rerun alone with CUDA_LAUNCH_BLOCKING=1,
+#                               and each cut test's stack dump and server log tails
+#     $OUT/flashinfer-kernels.tar.gz  every FlashInfer module built (proof, figures): copy it to
+#                               .gpu_jit/ (tools/gpu/stage.py --kernels FILE) and the next call skips that JIT
 #     (tests-families: gpu-families-summary.txt, gpu-families-reruns.log, cuda-families-summary.txt)
 #     $OUT/bench/results.json   every benchmark JSON of this machine so far, by run name
 #     $OUT/bench/summary.md     the tables for the issue's closing note
@@ -45,13 +48,14 @@ set -u -o pipefail
 PHASE="${1:-all}"
 PY="${PYTHON:-/opt/torch/.venv/bin/python3}"
 OUT="${OUT:-$PWD/gpu_out}"
-WORK=/tmp/gpu_check                # survives between calls on a warm machine
+WORK="${GPU_CHECK_WORK:-/tmp/gpu_check}"   # survives between calls on a warm machine
+SITE="${GPU_CHECK_SITE:-/tmp/site}"        # the carried wheels, installed
 RESULTS="$WORK/results"            # benchmark JSONs, gathered into $OUT/bench at the end
 START=$(date +%s)
 BUDGET="${GPU_CHECK_BUDGET:-560}"
 
 export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
-export PYTHONPATH="/tmp/site:$PWD"
+export PYTHONPATH="$SITE:$PWD"
 export AIOSERVE_NATIVE=0           # CPU kernels: nothing here runs on the CPU path; skips a C++ build
 # FlashInfer's JIT: Hopper only (H100/H200 are sm_90a), 16 cores, cache in /tmp.
 export FLASHINFER_CUDA_ARCH_LIST="9.0a" TORCH_CUDA_ARCH_LIST="9.0" MAX_JOBS=16 FLASHINFER_NVCC_THREADS=1
@@ -62,7 +66,7 @@ if [ -z "${CUDA_HOME:-}" ]; then
     export CUDA_HOME
 fi
 export PATH="$CUDA_HOME/bin:$PATH"
-export PY WORK RESULTS OUT
+export PY WORK SITE RESULTS OUT
 
 mkdir -p "$OUT" "$WORK" "$RESULTS"
 
@@ -118,16 +122,54 @@ step() {
 }
 
 install_wheels() {
-    # Skipped when /tmp/site already holds this exact bundle (a warm machine).
+    # Skipped when $SITE already holds this exact bundle (a warm machine).
     local stamp
     stamp=$(stat -c '%n %s %Y' .whl/*.whl 2>/dev/null | md5sum | cut -d' ' -f1)
-    if [ -f /tmp/site/.bundle-stamp ] && [ "$(cat /tmp/site/.bundle-stamp)" = "$stamp" ]; then
-        echo "wheels already installed in /tmp/site"
+    if [ -f "$SITE/.bundle-stamp" ] && [ "$(cat "$SITE/.bundle-stamp")" = "$stamp" ]; then
+        echo "wheels already installed in $SITE"
         return 0
     fi
     ls .whl/*.whl >/dev/null || { echo "no wheels in .whl/"; return 1; }
-    "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl &&
-        echo "$stamp" >/tmp/site/.bundle-stamp && ls -d /tmp/site/*.dist-info
+    "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$SITE" .whl/*.whl &&
+        echo "$stamp" >"$SITE/.bundle-stamp" && ls -d "$SITE"/*.dist-info
+}
+
+# FlashInfer's kernels compiled by an earlier call (a session's JIT cache,
+# brought back by harvest_kernels and carried in .gpu_jit/): unpacked where
+# FlashInfer looks for prebuilt modules (flashinfer/data/aot/<name>/<name>.so,
+# loaded with no build step), so the jit step finds them built. Only for the
+# same FlashInfer version and arch: a module's name does not encode either.
+KERNELS_TAR=.gpu_jit/flashinfer-kernels.tar.gz
+install_kernels() {
+    [ -f "$KERNELS_TAR" ] || { echo "no $KERNELS_TAR: every kernel is compiled here"; return 0; }
+    local aot want have
+    aot=$("$PY" -c 'import flashinfer.jit.env as e; print(e.FLASHINFER_AOT_DIR)') || return 1
+    want=$("$PY" -c 'import flashinfer; print(flashinfer.__version__)')-sm90a
+    have=$(tar -xzOf "$KERNELS_TAR" KERNELS_OF 2>/dev/null)
+    if [ "$have" != "$want" ]; then
+        echo "$KERNELS_TAR holds kernels of $have, not $want: not used"
+        return 0
+    fi
+    mkdir -p "$aot" && tar -xzf "$KERNELS_TAR" -C "$aot" --exclude KERNELS_OF &&
+        echo "$(ls "$aot" | wc -l) prebuilt FlashInfer modules ($have) in $aot"
+}
+
+# Every FlashInfer module this machine has built or been given, for the
+# next session's carry: $OUT/flashinfer-kernels.tar.gz (shared objects only).
+harvest_kernels() {
+    local stage version aot so
+    version=$("$PY" -c 'import flashinfer; print(flashinfer.__version__)') || return 1
+    aot=$("$PY" -c 'import flashinfer.jit.env as e; print(e.FLASHINFER_AOT_DIR)') || return 1
+    stage=$(mktemp -d)
+    for so in "$aot"/*/*.so "$WORK/.cache/flashinfer/$version/90a/cached_ops"/*/*.so; do
+        [ -f "$so" ] || continue
+        mkdir -p "$stage/$(basename "$(dirname "$so")")"
+        cp "$so" "$stage/$(basename "$(dirname "$so")")/"
+    done
+    echo "$version-sm90a" >"$stage/KERNELS_OF"
+    tar -czf "$OUT/flashinfer-kernels.tar.gz" -C "$stage" $(ls "$stage") && rm -rf "$stage" &&
+        echo "harvested $(tar -tzf "$OUT/flashinfer-kernels.tar.gz" | grep -c '\.so$') modules," \
+            "$(du -h "$OUT/flashinfer-kernels.tar.gz" | cut -f1)"
 }
 
 unpack_models() {
@@ -208,14 +250,15 @@ warm_parallel() {
     return $rc
 }
 
-export -f install_wheels unpack_models versions warm_jit warm_parallel
+export -f install_wheels install_kernels harvest_kernels unpack_models versions warm_jit warm_parallel
 export QWEN
 
 # Cheap when already done: every phase may land on a fresh machine.
 ensure_ready() {
-    [ "$DRY_RUN" != 1 ] && [ -f /tmp/site/.bundle-stamp ] && ls .gpu_models/*/tokenizer.json >/dev/null 2>&1 &&
+    [ "$DRY_RUN" != 1 ] && [ -f "$SITE/.bundle-stamp" ] && ls .gpu_models/*/tokenizer.json >/dev/null 2>&1 &&
         return 0
     step install 240 bash -c install_wheels
+    step kernels 60 bash -c install_kernels
     step models 60 bash -c unpack_models
 }
 
@@ -241,7 +284,7 @@ phase_tests() {
         --budget 400 -m gpu tests/test_gpu.py tests/test_gpu_fast_path.py
     cp "$WORK/gpu-tests/summary.txt" "$OUT/tests/gpu-summary.txt" 2>/dev/null
     # The logs of failures only (what comes back is capped at 8 files).
-    cat "$WORK"/gpu-tests/rerun-*.log > "$OUT/tests/gpu-reruns.log" 2>/dev/null
+    cat "$WORK"/gpu-tests/rerun-*.log "$WORK"/gpu-tests/timeout-*.log > "$OUT/tests/gpu-reruns.log" 2>/dev/null
     # CPU-side suites that run on CUDA when it is there (device auto): the
     # default backend on CUDA (FlashInfer) against transformers in fp32, the
     # batch-invariance and plan-seam checks, the sampler.
@@ -258,15 +301,17 @@ GPU_TEST_FILES=(tests/test_gpu.py tests/test_gpu_fast_path.py tests/test_fp8_kv_
     tests/test_fp8_checkpoints.py tests/test_compressed_tensors.py tests/test_flashinfer_moe.py tests/test_speculative.py)
 phase_proof() {
     step install 240 bash -c install_wheels
+    step kernels 60 bash -c install_kernels
     step models 60 bash -c unpack_models
     step versions 60 bash -c versions
     step jit 240 bash -c warm_parallel
     du -sh "$WORK/.cache/flashinfer" 2>/dev/null
     mkdir -p "$OUT/tests"
-    step pytest-gpu $(($(left) - 20)) "$PY" tools/gpu/isolated_tests.py --out "$WORK/gpu-tests" --timeout 300 \
-        --budget $(($(left) - 40)) -m gpu "${GPU_TEST_FILES[@]}"
+    step pytest-gpu $(($(left) - 50)) "$PY" tools/gpu/isolated_tests.py --out "$WORK/gpu-tests" --timeout 300 \
+        --budget $(($(left) - 70)) -m gpu "${GPU_TEST_FILES[@]}"
     cp "$WORK/gpu-tests/summary.txt" "$OUT/tests/gpu-summary.txt" 2>/dev/null
-    cat "$WORK"/gpu-tests/rerun-*.log >"$OUT/tests/gpu-reruns.log" 2>/dev/null
+    cat "$WORK"/gpu-tests/rerun-*.log "$WORK"/gpu-tests/timeout-*.log >"$OUT/tests/gpu-reruns.log" 2>/dev/null
+    step harvest 60 bash -c harvest_kernels   # before the figures: the next session's JIT is these kernels
     [ "$(left)" -gt 150 ] && offline qwen3-graphs-overlap "$QWEN"
     [ "$(left)" -gt 90 ] && roofline qwen3-graphs "$QWEN"
     return 0
@@ -284,6 +329,7 @@ phase_figures() {
         --budget $(($(left) - 40)) tests/test_greedy_matches_hf.py tests/test_batching_invariance.py \
         tests/test_plan_seam.py tests/test_sampler.py
     cp "$WORK/cuda-tests/summary.txt" "$OUT/tests/cuda-summary.txt" 2>/dev/null
+    step harvest 60 bash -c harvest_kernels
     return 0
 }
 
@@ -418,6 +464,9 @@ run_phase() {
     "$fn" 2>&1 | tee -a "$OUT/$log.log"
     echo "#### phase $name done in $(($(date +%s) - t0))s" | tee -a "$OUT/$log.log"
 }
+
+# Sourced with GPU_CHECK_SOURCE_ONLY=1 (tests/test_gpu_stage.py): the steps' functions, no phase.
+if [ "${GPU_CHECK_SOURCE_ONLY:-0}" = 1 ]; then return 0 2>/dev/null || exit 0; fi
 
 case "$PHASE" in
     setup) run_phase setup setup phase_setup ;;

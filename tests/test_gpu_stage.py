@@ -6,8 +6,10 @@ does not exist."""
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
+import tarfile
 from pathlib import Path
 
 import pytest
@@ -53,8 +55,8 @@ def test_every_phase_is_wired(phase: str) -> None:
     names = [line.split()[1] for line in steps.splitlines()]
     assert names and all(line.split()[2] == "dry" for line in steps.splitlines())
     if phase == "proof":  # correctness before figures
-        assert names[:5] == ["install", "models", "versions", "jit", "pytest-gpu"]
-        assert names.index("pytest-gpu") < names.index("offline-qwen3-graphs-overlap")
+        assert names[:6] == ["install", "kernels", "models", "versions", "jit", "pytest-gpu"]
+        assert names.index("pytest-gpu") < names.index("harvest") < names.index("offline-qwen3-graphs-overlap")
 
 
 def test_a_dry_run_fails_on_a_missing_script(tmp_path: Path) -> None:
@@ -65,3 +67,64 @@ def test_a_dry_run_fails_on_a_missing_script(tmp_path: Path) -> None:
     done = subprocess.run(["bash", str(broken), "proof"], cwd=REPO, env=env, capture_output=True, text=True)
     assert done.returncode == 1
     assert "pytest-gpu" in (tmp_path / "out" / "steps.txt").read_text().split("UNWIRED")[0].splitlines()[-1]
+
+
+FAKE_FLASHINFER = {  # what install_kernels and harvest_kernels ask of FlashInfer
+    "flashinfer/__init__.py": '__version__ = "0.7.2.post1+test"\n',
+    "flashinfer/jit/__init__.py": "",
+    "flashinfer/jit/env.py": "import pathlib\nFLASHINFER_AOT_DIR = pathlib.Path(__file__).parents[1] / 'data' / 'aot'\n",
+}
+
+
+def gpu_check_function(repo: Path, site: Path, work: Path, out: Path, call: str) -> subprocess.CompletedProcess:
+    """One of gpu_check.sh's step functions, run in `repo` with a fake FlashInfer in `site`."""
+    env = {**os.environ, "GPU_CHECK_SOURCE_ONLY": "1", "GPU_CHECK_SITE": str(site), "GPU_CHECK_WORK": str(work),
+           "OUT": str(out), "PYTHON": sys.executable}
+    script = REPO / "benchmarks" / "gpu_check.sh"
+    return subprocess.run(["bash", "-c", f"source {script} && {call}"], cwd=repo, env=env,
+                          capture_output=True, text=True)
+
+
+def test_kernels_built_by_one_call_are_prebuilt_in_the_next(tmp_path: Path) -> None:
+    """harvest_kernels packs every module a call compiled (and any it was
+    given); stage.py --kernels keeps the file in .gpu_jit/; install_kernels on
+    the next machine puts each where FlashInfer loads a prebuilt module
+    (data/aot/<name>/<name>.so) -- only for the FlashInfer version that built it."""
+    site, work = tmp_path / "site", tmp_path / "work"
+    for name, text in FAKE_FLASHINFER.items():
+        (site / name).parent.mkdir(parents=True, exist_ok=True)
+        (site / name).write_text(text)
+    built = work / ".cache/flashinfer/0.7.2.post1+test/90a/cached_ops"
+    for module in ("batch_decode_bf16_hd128", "norm"):
+        (built / module).mkdir(parents=True)
+        (built / module / f"{module}.so").write_bytes(module.encode())
+        (built / module / "build.ninja").write_text("not carried")
+    given = site / "flashinfer/data/aot/sampling"
+    given.mkdir(parents=True)
+    (given / "sampling.so").write_bytes(b"sampling")
+    done = gpu_check_function(tmp_path, site, work, tmp_path / "out", "harvest_kernels")
+    assert done.returncode == 0 and "harvested 3 modules" in done.stdout, done.stdout + done.stderr
+
+    next_repo = tmp_path / "next"
+    kept = stage.keep_kernels(tmp_path / "out" / "flashinfer-kernels.tar.gz", next_repo)
+    assert kept == next_repo / stage.KERNELS
+    fresh = tmp_path / "fresh-site"
+    shutil.copytree(site, fresh, ignore=shutil.ignore_patterns("data"))
+    done = gpu_check_function(next_repo, fresh, tmp_path / "work2", tmp_path / "out2", "install_kernels")
+    assert done.returncode == 0 and "3 prebuilt FlashInfer modules" in done.stdout, done.stdout + done.stderr
+    aot = fresh / "flashinfer/data/aot"
+    assert sorted(p.relative_to(aot).as_posix() for p in aot.rglob("*") if p.is_file()) == [
+        "batch_decode_bf16_hd128/batch_decode_bf16_hd128.so", "norm/norm.so", "sampling/sampling.so"]
+
+    (fresh / "flashinfer/__init__.py").write_text('__version__ = "0.7.3"\n')  # another FlashInfer: not used
+    shutil.rmtree(aot)
+    done = gpu_check_function(next_repo, fresh, tmp_path / "work2", tmp_path / "out2", "install_kernels")
+    assert done.returncode == 0 and "not used" in done.stdout and not aot.exists(), done.stdout
+
+
+def test_keep_kernels_refuses_what_no_harvest_wrote(tmp_path: Path) -> None:
+    bogus = tmp_path / "bogus.tar.gz"
+    with tarfile.open(bogus, "w:gz") as tar:
+        tar.add(__file__, arcname="x.so")
+    with pytest.raises(ValueError, match="KERNELS_OF"):
+        stage.keep_kernels(bogus, tmp_path / "repo")

@@ -2,7 +2,8 @@
 a test that poisons its process (as a sticky CUDA fault does) cannot turn
 the tests after it into failures; a failure is rerun alone with
 CUDA_LAUNCH_BLOCKING=1; a hung test is cut at its timeout and a dead
-process named; every test gets its own line."""
+process named, with its stack dump and its server's log kept; every test
+gets its own line."""
 
 from __future__ import annotations
 
@@ -30,6 +31,9 @@ def test_c():
     assert not os.path.exists(POISON + str(os.getpid())), "a sticky error from an earlier test"
 
 def test_d_hangs():
+    import tempfile
+    with open(os.path.join(tempfile.gettempdir(), f"aioserve-{os.getpid()}.log"), "w") as log:
+        log.write("the server's side of the hang")  # as tools/server_process.py names a server's log
     time.sleep(120)
 
 def test_e_skips():
@@ -60,3 +64,11 @@ def test_one_line_per_test_and_no_test_hides_another(tmp_path: Path) -> None:
     reruns = sorted(out.glob("rerun-*.log"))
     assert len(reruns) == 2  # the failure and the crash; not the hang
     assert "CUDA_LAUNCH_BLOCKING = 1" in reruns[0].read_text()
+    cut = list(out.glob("timeout-*.log"))
+    assert len(cut) == 1
+    evidence = cut[0].read_text()
+    assert "in test_d_hangs" in evidence  # pytest's stack dump, taken before the cut
+    assert "the server's side of the hang" in evidence
+    for line in evidence.splitlines():  # the suite's fake server log, in the shared temp folder
+        if line.startswith("#### server log") and "aioserve-" in line:
+            Path(line.split()[3].rstrip(",")).unlink(missing_ok=True)

@@ -39,7 +39,7 @@ def same_outputs(a: list, b: list) -> bool:
 
 
 def _run(model: Path, prompts: list[list[int]], params: list[SamplingParams], **options) -> tuple[list, LLM]:
-    llm = LLM(str(model), page_size=4, debug_integrity=True, **options)
+    llm = LLM(str(model), debug_integrity=True, **{"page_size": 4, **options})
     try:
         outs = llm.generate(prompts, params)
         llm.scheduler.check_integrity()

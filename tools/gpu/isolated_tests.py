@@ -11,8 +11,10 @@ cut at its timeout and reported, and the rest go on.
 Usage (benchmarks/gpu_check.sh tests does this):
     python tools/gpu/isolated_tests.py --out DIR [--timeout S] [--budget S] [-m MARK] FILE...
 Writes DIR/summary.txt (one line per test: outcome, seconds, node id),
-DIR/<n>.log (each pytest process's console) and DIR/rerun-<n>.log (each
-isolated rerun); exits 1 if any test failed.
+DIR/<n>.log (each pytest process's console), DIR/rerun-<n>.log (each
+isolated rerun) and DIR/timeout-<n>.log (a cut test's evidence: pytest's
+stack dump taken before the cut, and the tails of the server logs it
+started); exits 1 if any test failed.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ import os
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -52,8 +55,10 @@ def collect(files: list[str], mark: str | None) -> list[str]:
 def run_pytest(nodeids: list[str], lines: Path, log: Path, timeout: float, budget: float, env: dict[str, str]) -> bool:
     """One pytest process over `nodeids`, stopping at the first failure.
     False if it was killed: no test finished for `timeout` seconds, or the budget ran out."""
+    # faulthandler_timeout: pytest dumps every thread's stack into the log
+    # shortly before this runner would cut the test, so a hang says where it waits.
     args = [sys.executable, "-m", "pytest", "-x", "-q", "-p", "no:cacheprovider", "-p", "lines_plugin",
-            "-o", "addopts=", *nodeids]
+            "-o", "addopts=", "-o", f"faulthandler_timeout={timeout - min(15.0, timeout / 2):g}", *nodeids]
     env = {**env, "PYTHONPATH": f"{PLUGIN_DIR}{os.pathsep}{env.get('PYTHONPATH', '')}", "TEST_LINES_FILE": str(lines)}
     start = last_progress = time.monotonic()
     seen = 0
@@ -84,6 +89,19 @@ def read_lines(lines: Path) -> dict[str, Outcome]:
     return found
 
 
+SERVER_LOGS = "aioserve-*.log"  # where tools/server_process.py writes a test server's console
+
+
+def timeout_evidence(console: Path, since: float, tail: int = 8000) -> str:
+    """What a cut test leaves behind: the end of its pytest console (the stack
+    dump included) and the end of every server log written since `since`."""
+    parts = [f"#### {console.name}, last {tail} characters\n{console.read_text(errors='replace')[-tail:]}"]
+    for log in sorted(Path(tempfile.gettempdir()).glob(SERVER_LOGS)):
+        if log.stat().st_mtime >= since:
+            parts.append(f"#### server log {log}, last {tail} characters\n{log.read_text(errors='replace')[-tail:]}")
+    return "\n".join(parts) + "\n"
+
+
 def run_isolated(nodeids: list[str], out: Path, timeout: float, budget: float) -> list[Outcome]:
     """Every test's outcome; a failure is rerun alone with CUDA_LAUNCH_BLOCKING=1."""
     start = time.monotonic()
@@ -93,6 +111,7 @@ def run_isolated(nodeids: list[str], out: Path, timeout: float, budget: float) -
     while remaining and (left := budget - (time.monotonic() - start)) > 10:
         runs += 1
         lines = out / f"{runs}.lines"
+        began = time.time()
         finished = run_pytest(remaining, lines, out / f"{runs}.log", timeout, left, dict(os.environ))
         got = read_lines(lines)
         results.update(got)
@@ -103,7 +122,9 @@ def run_isolated(nodeids: list[str], out: Path, timeout: float, budget: float) -
         culprit = remaining[stop]
         if culprit not in got:  # killed while it ran, or the process died under it
             results[culprit] = Outcome(culprit, "crashed" if finished else "timeout", 0.0 if finished else timeout)
-        if results[culprit].outcome != "timeout":
+        if results[culprit].outcome == "timeout":
+            (out / f"timeout-{runs}.log").write_text(timeout_evidence(out / f"{runs}.log", began))
+        else:
             blocking = {**os.environ, "CUDA_LAUNCH_BLOCKING": "1"}
             rerun = out / f"rerun-{runs}.lines"
             run_pytest([culprit], rerun, out / f"rerun-{runs}.log", timeout, max(left, 10), blocking)

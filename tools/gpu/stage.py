@@ -1,11 +1,19 @@
 """Stage the GPU proof (issue 37) on the CPU machine, before any device time
-is spent: the wheel bundle (`.whl/`), the model folders (`.gpu_models/`), a
-size check of everything a device `run` takes along, and the exact `run`
+is spent: the wheel bundle (`.whl/`), the model folders (`.gpu_models/`),
+FlashInfer's kernels from an earlier session if any (`.gpu_jit/`), a size
+check of everything a device `run` takes along, and the exact `run`
 arguments to paste.
 
     python tools/gpu/stage.py              # build what is missing, check the size, print the calls
     python tools/gpu/stage.py --dry-run    # ... and walk gpu_check.sh's phases here (no CUDA needed)
     python tools/gpu/stage.py --rebuild    # rebuild the bundle even if .whl/ holds one
+    python tools/gpu/stage.py --kernels /work/.device/N/flashinfer-kernels.tar.gz
+                                           # keep a call's harvested kernels for the next calls
+
+The kernels: a proof call compiles FlashInfer's modules (~4 minutes of nvcc
+on 16 cores, most of a fresh machine's budget) and brings them back as
+flashinfer-kernels.tar.gz; carried in `.gpu_jit/`, the next call installs
+them as prebuilt modules and its JIT step finds them built.
 
 The first call (`proof`) fits a fresh machine in ~8 minutes: install, the
 FlashInfer JIT the tests need, every gpu-marked test isolated, then the
@@ -19,15 +27,18 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import subprocess
 import sys
+import tarfile
 import tempfile
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
-CARRY = (".whl", ".gpu_models")
+CARRY = (".whl", ".gpu_models", ".gpu_jit")  # all git-ignored; .gpu_jit/ may be absent
+KERNELS = Path(".gpu_jit") / "flashinfer-kernels.tar.gz"  # what gpu_check.sh's install_kernels reads
 DEVICE_LIMIT_MIB = 64  # the device tool's cap on the working tree plus carried paths
 HEADROOM_MIB = 8  # what staging keeps free under that cap
 DRY_PHASES = ("proof", "figures", "tests-families", "bench-families")
@@ -72,8 +83,20 @@ def size_problem(mib: float, limit_mib: float = DEVICE_LIMIT_MIB, headroom_mib: 
     """Why `mib` would not travel safely; None when it fits with headroom."""
     if mib > limit_mib - headroom_mib:
         return (f"a call would take {mib:.1f} MiB along; the device tool takes {limit_mib} MiB "
-                f"and staging keeps {headroom_mib} MiB free")
+                f"and staging keeps {headroom_mib} MiB free (dropping {KERNELS} costs only JIT time)")
     return None
+
+
+def keep_kernels(harvested: Path, repo: Path = REPO) -> Path:
+    """A call's flashinfer-kernels.tar.gz, kept where the next calls carry it from."""
+    with tarfile.open(harvested) as tar:
+        names = tar.getnames()
+    if "KERNELS_OF" not in names:
+        raise ValueError(f"{harvested} is no harvest of gpu_check.sh (it names no KERNELS_OF)")
+    kept = repo / KERNELS
+    kept.parent.mkdir(parents=True, exist_ok=True)
+    shutil.copyfile(harvested, kept)
+    return kept
 
 
 def build(rebuild: bool) -> None:
@@ -97,8 +120,11 @@ def main() -> int:
     parser.add_argument("--rebuild", action="store_true", help="rebuild .whl/ even if it holds a bundle")
     parser.add_argument("--dry-run", action="store_true", help="walk gpu_check.sh's phases here, running nothing")
     parser.add_argument("--no-build", action="store_true", help="only check and print (what is there already)")
+    parser.add_argument("--kernels", type=Path, help="a call's flashinfer-kernels.tar.gz, to carry from now on")
     args = parser.parse_args()
     start = time.monotonic()
+    if args.kernels:
+        print(f"kernels kept in {keep_kernels(args.kernels)}")
     if not args.no_build:
         build(args.rebuild)
     mib = travelling_mib(REPO)
