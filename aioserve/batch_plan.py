@@ -136,6 +136,20 @@ class PromptLogprobRequest:
 
 
 @dataclass
+class PoolingRequest:
+    """Segments of the step's rows whose final hidden states a pooling
+    request needs: one per request chunk (a pooling model serves nothing else)."""
+
+    starts: torch.Tensor  # [P] int64: the segment's first row of the flat token batch
+    lengths: torch.Tensor  # [P] int64: its rows
+    pooling_type: str  # LAST (the last row) | MEAN (the rows' sum: the host divides) | CLS (the first row)
+    score: bool  # also the model's score head, on the row its `score_row` names
+
+    def to(self, device: torch.device) -> "PoolingRequest":
+        return _move(self, device)
+
+
+@dataclass
 class BatchPlan:
     """One forward step over B requests and T new tokens.
 
@@ -154,6 +168,7 @@ class BatchPlan:
     logits_indices: torch.Tensor  # [S] int64: rows of T whose next token is sampled
     sampling: SamplingTensors | None  # None when no row samples (mid-prompt chunks only)
     prompt_logprobs: PromptLogprobRequest | None = None
+    pooling: PoolingRequest | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -184,11 +199,14 @@ class BatchPlan:
                 plan.sampling = copy.copy(self.sampling)
             if self.prompt_logprobs is not None:
                 plan.prompt_logprobs = copy.copy(self.prompt_logprobs)
+            if self.pooling is not None:
+                plan.pooling = copy.copy(self.pooling)
             return plan
         return _move(
             self, device,
             sampling=self.sampling.to(device) if self.sampling is not None else None,
             prompt_logprobs=self.prompt_logprobs.to(device) if self.prompt_logprobs is not None else None,
+            pooling=self.pooling.to(device) if self.pooling is not None else None,
         )
 
 
@@ -204,6 +222,8 @@ class StepOutput:
     prompt_top_ids: torch.Tensor | None = None  # [P, N]
     prompt_top_logprobs: torch.Tensor | None = None  # [P, N]
     prompt_ranks: torch.Tensor | None = None  # [P] int64: each prompt token's rank (1: the likeliest)
+    pooled: torch.Tensor | None = None  # [P, H] float32: each pooling segment's row (LAST, CLS) or sum (MEAN)
+    scores: torch.Tensor | None = None  # [P, L] float32: the score head's logits of each segment
 
     def to(self, device: torch.device) -> "StepOutput":
         """Copies issued without waiting (D2H lands in pinned memory); the

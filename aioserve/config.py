@@ -113,6 +113,17 @@ class EngineConfig:
         help="dummy: random weights of the config's shapes",
     )
     seed: int = option(0, help="for dummy weights and unseeded sampling", group="model")
+    runner: str = option(
+        "auto", choices=("auto", "generate", "pooling"), group="model", switches={"--is-embedding": "pooling"},
+        help="pooling: serve the model as an embedder (/v1/embeddings) or, for a *ForSequenceClassification "
+        "checkpoint, a reranker (/v1/rerank, /v1/score); auto: pooling for a sentence-transformers folder or a "
+        "classifier, else generate (SGLang: --is-embedding)",
+    )
+    pooler_config: dict[str, Any] | None = option(
+        None, group="model", parse=_json_object,
+        help='a pooling model\'s pooling, over what its folder says, e.g. \'{"pooling_type": "MEAN", '
+        '"normalize": true}\' (pooling_type LAST | MEAN | CLS); implies --runner pooling',
+    )
 
     cpu_matmul_tuning: bool = option(
         True, group="model",

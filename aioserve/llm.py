@@ -26,10 +26,25 @@ from aioserve.grammar import compiler_for
 from aioserve.output_stream import OutputStream, PromptLogprobs, TopLogprobs
 from aioserve.sampling_params import SamplingParams
 from aioserve.launch.wiring import build_scheduler
+from aioserve.pooling_config import PoolerConfig
+from aioserve.scheduler.pooling import PooledOutput, PoolingState, embedding_vector, relevance
 from aioserve.scheduler.request import Request, RequestEvent
 from aioserve.tokenizer import Tokenizer
 
 Prompt = str | list[int]
+
+
+@dataclass
+class EmbeddingOutput:
+    prompt_token_ids: list[int]
+    embedding: list[float]
+
+
+def _prompt_list(prompts: Prompt | Sequence[Prompt]) -> list[Prompt]:
+    """One prompt (text or token ids) or several."""
+    if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
+        return [cast(Prompt, prompts)]
+    return list(cast(Sequence[Prompt], prompts))
 
 
 @dataclass
@@ -89,6 +104,11 @@ class LLM:
         except BaseException:
             bar.close()
             raise
+        self._run_requests(requests, bar)
+        return outputs
+
+    def _run_requests(self, requests: list[Request], bar: tqdm) -> None:
+        """Submit `requests` together and run the scheduler until they end."""
         integrity_failures = len(self.scheduler.integrity_failures)
         rids = [request.rid for request in requests]
         try:
@@ -110,7 +130,52 @@ class LLM:
             # --debug-integrity found the KV bookkeeping broken (and reset it);
             # a debugging run must hear of it, not only read it in the log.
             raise RuntimeError(f"KV integrity check failed: {self.scheduler.integrity_failures[-1]}")
-        return outputs
+
+    def embed(self, prompts: Prompt | Sequence[Prompt], dimensions: int | None = None,
+              use_tqdm: bool = False) -> list[EmbeddingOutput]:
+        """A pooling model's embedding of every prompt (text, or token ids),
+        all batched together; `dimensions` truncates (Matryoshka models)."""
+        pooler = self._pooler("embed")
+        pooled = self._pool([self.encode(p) for p in _prompt_list(prompts)], score=False, use_tqdm=use_tqdm)
+        return [EmbeddingOutput(ids, embedding_vector(out, pooler.normalize, dimensions)) for ids, out in pooled]
+
+    def score(self, text_1: str, text_2: str | Sequence[str], use_tqdm: bool = False) -> list[float]:
+        """A cross-encoder's relevance of each `text_2` to `text_1`, in [0, 1]."""
+        self._pooler("classify")
+        pairs = [text_2] if isinstance(text_2, str) else list(text_2)
+        pooled = self._pool([self.tokenizer.encode_pair(text_1, t) for t in pairs], score=True, use_tqdm=use_tqdm)
+        return [relevance(out) for _, out in pooled]
+
+    def _pooler(self, task: str) -> PoolerConfig:
+        pooler = self.engine.pooler
+        if pooler is None:
+            raise ValueError("this model generates: load it with runner='pooling' to embed")
+        if task == "classify" and pooler.task != "classify":
+            raise ValueError("this model embeds: scoring needs a cross-encoder (*ForSequenceClassification)")
+        return pooler
+
+    def _pool(self, prompts: list[list[int]], score: bool, use_tqdm: bool) -> list[tuple[list[int], PooledOutput]]:
+        self._check_tp()
+        pooler = self._pooler("embed")
+        results: list[PooledOutput | None] = [None] * len(prompts)
+        bar = tqdm(total=len(prompts), desc="pooling", disable=not use_tqdm)
+        requests = []
+        for i, ids in enumerate(prompts):
+            state = PoolingState(pooler.pooling_type, score, getattr(self.engine.model, "score_row", "last"),
+                                 causal=not getattr(self.engine.model, "is_encoder", False))
+            requests.append(Request(f"offline-{next(self._ids)}", ids, SamplingParams(max_tokens=0),
+                                    sink=partial(self._pooled, results, i, bar), pooling=state))
+        self._run_requests(requests, bar)
+        for request, result in zip(requests, results):
+            if result is None:
+                raise RuntimeError(f"request {request.rid} ended without a result ({request.finish_reason})")
+        return [(ids, cast(PooledOutput, out)) for ids, out in zip(prompts, results)]
+
+    @staticmethod
+    def _pooled(results: list[PooledOutput | None], index: int, bar: tqdm, event: RequestEvent) -> None:
+        if event.pooled is not None:
+            results[index] = event.pooled
+            bar.update(1)
 
     def _prepare(
         self, prompts: Sequence[Prompt], sampling_params: Sequence[SamplingParams], bar: tqdm

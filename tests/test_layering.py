@@ -32,6 +32,7 @@ RANKS: dict[str, float] = {
     "layers": 2, "flashinfer": 1.8, "cpu": 1.5,  # the layers call FlashInfer's kernels and the CPU's
     "tp": 1,  # the TP group's collectives and the plan's transport: the layers call them
     "speculative_config": 0.5,  # reads config's ConfigError and EngineConfig
+    "pooling_config": 0.5,  # likewise: a pooling model's pooling, from its folder and the flags
     "config": 0, "sampling_params": 0, "batch_plan": 0, "placeholders": 0, "hf_imports": 0,
     "sampling_limits": -1,  # the ranges of the sampling fields: sampling_params reads them
 }

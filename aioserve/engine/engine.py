@@ -27,6 +27,7 @@ from aioserve.cpu_engine.fast_paths import CpuFastPaths
 from aioserve.engine.cuda_graph import Capture, CudaGraphCapture, DecodeGraphRunner
 from aioserve.cpu_engine.greedy_screen import GreedyScreen
 from aioserve.engine.loading import describe, load
+from aioserve.engine.pooler import pool_segments
 from aioserve.cpu_engine.decode_stack import NativeDecodeRunner
 from aioserve.engine.sampler import SamplerOutput, prompt_logprobs, sample
 from aioserve.engine.tp_layout import gather_layout, layout_lines
@@ -46,6 +47,7 @@ class Engine:
         self.weight_dtype, self.dtype, self.kv_dtype = loaded.weight_dtype, loaded.dtype, loaded.kv_dtype
         self.max_model_len, self.max_prefill_tokens = loaded.max_model_len, loaded.max_prefill_tokens
         self.model = loaded.model
+        self.pooler = loaded.pooler  # a pooling model: how it pools (pooling_config.py); None: it generates
         self.page_size = config.page_size
         # Free memory differs between ranks: every rank takes the smallest
         # pool any of them can hold, so one page id means one page everywhere.
@@ -154,7 +156,10 @@ class Engine:
             logits = self.model.compute_logits(hidden[plan.prompt_logprobs.token_indices])
             if self.tp.is_leader:
                 prompt = prompt_logprobs(logits, plan.prompt_logprobs.target_ids, plan.prompt_logprobs.num_top)
-        return StepOutput(tokens.token_ids, tokens.logprobs, tokens.top_ids, tokens.top_logprobs, *prompt)
+        pooled: tuple[torch.Tensor | None, torch.Tensor | None] = (None, None)
+        if host_plan.pooling is not None:
+            pooled = pool_segments(self.model, hidden, host_plan.pooling)
+        return StepOutput(tokens.token_ids, tokens.logprobs, tokens.top_ids, tokens.top_logprobs, *prompt, *pooled)
 
     def _tokens(self, rows: torch.Tensor, plan: BatchPlan, host_plan: BatchPlan) -> SamplerOutput:
         """The sampled rows' tokens: by the greedy screen when it serves every

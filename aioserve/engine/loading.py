@@ -23,6 +23,7 @@ from aioserve.models.causal_lm import CausalLM
 from aioserve.models.model_config import ModelConfig
 from aioserve.models.source import resolve_model_path
 from aioserve.models.weight_loader import build_model
+from aioserve.pooling_config import PoolerConfig, resolve_pooler
 from aioserve.cpu.native import cpu_kernels
 
 logger = logging.getLogger(__name__)
@@ -49,6 +50,7 @@ class LoadedModel:
     model: CausalLM  # what every registered architecture builds (models/registry.py)
     num_pages: int  # what this rank's memory holds; ranks then take the smallest
     cpu_dispatch: CpuDispatch | None = None  # on a CPU: its paths for this model (cpu/dispatch.py)
+    pooler: PoolerConfig | None = None  # a pooling model (embedder, reranker): how it pools; None: it generates
 
 
 def kv_budget_bytes(total: int, free: int, mem_fraction_static: float) -> int:
@@ -144,6 +146,7 @@ def load(config: EngineConfig, tp_size: int) -> LoadedModel:
     _prepare_device(device, config)
     model_path = resolve_model_path(config.model, config.revision)
     model_config = ModelConfig.from_path(model_path)
+    pooler = resolve_pooler(config, model_path, model_config.architecture)  # refused before any weight loads
     weight_dtype = resolve_dtype(config.dtype, model_config.torch_dtype)
     dispatch = cpu_dispatch(config, weight_dtype, tp_size) if device.type == "cpu" else None
     dtype = dispatch.math_dtype if dispatch is not None else weight_dtype
@@ -175,7 +178,11 @@ def load(config: EngineConfig, tp_size: int) -> LoadedModel:
         model=model,
         num_pages=0,
         cpu_dispatch=dispatch,
+        pooler=pooler,
     )
+    if pooler is not None:
+        logger.info("pooling model: %s pooling%s, %s (from %s)", pooler.pooling_type,
+                    ", normalised" if pooler.normalize else "", pooler.task, pooler.source)
     loaded.num_pages = pool_pages(config, loaded, tp_size)
     return loaded
 

@@ -27,6 +27,7 @@ def model_facts(engine: Engine) -> ModelFacts:
         vocab_size=engine.vocab_size,
         eos_token_ids=engine.model_config.eos_token_ids,
         max_prefill_tokens=engine.max_prefill_tokens,
+        pooler=engine.pooler,
     )
 
 

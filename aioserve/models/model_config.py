@@ -15,6 +15,14 @@ from aioserve.quant.config import read_quantization
 from aioserve.quant.method import QuantMethod
 
 
+# A decoder family's bare model (no LM head), as embedders are saved -> the
+# class that serves it (its LM head, tied to the embedding, never used).
+DECODER_OF_BACKBONE = {
+    "LlamaModel": "LlamaForCausalLM", "MistralModel": "MistralForCausalLM", "Qwen2Model": "Qwen2ForCausalLM",
+    "Qwen3Model": "Qwen3ForCausalLM", "Gemma3TextModel": "Gemma3ForCausalLM",
+}
+
+
 @dataclass
 class ModelConfig:
     architecture: str
@@ -45,6 +53,9 @@ class ModelConfig:
     # The architecture config.json names when it wraps this text model with a
     # vision tower (Gemma3ForConditionalGeneration): its weights carry prefixes.
     wrapper: str | None = None
+    # Saved as the bare decoder (`Qwen3Model`: sentence-transformers' embedders):
+    # its tensors lack the `model.` prefix and there is no LM head.
+    backbone_only: bool = False
 
     @classmethod
     def from_dict(cls, raw: dict[str, Any], generation: dict[str, Any] | None = None) -> "ModelConfig":
@@ -54,6 +65,9 @@ class ModelConfig:
         if not archs:
             raise ValueError("config.json names no architecture")
         arch = archs[0]
+        backbone_only = arch in DECODER_OF_BACKBONE
+        if backbone_only:  # a decoder saved without its LM head (an embedder): the family's class, head tied
+            arch, raw = DECODER_OF_BACKBONE[arch], {**raw, "tie_word_embeddings": True}
         num_heads = raw["num_attention_heads"]
         num_layers = raw["num_hidden_layers"]
         model_type = raw.get("model_type", "")
@@ -92,6 +106,7 @@ class ModelConfig:
             final_logit_softcapping=raw.get("final_logit_softcapping"),
             hidden_act=raw.get("hidden_activation") or raw.get("hidden_act") or "silu",
             wrapper=outer if outer in TEXT_MODEL_OF else None,
+            backbone_only=backbone_only,
         )
 
     @classmethod

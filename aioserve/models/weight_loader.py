@@ -142,6 +142,8 @@ def load_safetensors(model: nn.Module, config: ModelConfig, path: Path) -> set[t
         for handle in tqdm(handles, desc="loading weights", unit="file", disable=quiet):
             for hf_name in handle.keys():
                 name = text_weight_name(hf_name) if config.wrapper else hf_name
+                if config.backbone_only and name is not None and not name.startswith("model."):
+                    name = f"model.{name}"  # a bare decoder's tensors, as its LM class names them
                 if name is None:
                     skipped += 1  # the vision tower of a wrapped text model
                     continue
@@ -188,6 +190,8 @@ def quantised_layers(model: nn.Module, config: ModelConfig, method: QuantMethod,
         with safe_open(str(file), framework="pt") as handle:
             for hf_name in handle.keys():
                 name = text_weight_name(hf_name) if config.wrapper else hf_name
+                if config.backbone_only and name is not None and not name.startswith("model."):
+                    name = f"model.{name}"  # a bare decoder's tensors, as its LM class names them
                 if name is None or not method.stores_quantised(handle.get_slice(hf_name).get_dtype()):
                     continue
                 target = _target(model, name)

@@ -94,6 +94,8 @@ class OutputProcessor:
             current = self._settle(request, entry)
             if entry.prompt_logprob_span is not None:
                 self._record_prompt_logprobs(request, entry, output)
+            if entry.pool_segment is not None and current:
+                self._record_pooled(request, entry, output)
             if entry.row is None:
                 if current and request.max_new_tokens == 0 and entry.kv_len_after == request.num_prompt_tokens:
                     self._finish_prompt_only(request)
@@ -237,8 +239,17 @@ class OutputProcessor:
             event.prompt_logprobs = request.prompt_logprobs
             event.prompt_logprob_ranks = request.prompt_logprob_ranks
 
+    @staticmethod
+    def _record_pooled(request: Request, entry: StepEntry, output: StepOutput) -> None:
+        assert request.pooling is not None and entry.pool_segment is not None and output.pooled is not None
+        segment = entry.pool_segment
+        scores = output.scores[segment] if output.scores is not None else None
+        rows = entry.kv_len_after - entry.first_position
+        request.pooling.add(output.pooled[segment], scores, rows, first=entry.first_position == 0,
+                            last=entry.kv_len_after == request.num_prompt_tokens)
+
     def _finish_prompt_only(self, request: Request) -> None:
-        """max_tokens 0: the prompt is computed (and scored), nothing is generated."""
-        event = RequestEvent(finish_reason="length")
+        """max_tokens 0: the prompt is computed (and scored, or pooled), nothing is generated."""
+        event = RequestEvent(finish_reason="length", pooled=request.pooling.result() if request.pooling else None)
         self._add_first_event_metadata(request, event)
         self.table.finish(request, "length", event)

@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from aioserve.batch_plan import BatchPlan, PromptLogprobRequest
+from aioserve.batch_plan import BatchPlan, PoolingRequest, PromptLogprobRequest
 from aioserve.kvcache.page_table import PageTable
 from aioserve.kvcache.request_kv import RequestKV
 from aioserve.scheduler.request import Request
@@ -27,6 +27,7 @@ class StepEntry:
     prefill: bool = False  # a prompt chunk, not a decode
     prompt_logprob_span: tuple[int, int] | None = None  # (first, count) in the step's prompt logprobs
     draft: list[int] = field(default_factory=list)  # verified proposal: rows row .. row + len(draft) are sampled
+    pool_segment: int | None = None  # a pooling request's chunk: its index in the step's pooling segments
 
 
 @dataclass
@@ -53,6 +54,10 @@ class PlanBuilder:
     prompt_lp_targets: list[int] = field(default_factory=list)
     prompt_lp_top: int = 0
     num_decodes: int = 0
+    pool_starts: list[int] = field(default_factory=list)
+    pool_lengths: list[int] = field(default_factory=list)
+    pool_type: str = ""  # one pooling model a server: every segment pools alike
+    pool_score: bool = False
 
     def add(
         self,
@@ -80,6 +85,11 @@ class PlanBuilder:
             entry.row = len(self.sample_rows)
             self.sample_rows.append(sample)
             self.logits_indices.append(len(self.ids) - 1)
+        if request.pooling is not None:
+            entry.pool_segment = len(self.pool_starts)
+            self.pool_starts.append(first_row)
+            self.pool_lengths.append(len(token_ids))
+            self.pool_type, self.pool_score = request.pooling.pooling_type, request.pooling.score
         if prompt_lp_targets:
             entry.prompt_logprob_span = (len(self.prompt_lp_indices), len(prompt_lp_targets))
             self.prompt_lp_indices += range(first_row, first_row + len(prompt_lp_targets))
@@ -148,6 +158,10 @@ class PlanBuilder:
             logits_indices=logits_indices,
             sampling=self.sampling.build(self.sample_rows) if self.sample_rows else None,
             prompt_logprobs=prompt_lp,
+            pooling=PoolingRequest(
+                torch.tensor(self.pool_starts, dtype=torch.long), torch.tensor(self.pool_lengths, dtype=torch.long),
+                self.pool_type, self.pool_score,
+            ) if self.pool_starts else None,
         )
         num_prefill = sum(length for entry, length in zip(self.entries, self.lengths) if entry.prefill)
         return ScheduledStep(plan, self.entries, num_prefill)

@@ -181,8 +181,10 @@ class StepPlanner:
             decode_room = min(request.max_new_tokens - request.num_generated, self.config.decode_reserve_tokens)
             headroom = self.kv.pages_for(len(tokens) + decode_room) - self.kv.pages_for(len(tokens))
             headroom += len(self.table.running)
-        # Prompt logprobs need every prompt position computed: no prefix reuse.
-        kv = self.kv.admit(tokens, headroom, use_cache=not request.wants_prompt_logprobs)
+        # Prompt logprobs need every prompt position computed: no prefix reuse;
+        # nor does a pooling request that reads more than its last row.
+        reuse = not request.wants_prompt_logprobs and (request.pooling is None or request.pooling.reuses_prefix)
+        kv = self.kv.admit(tokens, headroom, use_cache=reuse)
         if kv is None:
             return False
         self.table.start(request, kv)

@@ -22,6 +22,7 @@ from aioserve.kvcache.request_kv import RequestKV
 from aioserve.sampling_params import SamplingParams
 from aioserve.scheduler.constraint import ConstraintFactory, TokenConstraint
 from aioserve.scheduler.pending_tokens import PendingTokens
+from aioserve.scheduler.pooling import PooledOutput, PoolingState
 
 
 class RequestRejected(ValueError):
@@ -63,6 +64,7 @@ class RequestEvent:
     prompt_logprob_ranks: list[int] | None = None  # of each prompt token after the first
     error: str | None = None
     speculation: SpeculativeCounts | None = None  # with speculative decoding on: the counts so far
+    pooled: PooledOutput | None = None  # a pooling request's last event: its vector (and scores)
 
 
 EventSink = Callable[[RequestEvent], None]
@@ -90,6 +92,7 @@ class Request:
     speculation: SpeculativeCounts | None = None  # set at submission when speculative decoding is on
     grammar: ConstraintFactory | None = None  # compiled from params.structured_outputs
     constraint: TokenConstraint | None = None  # its matcher, made at submission
+    pooling: PoolingState | None = None  # an embedding or score request: computes its prompt, generates nothing
 
     def __post_init__(self) -> None:
         if not self.all_ids:
@@ -132,7 +135,12 @@ class Request:
     @property
     def is_prefilling(self) -> bool:
         """More than the newest token lacks KV. (With only the newest
-        missing, the request decodes, whether that token is known or pending.)"""
+        missing, the request decodes, whether that token is known or pending.)
+        A request that generates nothing (max_tokens 0: prompt logprobs, a
+        pooling request) computes its prompt's last token as prompt too: were
+        a chunk to leave only that one, no decode would ever compute it."""
+        if self.max_new_tokens == 0 and self.status is Status.RUNNING:
+            return self.kv_len < self.seq_len
         return self.kv_len < self.seq_len - 1
 
     @property

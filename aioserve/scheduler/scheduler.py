@@ -36,6 +36,7 @@ from aioserve.scheduler.request import Request, RequestEvent, RequestRejected, S
 from aioserve.scheduler.request_table import RequestTable, SchedulerStats
 from aioserve.scheduler.sampling_batch import SamplingBatchBuilder
 from aioserve.scheduler.speculation import Speculator
+from aioserve.pooling_config import PoolerConfig
 from aioserve.speculative_config import resolve_speculative
 
 logger = logging.getLogger(__name__)
@@ -53,6 +54,7 @@ class ModelFacts:
     vocab_size: int
     eos_token_ids: list[int]
     max_prefill_tokens: int  # the config's, or the engine's default for its device
+    pooler: PoolerConfig | None = None  # a pooling model's pooling: it takes pooling requests only
 
 
 class Scheduler:
@@ -150,12 +152,26 @@ class Scheduler:
         for i, request in enumerate(requests):
             if request.rid in self.table.by_id or any(other.rid == request.rid for other in requests[:i]):
                 raise RequestRejected(f"request id {request.rid!r} is already in use", "request_id")
+            self._check_kind(request)
             request.params.validate(self.facts.vocab_size)
             if any(not 0 <= t < self.facts.vocab_size for t in request.prompt_ids):
                 raise RequestRejected(f"prompt token ids must be in [0, {self.facts.vocab_size})", "prompt")
             request.max_new_tokens = self.validate(len(request.prompt_ids), request.params.max_tokens)
         for request in requests:
             self._queue(request)
+
+    def _check_kind(self, request: Request) -> None:
+        """A pooling model pools and a generating one generates (the server
+        routes refuse the other kind first, with the flag to use)."""
+        pooler = self.facts.pooler
+        if pooler is None and request.pooling is not None:
+            raise RequestRejected("this model generates text: it is not served as a pooling model (--runner pooling)")
+        if pooler is not None and request.pooling is None:
+            raise RequestRejected("this model is served as a pooling model: it cannot generate (--runner generate)")
+        if request.pooling is not None and request.pooling.score and pooler is not None and pooler.task != "classify":
+            raise RequestRejected("this model embeds: it has no score head to rerank or score with")
+        if request.pooling is not None and request.params.max_tokens != 0:
+            raise RequestRejected("a pooling request generates nothing: max_tokens must be 0", "max_tokens")
 
     def _queue(self, request: Request) -> None:
         if self.speculator is not None and request.speculation is None:
