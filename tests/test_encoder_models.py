@@ -228,6 +228,7 @@ def _plan_after(prefix: int, length: int) -> BatchPlan:
     keep = slice(prefix, prefix + length)
     plan.input_ids, plan.positions, plan.out_cache_loc = plan.input_ids[keep], plan.positions[keep], plan.out_cache_loc[keep]
     plan.extend_lens = torch.tensor([length])
+    plan.num_decodes = int(length == 1)  # one new token after a prefix: a decode
     return plan
 
 
