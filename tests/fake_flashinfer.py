@@ -1,7 +1,8 @@
 """A stand-in for the FlashInfer entry points aioserve uses, in plain torch
 on CPU, read off FlashInfer's documented semantics: paged KV described by
 (indptr, indices, last_page_len), queries by qo_indptr, causal attention
-aligned to the end of each request's KV, `window_left` inclusive, NHD
+aligned to the end of each request's KV (or, planned with causal=False, each
+query attending to all of its request's KV), `window_left` inclusive, NHD
 layout, and CUDA-graph mode planning into caller-owned buffers that `run`
 reads back; the fused RMSNorm, RoPE and SiLU-and-mul; the CUTLASS fused MoE
 (fc1 rows [up | gate], silu of the second half times the first, the
@@ -75,7 +76,7 @@ def _half_only(*tensors: torch.Tensor) -> None:
     _need(all(t.dtype == tensors[0].dtype for t in tensors), "inputs of mixed dtypes are read as the first's type")
 
 
-def _attend(q, k_cache, v_cache, qo_indptr, indptr, indices, last_page_len, scale, window_left, out):
+def _attend(q, k_cache, v_cache, qo_indptr, indptr, indices, last_page_len, scale, window_left, out, causal=True):
     page_size, hk = k_cache.shape[1], k_cache.shape[2]
     k_flat, v_flat = k_cache.reshape(-1, hk, k_cache.shape[3]), v_cache.reshape(-1, hk, v_cache.shape[3])
     for i in range(last_page_len.shape[0]):
@@ -88,7 +89,7 @@ def _attend(q, k_cache, v_cache, qo_indptr, indptr, indices, last_page_len, scal
         v = v_flat[slots].to(q.dtype).repeat_interleave(q.shape[1] // hk, dim=1)
         q_pos = torch.arange(queries.shape[0])[:, None] + length - queries.shape[0]
         k_pos = torch.arange(length)[None, :]
-        allowed = k_pos <= q_pos
+        allowed = k_pos <= q_pos if causal else torch.ones_like(k_pos <= q_pos)
         if window_left >= 0:
             allowed &= k_pos >= q_pos - window_left
         out[rows] = F.scaled_dot_product_attention(
@@ -134,7 +135,8 @@ class _Wrapper:
             _vector_loads(name, t, torch.tensor([0, *t.stride()[:-1]]), 16)
         out = torch.empty_like(q) if out is None else out
         window = p.window_left if window_left is None else window_left
-        return _attend(q, k_cache, v_cache, qo_indptr, p.indptr, p.indices, p.last_page_len, p.sm_scale, window, out)
+        return _attend(q, k_cache, v_cache, qo_indptr, p.indptr, p.indices, p.last_page_len, p.sm_scale, window, out,
+                       getattr(p, "causal", True))
 
 
 class BatchDecodeWithPagedKVCacheWrapper(_Wrapper):
@@ -167,7 +169,6 @@ class BatchPrefillWithPagedKVCacheWrapper(_Wrapper):
     def plan(self, qo_indptr, paged_kv_indptr, paged_kv_indices, paged_kv_last_page_len, num_qo_heads,
              num_kv_heads, head_dim_qk, page_size, *, causal=False, window_left=-1, q_data_type=torch.float16,
              kv_data_type=None, sm_scale=None):
-        assert causal, "aioserve's extends are causal"
         assert qo_indptr.device.type == "cpu", "plan takes host arrays"
         self._check_plan(head_dim_qk, qo_indptr, paged_kv_indptr, paged_kv_indices, paged_kv_last_page_len)
         self.plans += 1
@@ -175,7 +176,7 @@ class BatchPrefillWithPagedKVCacheWrapper(_Wrapper):
             qo_indptr=qo_indptr, indptr=paged_kv_indptr, indices=paged_kv_indices,
             last_page_len=paged_kv_last_page_len, num_qo_heads=num_qo_heads, num_kv_heads=num_kv_heads,
             head_dim=head_dim_qk, page_size=page_size, window_left=window_left, q_data_type=q_data_type,
-            kv_data_type=kv_data_type or q_data_type, sm_scale=sm_scale or head_dim_qk**-0.5,
+            kv_data_type=kv_data_type or q_data_type, sm_scale=sm_scale or head_dim_qk**-0.5, causal=causal,
         )
 
     def run(self, q, paged_kv_cache, *, out=None, window_left=None):

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import logging
 
-from aioserve.attention.backend import AttentionBackend, AttentionMetadata, AttentionShape
+from aioserve.attention.backend import AttentionBackend, AttentionMetadata, AttentionShape, check_non_causal_plan
 from aioserve.config import ConfigError
 from aioserve.flashinfer import contracts, loader
 from aioserve.kvcache.kv_pool import KVPool
@@ -46,7 +46,10 @@ def create_backend(name: str, pool: KVPool, shape: AttentionShape) -> AttentionB
             logger.info("attention: torch_native, not flashinfer, because %s", reason)
     from aioserve.attention.torch_native import TorchNativeBackend
 
-    return TorchNativeBackend(pool)
+    return TorchNativeBackend(pool, causal=shape.causal)
 
 
-__all__ = ["AttentionBackend", "AttentionMetadata", "AttentionShape", "BACKENDS", "FLASHINFER_HEAD_DIMS", "create_backend"]
+__all__ = [
+    "AttentionBackend", "AttentionMetadata", "AttentionShape", "BACKENDS", "FLASHINFER_HEAD_DIMS", "check_non_causal_plan",
+    "create_backend",
+]

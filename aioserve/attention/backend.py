@@ -78,3 +78,26 @@ class AttentionShape:
     sliding_windows: tuple[int | None, ...]  # per layer; None = full attention
     q_dtype: torch.dtype
     sm_scale: float | None = None  # every layer's softmax scale; None: head_dim ** -0.5
+    # False for encoders (BERT, XLM-R): each token attends to every token of
+    # its sequence. See check_non_causal_plan for what such a plan must be.
+    causal: bool = True
+
+
+def check_non_causal_plan(plan: BatchPlan) -> None:
+    """Bidirectional attention is only right over a whole sequence: a token
+    early in the prompt attends to later ones, so a request cut into chunks
+    (a later chunk has a prefix) or started on a cached prefix would attend
+    to keys that were computed without seeing it, or never see its own
+    later tokens. An encoder request must arrive whole, in one step, from
+    position 0; this refuses a plan that breaks that, on the host plan.
+    (A first chunk looks like a whole prompt here: the scheduler must never
+    chunk an encoder's prompt; its next chunk would be refused.)"""
+    seq_lens = plan.seq_lens.tolist()
+    extend_lens = plan.extend_lens.tolist()
+    for i, (total, new) in enumerate(zip(seq_lens, extend_lens)):
+        if total != new:
+            raise ValueError(
+                f"non-causal attention: request {i} of the step has {new} new tokens after {total - new} "
+                "already in the KV cache (a chunked prompt or a cached prefix); an encoder's request must "
+                "arrive whole, in one step, from position 0"
+            )

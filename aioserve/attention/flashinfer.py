@@ -3,7 +3,8 @@
 One step plans twice at most, on the host, before any layer runs: the
 decodes (the plan's first `num_decodes` requests) with the paged decode
 wrapper, the extends (prefill chunks over a cached prefix, or none) with the
-paged prefill wrapper, causal. Every layer then stores its new K/V into the
+paged prefill wrapper, causal (an encoder's, AttentionShape.causal False:
+not causal, over whole sequences only, backend.check_non_causal_plan). Every layer then stores its new K/V into the
 pool and runs the planned kernels on its own slice of the pool; no layer
 plans again and nothing reads a length off the device.
 
@@ -28,7 +29,7 @@ from typing import Any, Protocol
 
 import torch
 
-from aioserve.attention.backend import AttentionBackend, AttentionMetadata, AttentionShape
+from aioserve.attention.backend import AttentionBackend, AttentionMetadata, AttentionShape, check_non_causal_plan
 from aioserve.batch_plan import BatchPlan
 from aioserve.flashinfer import loader
 from aioserve.flashinfer.paged_args import PagedKVArgs, paged_kv_args, qo_indptr, window_left
@@ -99,7 +100,6 @@ class FlashInferMetadata(AttentionMetadata):
 
 class FlashInferBackend(AttentionBackend):
     name = "flashinfer"
-    supports_graphs = True
 
     def __init__(self, pool: KVPool, shape: AttentionShape, flashinfer: ModuleType | None = None) -> None:
         fi = flashinfer or loader.load_flashinfer()
@@ -122,11 +122,18 @@ class FlashInferBackend(AttentionBackend):
         # Planned with the model's window (which picks the sliding-window
         # kernels); each layer passes its own at run time (-1: full).
         windows = [w for w in shape.sliding_windows if w is not None]
+        if windows and not shape.causal:
+            raise ValueError("a sliding window needs causal attention (the model is an encoder)")
         self.plan_window = window_left(max(windows)) if windows else -1
         self.graph_decodes: dict[int, PagedWrapper] = {}
         # Set after each step's plans: their uploads read pinned staging
         # buffers that the next step's plans overwrite (see _before_planning).
         self._planned: torch.cuda.Event | None = None
+
+    @property
+    def supports_graphs(self) -> bool:
+        """Decodes replay from its graph buffers; an encoder has no decodes."""
+        return self.shape.causal
 
     def _before_planning(self) -> None:
         """Each wrapper's `plan` writes its page-locked staging buffer and
@@ -173,13 +180,15 @@ class FlashInferBackend(AttentionBackend):
         self.prefill.plan(
             qo, args.indptr, args.indices, args.last_page_len,
             s.num_qo_heads, s.num_kv_heads, s.head_dim, self.pool.page_size,
-            causal=True, window_left=self.plan_window, q_data_type=s.q_dtype, kv_data_type=self.pool.dtype,
+            causal=s.causal, window_left=self.plan_window, q_data_type=s.q_dtype, kv_data_type=self.pool.dtype,
             sm_scale=self.sm_scale,
         )
 
     def prepare(self, plan: BatchPlan, host_plan: BatchPlan) -> FlashInferMetadata:
         nd, batch = host_plan.num_decodes, host_plan.num_requests
         ps = self.pool.page_size
+        if not self.shape.causal:
+            check_non_causal_plan(host_plan)
         self._before_planning()
         if nd:
             args = paged_kv_args(host_plan.page_table[:nd], host_plan.seq_lens[:nd], ps)

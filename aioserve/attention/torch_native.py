@@ -11,6 +11,12 @@ same pages, whose KV is stored before any is read. Longer extends (prefill
 chunks) are attended one request at a time with a causal mask shifted by
 the cached prefix, so a long prompt never pads the short ones; side-by-side chunks of one length with nothing
 cached before them (a burst of equal prompts) attend as one batch.
+
+A non-causal backend (encoders: `causal=False`) attends each sequence's
+tokens to all of its tokens. Its plans hold whole sequences only, nothing
+cached before them (backend.check_non_causal_plan), so every request is an
+extend without a prefix (or a one-token one, which is the same either way)
+and the same paths serve it with the causal mask dropped.
 """
 
 from __future__ import annotations
@@ -21,7 +27,7 @@ from types import ModuleType
 import torch
 import torch.nn.functional as F
 
-from aioserve.attention.backend import AttentionBackend, AttentionMetadata
+from aioserve.attention.backend import AttentionBackend, AttentionMetadata, check_non_causal_plan
 from aioserve.batch_plan import BatchPlan, extend_runs_as_decodes, token_rows
 from aioserve.kvcache.kv_pool import KVPool, to_cache_dtype
 from aioserve.cpu.native import cpu_kernels
@@ -93,9 +99,11 @@ class GatherWorkspace:
 
 class TorchNativeMetadata(AttentionMetadata):
     def __init__(
-        self, pool: KVPool, plan: BatchPlan, host_plan: BatchPlan, workspace: GatherWorkspace, kernels: ModuleType | None
+        self, pool: KVPool, plan: BatchPlan, host_plan: BatchPlan, workspace: GatherWorkspace, kernels: ModuleType | None,
+        causal: bool = True,
     ) -> None:
         self.pool = pool
+        self.causal = causal
         self.workspace = workspace
         self.kernels = kernels
         self.out_cache_loc = plan.out_cache_loc
@@ -167,6 +175,8 @@ class TorchNativeMetadata(AttentionMetadata):
         scale: float,
         sliding_window: int | None,
     ) -> torch.Tensor:
+        if not self.causal and sliding_window is not None:
+            raise ValueError(f"layer {layer}: a sliding window needs causal attention")
         keys, values = self.pool.keys(layer), self.pool.values(layer)
         self.pool.store(layer, self.out_cache_loc, k, v)
         if keys.dtype != q.dtype and self.extends:
@@ -183,7 +193,7 @@ class TorchNativeMetadata(AttentionMetadata):
         for run in self.extend_runs:
             if len(run) > 1 and run[0].mask(sliding_window) is None:
                 rows = slice(run[0].start, run[-1].start + run[-1].length)
-                out[rows] = self._attend_fresh(q[rows], k[rows], v[rows], len(run), scale)
+                out[rows] = self._attend_fresh(q[rows], k[rows], v[rows], len(run), scale, self.causal)
                 continue
             for ext in run:
                 rows = slice(ext.start, ext.start + ext.length)
@@ -192,11 +202,13 @@ class TorchNativeMetadata(AttentionMetadata):
                 else:
                     ek = keys.index_select(0, ext.slots).to(q.dtype)
                     ev = values.index_select(0, ext.slots).to(q.dtype)
-                out[rows] = self._attend_extend(q[rows], ek, ev, ext.mask(sliding_window), scale)
+                out[rows] = self._attend_extend(q[rows], ek, ev, ext.mask(sliding_window), scale, self.causal)
         return out
 
     @staticmethod
-    def _attend_fresh(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, count: int, scale: float) -> torch.Tensor:
+    def _attend_fresh(
+        q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, count: int, scale: float, causal: bool = True
+    ) -> torch.Tensor:
         """`count` requests' chunks of one length side by side, nothing cached
         before them: one causal call over [count, heads, length, dim], the
         same numbers as a call per request (each (request, head) is its own
@@ -206,15 +218,17 @@ class TorchNativeMetadata(AttentionMetadata):
             return x.view(count, -1, *x.shape[1:]).transpose(1, 2)
 
         attended = F.scaled_dot_product_attention(
-            batched(q), batched(k), batched(v), is_causal=True, scale=scale, enable_gqa=True
+            batched(q), batched(k), batched(v), is_causal=causal, scale=scale, enable_gqa=True
         )
         return attended.transpose(1, 2).reshape(q.shape)
 
     @staticmethod
     def _attend_extend(
-        q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, scale: float
+        q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, scale: float,
+        causal: bool = True,
     ) -> torch.Tensor:
-        """One request's chunk, [L, H, D] in and out. Inputs go in 4-D, the
+        """One request's chunk, [L, H, D] in and out (`mask` None: plain
+        causal, or no mask at all when not `causal`). Inputs go in 4-D, the
         layout CUDA's fused kernels require (3-D falls back to the slow math
         path). Their masked kernel does not take grouped KV heads, so on CUDA
         a masked chunk gets its KV heads repeated instead."""
@@ -227,7 +241,7 @@ class TorchNativeMetadata(AttentionMetadata):
             k.transpose(0, 1)[None],
             v.transpose(0, 1)[None],
             attn_mask=mask,
-            is_causal=mask is None,
+            is_causal=mask is None and causal,
             scale=scale,
             enable_gqa=gqa,
         )
@@ -277,8 +291,9 @@ class GraphDecodeMetadata(AttentionMetadata):
 class TorchNativeBackend(AttentionBackend):
     name = "torch_native"
 
-    def __init__(self, pool: KVPool, use_native: bool = True) -> None:
+    def __init__(self, pool: KVPool, use_native: bool = True, causal: bool = True) -> None:
         self.pool = pool
+        self.causal = causal  # False: an encoder's bidirectional attention (AttentionShape.causal)
         self.workspace = GatherWorkspace()
         self.use_native = use_native and pool.buffer.device.type == "cpu"
         if self.use_native:
@@ -290,7 +305,9 @@ class TorchNativeBackend(AttentionBackend):
         return cpu_kernels(wait=False) if self.use_native else None
 
     def prepare(self, plan: BatchPlan, host_plan: BatchPlan) -> TorchNativeMetadata:
-        return TorchNativeMetadata(self.pool, plan, host_plan, self.workspace, self.kernels)
+        if not self.causal:
+            check_non_causal_plan(host_plan)
+        return TorchNativeMetadata(self.pool, plan, host_plan, self.workspace, self.kernels, self.causal)
 
     # -- graph seam (CPU, native kernels only) ----------------------------------------
 
@@ -298,8 +315,9 @@ class TorchNativeBackend(AttentionBackend):
     def supports_graphs(self) -> bool:
         """Only the native CPU decode kernel reads its lengths from tensors;
         the torch path sizes its gather from host lengths, which a CUDA graph
-        would freeze. (CPU has no graphs: this serves the runner's tests.)"""
-        return self.kernels is not None
+        would freeze. (CPU has no graphs: this serves the runner's tests.)
+        An encoder has no decodes to replay."""
+        return self.kernels is not None and self.causal
 
     def init_graph_buffers(self, max_bs: int, max_pages_per_request: int) -> None:
         self.graph_pages = torch.zeros(max_bs, max_pages_per_request, dtype=torch.int32)

@@ -1,4 +1,5 @@
-"""Token embedding and LM head with the vocabulary split over ranks."""
+"""Token embedding and LM head with the vocabulary split over ranks; a
+replicated embedding for small tables (an encoder's positions and token types)."""
 
 from __future__ import annotations
 
@@ -50,6 +51,24 @@ class VocabParallelEmbedding(nn.Module):
         out = self._rows(local.masked_fill(outside, 0))
         out.masked_fill_(outside.unsqueeze(-1), 0.0)
         return all_reduce(out)
+
+
+class ReplicatedEmbedding(nn.Module):
+    """A table every rank holds whole: BERT's position and token-type
+    embeddings (512 and 2 rows), where splitting them would cost an
+    all-reduce each step for nothing."""
+
+    def __init__(self, num_embeddings: int, hidden: int) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.zeros(num_embeddings, hidden), requires_grad=False)
+
+    def load_weight(self, name: str, loaded: torch.Tensor, shard: object = None) -> None:
+        if tuple(loaded.shape) != tuple(self.weight.shape):
+            raise ValueError(f"embedding: checkpoint shape {tuple(loaded.shape)} != {tuple(self.weight.shape)}")
+        self.weight.data.copy_(loaded[:])
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return F.embedding(ids, self.weight)
 
 
 class ParallelLMHead(VocabParallelEmbedding):

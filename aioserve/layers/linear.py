@@ -194,6 +194,24 @@ class QKVParallelLinear(ColumnParallelLinear):
         raise ValueError(f"unknown qkv shard {shard!r}")
 
 
+class ReplicatedLinear(nn.Module):
+    """y = x W^T + b with W whole on every rank: small heads (an encoder's
+    pooler and classifier) that every rank computes alike, with no
+    collective. Never quantised: a checkpoint's quantisation covers the
+    transformer's projections, not a classifier of a few outputs."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = True) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(out_features, in_features), requires_grad=False)
+        self.bias = nn.Parameter(torch.empty(out_features), requires_grad=False) if bias else None
+
+    def load_weight(self, name: str, loaded: torch.Tensor, shard: object = None) -> None:
+        copy_checked(_weight_or_bias(self, name), loaded[:], name)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return linear(x, self.weight, self.bias)
+
+
 class RowParallelLinear(QuantizableLinear):
     """y = x W^T + b with W's columns (input features) split over ranks; the
     partial products are summed across ranks, then the bias is added once."""

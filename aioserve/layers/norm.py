@@ -1,7 +1,8 @@
 """RMSNorm, computed in float32 like Hugging Face's, optionally fused with
 the residual add that precedes it. On CPU, one native kernel does both; on
 CUDA in half precision, FlashInfer's where its contract holds (2-D rows, and
-Qwen3's per-head q/k norms over [tokens, heads, head_dim] views)."""
+Qwen3's per-head q/k norms over [tokens, heads, head_dim] views).
+LayerNorm with a bias, for the encoders (BERT, XLM-R)."""
 
 from __future__ import annotations
 
@@ -57,3 +58,30 @@ class RMSNorm(nn.Module):
             return self._norm(x)
         summed = x + residual
         return self._norm(summed), summed
+
+
+class LayerNorm(nn.Module):
+    """(x - mean) / sqrt(var + eps) * weight + bias over the last dim, as
+    torch's nn.LayerNorm (what Hugging Face's BERT calls), computed in
+    float32 whatever the model's dtype: half-precision statistics over
+    a 1024-wide row lose digits the encoders' post-LN layers keep feeding on.
+    Replicated on every rank. Checkpoints name the parameters weight and
+    bias (the oldest BERT ones gamma and beta: renamed before loading)."""
+
+    def __init__(self, size: int, eps: float) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(size), requires_grad=False)
+        self.bias = nn.Parameter(torch.zeros(size), requires_grad=False)
+
+    def load_weight(self, name: str, loaded: torch.Tensor, shard: object = None) -> None:
+        param = self.weight if name == "weight" else self.bias
+        if tuple(loaded.shape) != tuple(param.shape):
+            raise ValueError(f"LayerNorm {name}: checkpoint shape {tuple(loaded.shape)} != {tuple(param.shape)}")
+        param.data.copy_(loaded[:])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dtype == torch.float32 and self.weight.dtype == torch.float32:
+            return F.layer_norm(x, self.weight.shape, self.weight, self.bias, self.eps)
+        out = F.layer_norm(x.float(), self.weight.shape, self.weight.float(), self.bias.float(), self.eps)
+        return out.to(x.dtype)

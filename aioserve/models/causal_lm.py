@@ -7,6 +7,11 @@ It is structural: a family is any torch module with these members, so a new
 one (a vision-language model, say) plugs in without subclassing another
 family. Llama and Gemma 3 get them from `models/decoder_lm.py`.
 
+The encoders (BERT, XLM-R: `is_encoder` True, models/encoder_lm.py) have the
+same members so that they load and run through the same engine, but no LM
+head: their `lm_head` and `compute_logits` raise, and their attention is
+planned not causal (AttentionShape.causal).
+
 Only what a model must expose is here. Where a caller truly needs one
 family's layout (the CPU's native DecoderStack reproduces Llama's layers
 kernel for kernel), it checks for that concrete class itself.
@@ -28,6 +33,9 @@ from aioserve.models.model_config import ModelConfig
 class CausalLM(Protocol):
     """A decoder over token ids: embeddings, decoder layers (one per KV pool
     layer), a final norm and the LM head."""
+
+    # True for an encoder: bidirectional attention over whole sequences, no LM head.
+    is_encoder: bool
 
     @property
     def config(self) -> ModelConfig:

@@ -53,6 +53,8 @@ class DecoderLM(nn.Module):
     """A `DecoderModel` under `model` and the LM head: the `CausalLM`
     members (models/causal_lm.py) a family gets by subclassing this."""
 
+    is_encoder = False  # causal attention and an LM head (the encoders: models/encoder_lm.py)
+
     def __init__(self, config: ModelConfig, model: DecoderModel) -> None:
         super().__init__()
         self.config = config

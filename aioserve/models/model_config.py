@@ -9,7 +9,9 @@ from typing import Any
 
 from aioserve.tp.distributed import kv_heads_per_rank
 from aioserve.layers.rotary import RopeScaling
+from aioserve.models.encoder_config import EncoderConfig, encoder_config
 from aioserve.models.moe_config import MoeConfig
+from aioserve.models.special_tokens import special_token_id
 from aioserve.models.text_of_multimodal import TEXT_MODEL_OF, text_model_config
 from aioserve.quant.config import read_quantization
 from aioserve.quant.method import QuantMethod
@@ -37,7 +39,7 @@ class ModelConfig:
     rms_norm_eps: float
     rope_theta: float
     rope_scaling: RopeScaling
-    max_position_embeddings: int
+    max_position_embeddings: int  # positions the engine may use (an encoder's table has `position_offset` more rows)
     tie_word_embeddings: bool
     attention_bias: bool
     sliding_windows: list[int | None]  # per layer; None = full attention
@@ -56,6 +58,13 @@ class ModelConfig:
     # Saved as the bare decoder (`Qwen3Model`: sentence-transformers' embedders):
     # its tensors lack the `model.` prefix and there is no LM head.
     backbone_only: bool = False
+    encoder: EncoderConfig | None = None  # BERT and XLM-R: bidirectional, no LM head (models/bert.py)
+
+    @property
+    def is_encoder(self) -> bool:
+        """Attention sees the whole sequence (AttentionShape.causal False) and
+        there is no LM head: embeddings and sequence scores, not generation."""
+        return self.encoder is not None
 
     @classmethod
     def from_dict(cls, raw: dict[str, Any], generation: dict[str, Any] | None = None) -> "ModelConfig":
@@ -77,6 +86,7 @@ class ModelConfig:
         )
         head_dim = raw.get("head_dim") or raw["hidden_size"] // num_heads
         scalar = raw.get("query_pre_attn_scalar")
+        encoder = encoder_config(raw)
         if raw.get("attn_logit_softcapping"):
             raise ValueError(f"{arch}: attention logit softcapping (attn_logit_softcapping) is not supported")
         return cls(
@@ -92,7 +102,7 @@ class ModelConfig:
             rms_norm_eps=raw.get("rms_norm_eps", 1e-6),
             rope_theta=theta,
             rope_scaling=rope_scaling,
-            max_position_embeddings=raw.get("max_position_embeddings", 2048),
+            max_position_embeddings=raw.get("max_position_embeddings", 2048) - (encoder.position_offset if encoder else 0),
             tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
             attention_bias=bool(raw.get("attention_bias", False)),
             sliding_windows=_sliding_windows(raw, arch, num_layers),
@@ -107,6 +117,7 @@ class ModelConfig:
             hidden_act=raw.get("hidden_activation") or raw.get("hidden_act") or "silu",
             wrapper=outer if outer in TEXT_MODEL_OF else None,
             backbone_only=backbone_only,
+            encoder=encoder,
         )
 
     @classmethod
@@ -115,7 +126,11 @@ class ModelConfig:
         raw = json.loads((path / "config.json").read_text())
         gen_path = path / "generation_config.json"
         generation = json.loads(gen_path.read_text()) if gen_path.exists() else None
-        return cls.from_dict(raw, generation)
+        config = cls.from_dict(raw, generation)
+        encoder = config.encoder
+        if encoder is not None and encoder.sep_token_id is None and encoder.pair_token_types and encoder.type_vocab_size > 1:
+            encoder.sep_token_id = special_token_id(path, "sep_token")  # BERT types a pair by it
+        return config
 
     def kv_heads_per_rank(self, tp_size: int) -> int:
         """KV heads each tensor-parallel rank holds (replicated when there

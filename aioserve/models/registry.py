@@ -5,6 +5,8 @@ knows a model by."""
 from __future__ import annotations
 
 from aioserve.config import ConfigError
+from aioserve.models.bert import BertModel, XLMRobertaModel
+from aioserve.models.bert_classification import BertForSequenceClassification, XLMRobertaForSequenceClassification
 from aioserve.models.causal_lm import ModelClass
 from aioserve.models.gemma3 import Gemma3ForCausalLM
 from aioserve.models.llama import LlamaForCausalLM, MistralForCausalLM
@@ -15,6 +17,8 @@ from aioserve.models.qwen3 import Qwen3ForCausalLM
 from aioserve.models.qwen3_moe import Qwen3MoeForCausalLM
 
 MODEL_CLASSES: dict[str, ModelClass] = {
+    "BertForSequenceClassification": BertForSequenceClassification,
+    "BertModel": BertModel,
     "Gemma3ForCausalLM": Gemma3ForCausalLM,
     "LlamaForCausalLM": LlamaForCausalLM,
     "MistralForCausalLM": MistralForCausalLM,
@@ -22,6 +26,8 @@ MODEL_CLASSES: dict[str, ModelClass] = {
     "Qwen2ForCausalLM": Qwen2ForCausalLM,
     "Qwen3ForCausalLM": Qwen3ForCausalLM,
     "Qwen3MoeForCausalLM": Qwen3MoeForCausalLM,
+    "XLMRobertaForSequenceClassification": XLMRobertaForSequenceClassification,
+    "XLMRobertaModel": XLMRobertaModel,
 }
 
 

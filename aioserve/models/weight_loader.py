@@ -125,6 +125,19 @@ def _target(model: nn.Module, hf_name: str) -> tuple[nn.Module, str, object] | N
         return None
 
 
+def _local_name(model: nn.Module, config: ModelConfig, hf_name: str) -> str | None:
+    """The name a checkpoint tensor loads under: a wrapped text model's
+    prefix dropped, a bare decoder's added, and an encoder's own mapping (EncoderLM.checkpoint_name:
+    its task prefix, its fused q/k/v); None for a tensor the model does not use."""
+    name = text_weight_name(hf_name) if config.wrapper else hf_name
+    if config.backbone_only and name is not None and not name.startswith("model."):
+        name = f"model.{name}"  # a bare decoder's tensors (an embedder), as its LM class names them
+    rename = getattr(model, "checkpoint_name", None)
+    if name is not None and rename is not None:
+        name = rename(name)
+    return name
+
+
 def load_safetensors(model: nn.Module, config: ModelConfig, path: Path) -> set[torch.dtype]:
     """Load every checkpoint tensor into its parameter; returns the dtypes
     the checkpoint stores them in (a quantised weight counts as the float32 it is
@@ -141,11 +154,9 @@ def load_safetensors(model: nn.Module, config: ModelConfig, path: Path) -> set[t
         owner = {name: handle for handle in handles for name in handle.keys()}
         for handle in tqdm(handles, desc="loading weights", unit="file", disable=quiet):
             for hf_name in handle.keys():
-                name = text_weight_name(hf_name) if config.wrapper else hf_name
-                if config.backbone_only and name is not None and not name.startswith("model."):
-                    name = f"model.{name}"  # a bare decoder's tensors, as its LM class names them
+                name = _local_name(model, config, hf_name)
                 if name is None:
-                    skipped += 1  # the vision tower of a wrapped text model
+                    skipped += 1  # the vision tower of a wrapped text model, an encoder's unused head
                     continue
                 if config.tie_word_embeddings and name == "lm_head.weight":
                     continue  # tied: the embedding is the head
@@ -165,8 +176,10 @@ def load_safetensors(model: nn.Module, config: ModelConfig, path: Path) -> set[t
                     stored.add(tensor.dtype)
                     cast(_LoadsWeights, module).load_weight(param, tensor, shard)
                 loaded.setdefault(id(getattr(module, param)), set()).add(shard)
-    if skipped:
+    if skipped and config.wrapper:
         logger.info("%s: serving the text model; %d vision tensors not loaded", config.wrapper, skipped)
+    elif skipped:
+        logger.info("%s: %d checkpoint tensors not used (a head it does not apply)", config.architecture, skipped)
     _check_complete(model, loaded, path)
     return stored
 
@@ -189,9 +202,7 @@ def quantised_layers(model: nn.Module, config: ModelConfig, method: QuantMethod,
     for file in safetensors_files(path):
         with safe_open(str(file), framework="pt") as handle:
             for hf_name in handle.keys():
-                name = text_weight_name(hf_name) if config.wrapper else hf_name
-                if config.backbone_only and name is not None and not name.startswith("model."):
-                    name = f"model.{name}"  # a bare decoder's tensors, as its LM class names them
+                name = _local_name(model, config, hf_name)
                 if name is None or not method.stores_quantised(handle.get_slice(hf_name).get_dtype()):
                     continue
                 target = _target(model, name)
