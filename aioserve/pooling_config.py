@@ -19,7 +19,7 @@ scheduler plans pooling rows by it and the server shapes responses by it.
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -27,7 +27,7 @@ from aioserve.config import ConfigError, EngineConfig
 
 POOLING_TYPES = ("LAST", "MEAN", "CLS")
 TASKS = ("embed", "classify")
-_KEYS = {"pooling_type", "normalize", "task"}
+_KEYS = {"pooling_type", "normalize", "task", "is_matryoshka", "matryoshka_dimensions"}
 # sentence-transformers' 1_Pooling/config.json -> ours: the flags its folders
 # have long held, and the one `pooling_mode` string newer versions write.
 _ST_FLAGS = {"pooling_mode_cls_token": "CLS", "pooling_mode_mean_tokens": "MEAN", "pooling_mode_lasttoken": "LAST"}
@@ -40,6 +40,11 @@ class PoolerConfig:
     normalize: bool  # L2-normalise the vector (sentence-transformers' Normalize module)
     task: str = "embed"  # embed: /v1/embeddings; classify: the model's score head (rerank, score)
     source: str = "flags"  # where it was read from, for the start-up log
+    # Matryoshka models (config.json's is_matryoshka, as vLLM reads it): a
+    # prefix of the vector is an embedding too; `dimensions` may ask for one
+    # (of matryoshka_dimensions' lengths only, where the model lists them).
+    matryoshka: bool = False
+    matryoshka_dimensions: tuple[int, ...] | None = None
 
 
 def is_classifier(architecture: str) -> bool:
@@ -88,22 +93,45 @@ def _override(base: PoolerConfig, spec: dict[str, Any]) -> PoolerConfig:
     task = spec.get("task", base.task)
     if task not in TASKS:
         raise ConfigError(f"--pooler-config: task must be one of {', '.join(TASKS)}, got {task!r}")
-    return PoolerConfig(pooling_type, normalize, task, f"{base.source} + --pooler-config")
+    matryoshka = spec.get("is_matryoshka", base.matryoshka)
+    dimensions = spec.get("matryoshka_dimensions", base.matryoshka_dimensions)
+    return replace(base, pooling_type=pooling_type, normalize=normalize, task=task, source=f"{base.source} + --pooler-config",
+                   matryoshka=bool(matryoshka or dimensions), matryoshka_dimensions=_dimensions(dimensions))
 
 
-def resolve_pooler(config: EngineConfig, folder: Path, architecture: str) -> PoolerConfig | None:
+def _dimensions(value: Any) -> tuple[int, ...] | None:
+    if value is None:
+        return None
+    if not isinstance(value, list) or not all(isinstance(d, int) and not isinstance(d, bool) and d > 0 for d in value):
+        raise ConfigError(f"matryoshka_dimensions must be a list of positive integers, got {value!r}")
+    return tuple(value)
+
+
+def _matryoshka(folder: Path, base: PoolerConfig) -> PoolerConfig:
+    """config.json's Matryoshka fields (vLLM's names)."""
+    config_file = folder / "config.json"
+    raw = json.loads(config_file.read_text()) if config_file.is_file() else {}
+    dimensions = _dimensions(raw.get("matryoshka_dimensions"))
+    if not raw.get("is_matryoshka") and dimensions is None:
+        return base
+    return replace(base, matryoshka=True, matryoshka_dimensions=dimensions)
+
+
+def resolve_pooler(config: EngineConfig, folder: Path, architecture: str, is_encoder: bool) -> PoolerConfig | None:
     """None for a generating model; else how it pools. `--runner generate`
-    on a pooling-only checkpoint (a cross-encoder) is refused."""
+    on a pooling-only checkpoint (an encoder, a cross-encoder) is refused."""
     declared = read_sentence_transformers(folder)
     classifier = is_classifier(architecture)
     if config.runner == "generate":
-        if classifier:
-            raise ConfigError(f"{architecture} scores text pairs and cannot generate: drop --runner generate")
+        if classifier or is_encoder:
+            raise ConfigError(f"{architecture} has no LM head and cannot generate: drop --runner generate")
         return None
-    if config.runner == "auto" and declared is None and not classifier and config.pooler_config is None:
+    pools = declared is not None or classifier or is_encoder or config.pooler_config is not None
+    if config.runner == "auto" and not pools:
         return None
     if classifier:
         base = PoolerConfig(_default_type(architecture), False, "classify", architecture)
     else:
         base = declared or PoolerConfig(_default_type(architecture), True, "embed", "--runner pooling")
+    base = _matryoshka(folder, base)
     return _override(base, config.pooler_config) if config.pooler_config else base

@@ -32,9 +32,12 @@ logger = logging.getLogger(__name__)
 
 class CpuFastPaths:
     def __init__(
-        self, model: CausalLM, pool: KVPool, dispatch: CpuDispatch, weight_dtype: torch.dtype
+        self, model: CausalLM, pool: KVPool, dispatch: CpuDispatch, weight_dtype: torch.dtype, generates: bool = True
     ) -> None:
+        """`generates`: False for a pooling model, which only computes prompts:
+        its weights are packed, but no decode runner or greedy screen is made."""
         self.model, self.pool, self.dispatch = model, pool, dispatch
+        self.generates = generates
         self.weight_dtype, self.dtype = weight_dtype, dispatch.math_dtype
         self.decode_runner: NativeDecodeRunner | None = None
         self.greedy_screen: GreedyScreen | None = None
@@ -75,6 +78,8 @@ class CpuFastPaths:
                 module.pack_for_cpu(kernels, self.weight_dtype)
 
     def _start_native_paths(self) -> None:
+        if not self.generates:
+            return
         self._start_native_decode()
         kernels = cpu_kernels(wait=False)
         if kernels is not None:

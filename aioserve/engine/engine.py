@@ -58,6 +58,7 @@ class Engine:
         self.attention_shape = AttentionShape(
             num_qo_heads=mc.num_heads // self.tp.size, num_kv_heads=kv_heads, head_dim=mc.head_dim,
             sliding_windows=tuple(mc.sliding_windows), q_dtype=self.dtype, sm_scale=mc.attention_scale,
+            causal=not mc.is_encoder,
         )
         self.attention = create_backend(config.attention_backend, self.pool, self.attention_shape)
         # Decode-only steps run as one captured unit where they can: CUDA
@@ -65,10 +66,12 @@ class Engine:
         self.graph_runner: DecodeGraphRunner | NativeDecodeRunner | None = None
         self.cpu_paths: CpuFastPaths | None = None
         self.cpu_dispatch = loaded.cpu_dispatch  # on a CPU, which paths it takes and why (cpu/dispatch.py)
+        # A pooling model never decodes nor samples: no decode runner, no greedy screen.
+        generates = self.pooler is None
         if loaded.cpu_dispatch is not None:
-            self.cpu_paths = CpuFastPaths(self.model, self.pool, loaded.cpu_dispatch, self.weight_dtype)
+            self.cpu_paths = CpuFastPaths(self.model, self.pool, loaded.cpu_dispatch, self.weight_dtype, generates)
             self.graph_runner = self.cpu_paths.decode_runner
-        elif config.cuda_graph and self.attention.supports_graphs:
+        elif config.cuda_graph and self.attention.supports_graphs and generates:
             self.graph_runner = self.capture_decode_graphs(CudaGraphCapture())
         elif config.cuda_graph:
             logger.info("CUDA graphs off: the %s attention backend cannot replay", self.attention.name)

@@ -146,7 +146,8 @@ def load(config: EngineConfig, tp_size: int) -> LoadedModel:
     _prepare_device(device, config)
     model_path = resolve_model_path(config.model, config.revision)
     model_config = ModelConfig.from_path(model_path)
-    pooler = resolve_pooler(config, model_path, model_config.architecture)  # refused before any weight loads
+    # A bad pooling setting is refused before any weight loads.
+    pooler = resolve_pooler(config, model_path, model_config.architecture, model_config.is_encoder)
     weight_dtype = resolve_dtype(config.dtype, model_config.torch_dtype)
     dispatch = cpu_dispatch(config, weight_dtype, tp_size) if device.type == "cpu" else None
     dtype = dispatch.math_dtype if dispatch is not None else weight_dtype
@@ -174,7 +175,7 @@ def load(config: EngineConfig, tp_size: int) -> LoadedModel:
         dtype=dtype,
         kv_dtype=kv_dtype,
         max_model_len=max_model_len(config, model_config),
-        max_prefill_tokens=config.max_prefill_tokens or DEFAULT_MAX_PREFILL_TOKENS.get(device.type, 8192),
+        max_prefill_tokens=_max_prefill_tokens(config, device, model_config),
         model=model,
         num_pages=0,
         cpu_dispatch=dispatch,
@@ -185,6 +186,16 @@ def load(config: EngineConfig, tp_size: int) -> LoadedModel:
                     ", normalised" if pooler.normalize else "", pooler.task, pooler.source)
     loaded.num_pages = pool_pages(config, loaded, tp_size)
     return loaded
+
+
+def _max_prefill_tokens(config: EngineConfig, device: torch.device, model_config: ModelConfig) -> int:
+    """The flag's, or the device's default; an encoder's prompt is computed
+    whole in one step (its attention sees the whole sequence), so a step
+    holds at least one prompt of the longest context."""
+    tokens = config.max_prefill_tokens or DEFAULT_MAX_PREFILL_TOKENS.get(device.type, 8192)
+    if model_config.is_encoder:
+        return max(tokens, max_model_len(config, model_config))
+    return tokens
 
 
 def describe(loaded: LoadedModel) -> str:

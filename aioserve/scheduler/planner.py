@@ -140,6 +140,8 @@ class StepPlanner:
         the request asked for none: it only wanted its prompt scored)."""
         start = request.kv_len
         end = min(len(request.all_ids), start + budget)
+        if end < len(request.all_ids) and request.pooling is not None and not request.pooling.causal:
+            return 0  # an encoder's prompt is computed whole (its attention sees all of it): a later step
         samples = end == len(request.all_ids) and request.max_new_tokens > 0
         sample = SampleRow(request, request.num_generated, None) if samples else None
         targets = None
@@ -170,7 +172,10 @@ class StepPlanner:
                     self._end_unadmittable(request)
                     continue
                 return
-            budget -= self._add_chunk(builder, request, budget, step_id)
+            added = self._add_chunk(builder, request, budget, step_id)
+            if not added:  # admitted, but its prompt waits for a step with room for all of it
+                return
+            budget -= added
 
     def _admit(self, request: Request) -> bool:
         """Admit `request` if the pool holds its whole sequence and can also

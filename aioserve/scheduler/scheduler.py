@@ -120,7 +120,7 @@ class Scheduler:
         limit = self.facts.max_model_len
         if prompt_len == 0:
             raise RequestRejected("the prompt is empty", "prompt")
-        if prompt_len >= limit:
+        if prompt_len > limit or (prompt_len == limit and max_tokens != 0):  # max_tokens 0: the prompt alone
             raise RequestRejected(
                 f"this model's maximum context length is {limit} tokens, "
                 f"but the prompt has {prompt_len} tokens",

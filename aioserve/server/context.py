@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from aioserve.config import ServerArgs
+from aioserve.pooling_config import PoolerConfig
 from aioserve.scheduler import SchedulerClient
 from aioserve.server.body.checks import RequestLimits
 from aioserve.server.body.parser_process import BodyParserProcess
@@ -64,6 +65,11 @@ class ServingContext:
     admitting: int = 0
     # Parses large request bodies in a process of its own (server/body/parser_process.py).
     body_parser: BodyParserProcess = field(default_factory=BodyParserProcess)
+    # A pooling model (embedder, reranker): how it pools; None for a generating model.
+    pooler: PoolerConfig | None = None
+    hidden_size: int = 0  # an embedding's full length
+    score_row: str = "last"  # the row of a sequence a reranker's score head reads (first: BERT's [CLS])
+    pooling_causal: bool = True  # False for an encoder: no prefix of its prompt is reused
 
     def __post_init__(self) -> None:
         self.metrics = RequestMetrics(self.model_name)
@@ -86,6 +92,34 @@ class ServingContext:
                 param="model",
                 code="model_not_found",
             )
+
+    def check_generates(self) -> None:
+        """A generating route on a pooling model: a 400 saying what it serves."""
+        if self.pooler is not None:
+            routes = "/v1/embeddings" if self.pooler.task == "embed" else "/v1/rerank and /v1/score"
+            raise APIError(
+                f"this server serves `{self.model_name}` as a pooling model: it answers {routes}, and cannot "
+                "generate (start it with --runner generate for a model that can)",
+                code="model_not_generative",
+            )
+
+    def check_pools(self, task: str, route: str) -> PoolerConfig:
+        """A pooling route on a model that does not pool that way: a 400 naming the flag."""
+        if self.pooler is None:
+            raise APIError(
+                f"{route} needs a pooling model; this server serves `{self.model_name}` to generate "
+                "(start the server with --runner pooling, SGLang's --is-embedding, for an embedding model)",
+                code="model_not_pooling",
+            )
+        if task == "classify" and self.pooler.task != "classify":
+            raise APIError(
+                f"{route} needs a reranker (a *ForSequenceClassification checkpoint); `{self.model_name}` "
+                "embeds: use /v1/embeddings",
+                code="model_not_reranker",
+            )
+        if task == "embed" and self.pooler.task != "embed":
+            raise APIError(f"`{self.model_name}` is a reranker: use /v1/rerank or /v1/score", code="model_not_embedder")
+        return self.pooler
 
     def check_capacity(self, new_requests: int = 1, scope: MutableMapping[str, Any] | None = None) -> None:
         """--max-waiting-requests: refuse at once, before any tokenizing, when

@@ -64,10 +64,27 @@ class RequestMetrics:
             "aioserve:request_errors", "Error responses and stream error events, by error.type and status.",
             [*labels, "error_type", "status"], registry=self.registry,
         )
+        self._pooling_requests = Counter(
+            "aioserve:pooling_requests", "Pooling requests (embeddings, rerank, score) answered, by endpoint.",
+            [*labels, "endpoint"], registry=self.registry,
+        )
+        self._pooling_inputs = Counter(
+            "aioserve:pooling_inputs", "Texts (or pairs) those requests pooled, by endpoint.",
+            [*labels, "endpoint"], registry=self.registry,
+        )
+        self._pooling_tokens = Counter(
+            "aioserve:pooling_prompt_tokens", "Prompt tokens those requests computed, by endpoint.",
+            [*labels, "endpoint"], registry=self.registry,
+        )
         self._model_name = model_name
 
     def finished(self, reason: str) -> None:
         self._success.labels(self._model_name, reason).inc()
+
+    def pooled(self, endpoint: str, inputs: int, tokens: int) -> None:
+        self._pooling_requests.labels(self._model_name, endpoint).inc()
+        self._pooling_inputs.labels(self._model_name, endpoint).inc(inputs)
+        self._pooling_tokens.labels(self._model_name, endpoint).inc(tokens)
 
     def error(self, error_type: str, status: int) -> None:
         self._errors.labels(self._model_name, error_type, str(status)).inc()

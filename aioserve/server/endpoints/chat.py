@@ -86,6 +86,7 @@ async def start_chat(
     """Render, constrain and start a chat request (for /v1/chat/completions
     and /v1/responses): its Generation and each choice's content processor."""
     ctx.check_model(body.model)
+    ctx.check_generates()
     ctx.check_capacity(body.n, request.scope)
     if body.top_logprobs and not body.logprobs:
         raise APIError("top_logprobs needs logprobs: true", param="top_logprobs")

@@ -52,6 +52,7 @@ async def create_completion(request: Request) -> Response:
     ctx: ServingContext = request.app.state.ctx
     body = await parse_body(request, CompletionRequest)
     ctx.check_model(body.model)
+    ctx.check_generates()
     ctx.check_capacity(prompt_count(body.prompt) * body.n, request.scope)
     if body.best_of is not None and body.best_of != body.n:
         raise APIError("best_of is not supported (only best_of == n)", param="best_of")

@@ -54,6 +54,7 @@ def _request_ids(body: GenerateRequest, num_prompts: int) -> list[str]:
 async def generate(request: Request) -> Response:
     ctx: ServingContext = request.app.state.ctx
     body = await parse_body(request, GenerateRequest)
+    ctx.check_generates()
     prompts_given = body.text if body.text is not None else body.input_ids
     ctx.check_capacity(prompt_count(prompts_given or "") * body.sampling_params.n, request.scope)
     prompts, batch = await _prompts(ctx, body)

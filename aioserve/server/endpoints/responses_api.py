@@ -55,6 +55,7 @@ class Event(WireModel):
 async def create_response(request: Request) -> Response:
     ctx: ServingContext = request.app.state.ctx
     body = await parse_body(request, ResponsesRequest)
+    ctx.check_generates()
     chat = chat_request(body)
     generation, new_processor = await start_chat(request, ctx, chat, "resp")
     builder = ResponsesBuilder(ctx, body, generation.request_id)

@@ -10,7 +10,7 @@ from functools import cache
 from starlette.requests import Request
 from starlette.responses import Response
 
-from aioserve.server.endpoints import model_routes, ops_routes, token_routes, worker_routes
+from aioserve.server.endpoints import model_routes, ops_routes, pooling, token_routes, worker_routes
 from aioserve.server.endpoints.chat import create_chat_completion
 from aioserve.server.endpoints.completions import create_completion
 from aioserve.server.endpoints.generate import generate
@@ -98,6 +98,22 @@ ENDPOINTS: tuple[Endpoint, ...] = (
         ref("Response"),
         {"type": "object", "description": "A typed stream event (response.created ... response.completed), "
          "whose `response`, `item` and `part` fields hold the Response, its output items and OutputTextContent"})),
+    # Pooling models (docs/guide/retrieval.md): a generating model answers these with a 400.
+    Endpoint("/v1/embeddings", "POST", pooling.create_embedding, op.post(
+        "OpenAI embeddings (a pooling model: --runner pooling)", "createEmbedding", "EmbeddingRequest",
+        ref("CreateEmbeddingResponse"), op.POST_ERRORS)),
+    Endpoint("/v1/rerank", "POST", pooling.rerank, op.post(
+        "Rerank documents against a query, in the Jina/Cohere shape vLLM serves (a cross-encoder)", "rerank",
+        "RerankRequest", ref("RerankResponse"), op.POST_ERRORS)),
+    Endpoint("/rerank", "POST", pooling.rerank, op.post(
+        "/v1/rerank without the version prefix", "rerankUnversioned", "RerankRequest", ref("RerankResponse"),
+        op.POST_ERRORS)),
+    Endpoint("/v1/score", "POST", pooling.score, op.post(
+        "vLLM's score: text_1 against each text_2 (a cross-encoder)", "score", "ScoreRequest",
+        ref("ScoreResponse"), op.POST_ERRORS)),
+    Endpoint("/score", "POST", pooling.score, op.post(
+        "/v1/score without the version prefix", "scoreUnversioned", "ScoreRequest", ref("ScoreResponse"),
+        op.POST_ERRORS)),
     Endpoint("/docs", "GET", docs_page, op.probe("Swagger UI over this document", "docs", _HTML), open=True),
     Endpoint(DOCS_INIT, "GET", docs_init, op.probe("The Swagger UI page's start-up script", "docsInit", _SCRIPT),
              open=True),

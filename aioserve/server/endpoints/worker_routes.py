@@ -30,6 +30,7 @@ from aioserve.config import DEMO_MODEL
 from aioserve.sampling_params import SamplingParams
 from aioserve.server.context import ServingContext
 from aioserve.server.output.generation import Generation, new_id
+from aioserve.server.output.pooled import pool_prompts
 from aioserve.server.output.service_bodies import ModelInfo, VersionInfo, WorkerLoad
 from aioserve.server.wire import json_response
 
@@ -112,6 +113,8 @@ async def health_generate(request: Request) -> Response:
     info = ctx.scheduler.info()
     if info.running or info.waiting:
         return Response(status_code=200 if await _steps_advance(ctx, info.stats["steps_done"]) else 503)
+    if ctx.pooler is not None:  # a pooling model: one pooled token instead
+        return Response(status_code=200 if await _pools_one(ctx) else 503)
     generation = Generation(ctx, new_id("health"))
     try:
         generation.start([[0]], SamplingParams(max_tokens=1, temperature=0.0))
@@ -121,6 +124,15 @@ async def health_generate(request: Request) -> Response:
         generation.close()
         return Response(status_code=503)
     return Response(status_code=200 if generation.error() is None else 503)
+
+
+async def _pools_one(ctx: ServingContext) -> bool:
+    try:
+        await asyncio.wait_for(pool_prompts(ctx, [[0]], score=False, param="input"), HEALTH_GENERATE_TIMEOUT_S)
+    except Exception as exc:  # noqa: BLE001 - any failure is the probe's answer
+        logger.warning("health_generate failed: %r", exc)
+        return False
+    return True
 
 
 async def _steps_advance(ctx: ServingContext, done: int) -> bool:

@@ -26,10 +26,12 @@ from aioserve.server.intake.openai_requests import (
     DetokenizeRequest,
     TokenizeRequest,
 )
+from aioserve.server.intake.pooling_requests import EmbeddingRequest, RerankRequest, ScoreRequest
 from aioserve.server.intake.request_model import RequestModel
 from aioserve.server.intake.responses_request import ResponsesRequest
 from aioserve.server.output.completion_bodies import ChatCompletion, ChatCompletionChunk, Completion
 from aioserve.server.output.generate_bodies import GenerateBatch, GenerateOutput
+from aioserve.server.output.pooling_bodies import EmbeddingList, RerankResponse, ScoreResponse
 from aioserve.server.output.responses_api_bodies import ResponseObject
 from aioserve.server.output.service_bodies import (
     DetokenizeResponse,
@@ -49,17 +51,19 @@ JsonDict = dict[str, Any]
 
 REQUEST_MODELS: tuple[type[BaseModel], ...] = (
     CompletionRequest, ChatCompletionRequest, GenerateRequest, TokenizeRequest, DetokenizeRequest, ResponsesRequest,
+    EmbeddingRequest, RerankRequest, ScoreRequest,
 )
 RESPONSE_MODELS: tuple[type[BaseModel], ...] = (
     Completion, ChatCompletion, ChatCompletionChunk, ModelList, ModelCard, GenerateOutput, GenerateBatch,
     ErrorResponse, TokenizeResponse, DetokenizeResponse, FlushCacheResponse, ServerInfo,
-    ModelInfo, WorkerLoad, VersionInfo, ResponseObject,
+    ModelInfo, WorkerLoad, VersionInfo, ResponseObject, EmbeddingList, RerankResponse, ScoreResponse,
 )
 # The request and the response each have a class named ChatMessage; the
 # response's takes OpenAI's name for it, so both keep a short name. The
 # Responses API's response object takes OpenAI's name, which in the code
 # would read as starlette's Response.
-RESPONSE_RENAMES = {"ChatMessage": "ChatCompletionMessage", "ResponseObject": "Response"}
+RESPONSE_RENAMES = {"ChatMessage": "ChatCompletionMessage", "ResponseObject": "Response",
+                    "EmbeddingList": "CreateEmbeddingResponse"}
 
 
 def _nested_models(model: type[BaseModel]) -> Iterator[type[BaseModel]]:

@@ -1,0 +1,68 @@
+"""Tiny random-weight pooling checkpoints, saved the way people get them:
+sentence-transformers folders (modules.json, 1_Pooling, 2_Normalize) around
+a Qwen3 decoder or a BERT encoder, and a BERT cross-encoder
+(BertForSequenceClassification, one label) as CrossEncoder saves it."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+
+from tiny_models import build_checkpoint
+
+WORDS = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", *"abcdefghijklmnopqrstuvwxyz",
+         "the", "cat", "sat", "on", "mat", "dog", "ran", "far", "away", "a", "##s", "##ed", "is", "what", "where"]
+BERT_SIZES = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, intermediate_size=128,
+                  max_position_embeddings=64, initializer_range=0.2)
+
+
+def _bert_tokenizer(folder: Path) -> None:
+    from transformers import BertTokenizerFast
+
+    BertTokenizerFast(vocab={w: i for i, w in enumerate(WORDS)}).save_pretrained(str(folder))
+
+
+def _sentence_transformer(base: Path, out: Path, pooling: str) -> Path:
+    from sentence_transformers import SentenceTransformer, models
+
+    transformer = models.Transformer(str(base))
+    pooler = models.Pooling(transformer.get_word_embedding_dimension(), pooling)
+    SentenceTransformer(modules=[transformer, pooler, models.Normalize()]).save(str(out))
+    return out
+
+
+def qwen3_embedder(root: Path) -> Path:
+    """A Qwen3 decoder with last-token pooling, normalised (Qwen3-Embedding's
+    layout). Its tokenizer has no chat template: sentence-transformers would
+    otherwise wrap every text in it."""
+    base = build_checkpoint("qwen3", root / "qwen3-base")
+    (base / "chat_template.jinja").unlink(missing_ok=True)
+    settings = json.loads((base / "tokenizer_config.json").read_text())
+    settings.pop("chat_template", None)
+    (base / "tokenizer_config.json").write_text(json.dumps(settings))
+    return _sentence_transformer(base, root / "qwen3-embedder", "lasttoken")
+
+
+def bert_embedder(root: Path, pooling: str = "mean") -> Path:
+    """A BERT encoder (all-MiniLM's layout) with `pooling` (mean or cls), normalised."""
+    from transformers import BertConfig, BertModel
+
+    torch.manual_seed(1)
+    base = root / f"bert-base-{pooling}"
+    BertModel(BertConfig(vocab_size=len(WORDS), **BERT_SIZES)).eval().save_pretrained(str(base))
+    _bert_tokenizer(base)
+    return _sentence_transformer(base, root / f"bert-embedder-{pooling}", pooling)
+
+
+def bert_cross_encoder(root: Path) -> Path:
+    """A BERT cross-encoder (ms-marco MiniLM's layout): one relevance logit."""
+    from transformers import BertConfig, BertForSequenceClassification
+
+    torch.manual_seed(2)
+    folder = root / "bert-reranker"
+    config = BertConfig(vocab_size=len(WORDS), num_labels=1, **BERT_SIZES)
+    BertForSequenceClassification(config).eval().save_pretrained(str(folder))
+    _bert_tokenizer(folder)
+    return folder
