@@ -25,11 +25,15 @@ def _bert_tokenizer(folder: Path) -> None:
 
 
 def _sentence_transformer(base: Path, out: Path, pooling: str) -> Path:
-    from sentence_transformers import SentenceTransformer, models
+    import sentence_transformers as st
 
-    transformer = models.Transformer(str(base))
-    pooler = models.Pooling(transformer.get_word_embedding_dimension(), pooling)
-    SentenceTransformer(modules=[transformer, pooler, models.Normalize()]).save(str(out))
+    modules = getattr(st, "sentence_transformer", None)  # where 6.x keeps them; older: st.models
+    modules = getattr(modules, "modules", None) or st.models
+    transformer = modules.Transformer(str(base))
+    named = "get_embedding_dimension" if hasattr(transformer, "get_embedding_dimension") else "get_word_embedding_dimension"
+    size = getattr(transformer, named)()
+    pooler = modules.Pooling(size, pooling)
+    st.SentenceTransformer(modules=[transformer, pooler, modules.Normalize()]).save(str(out))
     return out
 
 

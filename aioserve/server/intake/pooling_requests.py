@@ -3,9 +3,9 @@ Jina/Cohere rerank shape vLLM serves, and vLLM's score."""
 
 from __future__ import annotations
 
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import Field, StrictInt, StrictStr
+from pydantic import Field, StrictInt, StrictStr, field_validator
 
 from aioserve.server.intake.request_model import RequestModel
 
@@ -13,13 +13,44 @@ from aioserve.server.intake.request_model import RequestModel
 # also what keeps one request from queueing unbounded work.
 MAX_INPUTS = 2048
 
+Text = Annotated[StrictStr, Field(min_length=1)]  # OpenAI refuses an empty string
 TokenIds = Annotated[list[StrictInt], Field(min_length=1)]
-EmbeddingInput = StrictStr | Annotated[list[StrictStr], Field(min_length=1, max_length=MAX_INPUTS)] | TokenIds | \
+EmbeddingInput = Text | Annotated[list[Text], Field(min_length=1, max_length=MAX_INPUTS)] | TokenIds | \
     Annotated[list[TokenIds], Field(min_length=1, max_length=MAX_INPUTS)]
+INPUT_SHAPES = "a non-empty string, a list of them, a list of token ids, or a list of such lists"
+
+
+def _check_input_shape(value: Any) -> Any:
+    """One clear message for a malformed `input` (the union's own lists every
+    alternative it tried)."""
+    if isinstance(value, str):
+        if not value:
+            raise ValueError("input must not be an empty string")
+        return value
+    if not isinstance(value, list) or not value:
+        raise ValueError(f"input must be {INPUT_SHAPES}")
+    if len(value) > MAX_INPUTS:
+        raise ValueError(f"input holds {len(value)} items; at most {MAX_INPUTS} are taken in one request")
+    kinds = {type(item) for item in value}
+    if kinds == {str}:
+        if not all(value):
+            raise ValueError("input must not hold an empty string")
+    elif kinds == {list}:
+        if not all(item and all(type(t) is int for t in item) for item in value):
+            raise ValueError("input's lists must be non-empty lists of token ids")
+    elif kinds != {int}:
+        raise ValueError(f"input must be {INPUT_SHAPES}, not a mix")
+    return value
 
 
 class EmbeddingRequest(RequestModel):
-    input: EmbeddingInput = Field(description="a string, strings, token ids, or lists of token ids")
+    input: EmbeddingInput = Field(description=INPUT_SHAPES)
+
+    @field_validator("input", mode="before")
+    @classmethod
+    def _input_shape(cls, value: Any) -> Any:
+        return _check_input_shape(value)
+
     model: str | None = None
     encoding_format: Literal["float", "base64"] = "float"
     dimensions: int | None = Field(None, ge=1, description="a Matryoshka model's shorter embedding")
@@ -29,12 +60,12 @@ class EmbeddingRequest(RequestModel):
 
 
 class RerankDocument(RequestModel):
-    text: StrictStr
+    text: Text
 
 
 class RerankRequest(RequestModel):
-    query: StrictStr
-    documents: Annotated[list[StrictStr | RerankDocument], Field(min_length=1, max_length=MAX_INPUTS)]
+    query: Text
+    documents: Annotated[list[Text | RerankDocument], Field(min_length=1, max_length=MAX_INPUTS)]
     model: str | None = None
     top_n: int | None = Field(None, ge=0, description="the best N results (0 or absent: all)")
     return_documents: bool = True
@@ -44,7 +75,7 @@ class RerankRequest(RequestModel):
         return [d if isinstance(d, str) else d.text for d in self.documents]
 
 
-ScoreText = StrictStr | Annotated[list[StrictStr], Field(min_length=1, max_length=MAX_INPUTS)]
+ScoreText = Text | Annotated[list[Text], Field(min_length=1, max_length=MAX_INPUTS)]
 
 
 class ScoreRequest(RequestModel):
