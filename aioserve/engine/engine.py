@@ -159,10 +159,10 @@ class Engine:
             logits = self.model.compute_logits(hidden[plan.prompt_logprobs.token_indices])
             if self.tp.is_leader:
                 prompt = prompt_logprobs(logits, plan.prompt_logprobs.target_ids, plan.prompt_logprobs.num_top)
-        pooled: tuple[torch.Tensor | None, torch.Tensor | None] = (None, None)
+        output = StepOutput(tokens.token_ids, tokens.logprobs, tokens.top_ids, tokens.top_logprobs, *prompt)
         if host_plan.pooling is not None:
-            pooled = pool_segments(self.model, hidden, host_plan.pooling)
-        return StepOutput(tokens.token_ids, tokens.logprobs, tokens.top_ids, tokens.top_logprobs, *prompt, *pooled)
+            output.pooled, output.scores = pool_segments(self.model, hidden, host_plan.pooling)
+        return output
 
     def _tokens(self, rows: torch.Tensor, plan: BatchPlan, host_plan: BatchPlan) -> SamplerOutput:
         """The sampled rows' tokens: by the greedy screen when it serves every

@@ -18,7 +18,7 @@ def segment_rows(host: PoolingRequest, which: str) -> torch.Tensor:
     return host.starts if which == "first" else host.starts + host.lengths - 1
 
 
-def pool_segments(model: torch.nn.Module, hidden: torch.Tensor, host: PoolingRequest) -> tuple[torch.Tensor, torch.Tensor | None]:
+def pool_segments(model: object, hidden: torch.Tensor, host: PoolingRequest) -> tuple[torch.Tensor, torch.Tensor | None]:
     """([P, H] float32 pooled rows, [P, L] float32 score logits or None)."""
     device = hidden.device
     if host.pooling_type == "MEAN":
