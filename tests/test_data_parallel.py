@@ -113,10 +113,11 @@ def _replica_pid(url: str) -> int | None:
 
 
 def _start_dp_2(
-    stories_path: Path, *flags: str, api_key: str | None = None
+    stories_path: Path, *flags: str, api_key: str | None = None, ready=None
 ) -> tuple[subprocess.Popen, str, list[str], Path]:
     """`aioserve serve --dp 2 [flags]` on the CPU (a GPU machine may have one
-    GPU), once it answers: the process, its URL, the replicas' URLs, its log."""
+    GPU), once it answers (`ready(url)`, by default a completion): the
+    process, its URL, the replicas' URLs, its log."""
     pytest.importorskip("sglang_router", reason="sglang-router is not installed: pip install -e '.[router]'")
     port, base = free_port(), free_port()
     while base + 1 == port or base == port:
@@ -131,7 +132,8 @@ def _start_dp_2(
     with log.open("w") as out:
         parent = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT)
     try:
-        _wait(lambda: _ready(url, api_key), 120, f"--dp 2 did not answer:\n{log.read_text()[-3000:]}")
+        answers = (lambda: ready(url)) if ready is not None else (lambda: _ready(url, api_key))
+        _wait(answers, 120, f"--dp 2 did not answer:\n{log.read_text()[-3000:]}")
     except BaseException:
         parent.kill()
         parent.wait()
@@ -195,6 +197,36 @@ def test_dp_2_serves_restarts_a_replica_and_dies_with_its_parent(stories_path: P
         if parent.poll() is None:
             parent.kill()
             parent.wait()
+
+
+def _embeds(url: str, texts: list[str]) -> httpx.Response:
+    return httpx.post(f"{url}/v1/embeddings", json={"model": MODEL_NAME, "input": texts}, timeout=60)
+
+
+@LINUX_ONLY
+def test_dp_2_serves_an_embedding_model(tmp_path: Path) -> None:
+    """Embeddings through the router: both replicas embed, and alike."""
+    from pooling_checkpoints import bert_embedder
+
+    def ready(url: str) -> bool:
+        try:
+            return _embeds(url, ["ready"]).status_code == 200
+        except httpx.HTTPError:
+            return False
+
+    parent, url, replicas, _ = _start_dp_2(bert_embedder(tmp_path, "mean"), "--router-policy", "round_robin", ready=ready)
+    try:
+        texts = [f"the cat {word}" for word in "sat ran is on far away".split()]
+        with ThreadPoolExecutor(len(texts)) as pool:
+            answers = list(pool.map(lambda t: _embeds(url, [t, "a dog"]), texts))
+        assert all(a.status_code == 200 for a in answers), [a.text for a in answers]
+        dogs = [a.json()["data"][1]["embedding"] for a in answers]
+        assert all(abs(x - y) < 1e-5 for dog in dogs for x, y in zip(dog, dogs[0]))  # whichever replica
+        served = [httpx.get(f"{r}/server_info", timeout=5).json()["stats"]["finished"] for r in replicas]
+        assert min(served) > 0, served
+    finally:
+        parent.kill()
+        parent.wait()
 
 
 @LINUX_ONLY

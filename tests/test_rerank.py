@@ -10,6 +10,7 @@ from pathlib import Path
 
 import httpx
 import pytest
+import torch
 
 from aioserve import LLM
 from conftest import assert_kv_intact
@@ -101,3 +102,25 @@ def test_bad_input_is_a_clear_400(server, route: str, body: dict, param: str | N
     assert error["type"] == "invalid_request_error" and error["message"]
     assert error["param"] == param or error["param"].startswith(f"{param}.")  # documents.0: the one at fault
     assert_kv_intact(server)
+
+
+def test_tensor_parallel_pooling_equals_one_rank(folder: Path, expected: list[float], tmp_path: Path) -> None:
+    """At tp 2 (one follower process) a cross-encoder scores and a BERT
+    embedder embeds as one rank does: the encoder's projections shard like a
+    decoder's, and the plan carries the pooling rows to every rank."""
+    from pooling_checkpoints import bert_embedder
+
+    llm = LLM(str(folder), dtype="float32", page_size=4, tp=2)
+    try:
+        assert llm.score(QUERY, DOCUMENTS) == pytest.approx(expected, abs=TOL)
+    finally:
+        llm.close()
+    embedder = bert_embedder(tmp_path, "mean")
+    vectors = {}
+    for tp in (1, 2):
+        llm = LLM(str(embedder), dtype="float32", page_size=4, tp=tp)
+        try:
+            vectors[tp] = torch.tensor([o.embedding for o in llm.embed(DOCUMENTS)])
+        finally:
+            llm.close()
+    assert torch.allclose(vectors[1], vectors[2], atol=1e-5)
