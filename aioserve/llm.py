@@ -26,7 +26,7 @@ from aioserve.grammar import compiler_for
 from aioserve.output_stream import OutputStream, PromptLogprobs, TopLogprobs
 from aioserve.sampling_params import SamplingParams
 from aioserve.launch.wiring import build_scheduler
-from aioserve.pooling_config import PoolerConfig
+from aioserve.pooling_config import PoolerConfig, pair_text
 from aioserve.scheduler.pooling import PooledOutput, PoolingState, embedding_vector, relevance
 from aioserve.scheduler.request import Request, RequestEvent
 from aioserve.tokenizer import Tokenizer
@@ -141,9 +141,14 @@ class LLM:
 
     def score(self, text_1: str, text_2: str | Sequence[str], use_tqdm: bool = False) -> list[float]:
         """A cross-encoder's relevance of each `text_2` to `text_1`, in [0, 1]."""
-        self._pooler("classify")
+        pooler = self._pooler("classify")
         pairs = [text_2] if isinstance(text_2, str) else list(text_2)
-        pooled = self._pool([self.tokenizer.encode_pair(text_1, t) for t in pairs], score=True, use_tqdm=use_tqdm)
+        prompts = []
+        for document in pairs:
+            text = pair_text(pooler, text_1, document)  # a causal reranker's prompt, else the tokenizer's pair
+            prompts.append(self.tokenizer.encode_pair(text_1, document) if text is None
+                           else self.tokenizer.encode(text, add_special_tokens=False))
+        pooled = self._pool(prompts, score=True, use_tqdm=use_tqdm)
         return [relevance(out) for _, out in pooled]
 
     def _pooler(self, task: str) -> PoolerConfig:
@@ -161,7 +166,7 @@ class LLM:
         bar = tqdm(total=len(prompts), desc="pooling", disable=not use_tqdm)
         requests = []
         for i, ids in enumerate(prompts):
-            state = PoolingState(pooler.pooling_type, score, getattr(self.engine.model, "score_row", "last"),
+            state = PoolingState(pooler.pooling_type, score, self.engine.score_row,
                                  causal=not getattr(self.engine.model, "is_encoder", False))
             requests.append(Request(f"offline-{next(self._ids)}", ids, SamplingParams(max_tokens=0),
                                     sink=partial(self._pooled, results, i, bar), pooling=state))

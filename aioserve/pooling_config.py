@@ -19,6 +19,7 @@ scheduler plans pooling rows by it and the server shapes responses by it.
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -27,7 +28,17 @@ from aioserve.config import ConfigError, EngineConfig
 
 POOLING_TYPES = ("LAST", "MEAN", "CLS")
 TASKS = ("embed", "classify")
-_KEYS = {"pooling_type", "normalize", "task", "is_matryoshka", "matryoshka_dimensions"}
+_KEYS = {"pooling_type", "normalize", "task", "is_matryoshka", "matryoshka_dimensions", "classifier_from_token",
+         "pair_template", "instruction"}
+# Qwen3-Reranker's published prompt (its model card): the model answers "yes"
+# or "no" to whether the document meets the query.
+QWEN3_RERANKER_TEMPLATE = (
+    "<|im_start|>system\nJudge whether the Document meets the requirements based on the Query and the Instruct "
+    'provided. Note that the answer can only be "yes" or "no".<|im_end|>\n<|im_start|>user\n'
+    "<Instruct>: {instruction}\n<Query>: {query}\n<Document>: {document}<|im_end|>\n"
+    "<|im_start|>assistant\n<think>\n\n</think>\n\n"
+)
+DEFAULT_INSTRUCTION = "Given a web search query, retrieve relevant passages that answer the query"
 # sentence-transformers' 1_Pooling/config.json -> ours: the flags its folders
 # have long held, and the one `pooling_mode` string newer versions write.
 _ST_FLAGS = {"pooling_mode_cls_token": "CLS", "pooling_mode_mean_tokens": "MEAN", "pooling_mode_lasttoken": "LAST"}
@@ -45,6 +56,21 @@ class PoolerConfig:
     # (of matryoshka_dimensions' lengths only, where the model lists them).
     matryoshka: bool = False
     matryoshka_dimensions: tuple[int, ...] | None = None
+    # A causal LM scored as a reranker (Qwen3-Reranker; vLLM's
+    # classifier_from_token): the score's logit is the second token's logit
+    # less the first's, at the prompt's last position, and a (query, document)
+    # pair is written into `pair_template` first.
+    classifier_from_token: tuple[str, str] | None = None
+    pair_template: str | None = None
+
+
+def pair_text(pooler: PoolerConfig, query: str, document: str) -> str | None:
+    """A causal reranker's prompt for a pair; None for a cross-encoder (its
+    tokenizer joins the pair: [CLS] query [SEP] document [SEP])."""
+    if pooler.pair_template is None:
+        return None
+    values = {"query": query, "document": document}  # one pass: a query may itself hold "{document}"
+    return re.sub(r"\{(query|document)\}", lambda match: values[match.group(1)], pooler.pair_template)
 
 
 def is_classifier(architecture: str) -> bool:
@@ -95,8 +121,20 @@ def _override(base: PoolerConfig, spec: dict[str, Any]) -> PoolerConfig:
         raise ConfigError(f"--pooler-config: task must be one of {', '.join(TASKS)}, got {task!r}")
     matryoshka = spec.get("is_matryoshka", base.matryoshka)
     dimensions = spec.get("matryoshka_dimensions", base.matryoshka_dimensions)
+    tokens, template = spec.get("classifier_from_token", base.classifier_from_token), None
+    if tokens is not None:
+        if not (isinstance(tokens, (list, tuple)) and len(tokens) == 2 and all(isinstance(t, str) for t in tokens)):
+            raise ConfigError(f"--pooler-config: classifier_from_token must be two tokens, e.g. [\"no\", \"yes\"], "
+                              f"got {tokens!r}")
+        task, tokens = "classify", tuple(tokens)
+        template = str(spec.get("pair_template", QWEN3_RERANKER_TEMPLATE))
+        instruction = str(spec.get("instruction", DEFAULT_INSTRUCTION))
+        template = template.replace("{instruction}", instruction)
+        if "{query}" not in template or "{document}" not in template:
+            raise ConfigError("--pooler-config: pair_template must hold {query} and {document}")
     return replace(base, pooling_type=pooling_type, normalize=normalize, task=task, source=f"{base.source} + --pooler-config",
-                   matryoshka=bool(matryoshka or dimensions), matryoshka_dimensions=_dimensions(dimensions))
+                   matryoshka=bool(matryoshka or dimensions), matryoshka_dimensions=_dimensions(dimensions),
+                   classifier_from_token=tokens, pair_template=template)
 
 
 def _dimensions(value: Any) -> tuple[int, ...] | None:

@@ -106,7 +106,7 @@ async def serve(args: ServerArgs) -> str | None:
         args, scheduler, tokenizer, engine.max_model_len, engine.vocab_size, tp_layout=engine.tp_layout,
         generation_defaults=load_generation_defaults(args.generation_config, engine.model_path),
         pooler=engine.pooler, hidden_size=engine.model_config.hidden_size,
-        score_row=getattr(engine.model, "score_row", "last"), pooling_causal=not engine.model_config.is_encoder,
+        score_row=engine.score_row, pooling_causal=not engine.model_config.is_encoder,
     )
     ctx.scheduler_task = asyncio.create_task(scheduler.run(), name="scheduler")
     ctx.scheduler_task.add_done_callback(partial(_on_scheduler_exit, failure))

@@ -124,3 +124,45 @@ def test_tensor_parallel_pooling_equals_one_rank(folder: Path, expected: list[fl
         finally:
             llm.close()
     assert torch.allclose(vectors[1], vectors[2], atol=1e-5)
+
+
+def test_a_causal_lm_reranks_by_two_tokens(tmp_path: Path) -> None:
+    """Qwen3-Reranker's recipe (its model card): the published prompt, then
+    softmax over the "no" and "yes" logits at the last position; here on a
+    tiny Qwen3 with two of its own tokens standing for them, over HTTP and the
+    Python API alike."""
+    import json
+
+    import transformers
+
+    from aioserve.pooling_config import DEFAULT_INSTRUCTION, QWEN3_RERANKER_TEMPLATE
+    from tiny_models import build_checkpoint
+
+    folder = build_checkpoint("qwen3", tmp_path / "qwen3-reranker")
+    tokenizer = transformers.AutoTokenizer.from_pretrained(str(folder))
+    no, yes = tokenizer.convert_ids_to_tokens([70, 80])
+    model = transformers.AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32).eval()
+
+    def card_score(document: str) -> float:
+        text = (QWEN3_RERANKER_TEMPLATE.replace("{instruction}", DEFAULT_INSTRUCTION)
+                .replace("{query}", QUERY).replace("{document}", document))
+        ids = tokenizer(text, add_special_tokens=False, return_tensors="pt").input_ids
+        with torch.no_grad():
+            last = model(ids).logits[0, -1]
+        return float(torch.softmax(last[[70, 80]], dim=-1)[1])
+
+    expected = [card_score(d) for d in DOCUMENTS]
+    spec = json.dumps({"classifier_from_token": [no, yes]})
+    llm = LLM(str(folder), dtype="float32", page_size=4, max_prefill_tokens=32, pooler_config=json.loads(spec))
+    try:
+        assert llm.score(QUERY, DOCUMENTS) == pytest.approx(expected, abs=TOL)
+    finally:
+        llm.close()
+    running = start_server(folder, "--dtype", "float32", "--pooler-config", spec)
+    try:
+        results = httpx.post(f"{running.v1}/rerank", json={"query": QUERY, "documents": DOCUMENTS}, timeout=60).json()
+        assert {r["index"]: r["relevance_score"] for r in results["results"]} == pytest.approx(
+            dict(enumerate(expected)), abs=TOL)
+        assert_kv_intact(running)
+    finally:
+        running.stop()

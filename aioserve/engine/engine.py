@@ -16,6 +16,7 @@ loading.py; the CPU's native fast paths live behind cpu_engine/fast_paths.py.
 from __future__ import annotations
 
 import logging
+from pathlib import Path
 
 import torch
 
@@ -27,7 +28,7 @@ from aioserve.cpu_engine.fast_paths import CpuFastPaths
 from aioserve.engine.cuda_graph import Capture, CudaGraphCapture, DecodeGraphRunner
 from aioserve.cpu_engine.greedy_screen import GreedyScreen
 from aioserve.engine.loading import describe, load
-from aioserve.engine.pooler import pool_segments
+from aioserve.engine.pooler import pool_segments, score_head_of
 from aioserve.cpu_engine.decode_stack import NativeDecodeRunner
 from aioserve.engine.sampler import SamplerOutput, prompt_logprobs, sample
 from aioserve.engine.tp_layout import gather_layout, layout_lines
@@ -48,6 +49,8 @@ class Engine:
         self.max_model_len, self.max_prefill_tokens = loaded.max_model_len, loaded.max_prefill_tokens
         self.model = loaded.model
         self.pooler = loaded.pooler  # a pooling model: how it pools (pooling_config.py); None: it generates
+        # A reranker's score head (its classifier, or two tokens' logits) and the row it reads.
+        self.score_head, self.score_row = score_head_of(self.model, self.pooler, Path(config.tokenizer or self.model_path))
         self.page_size = config.page_size
         # Free memory differs between ranks: every rank takes the smallest
         # pool any of them can hold, so one page id means one page everywhere.
@@ -161,7 +164,7 @@ class Engine:
                 prompt = prompt_logprobs(logits, plan.prompt_logprobs.target_ids, plan.prompt_logprobs.num_top)
         output = StepOutput(tokens.token_ids, tokens.logprobs, tokens.top_ids, tokens.top_logprobs, *prompt)
         if host_plan.pooling is not None:
-            output.pooled, output.scores = pool_segments(self.model, hidden, host_plan.pooling)
+            output.pooled, output.scores = pool_segments(hidden, host_plan.pooling, self.score_head, self.score_row)
         return output
 
     def _tokens(self, rows: torch.Tensor, plan: BatchPlan, host_plan: BatchPlan) -> SamplerOutput:

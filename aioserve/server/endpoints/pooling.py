@@ -15,6 +15,7 @@ from typing import Any
 from starlette.requests import Request
 from starlette.responses import Response
 
+from aioserve.pooling_config import pair_text
 from aioserve.scheduler.pooling import PooledOutput, embedding_vector, relevance
 from aioserve.server.context import ServingContext
 from aioserve.server.errors import APIError
@@ -132,7 +133,13 @@ async def _encode(ctx: ServingContext, item: str | list[int], keep_last: int | N
 async def _encode_pair(ctx: ServingContext, first: str, second: str, keep_last: int | None, param: str) -> list[int]:
     if keep_last is None:
         ctx.check_prompt_chars(len(first) + len(second), param)
-    return _truncated(ctx, await ctx.tokenizer.encode_pair_async(first, second), keep_last, param)
+    assert ctx.pooler is not None
+    text = pair_text(ctx.pooler, first, second)  # a causal reranker's prompt, else the tokenizer's pair
+    if text is None:
+        ids = await ctx.tokenizer.encode_pair_async(first, second)
+    else:
+        ids = await ctx.tokenizer.encode_async(text, add_special_tokens=False)
+    return _truncated(ctx, ids, keep_last, param)
 
 
 def _truncated(ctx: ServingContext, ids: list[int], keep_last: int | None, param: str) -> list[int]:
