@@ -70,3 +70,30 @@ def bert_cross_encoder(root: Path) -> Path:
     BertForSequenceClassification(config).eval().save_pretrained(str(folder))
     _bert_tokenizer(folder)
     return folder
+
+
+def hand_written_layout(folder: Path, pooling: str) -> Path:
+    """The sentence-transformers files around a saved model, written without
+    sentence-transformers (a GPU machine has no such package): modules.json,
+    1_Pooling/config.json (`pooling` as its pooling_mode), 2_Normalize."""
+    modules = [
+        {"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.models.Transformer"},
+        {"idx": 1, "name": "1", "path": "1_Pooling", "type": "sentence_transformers.models.Pooling"},
+        {"idx": 2, "name": "2", "path": "2_Normalize", "type": "sentence_transformers.models.Normalize"},
+    ]
+    (folder / "modules.json").write_text(json.dumps(modules))
+    (folder / "1_Pooling").mkdir(exist_ok=True)
+    (folder / "1_Pooling" / "config.json").write_text(json.dumps({"pooling_mode": pooling}))
+    (folder / "2_Normalize").mkdir(exist_ok=True)
+    return folder
+
+
+def bert_model_folder(root: Path, name: str = "bert") -> Path:
+    """A saved BertModel with its tokenizer (no sentence-transformers files)."""
+    from transformers import BertConfig, BertModel
+
+    torch.manual_seed(1)
+    folder = root / name
+    BertModel(BertConfig(vocab_size=len(WORDS), **BERT_SIZES)).eval().save_pretrained(str(folder))
+    _bert_tokenizer(folder)
+    return folder

@@ -192,3 +192,4 @@ def test_metrics_count_pooling_by_endpoint(bert_server) -> None:
     text = httpx.get(f"{bert_server.url}/metrics", timeout=30).text
     lines = [line for line in text.splitlines() if line.startswith("aioserve:pooling_inputs_total")]
     assert lines and 'endpoint="embeddings"' in lines[0] and float(lines[0].split()[-1]) >= 2
+
