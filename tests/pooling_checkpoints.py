@@ -97,3 +97,50 @@ def bert_model_folder(root: Path, name: str = "bert") -> Path:
     BertModel(BertConfig(vocab_size=len(WORDS), **BERT_SIZES)).eval().save_pretrained(str(folder))
     _bert_tokenizer(folder)
     return folder
+
+
+XLMR_SPECIAL = ["<s>", "<pad>", "</s>", "<unk>"]  # XLM-R's first ids: <pad> is 1, its positions start past it
+
+
+def _xlmr_tokenizer(folder: Path) -> None:
+    """A word-level tokenizer with XLM-R's special tokens and pair template
+    (<s> A </s></s> B </s>): sentencepiece's vocabulary is beside the point."""
+    from tokenizers import Tokenizer, models, pre_tokenizers, processors
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {w: i for i, w in enumerate(XLMR_SPECIAL + WORDS[5:])}
+    tokenizer = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tokenizer.pre_tokenizer = pre_tokenizers.Whitespace()
+    tokenizer.post_processor = processors.RobertaProcessing(("</s>", 2), ("<s>", 0))
+    PreTrainedTokenizerFast(tokenizer_object=tokenizer, bos_token="<s>", eos_token="</s>", sep_token="</s>",
+                            cls_token="<s>", pad_token="<pad>", unk_token="<unk>").save_pretrained(str(folder))
+
+
+def _xlmr_config(**extra: object):
+    from transformers import XLMRobertaConfig
+
+    sizes = {**BERT_SIZES, "max_position_embeddings": 66}  # 64 positions past <pad>'s 1 (XLM-R's 514 = 512 + 2)
+    return XLMRobertaConfig(vocab_size=len(XLMR_SPECIAL) + len(WORDS) - 5, type_vocab_size=1, pad_token_id=1,
+                            bos_token_id=0, eos_token_id=2, **sizes, **extra)
+
+
+def xlmr_embedder(root: Path) -> Path:
+    """An XLM-R encoder (multilingual-e5's layout): mean pooling, normalised."""
+    from transformers import XLMRobertaModel
+
+    torch.manual_seed(3)
+    base = root / "xlmr-base"
+    XLMRobertaModel(_xlmr_config()).eval().save_pretrained(str(base))
+    _xlmr_tokenizer(base)
+    return _sentence_transformer(base, root / "xlmr-embedder", "mean")
+
+
+def xlmr_cross_encoder(root: Path) -> Path:
+    """An XLM-R cross-encoder (bge-reranker's layout): one relevance logit."""
+    from transformers import XLMRobertaForSequenceClassification
+
+    torch.manual_seed(4)
+    folder = root / "xlmr-reranker"
+    XLMRobertaForSequenceClassification(_xlmr_config(num_labels=1)).eval().save_pretrained(str(folder))
+    _xlmr_tokenizer(folder)
+    return folder

@@ -1,6 +1,7 @@
 """Embedding models (issue 41), against sentence-transformers in float32:
 a Qwen3 decoder with last-token pooling (Qwen3-Embedding's layout), BERT
-encoders with mean and [CLS] pooling (all-MiniLM's, BGE's), through the
+encoders with mean and [CLS] pooling (all-MiniLM's, BGE's) and an XLM-R
+one with mean pooling (multilingual-e5's), through the
 Python API and over HTTP (the openai client, float and base64, token-id
 inputs, langchain's OpenAIEmbeddings), batched and chunked alike; bad input
 is a clear 400 and leaves every page free; a generating model refuses the
@@ -19,7 +20,7 @@ import torch
 
 from aioserve import LLM, SamplingParams
 from conftest import assert_kv_intact
-from pooling_checkpoints import bert_embedder, qwen3_embedder
+from pooling_checkpoints import bert_embedder, qwen3_embedder, xlmr_embedder
 from server_harness import start_server
 
 pytest.importorskip("sentence_transformers")
@@ -42,7 +43,7 @@ def cosines(got: list[list[float]], expected: torch.Tensor) -> torch.Tensor:
 def folders(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("embedders")
     return {"qwen3": qwen3_embedder(root), "bert-mean": bert_embedder(root, "mean"),
-            "bert-cls": bert_embedder(root, "cls")}
+            "bert-cls": bert_embedder(root, "cls"), "xlmr-mean": xlmr_embedder(root)}
 
 
 @pytest.fixture(scope="module")
@@ -51,7 +52,7 @@ def reference(folders: dict[str, Path]) -> dict[str, torch.Tensor]:
             for name, folder in folders.items()}
 
 
-@pytest.mark.parametrize("name", ["qwen3", "bert-mean", "bert-cls"])
+@pytest.mark.parametrize("name", ["qwen3", "bert-mean", "bert-cls", "xlmr-mean"])
 def test_python_api_equals_sentence_transformers(folders, reference, name: str) -> None:
     """Chunked where the model allows it (a decoder's prompt in 5-token
     chunks: the last-token row comes from the final one), whole for an encoder."""

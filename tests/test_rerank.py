@@ -1,6 +1,7 @@
 """Rerankers (issue 41): a BERT cross-encoder (ms-marco MiniLM's layout)
-against sentence-transformers' CrossEncoder.predict in float32, through the
-Python API, /v1/rerank and /rerank (Jina's and Cohere's shapes: strings or
+and an XLM-R one (bge-reranker's) against sentence-transformers'
+CrossEncoder.predict in float32, a causal LM scored by two tokens against
+Qwen3-Reranker's model-card recipe; through the Python API, /v1/rerank and /rerank (Jina's and Cohere's shapes: strings or
 {"text": ...} documents, top_n, return_documents) and /v1/score (one to one,
 one to many); bad input is a clear 400 and every page comes back."""
 
@@ -51,6 +52,19 @@ def test_python_api_scores_equal_cross_encoder(folder: Path, expected: list[floa
         llm.close()
     assert got == pytest.approx(expected, abs=TOL)
     assert alone == pytest.approx(got, abs=1e-6)
+
+
+def test_xlmr_cross_encoder_equals_cross_encoder(tmp_path: Path) -> None:
+    """bge-reranker's layout: XLM-R's pair template (<s> A </s></s> B </s>), one token type."""
+    from pooling_checkpoints import xlmr_cross_encoder
+
+    folder = xlmr_cross_encoder(tmp_path)
+    reference = [float(s) for s in CrossEncoder(str(folder)).predict([(QUERY, d) for d in DOCUMENTS])]
+    llm = LLM(str(folder), dtype="float32", page_size=4)
+    try:
+        assert llm.score(QUERY, DOCUMENTS) == pytest.approx(reference, abs=TOL)
+    finally:
+        llm.close()
 
 
 def test_rerank_sorts_by_relevance(server, expected: list[float]) -> None:
