@@ -186,6 +186,8 @@ def test_the_kinds_refuse_each_other(bert_server, stories_server) -> None:
     embed = httpx.post(f"{stories_server.v1}/embeddings", json={"input": "hi"}, timeout=30)
     assert embed.status_code == 400 and "--runner pooling" in embed.json()["error"]["message"]
     assert httpx.get(f"{bert_server.url}/health_generate", timeout=30).status_code == 200
+    tokens = httpx.post(f"{bert_server.url}/tokenize", json={"prompt": "the cat"}, timeout=30)
+    assert tokens.status_code == 200 and tokens.json()["tokens"][0] == 2  # [CLS]: as the model will see it
 
 
 def test_metrics_count_pooling_by_endpoint(bert_server) -> None:
