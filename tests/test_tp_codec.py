@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from aioserve import batch_plan
-from aioserve.batch_plan import BatchPlan, PromptLogprobRequest, SamplingTensors
+from aioserve.batch_plan import BatchPlan, PoolingRequest, PromptLogprobRequest, SamplingTensors
 from aioserve.config import EngineConfig
 from aioserve.tp import codec as tp_codec
 from aioserve.engine.engine import Engine
@@ -33,6 +33,8 @@ def _filled(cls: type, seed: int) -> object:
             values[f.name] = _filled(SamplingTensors, seed + 1)
         elif "PromptLogprobRequest" in kind:
             values[f.name] = _filled(PromptLogprobRequest, seed + 2)
+        elif "PoolingRequest" in kind:
+            values[f.name] = _filled(PoolingRequest, seed + 3)
         elif "Tensor" in kind:
             shape = (3, 5) if f.name in ("page_table", "grammar_bitmask") else (7 + i,)
             dtype = {"page_table": torch.int32, "grammar_bitmask": torch.int32}.get(f.name)
@@ -43,6 +45,8 @@ def _filled(cls: type, seed: int) -> object:
             values[f.name] = i % 2 == 0
         elif kind == "int":
             values[f.name] = 100 + i
+        elif kind == "str":
+            values[f.name] = f"value {i}"
         else:
             raise AssertionError(f"add a value kind for {cls.__name__}.{f.name}: {kind}")
     return cls(**values)
@@ -68,7 +72,7 @@ def test_every_field_of_a_plan_round_trips() -> None:
     buffer = tp_codec.encode(plan)
     assert buffer.dtype == torch.uint8 and buffer.dim() == 1
     assert_same(plan, tp_codec.decode(buffer))
-    empty = dataclasses.replace(plan, sampling=None, prompt_logprobs=None, input_ids=torch.zeros(0, dtype=torch.long))
+    empty = dataclasses.replace(plan, sampling=None, prompt_logprobs=None, pooling=None, input_ids=torch.zeros(0, dtype=torch.long))
     assert_same(empty, tp_codec.decode(tp_codec.encode(empty)))
 
 
