@@ -65,9 +65,11 @@ class Row:
 
 def build_model(name: str, root: Path) -> Path:
     """A sentence-transformers folder of `name`'s shape with random weights."""
+    import sentence_transformers as st
     import transformers
-    from sentence_transformers import SentenceTransformer
-    from sentence_transformers import models as st_models
+
+    # Where sentence-transformers 6 keeps its modules; older versions: st.models.
+    st_models = getattr(getattr(st, "sentence_transformer", None), "modules", None) or st.models
 
     family, sizes, pooling = SHAPES[name]
     base = root / f"{name}-base"
@@ -81,7 +83,7 @@ def build_model(name: str, root: Path) -> Path:
     transformer = st_models.Transformer(str(base))
     pooler = st_models.Pooling(sizes["hidden_size"], pooling)
     out = root / name
-    SentenceTransformer(modules=[transformer, pooler, st_models.Normalize()]).save(str(out))
+    st.SentenceTransformer(modules=[transformer, pooler, st_models.Normalize()]).save(str(out))
     return out
 
 
@@ -144,6 +146,8 @@ def measure(name: str, folder: Path, inputs: list[str], concurrencies: list[int]
             model = served_name(url)
             asyncio.run(over_http(url, model, inputs[: 2 * batch], 1, batch))  # warm-up
             for concurrency in concurrencies:
+                # A decoder embedder reuses cached prefixes: every run computes its texts afresh.
+                httpx.post(f"{url.removesuffix('/v1')}/flush_cache", timeout=60)
                 seconds, vectors = asyncio.run(over_http(url, model, inputs, concurrency, batch))
                 cosine = torch.nn.functional.cosine_similarity(torch.tensor(vectors), reference.float()).min()
                 if cosine < 0.999:

@@ -3,7 +3,7 @@ a Qwen3 decoder with last-token pooling (Qwen3-Embedding's layout), BERT
 encoders with mean and [CLS] pooling (all-MiniLM's, BGE's) and an XLM-R
 one with mean pooling (multilingual-e5's), through the
 Python API and over HTTP (the openai client, float and base64, token-id
-inputs, langchain's OpenAIEmbeddings), batched and chunked alike; bad input
+inputs, langchain's OpenAIEmbeddings, litellm), batched and chunked alike; bad input
 is a clear 400 and leaves every page free; a generating model refuses the
 route and a pooling one the generating routes."""
 
@@ -145,6 +145,15 @@ def test_bert_over_http_and_langchain(bert_server, reference) -> None:
     got = embeddings.embed_documents(TEXTS)
     assert cosines(got, reference["bert-mean"]).min() >= MIN_COSINE
     assert cosines([embeddings.embed_query(TEXTS[0])], reference["bert-mean"][:1]).min() >= MIN_COSINE
+
+
+def test_litellm_embedding(bert_server, reference, monkeypatch: pytest.MonkeyPatch) -> None:
+    """litellm's OpenAI-compatible provider (`openai/<name>` at our base URL)."""
+    monkeypatch.setenv("LITELLM_LOCAL_MODEL_COST_MAP", "True")  # its import would fetch a price list: no network here
+    litellm = pytest.importorskip("litellm")
+    response = litellm.embedding(model=f"openai/{served(bert_server)}", api_base=bert_server.v1, api_key="none",
+                                 input=TEXTS)
+    assert cosines([item["embedding"] for item in response.data], reference["bert-mean"]).min() >= MIN_COSINE
 
 
 @pytest.mark.parametrize(("body", "param"), [
