@@ -136,7 +136,7 @@ class LLM:
         """A pooling model's embedding of every prompt (text, or token ids),
         all batched together; `dimensions` truncates (Matryoshka models)."""
         pooler = self._pooler("embed")
-        pooled = self._pool([self.encode(p) for p in _prompt_list(prompts)], score=False, use_tqdm=use_tqdm)
+        pooled = self._pool(pooler, [self.encode(p) for p in _prompt_list(prompts)], score=False, use_tqdm=use_tqdm)
         return [EmbeddingOutput(ids, embedding_vector(out, pooler.normalize, dimensions)) for ids, out in pooled]
 
     def score(self, text_1: str, text_2: str | Sequence[str], use_tqdm: bool = False) -> list[float]:
@@ -148,7 +148,7 @@ class LLM:
             text = pair_text(pooler, text_1, document)  # a causal reranker's prompt, else the tokenizer's pair
             prompts.append(self.tokenizer.encode_pair(text_1, document) if text is None
                            else self.tokenizer.encode(text, add_special_tokens=False))
-        pooled = self._pool(prompts, score=True, use_tqdm=use_tqdm)
+        pooled = self._pool(pooler, prompts, score=True, use_tqdm=use_tqdm)
         return [relevance(out) for _, out in pooled]
 
     def _pooler(self, task: str) -> PoolerConfig:
@@ -157,11 +157,15 @@ class LLM:
             raise ValueError("this model generates: load it with runner='pooling' to embed")
         if task == "classify" and pooler.task != "classify":
             raise ValueError("this model embeds: scoring needs a cross-encoder (*ForSequenceClassification)")
+        if task == "embed" and pooler.task != "embed":
+            raise ValueError("this model is a reranker: use score(), not embed()")
         return pooler
 
-    def _pool(self, prompts: list[list[int]], score: bool, use_tqdm: bool) -> list[tuple[list[int], PooledOutput]]:
+    def _pool(
+        self, pooler: PoolerConfig, prompts: list[list[int]], score: bool, use_tqdm: bool
+    ) -> list[tuple[list[int], PooledOutput]]:
+        """Each prompt's pooled output, all submitted together (one request each)."""
         self._check_tp()
-        pooler = self._pooler("embed")
         results: list[PooledOutput | None] = [None] * len(prompts)
         bar = tqdm(total=len(prompts), desc="pooling", disable=not use_tqdm)
         requests = []
