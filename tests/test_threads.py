@@ -47,26 +47,42 @@ def test_serving_keeps_the_forward_threads_count(tiny_checkpoints: dict[str, Pat
     llm.close()
 
 
+BUILD_SCHEDULER = """
+import os, sys, threading
+import torch
+from aioserve.config import EngineConfig
+from aioserve.scheduler.scheduler import ModelFacts, Scheduler
+
+config = EngineConfig(model=sys.argv[1], device="cpu")
+facts = ModelFacts(
+    num_pages=8192, page_size=16, max_model_len=1 << 17, vocab_size=1000, eos_token_ids=[2], max_prefill_tokens=256
+)
+started = []
+
+def build():  # on a fresh thread: the main thread may have a team already
+    torch.get_num_threads()  # ATen's own first-use setup, before looking
+    before = set(os.listdir("/proc/self/task"))
+    Scheduler(config, facts, executor=None)
+    started.append(sorted(set(os.listdir("/proc/self/task")) - before))
+
+builder = threading.Thread(target=build)
+builder.start()
+builder.join()
+print(started[0])
+"""
+
+
 def test_building_the_scheduler_starts_no_team(tiny_checkpoints: dict[str, Path]) -> None:
-    # A long context makes the page table (max requests x pages per request)
-    # big enough that zeroing it would run in parallel, leaving an OpenMP team
-    # on the thread that builds the scheduler: the event loop's.
-    from aioserve.config import EngineConfig
-    from aioserve.scheduler.scheduler import ModelFacts, Scheduler
+    """A long context makes the page table (max requests x pages per
+    request) big enough that zeroing it would run in parallel, leaving an
+    OpenMP team on the thread that builds the scheduler: the event loop's.
+    Checked in a process of its own: what the test process imported before
+    (scikit-learn, through sentence-transformers, brings its own OpenMP
+    runtime) must not decide it."""
+    import subprocess
+    import sys
 
-    config = EngineConfig(model=str(tiny_checkpoints["llama"]), device="cpu")
-    facts = ModelFacts(
-        num_pages=8192, page_size=16, max_model_len=1 << 17, vocab_size=1000, eos_token_ids=[2], max_prefill_tokens=256
-    )
-    started: list[set[str]] = []
-
-    def build() -> None:  # on a fresh thread: the test runner's own may have a team already
-        torch.get_num_threads()  # ATen's own first-use setup, before looking
-        before = set(os.listdir("/proc/self/task"))
-        Scheduler(config, facts, executor=None)  # type: ignore[arg-type]
-        started.append(set(os.listdir("/proc/self/task")) - before)
-
-    builder = threading.Thread(target=build)
-    builder.start()
-    builder.join()
-    assert started == [set()]  # a team would have started worker threads
+    done = subprocess.run([sys.executable, "-c", BUILD_SCHEDULER, str(tiny_checkpoints["llama"])],
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.strip().splitlines()[-1] == "[]"  # a team would have started worker threads
