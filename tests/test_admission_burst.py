@@ -52,6 +52,7 @@ async def burst(url: str) -> tuple[list[httpx.Response], int]:
         return [task.result() for task in done], len(pending)
 
 
+@pytest.mark.slow  # ~35 s on 2 cores; test_operations.py's full-queue test keeps a 429 in the default suite
 def test_burst_gets_exactly_the_overflow_as_429(server: RunningServer) -> None:
     answered, still_running = asyncio.run(burst(server.url))
     statuses = [r.status_code for r in answered]

@@ -52,6 +52,7 @@ def processes_touching(folder: Path) -> list[str]:
     return found
 
 
+@pytest.mark.slow  # ~22 s: a real compiler killed and run again
 def test_a_build_killed_midway_does_not_block_the_next(tmp_path: Path) -> None:
     first = start_build(tmp_path)
     deadline = time.monotonic() + 120

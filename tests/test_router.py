@@ -230,6 +230,7 @@ def test_router_policies_are_the_routers() -> None:
         assert parse_router_args(["--policy", policy]).policy == policy
 
 
+@pytest.mark.slow  # ~30 s; test_data_parallel.py's --dp 2 runs keep sglang-router in the default suite
 def test_two_replicas_behind_sglang_router(replicas: list[Replica], stories_path: Path) -> None:
     import sglang_router.version
 
