@@ -143,11 +143,7 @@ class LLM:
         """A cross-encoder's relevance of each `text_2` to `text_1`, in [0, 1]."""
         pooler = self._pooler("classify")
         pairs = [text_2] if isinstance(text_2, str) else list(text_2)
-        prompts = []
-        for document in pairs:
-            text = pair_text(pooler, text_1, document)  # a causal reranker's prompt, else the tokenizer's pair
-            prompts.append(self.tokenizer.encode_pair(text_1, document) if text is None
-                           else self.tokenizer.encode(text, add_special_tokens=False))
+        prompts = [self.tokenizer.encode_pair(text_1, d, pair_text(pooler, text_1, d)) for d in pairs]
         pooled = self._pool(pooler, prompts, score=True, use_tqdm=use_tqdm)
         return [relevance(out) for _, out in pooled]
 

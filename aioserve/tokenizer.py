@@ -97,9 +97,13 @@ class Tokenizer:
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return self.rust.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
 
-    def encode_pair(self, first: str, second: str) -> list[int]:
-        """A cross-encoder's input: both texts with the tokenizer's pair
-        template ([CLS] A [SEP] B [SEP] for BERT, <s> A </s></s> B </s> for XLM-R)."""
+    def encode_pair(self, first: str, second: str, prompt: str | None = None) -> list[int]:
+        """A reranker's input: `prompt` where a causal reranker writes the pair
+        into one (pooling_config.pair_text: its template carries its own special
+        tokens), else both texts with the tokenizer's pair template ([CLS] A
+        [SEP] B [SEP] for BERT, <s> A </s></s> B </s> for XLM-R)."""
+        if prompt is not None:
+            return self.encode(prompt, add_special_tokens=False)
         return self.rust.encode_batch([(first, second)], add_special_tokens=True)[0].ids
 
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
@@ -159,8 +163,8 @@ class Tokenizer:
     async def encode_async(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return await asyncio.get_running_loop().run_in_executor(self._pool, self.encode, text, add_special_tokens)
 
-    async def encode_pair_async(self, first: str, second: str) -> list[int]:
-        return await asyncio.get_running_loop().run_in_executor(self._pool, self.encode_pair, first, second)
+    async def encode_pair_async(self, first: str, second: str, prompt: str | None = None) -> list[int]:
+        return await asyncio.get_running_loop().run_in_executor(self._pool, self.encode_pair, first, second, prompt)
 
     async def encode_chat_async(self, messages: list[dict[str, Any]], **kwargs: Any) -> list[int]:
         loop = asyncio.get_running_loop()

@@ -134,11 +134,7 @@ async def _encode_pair(ctx: ServingContext, first: str, second: str, keep_last: 
     if keep_last is None:
         ctx.check_prompt_chars(len(first) + len(second), param)
     assert ctx.pooler is not None
-    text = pair_text(ctx.pooler, first, second)  # a causal reranker's prompt, else the tokenizer's pair
-    if text is None:
-        ids = await ctx.tokenizer.encode_pair_async(first, second)
-    else:
-        ids = await ctx.tokenizer.encode_async(text, add_special_tokens=False)
+    ids = await ctx.tokenizer.encode_pair_async(first, second, pair_text(ctx.pooler, first, second))
     return _truncated(ctx, ids, keep_last, param)
 
 
