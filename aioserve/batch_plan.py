@@ -150,6 +150,25 @@ class PoolingRequest:
 
 
 @dataclass
+class AdapterLoad:
+    """Copy adapter `adapter_id` (its PEFT folder: `path`) into LoRA slot
+    `slot` before the step runs: the slot's earlier adapter is no longer used."""
+
+    slot: int
+    adapter_id: int
+    path: str
+
+
+@dataclass
+class LoraBatch:
+    """Which LoRA adapter each request of the step uses, and the slot loads
+    the step needs first (every rank does the same loads)."""
+
+    request_slots: torch.Tensor  # [B] int64: each request's adapter slot; 0 = the base model
+    loads: list[AdapterLoad] = field(default_factory=list)
+
+
+@dataclass
 class BatchPlan:
     """One forward step over B requests and T new tokens.
 
@@ -169,6 +188,7 @@ class BatchPlan:
     sampling: SamplingTensors | None  # None when no row samples (mid-prompt chunks only)
     prompt_logprobs: PromptLogprobRequest | None = None
     pooling: PoolingRequest | None = None
+    lora: LoraBatch | None = None  # with LoRA adapters served: each request's slot, the loads first
 
     @property
     def num_tokens(self) -> int:
@@ -202,6 +222,7 @@ class BatchPlan:
             if self.pooling is not None:
                 plan.pooling = copy.copy(self.pooling)
             return plan
+        # `lora` stays on the host (_move moves tensor fields only): the engine routes rows from it.
         return _move(
             self, device,
             sampling=self.sampling.to(device) if self.sampling is not None else None,

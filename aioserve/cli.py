@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import logging
 import os
 import sys
@@ -85,7 +86,11 @@ def add_options(parser: argparse.ArgumentParser, *classes: type) -> None:
             if kind is bool:
                 kwargs.update(action="store_false" if f.default else "store_true", default=f.default)
             else:
-                kwargs["type"] = _reporting(meta["parse"]) if meta["parse"] else _value_type(kind)
+                value_type = _value_type(kind)
+                if meta.get("repeated"):  # list[str]: each flag adds its values
+                    kwargs.update(action="extend", nargs="+")
+                    value_type = typing.get_args(value_type)[0]
+                kwargs["type"] = _reporting(meta["parse"]) if meta["parse"] else value_type
                 if meta["choices"]:
                     kwargs["choices"] = meta["choices"]
                 if f.default is dataclasses.MISSING:
@@ -193,6 +198,10 @@ def serve_argv(args: ServerArgs) -> list[str]:
                 continue
             if isinstance(value, bool):
                 argv.append(flag(f))  # the flag that flips the default
+            elif isinstance(value, list):
+                argv += [f"{flag(f)}={item}" for item in value]  # a repeated option: one flag a value
+            elif isinstance(value, dict):
+                argv.append(f"{flag(f)}={json.dumps(value)}")  # as its parser reads it
             elif value is not None:
                 argv.append(f"{flag(f)}={value}")  # one word: a value may start with "-"
     return argv

@@ -16,7 +16,7 @@ DEFAULT_CPU_KV_BYTES = 4 << 30
 DEFAULT_MAX_REQUEST_BYTES = 16 << 20
 
 # CLI argument groups, in the order `aioserve serve --help` lists them.
-GROUPS = ("model", "KV cache", "scheduling", "speculative decoding", "distributed", "HTTP")
+GROUPS = ("model", "KV cache", "scheduling", "speculative decoding", "LoRA", "distributed", "HTTP")
 
 # Equals aioserve.attention.BACKENDS (tests/test_cli.py checks it). Spelled out
 # because importing it would make this leaf module, which everything imports,
@@ -59,6 +59,7 @@ def option(
     parse: Callable[[str], Any] | None = None,
     aliases: tuple[str, ...] = (),
     switches: dict[str, Any] | None = None,
+    repeated: bool = False,
 ) -> Any:
     """A dataclass field that is also a CLI option: `--kebab-name` from the
     field name, type from the annotation unless `parse` turns the text into the
@@ -67,13 +68,14 @@ def option(
     either way `help` says what the flag does. `aliases` are further flags for
     the same option (the spellings users of other servers type); `switches`
     are flags without a value that set the option to theirs (vLLM's
-    `--no-enable-prefix-caching` is `--cache naive`)."""
+    `--no-enable-prefix-caching` is `--cache naive`). `repeated`: a list
+    option, each flag giving one or more values (`--lora-modules a=x b=y`)."""
     if group not in GROUPS:
         raise ValueError(f"unknown option group {group!r} (choose from {', '.join(GROUPS)})")
     return field(
         default=default, metadata={
             "help": help, "group": group, "choices": choices, "parse": parse, "aliases": aliases,
-            "switches": switches or {},
+            "switches": switches or {}, "repeated": repeated,
         },
     )
 
@@ -215,6 +217,31 @@ class EngineConfig:
         None, group="speculative decoding", help="SGLang's count: tokens proposed a step"
     )
 
+    enable_lora: bool = option(
+        False, group="LoRA",
+        help="serve LoRA adapters (PEFT folders) over the base model: a request's `model` names its adapter, "
+        "and one batch mixes adapters and the base; see docs/guide/lora.md",
+    )
+    lora_modules: list[str] | None = option(
+        None, group="LoRA", repeated=True, aliases=("--lora-paths",),
+        help="adapters loaded at start, each NAME=PATH or vLLM's JSON object "
+        '\'{"name": ..., "path": ..., "base_model_name": ...}\' (SGLang\'s --lora-paths also takes a bare PATH, '
+        "named by itself); implies --enable-lora",
+    )
+    max_loras: int = option(
+        4, group="LoRA", aliases=("--max-loras-per-batch",),
+        help="adapters one step can use at once: the slots held next to the weights (more adapters wait in host "
+        "memory and take a slot freed by the least recently used)",
+    )
+    max_lora_rank: int = option(
+        16, group="LoRA", help="the largest adapter rank served (slots are sized for it; a larger one is refused)"
+    )
+    max_cpu_loras: int | None = option(
+        None, group="LoRA",
+        help="adapters kept read in host memory, least recently used first out (read again from their folder "
+        "when next used); default: every loaded adapter",
+    )
+
     tp_size: int = option(
         1, aliases=("--tp", "--tensor-parallel-size"), group="distributed",
         help="tensor-parallel ranks: one process each, rank 0 serving HTTP (one GPU each on CUDA, NCCL; on CPU "
@@ -236,7 +263,9 @@ class EngineConfig:
         """Sizes that must be positive (the CLI reports these as usage errors)."""
         for flag, value in (("--page-size", self.page_size), ("--max-running-requests", self.max_running_requests),
                             ("--max-prefill-tokens", self.max_prefill_tokens), ("--tp", self.tp_size),
-                            ("--cuda-graph-max-bs", self.cuda_graph_max_bs), ("--num-threads", self.num_threads)):
+                            ("--cuda-graph-max-bs", self.cuda_graph_max_bs), ("--num-threads", self.num_threads),
+                            ("--max-loras", self.max_loras), ("--max-lora-rank", self.max_lora_rank),
+                            ("--max-cpu-loras", self.max_cpu_loras)):
             if value is not None and value < 1:
                 raise ValueError(f"{flag} must be at least 1, got {value}")
         if not 0 < self.mem_fraction_static <= 1:

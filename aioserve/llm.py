@@ -27,11 +27,15 @@ from aioserve.output_stream import OutputStream, PromptLogprobs, TopLogprobs
 from aioserve.sampling_params import SamplingParams
 from aioserve.launch.wiring import build_scheduler
 from aioserve.pooling_config import PoolerConfig, pair_text
+from aioserve.scheduler.adapters import Adapter
 from aioserve.scheduler.pooling import PooledOutput, PoolingState, embedding_vector, relevance
 from aioserve.scheduler.request import Request, RequestEvent
 from aioserve.tokenizer import Tokenizer
 
 Prompt = str | list[int]
+# A prompt's LoRA adapter: a loaded one's name, an object with lora_name and
+# lora_path (vLLM's LoRARequest), or None for the base model.
+LoraChoice = str | Any | None
 
 
 @dataclass
@@ -89,8 +93,12 @@ class LLM:
         prompts: Prompt | Sequence[Prompt],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = False,
+        lora_request: LoraChoice | Sequence[LoraChoice] = None,
     ) -> list[GenerationOutput]:
-        """Generate for every prompt (text, or token ids), all batched together."""
+        """Generate for every prompt (text, or token ids), all batched together.
+        `lora_request`: the LoRA adapter of every prompt, or one per prompt
+        (None: the base model): a loaded adapter's name, or an object with
+        `lora_name` and `lora_path` (vLLM's LoRARequest), loaded on first use."""
         self._check_tp()
         if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
@@ -98,12 +106,18 @@ class LLM:
             sampling_params = [sampling_params or SamplingParams()] * len(prompts)
         if len(sampling_params) != len(prompts):
             raise ValueError("give one SamplingParams, or one per prompt")
+        choices = list(lora_request) if isinstance(lora_request, (list, tuple)) else [lora_request] * len(prompts)
+        if len(choices) != len(prompts):
+            raise ValueError("give one lora_request, or one per prompt")
+        adapters = [self._adapter(choice) for choice in choices]
         bar = tqdm(total=len(prompts), desc="generating", disable=not use_tqdm)
         try:
             outputs, requests = self._prepare(cast(Sequence[Prompt], prompts), sampling_params, bar)  # one prompt is wrapped above
         except BaseException:
             bar.close()
             raise
+        for request, adapter in zip(requests, adapters):
+            request.adapter = adapter
         self._run_requests(requests, bar)
         return outputs
 
@@ -198,6 +212,27 @@ class LLM:
             outputs.append(output)
             requests.append(request)
         return outputs, requests
+
+    def load_lora_adapter(self, name: str, path: str) -> None:
+        """Load a PEFT LoRA adapter under `name` (AdapterError if it cannot be served)."""
+        self.scheduler.load_adapter_now(name, path)
+
+    def unload_lora_adapter(self, name: str) -> None:
+        if not self.scheduler.unload_adapter(name):
+            raise ValueError(f"no LoRA adapter named `{name}` is loaded")
+
+    def _adapter(self, choice: LoraChoice) -> Adapter | None:
+        if choice is None:
+            return None
+        name = choice if isinstance(choice, str) else getattr(choice, "lora_name", None)
+        if not isinstance(name, str):
+            raise TypeError("lora_request: an adapter's name, or an object with lora_name and lora_path")
+        adapter = self.scheduler.adapter(name)
+        if adapter is None and not isinstance(choice, str):
+            adapter = self.scheduler.load_adapter_now(name, str(getattr(choice, "lora_path")))
+        if adapter is None:
+            raise ValueError(f"no LoRA adapter named `{name}` is loaded")
+        return adapter
 
     def _on_tp_failure(self, reason: str) -> None:
         """A rank died or a step failed (called from another thread): end the

@@ -26,6 +26,7 @@ RANKS: dict[str, float] = {
     "output_stream": 7, "grammar": 6.7, "tokenizer": 6.5,
     "scheduler": 6,
     "engine": 5, "cpu_engine": 4.8,  # the engine's CPU fast paths: they read the model and the KV pool
+    "lora": 4.6,  # LoRA adapters read for the model's layers, and the engine's slots
     "models": 4.5, "attention": 4,  # a model's forward takes the attention backend's metadata
     "kvcache": 3,
     "quant": 2.5,  # quantised checkpoints: the loader asks it, and it gives linear layers their quantised product
@@ -33,6 +34,7 @@ RANKS: dict[str, float] = {
     "tp": 1,  # the TP group's collectives and the plan's transport: the layers call them
     "speculative_config": 0.5,  # reads config's ConfigError and EngineConfig
     "pooling_config": 0.5,  # likewise: a pooling model's pooling, from its folder and the flags
+    "lora_config": 0.5,  # likewise: the LoRA flags, the adapters named at start
     "config": 0, "sampling_params": 0, "batch_plan": 0, "placeholders": 0, "hf_imports": 0,
     "sampling_limits": -1,  # the ranges of the sampling fields: sampling_params reads them
 }

@@ -17,8 +17,10 @@ from __future__ import annotations
 
 import logging
 from pathlib import Path
+from typing import cast
 
 import torch
+from torch import nn
 
 from aioserve.attention import AttentionShape, create_backend
 from aioserve.batch_plan import BatchPlan, SamplingTensors, StepOutput
@@ -33,6 +35,8 @@ from aioserve.cpu_engine.decode_stack import NativeDecodeRunner
 from aioserve.engine.sampler import SamplerOutput, prompt_logprobs, sample
 from aioserve.engine.tp_layout import gather_layout, layout_lines
 from aioserve.kvcache.kv_pool import RESERVED_PAGES, KVPool
+from aioserve.lora.adapter_slots import AdapterSlots
+from aioserve.lora_config import resolve_lora
 from aioserve.placeholders import PreviousStepTokens
 
 logger = logging.getLogger(__name__)
@@ -64,6 +68,13 @@ class Engine:
             causal=not mc.is_encoder,
         )
         self.attention = create_backend(config.attention_backend, self.pool, self.attention_shape)
+        # LoRA adapters: every adaptable layer's slots (lora/adapter_slots.py).
+        lora = resolve_lora(config)
+        self.lora: AdapterSlots | None = None
+        if lora is not None:
+            self.lora = AdapterSlots(cast(nn.Module, self.model), mc, lora, self.dtype, self.device)
+            logger.info("LoRA: %d slots of rank %d on %d layers (%.1f MiB)", lora.max_loras, lora.max_lora_rank,
+                        len(self.lora.layers), self.lora.nbytes / 2**20)
         # Decode-only steps run as one captured unit where they can: CUDA
         # graphs on a GPU, the native DecoderStack on a CPU.
         self.graph_runner: DecodeGraphRunner | NativeDecodeRunner | None = None
@@ -148,8 +159,20 @@ class Engine:
             self.graph_runner = self.cpu_paths.decode_runner
         host_plan, plan = plan, plan.to(self.device)
         input_ids = self.previous.resolve(plan.step, plan.input_ids, host_plan.input_ids)
-        if self.graph_runner is not None and self.graph_runner.can_run(host_plan):
+        routing = None
+        if self.lora is not None and host_plan.lora is not None:
+            self.lora.apply_loads(host_plan.lora.loads)
+            routing = self.lora.route(host_plan)
+        # A captured step (CUDA graph, native DecoderStack) knows no adapters:
+        # a step with any runs through the modules.
+        if routing is None and self.graph_runner is not None and self.graph_runner.can_run(host_plan):
             hidden = self.graph_runner.run(input_ids, plan, host_plan)
+        elif self.lora is not None:
+            self.lora.state.routing = routing
+            try:
+                hidden = self.model(input_ids, plan.positions, self.attention.prepare(plan, host_plan))
+            finally:
+                self.lora.state.routing = None
         else:
             hidden = self.model(input_ids, plan.positions, self.attention.prepare(plan, host_plan))
         tokens = self._tokens(hidden[plan.logits_indices], plan, host_plan) if plan.sampling is not None else None

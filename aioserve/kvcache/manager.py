@@ -69,13 +69,16 @@ class KVManager:
 
     # -- a request's KV: admit, extend, share, release --------------------------
 
-    def admit(self, tokens: list[int], headroom_pages: int = 0, use_cache: bool = True) -> RequestKV | None:
+    def admit(
+        self, tokens: list[int], headroom_pages: int = 0, use_cache: bool = True, namespace: int = 0
+    ) -> RequestKV | None:
         """A slot and pages for all of `tokens`, reusing the longest cached
-        prefix, if the pool can give them and still keep `headroom_pages`
-        available; None (and nothing held) otherwise."""
+        prefix of its `namespace` (its LoRA adapter), if the pool can give
+        them and still keep `headroom_pages` available; None (and nothing
+        held) otherwise."""
         if self.table.num_free_slots == 0:
             return None
-        match = self.cache.match(tokens) if use_cache else PrefixMatch([], 0)
+        match = self.cache.match(tokens, namespace) if use_cache else PrefixMatch([], 0)
         self.cache.lock(match)
         need = self.pages_for(len(tokens)) - len(match.pages)
         pages = self.allocate(need) if self.num_available_pages >= need + headroom_pages else None
@@ -84,7 +87,7 @@ class KVManager:
             return None
         slot = self.table.alloc_slot()
         assert slot is not None
-        kv = RequestKV(slot, match, pages, kv_len=match.num_tokens, kv_done=match.num_tokens)
+        kv = RequestKV(slot, match, pages, kv_len=match.num_tokens, kv_done=match.num_tokens, namespace=namespace)
         self.table.write(slot, 0, kv.pages)
         return kv
 
@@ -135,9 +138,9 @@ class KVManager:
         full = min(kv.kv_done // self.page_size, len(pages))
         if not self.cache.reuses or full <= len(kv.prefix.pages):
             return
-        redundant = self.cache.insert(tokens[: full * self.page_size], pages[:full])
+        redundant = self.cache.insert(tokens[: full * self.page_size], pages[:full], kv.namespace)
         # One token past the pages: match never takes a prompt's last token.
-        shared = self.cache.match(tokens[: full * self.page_size] + [-1])
+        shared = self.cache.match(tokens[: full * self.page_size] + [-1], kv.namespace)
         self.cache.lock(shared)
         self.cache.unlock(kv.prefix)
         if redundant:
@@ -155,7 +158,7 @@ class KVManager:
         kv.check_live()
         pages = kv.pages
         full = min(kv.kv_done // self.page_size, len(pages))
-        redundant = self.cache.insert(tokens[: full * self.page_size], pages[:full])
+        redundant = self.cache.insert(tokens[: full * self.page_size], pages[:full], kv.namespace)
         self.allocator.free(redundant + pages[full:])
         self.cache.unlock(kv.prefix)
         self.table.free_slot(kv.slot)

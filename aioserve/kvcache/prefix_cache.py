@@ -4,7 +4,8 @@ A cache owns the pages it holds. `match` finds cached pages for a prompt's
 leading whole pages; `lock` protects them while a request uses them;
 `insert` adopts a finished request's pages (returning those it already had,
 for the caller to free); `evict` gives back unlocked pages, least recently
-used first.
+used first. A `namespace` (a LoRA adapter's id, 0 for the base model)
+keeps apart KV that the same tokens gave under different weights.
 """
 
 from __future__ import annotations
@@ -27,9 +28,9 @@ class PrefixCache(ABC):
         self.page_size = page_size
 
     @abstractmethod
-    def match(self, tokens: list[int]) -> PrefixMatch:
-        """Longest cached prefix of whole pages, never the last token (its
-        logits must be computed)."""
+    def match(self, tokens: list[int], namespace: int = 0) -> PrefixMatch:
+        """Longest cached prefix of whole pages in `namespace`, never the
+        last token (its logits must be computed)."""
 
     @abstractmethod
     def lock(self, match: PrefixMatch) -> None: ...
@@ -38,7 +39,7 @@ class PrefixCache(ABC):
     def unlock(self, match: PrefixMatch) -> None: ...
 
     @abstractmethod
-    def insert(self, tokens: list[int], pages: list[int]) -> list[int]:
+    def insert(self, tokens: list[int], pages: list[int], namespace: int = 0) -> list[int]:
         """Adopt `pages` (len(tokens) == len(pages) * page_size); return the
         caller's pages that are now redundant and must be freed."""
 
@@ -67,7 +68,7 @@ class NaiveCache(PrefixCache):
 
     reuses = False
 
-    def match(self, tokens: list[int]) -> PrefixMatch:
+    def match(self, tokens: list[int], namespace: int = 0) -> PrefixMatch:
         return PrefixMatch([], 0)
 
     def lock(self, match: PrefixMatch) -> None:
@@ -76,7 +77,7 @@ class NaiveCache(PrefixCache):
     def unlock(self, match: PrefixMatch) -> None:
         pass
 
-    def insert(self, tokens: list[int], pages: list[int]) -> list[int]:
+    def insert(self, tokens: list[int], pages: list[int], namespace: int = 0) -> list[int]:
         return list(pages)
 
     def evict(self, num_pages: int) -> list[int]:

@@ -9,6 +9,9 @@ A lock count on a node means a running request reads its pages; locking a
 node locks its ancestors too, so an unlocked node's whole subtree is
 unlocked and can go, leaves first, least recently used first.
 
+A namespace (a LoRA adapter's id; 0 for the base model) has its own root:
+KV computed under one adapter is never matched by a prompt under another.
+
 Eviction costs what it evicts, not the size of the tree: a heap of
 candidate leaves lives across calls. A node is pushed when it becomes an
 evictable leaf (inserted, unlocked, or its last child evicted); an entry
@@ -47,7 +50,7 @@ class _Node:
 class RadixCache(PrefixCache):
     def __init__(self, page_size: int) -> None:
         super().__init__(page_size)
-        self._root = _Node((), [], None)
+        self._roots: dict[int, _Node] = {}  # namespace -> its root (a root has no parent)
         self._clock = itertools.count(1)
         self._num_pages = 0
         self._num_locked_pages = 0
@@ -69,8 +72,14 @@ class RadixCache(PrefixCache):
     def all_pages(self) -> list[int]:
         return [page for node in self._nodes() for page in node.pages]
 
+    def _root(self, namespace: int) -> _Node:
+        root = self._roots.get(namespace)
+        if root is None:
+            root = self._roots[namespace] = _Node((), [], None)
+        return root
+
     def _nodes(self) -> list[_Node]:
-        found, stack = [], list(self._root.children.values())
+        found, stack = [], [child for root in self._roots.values() for child in root.children.values()]
         while stack:
             node = stack.pop()
             found.append(node)
@@ -104,11 +113,12 @@ class RadixCache(PrefixCache):
         self._num_nodes += 1
         return head
 
-    def _walk(self, tokens: list[int], limit: int) -> tuple[_Node, int]:
-        """Descend along tokens[:limit] (whole pages), splitting the last node
-        if the match ends inside it. Returns the deepest node and the tokens matched."""
+    def _walk(self, tokens: list[int], limit: int, namespace: int) -> tuple[_Node, int]:
+        """Descend along tokens[:limit] (whole pages) from the namespace's root,
+        splitting the last node if the match ends inside it. Returns the
+        deepest node and the tokens matched."""
         ps = self.page_size
-        node, matched = self._root, 0
+        node, matched = self._root(namespace), 0
         while matched + ps <= limit:
             child = node.children.get(tuple(tokens[matched : matched + ps]))
             if child is None:
@@ -124,20 +134,20 @@ class RadixCache(PrefixCache):
 
     # -- the interface ---------------------------------------------------
 
-    def match(self, tokens: list[int]) -> PrefixMatch:
+    def match(self, tokens: list[int], namespace: int = 0) -> PrefixMatch:
         ps = self.page_size
         limit = ((len(tokens) - 1) // ps) * ps if tokens else 0
-        node, matched = self._walk(tokens, limit)
+        node, matched = self._walk(tokens, limit, namespace)
         pages: list[int] = []
         walker: _Node | None = node
-        while walker is not None and walker is not self._root:
+        while walker is not None and walker.parent is not None:
             pages[:0] = walker.pages
             walker = walker.parent
         return PrefixMatch(pages, matched, node)
 
     def lock(self, match: PrefixMatch) -> None:
         node = cast("_Node | None", match.handle)  # a handle this cache's match() made
-        while node is not None and node is not self._root:
+        while node is not None and node.parent is not None:
             if node.locks == 0:
                 self._num_locked_pages += len(node.pages)
             node.locks += 1
@@ -145,7 +155,7 @@ class RadixCache(PrefixCache):
 
     def unlock(self, match: PrefixMatch) -> None:
         node = cast("_Node | None", match.handle)  # a handle this cache's match() made
-        while node is not None and node is not self._root:
+        while node is not None and node.parent is not None:
             node.locks -= 1
             if node.locks == 0:
                 self._num_locked_pages -= len(node.pages)
@@ -153,18 +163,18 @@ class RadixCache(PrefixCache):
                     self._push(node)
             node = node.parent
 
-    def insert(self, tokens: list[int], pages: list[int]) -> list[int]:
+    def insert(self, tokens: list[int], pages: list[int], namespace: int = 0) -> list[int]:
         ps = self.page_size
         if len(tokens) != len(pages) * ps:
             raise ValueError("insert wants whole pages: len(tokens) == len(pages) * page_size")
-        node, matched = self._walk(tokens, len(tokens))
+        node, matched = self._walk(tokens, len(tokens), namespace)
         # Pages the tree already holds for the matched part make the caller's
         # copies redundant (unless they are the very same pages it matched).
         redundant, walker, end = [], node, matched // ps
-        while walker is not self._root:
+        while walker.parent is not None:
             start = end - len(walker.pages)
             redundant += [mine for mine, cached in zip(pages[start:end], walker.pages) if mine != cached]
-            walker, end = cast(_Node, walker.parent), start  # the walk stops at the root
+            walker, end = walker.parent, start  # the walk stops at the root
         if matched < len(tokens):
             leaf = _Node(tuple(tokens[matched:]), pages[matched // ps :], node, last_used=next(self._clock))
             node.children[leaf.tokens[:ps]] = leaf
@@ -190,7 +200,7 @@ class RadixCache(PrefixCache):
             freed += node.pages
             self._num_pages -= len(node.pages)
             self._num_nodes -= 1
-            if parent is not self._root and parent.evictable_leaf:
+            if parent.parent is not None and parent.evictable_leaf:
                 self._push(parent)
         return freed
 
@@ -210,7 +220,7 @@ class RadixCache(PrefixCache):
         pages = self.all_pages()
         for node in self._nodes():
             node.alive = False
-        self._root.children.clear()
+        self._roots.clear()
         self._num_pages = 0
         self._num_nodes = 0
         self._heap.clear()

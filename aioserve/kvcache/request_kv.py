@@ -25,6 +25,7 @@ class RequestKV:
     kv_len: int = 0
     kv_done: int = 0
     released: bool = False
+    namespace: int = 0  # its prefix-cache namespace: the LoRA adapter it runs under (0: the base model)
 
     @property
     def pages(self) -> list[int]:

@@ -24,6 +24,7 @@ from torch import nn
 
 from aioserve.tp.distributed import all_reduce, get_tp_group, kv_heads_per_rank, shard_range
 from aioserve.cpu.matmul import MatmulChoice, cpu_matmul
+from aioserve.layers.lora import LoraSlots
 
 
 def linear(
@@ -74,16 +75,23 @@ class QuantizableLinear(nn.Module):
     weight_scale: nn.Parameter | None
     matmul_choice: MatmulChoice | None
     quant: LinearQuant | None = None
+    in_features: int  # this rank's
+    out_features: int
+    lora: LoraSlots | None = None  # its LoRA adapters' slots, when adapters are served (layers/lora.py)
 
     def load_weight(self, name: str, loaded: torch.Tensor, shard: object = None) -> None:
         """Copy this rank's part of a checkpoint tensor into parameter `name` (each kind cuts its own)."""
         raise NotImplementedError
 
     def matmul(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-        """x W^T (+ b), this rank's part: by the quantised form when there is one."""
+        """x W^T (+ b), this rank's part: by the quantised form when there is
+        one; plus each row's adapter update (before a row-parallel layer's
+        all-reduce: the partial updates sum like the partial products)."""
         if self.quant is not None:
-            return self.quant.apply(self, x, bias)
-        return linear(x, self.weight, bias, self.matmul_choice)
+            y = self.quant.apply(self, x, bias)
+        else:
+            y = linear(x, self.weight, bias, self.matmul_choice)
+        return y if self.lora is None else self.lora.add_to(x, y)
 
 
 def copy_checked(param: torch.Tensor, loaded: torch.Tensor, what: str) -> None:
@@ -100,6 +108,8 @@ class ColumnParallelLinear(QuantizableLinear):
         super().__init__()
         self.out_full = out_features
         self.out_start, out_end = shard_range(out_features)
+        # This rank's sizes (the weight's shape may change when packed for a CPU kernel).
+        self.in_features, self.out_features = in_features, out_end - self.out_start
         self.weight = nn.Parameter(torch.empty(out_end - self.out_start, in_features), requires_grad=False)
         self.bias = nn.Parameter(torch.empty(out_end - self.out_start), requires_grad=False) if bias else None
         self.register_parameter("weight_scale", None)  # a quantised weight's scales (quant/)
@@ -170,6 +180,7 @@ class QKVParallelLinear(ColumnParallelLinear):
         self.kv_head_start = (tp.rank * num_kv_heads) // tp.size
         nn.Module.__init__(self)
         out = (self.num_heads + 2 * self.num_kv_heads) * head_dim
+        self.in_features, self.out_features = hidden, out
         self.q_head_start = tp.rank * self.num_heads
         self.weight = nn.Parameter(torch.empty(out, hidden), requires_grad=False)
         self.bias = nn.Parameter(torch.empty(out), requires_grad=False) if bias else None
@@ -220,6 +231,7 @@ class RowParallelLinear(QuantizableLinear):
         super().__init__()
         self.in_full = in_features
         self.in_start, in_end = shard_range(in_features)
+        self.in_features, self.out_features = in_end - self.in_start, out_features
         self.weight = nn.Parameter(torch.empty(out_features, in_end - self.in_start), requires_grad=False)
         self.bias = nn.Parameter(torch.empty(out_features), requires_grad=False) if bias else None
         self.register_parameter("weight_scale", None)  # a quantised weight's scales (quant/)

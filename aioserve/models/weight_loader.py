@@ -138,6 +138,14 @@ def _local_name(model: nn.Module, config: ModelConfig, hf_name: str) -> str | No
     return name
 
 
+def checkpoint_target(model: nn.Module, config: ModelConfig, hf_name: str) -> tuple[nn.Module, str, object] | None:
+    """Where a tensor of this checkpoint's naming loads: the module, its
+    parameter and the fused part (None: the model has no such tensor). A
+    LoRA adapter's tensors name their layers the same way."""
+    name = _local_name(model, config, hf_name)
+    return _target(model, name) if name is not None else None
+
+
 def load_safetensors(model: nn.Module, config: ModelConfig, path: Path) -> set[torch.dtype]:
     """Load every checkpoint tensor into its parameter; returns the dtypes
     the checkpoint stores them in (a quantised weight counts as the float32 it is

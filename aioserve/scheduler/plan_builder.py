@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from aioserve.batch_plan import BatchPlan, PoolingRequest, PromptLogprobRequest
+from aioserve.batch_plan import AdapterLoad, BatchPlan, LoraBatch, PoolingRequest, PromptLogprobRequest
 from aioserve.kvcache.page_table import PageTable
 from aioserve.kvcache.request_kv import RequestKV
 from aioserve.scheduler.request import Request
@@ -58,6 +58,7 @@ class PlanBuilder:
     pool_lengths: list[int] = field(default_factory=list)
     pool_type: str = ""  # one pooling model a server: every segment pools alike
     pool_score: bool = False
+    lora_slots: list[int] = field(default_factory=list)  # each entry's LoRA slot (0: the base model)
 
     def add(
         self,
@@ -80,6 +81,7 @@ class PlanBuilder:
         self.starts.append(start)
         self.lengths.append(len(token_ids))
         self.slots.append(kv.slot)
+        self.lora_slots.append(request.lora_slot)
         entry = StepEntry(request, kv, start + len(token_ids), start, prefill=not decode)
         if sample is not None:
             entry.row = len(self.sample_rows)
@@ -113,7 +115,9 @@ class PlanBuilder:
     def num_tokens(self) -> int:
         return len(self.ids)
 
-    def build(self) -> ScheduledStep:
+    def build(self, lora_loads: list[AdapterLoad] | None = None) -> ScheduledStep:
+        """The plan; `lora_loads` (with LoRA served, even if empty) gives it each
+        request's adapter slot and the loads to do first."""
         # Plain list arithmetic, then one tensor per field: a decode step's
         # plan is a few dozen numbers, and as tensor ops (repeat_interleave,
         # cumsum, gathers: ~15 of them) it cost the event loop ~0.1-0.5 ms a
@@ -162,6 +166,8 @@ class PlanBuilder:
                 torch.tensor(self.pool_starts, dtype=torch.long), torch.tensor(self.pool_lengths, dtype=torch.long),
                 self.pool_type, self.pool_score,
             ) if self.pool_starts else None,
+            lora=LoraBatch(torch.tensor(self.lora_slots, dtype=torch.long), lora_loads)
+            if lora_loads is not None else None,
         )
         num_prefill = sum(length for entry, length in zip(self.entries, self.lengths) if entry.prefill)
         return ScheduledStep(plan, self.entries, num_prefill)

@@ -53,7 +53,10 @@ class StepPlanner:
         self._plan_decodes(builder, step_id)
         budget = self._plan_running_chunks(builder, self.max_prefill_tokens, step_id)
         self._plan_admissions(builder, budget, step_id)
-        return builder.build() if builder.entries else None
+        if not builder.entries:
+            return None
+        adapters = self.table.adapters
+        return builder.build(adapters.take_loads() if adapters is not None else None)
 
     # -- phase 1: decodes --------------------------------------------------------
 
@@ -189,9 +192,20 @@ class StepPlanner:
         # Prompt logprobs need every prompt position computed: no prefix reuse;
         # nor does a pooling request that reads more than its last row.
         reuse = not request.wants_prompt_logprobs and (request.pooling is None or request.pooling.reuses_prefix)
-        kv = self.kv.admit(tokens, headroom, use_cache=reuse)
+        adapters, adapter = self.table.adapters, request.adapter
+        slot = 0
+        if adapter is not None and adapters is not None:
+            acquired = adapters.acquire(adapter)  # a LoRA slot; None while running requests hold every one
+            if acquired is None:
+                return False
+            slot = acquired
+        # KV computed under an adapter is cached under its id alone.
+        kv = self.kv.admit(tokens, headroom, use_cache=reuse, namespace=adapter.id if adapter is not None else 0)
         if kv is None:
+            if slot:
+                adapters.release(slot)  # type: ignore[union-attr]  # set with the slot
             return False
+        request.lora_slot = slot
         self.table.start(request, kv)
         return True
 

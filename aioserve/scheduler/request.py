@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 
 from aioserve.kvcache.request_kv import RequestKV
 from aioserve.sampling_params import SamplingParams
+from aioserve.scheduler.adapters import Adapter
 from aioserve.scheduler.constraint import ConstraintFactory, TokenConstraint
 from aioserve.scheduler.pending_tokens import PendingTokens
 from aioserve.scheduler.pooling import PooledOutput, PoolingState
@@ -93,6 +94,8 @@ class Request:
     grammar: ConstraintFactory | None = None  # compiled from params.structured_outputs
     constraint: TokenConstraint | None = None  # its matcher, made at submission
     pooling: PoolingState | None = None  # an embedding or score request: computes its prompt, generates nothing
+    adapter: Adapter | None = None  # the LoRA adapter it runs under (None: the base model)
+    lora_slot: int = 0  # while running under an adapter: the slot holding it (scheduler/adapters.py)
 
     def __post_init__(self) -> None:
         if not self.all_ids:

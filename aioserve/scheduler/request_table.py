@@ -16,6 +16,7 @@ from dataclasses import dataclass
 
 from aioserve.kvcache.manager import KVManager
 from aioserve.kvcache.request_kv import RequestKV
+from aioserve.scheduler.adapters import AdapterTable
 from aioserve.scheduler.request import Request, RequestEvent, Status
 
 logger = logging.getLogger(__name__)
@@ -37,8 +38,9 @@ class SchedulerStats:
 
 
 class RequestTable:
-    def __init__(self, kv: KVManager) -> None:
+    def __init__(self, kv: KVManager, adapters: AdapterTable | None = None) -> None:
         self.kv = kv
+        self.adapters = adapters  # with LoRA served: the slots requests hold while running
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []  # in admission order: the last is the newest
         self.by_id: dict[str, Request] = {}
@@ -47,6 +49,8 @@ class RequestTable:
     def add(self, request: Request) -> None:
         self.by_id[request.rid] = request
         self.waiting.append(request)
+        if request.adapter is not None and self.adapters is not None:
+            self.adapters.request_added(request.adapter)
 
     def start(self, request: Request, kv: RequestKV) -> None:
         """The head of the queue was admitted with `kv`."""
@@ -85,6 +89,7 @@ class RequestTable:
         request.status = Status.FINISHED
         request.finish_reason = reason
         self.by_id.pop(request.rid, None)
+        self._adapter_done(request)
         if reason in ("stop", "length"):
             self.stats.finished += 1
         elif reason == "abort":
@@ -99,7 +104,11 @@ class RequestTable:
             if request in queue:
                 queue.remove(request)
         self.by_id.pop(request.rid, None)
+        if request.lora_slot and self.adapters is not None:
+            self.adapters.release(request.lora_slot)
+            request.lora_slot = 0
         request.status, request.finish_reason, request.kv = Status.FINISHED, "error", None
+        self._adapter_done(request)
         self.deliver(request, event)
 
     def deliver(self, request: Request, event: RequestEvent) -> None:
@@ -117,3 +126,10 @@ class RequestTable:
         self.kv.release(request.kv, request.all_ids)
         self.running.remove(request)
         request.kv = None
+        if request.lora_slot and self.adapters is not None:
+            self.adapters.release(request.lora_slot)
+            request.lora_slot = 0
+
+    def _adapter_done(self, request: Request) -> None:
+        if request.adapter is not None and self.adapters is not None:
+            self.adapters.request_done(request.adapter)

@@ -21,6 +21,7 @@ import asyncio
 import copy
 import logging
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from aioserve.batch_plan import StepOutput
@@ -28,6 +29,7 @@ from aioserve.config import EngineConfig
 from aioserve.engine.executor import StepExecutor, TensorParallelFailure
 from aioserve.kvcache.manager import KVManager
 from aioserve.cpu.openmp import this_thread_single_threaded
+from aioserve.scheduler.adapters import Adapter, AdapterTable
 from aioserve.scheduler.client import SchedulerInfo
 from aioserve.scheduler.output_processor import OutputProcessor
 from aioserve.scheduler.plan_builder import ScheduledStep
@@ -36,6 +38,7 @@ from aioserve.scheduler.request import Request, RequestEvent, RequestRejected, S
 from aioserve.scheduler.request_table import RequestTable, SchedulerStats
 from aioserve.scheduler.sampling_batch import SamplingBatchBuilder
 from aioserve.scheduler.speculation import Speculator
+from aioserve.lora_config import AdapterError, resolve_lora
 from aioserve.pooling_config import PoolerConfig
 from aioserve.speculative_config import resolve_speculative
 
@@ -55,6 +58,10 @@ class ModelFacts:
     eos_token_ids: list[int]
     max_prefill_tokens: int  # the config's, or the engine's default for its device
     pooler: PoolerConfig | None = None  # a pooling model's pooling: it takes pooling requests only
+    # With LoRA served: the engine reads an adapter into host memory (id, path),
+    # and lets an unloaded one's copy go (lora/adapter_slots.py).
+    read_adapter: Callable[[int, str], None] | None = None
+    forget_adapter: Callable[[int], None] | None = None
 
 
 class Scheduler:
@@ -69,7 +76,12 @@ class Scheduler:
         # step ~30 -> ~45 ms).
         with this_thread_single_threaded():
             self.kv = self._new_kv()
-        self.table = RequestTable(self.kv)
+        lora = resolve_lora(config)
+        self.adapters: AdapterTable | None = None
+        if lora is not None:
+            assert facts.read_adapter is not None and facts.forget_adapter is not None
+            self.adapters = AdapterTable(lora.max_loras, facts.forget_adapter)
+        self.table = RequestTable(self.kv, self.adapters)
         sampling = SamplingBatchBuilder(facts.vocab_size, facts.eos_token_ids, config.seed)
         speculative = resolve_speculative(config)
         self.speculator = Speculator(speculative) if speculative is not None else None
@@ -142,6 +154,55 @@ class Scheduler:
         allowed = min(limit, pool_tokens) - prompt_len
         return allowed if max_tokens is None else min(max_tokens, allowed)
 
+    # -- LoRA adapters ------------------------------------------------------------
+
+    def adapter(self, name: str) -> Adapter | None:
+        """The loaded adapter of that name (None: none is)."""
+        return self.adapters.by_name.get(name) if self.adapters is not None else None
+
+    def _adapter_table(self) -> AdapterTable:
+        if self.adapters is None:
+            raise AdapterError("LoRA adapters are not served: start the server with --enable-lora")
+        return self.adapters
+
+    def load_adapter_now(self, name: str, path: str) -> Adapter:
+        """Read and register an adapter on this thread (the ones named at start)."""
+        table = self._adapter_table()
+        if name in table.by_name:
+            raise AdapterError(f"a LoRA adapter named `{name}` is already loaded")
+        adapter_id = table.new_id()
+        assert self.facts.read_adapter is not None
+        self.facts.read_adapter(adapter_id, path)
+        return table.register(adapter_id, name, path)
+
+    async def load_adapter(self, name: str, path: str) -> Adapter:
+        """Read and check an adapter off the event loop, then register it:
+        AdapterError (a 400) for a name in use or an adapter not servable."""
+        table = self._adapter_table()
+        if name in table.by_name:
+            raise AdapterError(f"a LoRA adapter named `{name}` is already loaded")
+        adapter_id = table.new_id()
+        assert self.facts.read_adapter is not None
+        await asyncio.to_thread(_single_threaded, self.facts.read_adapter, adapter_id, path)
+        if name in table.by_name:  # loaded meanwhile by another call
+            assert self.facts.forget_adapter is not None
+            self.facts.forget_adapter(adapter_id)
+            raise AdapterError(f"a LoRA adapter named `{name}` is already loaded")
+        adapter = table.register(adapter_id, name, path)
+        logger.info("LoRA adapter `%s` loaded from %s", name, path)
+        return adapter
+
+    def unload_adapter(self, name: str) -> bool:
+        """Take an adapter's name away (False: no such adapter): new requests
+        cannot name it; those under way finish on it."""
+        adapter = self._adapter_table().unregister(name)
+        if adapter is not None:
+            logger.info("LoRA adapter `%s` unloaded (%d requests finish on it)", name, adapter.requests)
+        return adapter is not None
+
+    def adapter_names(self) -> list[str]:
+        return list(self.adapters.by_name) if self.adapters is not None else []
+
     def submit(self, request: Request) -> None:
         self.submit_all([request])
 
@@ -153,6 +214,8 @@ class Scheduler:
             if request.rid in self.table.by_id or any(other.rid == request.rid for other in requests[:i]):
                 raise RequestRejected(f"request id {request.rid!r} is already in use", "request_id")
             self._check_kind(request)
+            if request.adapter is not None and (request.adapter.unloaded or self.adapters is None):
+                raise RequestRejected(f"the LoRA adapter `{request.adapter.name}` is not loaded", "model")
             request.params.validate(self.facts.vocab_size)
             if any(not 0 <= t < self.facts.vocab_size for t in request.prompt_ids):
                 raise RequestRejected(f"prompt token ids must be in [0, {self.facts.vocab_size})", "prompt")
@@ -367,3 +430,9 @@ class Scheduler:
             stats.last_prefill_tokens = step.num_prefill_tokens
         return step
 
+
+def _single_threaded(read: Callable[[int, str], None], adapter_id: int, path: str) -> None:
+    """Read an adapter on a pool thread without starting an OpenMP team
+    there (cpu/openmp.py: a second team slows every forward)."""
+    with this_thread_single_threaded():
+        read(adapter_id, path)

@@ -1,0 +1,122 @@
+"""The engine's side of LoRA: every adaptable layer's slots, the adapters
+read into host memory, and each step's loads and routing.
+
+Adapters are read (from their folder, checked and laid out for this rank)
+into a host cache bounded by --max-cpu-loras, least recently used first out.
+Rank 0 reads an adapter when it is loaded, off the event loop (`preload`,
+from the server's thread pool); a step that names a slot load copies the
+host copy into the slot (a few MB), reading the folder first only when the
+host cache had let it go, or on a follower rank the first time. Which
+adapter goes to which slot is the scheduler's choice (scheduler/adapters.py):
+the plan says it, so every rank loads alike.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections import OrderedDict
+
+import torch
+from torch import nn
+
+from aioserve.batch_plan import AdapterLoad, BatchPlan
+from aioserve.layers.lora import LoraRouting, LoraSlots, LoraStepState, route_rows
+from aioserve.lora.host_layout import HostAdapter, adaptable_layers, lay_out, part_ids
+from aioserve.lora.peft_folder import read_peft_adapter
+from aioserve.lora_config import LoraConfig
+from aioserve.models.model_config import ModelConfig
+
+logger = logging.getLogger(__name__)
+
+
+class AdapterSlots:
+    def __init__(
+        self, model: nn.Module, model_config: ModelConfig, config: LoraConfig, dtype: torch.dtype, device: torch.device
+    ) -> None:
+        self.model, self.model_config, self.config = model, model_config, config
+        self.dtype, self.device = dtype, device
+        self.state = LoraStepState()
+        self.layers = adaptable_layers(model)
+        num_slots, band = config.max_loras + 1, config.max_lora_rank  # slot 0: the base model, always zero
+        for layer in self.layers.values():
+            rows = band * len(part_ids(layer))
+            layer.lora = LoraSlots(
+                torch.zeros(num_slots, rows, layer.in_features, dtype=dtype, device=device),
+                torch.zeros(num_slots, rows, layer.out_features, dtype=dtype, device=device),
+                self.state,
+            )
+        self.slot_adapter: list[int | None] = [None] * num_slots  # which adapter id each slot holds
+        self._host: OrderedDict[int, HostAdapter] = OrderedDict()
+        self._lock = threading.Lock()  # preload runs on the server's threads, loads on the forward's
+        self.slot_loads = 0
+
+    @property
+    def nbytes(self) -> int:
+        return sum(layer.lora.a.nbytes + layer.lora.b.nbytes for layer in self.layers.values() if layer.lora)
+
+    def read(self, path: str) -> HostAdapter:
+        """Read, check and lay out an adapter (any thread); AdapterError if it cannot be served."""
+        adapter = read_peft_adapter(path, self.config.max_lora_rank)
+        return lay_out(adapter, self.model, self.model_config, self.config.max_lora_rank, self.dtype)
+
+    def preload(self, adapter_id: int, path: str) -> None:
+        """Read adapter `adapter_id` into the host cache (off the event loop)."""
+        host = self.read(path)
+        with self._lock:
+            self._remember(adapter_id, host)
+        logger.info("LoRA adapter %d read from %s: %d layers, %.1f MiB", adapter_id, path, len(host.layers),
+                    host.nbytes / 2**20)
+
+    def forget(self, adapter_id: int) -> None:
+        """An unloaded adapter: its host copy goes (its slot is simply reused)."""
+        with self._lock:
+            self._host.pop(adapter_id, None)
+
+    def _remember(self, adapter_id: int, host: HostAdapter) -> None:
+        self._host[adapter_id] = host
+        self._host.move_to_end(adapter_id)
+        bound = self.config.max_cpu_loras
+        while bound is not None and len(self._host) > bound:
+            dropped, _ = self._host.popitem(last=False)
+            logger.info("LoRA adapter %d leaves host memory (--max-cpu-loras %d)", dropped, bound)
+
+    def _host_copy(self, load: AdapterLoad) -> HostAdapter:
+        with self._lock:
+            host = self._host.get(load.adapter_id)
+            if host is not None:
+                self._host.move_to_end(load.adapter_id)
+                return host
+        logger.info("LoRA adapter %d not in host memory: reading %s", load.adapter_id, load.path)
+        host = self.read(load.path)
+        with self._lock:
+            self._remember(load.adapter_id, host)
+        return host
+
+    def apply_loads(self, loads: list[AdapterLoad]) -> None:
+        """Copy each load's adapter into its slot (on the forward's thread and
+        stream, so in order with the steps: the slot's last user ran before)."""
+        for load in loads:
+            host = self._host_copy(load)
+            for name, layer in self.layers.items():
+                slots = layer.lora
+                assert slots is not None
+                weights = host.layers.get(name)
+                if weights is None:
+                    slots.a[load.slot].zero_()
+                    slots.b[load.slot].zero_()
+                else:
+                    slots.a[load.slot].copy_(weights[0], non_blocking=True)
+                    slots.b[load.slot].copy_(weights[1], non_blocking=True)
+            self.slot_adapter[load.slot] = load.adapter_id
+            self.slot_loads += 1
+
+    def route(self, host_plan: BatchPlan) -> LoraRouting | None:
+        """Each token's slot, from its request's (the plan's rows are the requests' tokens in order)."""
+        lora = host_plan.lora
+        if lora is None:
+            return None
+        token_slots: list[int] = []
+        for slot, count in zip(lora.request_slots.tolist(), host_plan.extend_lens.tolist()):
+            token_slots += [slot] * count
+        return route_rows(token_slots, self.device, self.dtype)
