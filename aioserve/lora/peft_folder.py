@@ -69,7 +69,7 @@ def _check_config(config: dict[str, Any], where: Path) -> None:
         raise AdapterError(f"{where}: a DoRA adapter (use_dora); DoRA's magnitude vectors are not served")
     if config.get("modules_to_save"):
         raise AdapterError(
-            f"{where}: the adapter saves whole modules ({', '.join(map(str, config['modules_to_save']))}); "
+            f"{where}: the adapter saves whole modules (modules_to_save: {', '.join(map(str, config['modules_to_save']))}); "
             "only low-rank updates of the linear layers are served, not replaced embeddings or heads"
         )
     if config.get("bias", "none") != "none":

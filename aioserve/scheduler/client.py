@@ -11,8 +11,21 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Protocol
 
+from aioserve.scheduler.adapters import Adapter
 from aioserve.scheduler.request import Request
 from aioserve.scheduler.speculation import SpeculationStats
+
+
+@dataclass
+class LoraInfo:
+    """LoRA serving's state: adapters by name, requests under each, slots."""
+
+    max_loras: int
+    adapters: dict[str, str]  # name -> folder, of the loaded ones
+    running: dict[str, int]  # adapter name -> running requests under it
+    waiting: dict[str, int]
+    slots_in_use: int
+    evictions: int  # adapters that left a slot for another
 
 
 @dataclass
@@ -31,6 +44,7 @@ class SchedulerInfo:
     stats: dict[str, int] = field(default_factory=dict)
     speculation: SpeculationStats | None = None  # with speculative decoding on: its counters
     avg_spec_accept_length: float | None = None  # SGLang's name: tokens a verification gives, on average
+    lora: LoraInfo | None = None  # with LoRA served: its adapters and slots
 
     @property
     def kv_usage(self) -> float:
@@ -68,4 +82,22 @@ class SchedulerClient(Protocol):
 
     def info(self, check_integrity: bool = False) -> SchedulerInfo:
         """Occupancy and counters; with check_integrity, also the KV bookkeeping check (O(pages))."""
+        ...
+
+    @property
+    def serves_adapters(self) -> bool:
+        """Whether LoRA adapters are served (--enable-lora)."""
+        ...
+
+    def adapter(self, name: str) -> Adapter | None:
+        """The loaded LoRA adapter of that name, if any."""
+        ...
+
+    async def load_adapter(self, name: str, path: str) -> Adapter:
+        """Read and check an adapter off the loop, then serve it under `name`
+        (AdapterError: not servable, or the name is taken)."""
+        ...
+
+    def unload_adapter(self, name: str) -> bool:
+        """Stop serving an adapter (False: none of that name); its running requests finish on it."""
         ...

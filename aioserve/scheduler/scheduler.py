@@ -20,8 +20,8 @@ from __future__ import annotations
 import asyncio
 import copy
 import logging
-from collections import deque
-from collections.abc import Callable
+from collections import Counter, deque
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 from aioserve.batch_plan import StepOutput
@@ -30,7 +30,7 @@ from aioserve.engine.executor import StepExecutor, TensorParallelFailure
 from aioserve.kvcache.manager import KVManager
 from aioserve.cpu.openmp import this_thread_single_threaded
 from aioserve.scheduler.adapters import Adapter, AdapterTable
-from aioserve.scheduler.client import SchedulerInfo
+from aioserve.scheduler.client import LoraInfo, SchedulerInfo
 from aioserve.scheduler.output_processor import OutputProcessor
 from aioserve.scheduler.plan_builder import ScheduledStep
 from aioserve.scheduler.planner import StepPlanner
@@ -155,6 +155,10 @@ class Scheduler:
         return allowed if max_tokens is None else min(max_tokens, allowed)
 
     # -- LoRA adapters ------------------------------------------------------------
+
+    @property
+    def serves_adapters(self) -> bool:
+        return self.adapters is not None
 
     def adapter(self, name: str) -> Adapter | None:
         """The loaded adapter of that name (None: none is)."""
@@ -299,6 +303,22 @@ class Scheduler:
             stats=dict(vars(self.stats)),
             speculation=copy.deepcopy(self.speculator.stats) if self.speculator is not None else None,
             avg_spec_accept_length=self.speculator.stats.mean_acceptance_length if self.speculator else None,
+            lora=self._lora_info(),
+        )
+
+    def _lora_info(self) -> LoraInfo | None:
+        table = self.adapters
+        if table is None:
+            return None
+
+        def per_adapter(requests: Iterable[Request]) -> dict[str, int]:
+            return dict(Counter(r.adapter.name for r in requests if r.adapter is not None))
+
+        return LoraInfo(
+            max_loras=table.max_loras,
+            adapters={name: adapter.path for name, adapter in table.by_name.items()},
+            running=per_adapter(self.running), waiting=per_adapter(self.waiting),
+            slots_in_use=table.slots_in_use, evictions=table.evictions,
         )
 
     def shutdown(self) -> None:

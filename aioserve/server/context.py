@@ -12,6 +12,7 @@ from typing import Any, Protocol
 from aioserve.config import ServerArgs
 from aioserve.pooling_config import PoolerConfig
 from aioserve.scheduler import SchedulerClient
+from aioserve.scheduler.adapters import Adapter
 from aioserve.server.body.checks import RequestLimits
 from aioserve.server.body.parser_process import BodyParserProcess
 from aioserve.server.errors import APIError
@@ -82,16 +83,27 @@ class ServingContext:
     def model_name(self) -> str:
         return self.args.model_name
 
-    def check_model(self, name: str | None) -> None:
-        """OpenAI answers 404 model_not_found for a model it does not serve.
-        An absent name means the one we serve."""
-        if name is not None and name != self.model_name:
-            raise APIError(
-                f"The model `{name}` does not exist; this server serves `{self.model_name}`.",
-                status=404,
-                param="model",
-                code="model_not_found",
-            )
+    def check_model(self, name: str | None, param: str = "model") -> Adapter | None:
+        """The LoRA adapter a request's model names (None: the base model,
+        also when no name is given). OpenAI answers 404 model_not_found for a
+        model it does not serve."""
+        if name is None or name == self.model_name:
+            return None
+        adapter = self.scheduler.adapter(name)
+        if adapter is not None:
+            return adapter
+        adapters = f" or one of its LoRA adapters ({', '.join(self.adapter_names)})" if self.adapter_names else ""
+        raise APIError(
+            f"The model `{name}` does not exist; this server serves `{self.model_name}`{adapters}.",
+            status=404,
+            param=param,
+            code="model_not_found",
+        )
+
+    @property
+    def adapter_names(self) -> list[str]:
+        info = self.scheduler.info().lora
+        return list(info.adapters) if info is not None else []
 
     def check_generates(self) -> None:
         """A generating route on a pooling model: a 400 saying what it serves."""

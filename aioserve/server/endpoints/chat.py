@@ -85,7 +85,7 @@ async def start_chat(
 ) -> tuple[Generation, Callable[[object], ContentProcessor]]:
     """Render, constrain and start a chat request (for /v1/chat/completions
     and /v1/responses): its Generation and each choice's content processor."""
-    ctx.check_model(body.model)
+    adapter = ctx.check_model(body.model)
     ctx.check_generates()
     ctx.check_capacity(body.n, request.scope)
     if body.top_logprobs and not body.logprobs:
@@ -109,7 +109,7 @@ async def start_chat(
         params.skip_special_tokens = False
     generation = Generation(ctx, new_id(id_prefix), arrival_time(request), incremental=body.stream)
     try:
-        generation.start([prompt_ids], params, body.n, grammar)
+        generation.start([prompt_ids], params, body.n, grammar, adapter)
         ctx.admitted(request.scope)
     except APIError as exc:  # the prompt is the rendered messages
         if exc.param == "prompt":

@@ -51,7 +51,7 @@ async def prompt_list(ctx: ServingContext, prompt: Any) -> list[Prompt]:
 async def create_completion(request: Request) -> Response:
     ctx: ServingContext = request.app.state.ctx
     body = await parse_body(request, CompletionRequest)
-    ctx.check_model(body.model)
+    adapter = ctx.check_model(body.model)
     ctx.check_generates()
     ctx.check_capacity(prompt_count(body.prompt) * body.n, request.scope)
     if body.best_of is not None and body.best_of != body.n:
@@ -73,7 +73,7 @@ async def create_completion(request: Request) -> Response:
             if body.logprobs is not None:
                 p.text_offsets = await ctx.tokenizer.run_async(prompt_text_offsets, ctx.tokenizer, p.ids)
     generation = Generation(ctx, new_id("cmpl"), arrival_time(request), incremental=body.stream)
-    generation.start([p.ids for p in prompts], params, body.n, grammar)
+    generation.start([p.ids for p in prompts], params, body.n, grammar, adapter)
     ctx.admitted(request.scope)
     builder = CompletionBuilder(ctx, body, generation.request_id, prompts)
     return await respond(request, generation, builder, stream=body.stream, include_usage=body.include_usage)

@@ -11,6 +11,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from aioserve.output_stream import OutputStream, TopLogprobs
+from aioserve.scheduler.adapters import Adapter
 from aioserve.server.body.checks import prompt_count
 from aioserve.server.context import ServingContext
 from aioserve.server.errors import APIError
@@ -51,6 +52,19 @@ def _request_ids(body: GenerateRequest, num_prompts: int) -> list[str]:
     return rids
 
 
+def _adapters(ctx: ServingContext, body: GenerateRequest, num_prompts: int) -> list[Adapter | None]:
+    """SGLang's lora_path: the name of a loaded adapter, for every prompt or one per prompt."""
+    if body.lora_path is None:
+        return [None] * num_prompts
+    if not ctx.scheduler.serves_adapters:
+        raise APIError("lora_path names a LoRA adapter, and they are not served: start the server with --enable-lora",
+                       param="lora_path")
+    names = [body.lora_path] * num_prompts if isinstance(body.lora_path, str) else body.lora_path
+    if len(names) != num_prompts:
+        raise APIError(f"lora_path has {len(names)} adapters for {num_prompts} prompts", param="lora_path")
+    return [ctx.check_model(name, "lora_path") for name in names]
+
+
 async def generate(request: Request) -> Response:
     ctx: ServingContext = request.app.state.ctx
     body = await parse_body(request, GenerateRequest)
@@ -59,11 +73,12 @@ async def generate(request: Request) -> Response:
     ctx.check_capacity(prompt_count(prompts_given or "") * body.sampling_params.n, request.scope)
     prompts, batch = await _prompts(ctx, body)
     rids = _request_ids(body, len(prompts))
+    adapters = _adapters(ctx, body, len(prompts))
     n = body.sampling_params.n
     grammar = await compile_grammar(ctx, body.sampling_params.structured())
     generation = Generation(ctx, f"generate-{rids[0]}", arrival_time(request), incremental=body.stream)
     try:
-        generation.start(prompts, body.to_sampling_params(ctx.generation_defaults), n, grammar)
+        generation.start(prompts, body.to_sampling_params(ctx.generation_defaults), n, grammar, adapters)
         ctx.admitted(request.scope)
     except APIError as exc:  # named as OpenAI's fields are; say SGLang's names
         exc.param = sglang_param(exc.param, "text" if body.text is not None else "input_ids")

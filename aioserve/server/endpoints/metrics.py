@@ -8,6 +8,7 @@ latency histograms and labelled counters the HTTP side observes
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator
 
 from prometheus_client import generate_latest
@@ -15,6 +16,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from starlette.requests import Request
 from starlette.responses import Response
 
+from aioserve.scheduler.client import LoraInfo
 from aioserve.scheduler.speculation import SpeculationStats
 from aioserve.server.context import ServingContext
 
@@ -56,6 +58,39 @@ class SchedulerCollector:
         yield counter("aioserve:engine_steps", "Forward steps run.", stats["steps"])
         if info.speculation is not None:
             yield from self._speculation(info.speculation, labels)
+        if info.lora is not None:
+            yield from self._lora(info.lora, labels)
+
+    @staticmethod
+    def _lora(lora: LoraInfo, labels: dict[str, str]) -> Iterator[Metric]:
+        """vLLM's lora_requests_info (the adapters with running and waiting
+        requests as comma-separated labels, the scrape time as its value),
+        then per adapter counts and the slots'."""
+        info = GaugeMetricFamily(
+            "aioserve:lora_requests_info", "LoRA adapters with running and waiting requests.",
+            labels=[*labels, "running_lora_adapters", "waiting_lora_adapters", "max_lora"],
+        )
+        info.add_metric(
+            [*labels.values(), ",".join(sorted(lora.running)), ",".join(sorted(lora.waiting)), str(lora.max_loras)],
+            time.time(),
+        )
+        yield info
+        for name, doc, counts in (
+            ("lora_num_requests_running", "Running requests under each LoRA adapter.", lora.running),
+            ("lora_num_requests_waiting", "Waiting requests under each LoRA adapter.", lora.waiting),
+        ):
+            metric = GaugeMetricFamily(f"aioserve:{name}", doc, labels=[*labels, "lora_name"])
+            for adapter in lora.adapters.keys() | counts.keys():
+                metric.add_metric([*labels.values(), adapter], counts.get(adapter, 0))
+            yield metric
+        for name, doc, value, kind in (
+            ("lora_adapters_loaded", "LoRA adapters loaded.", len(lora.adapters), GaugeMetricFamily),
+            ("lora_slots_in_use", "LoRA slots holding an adapter.", lora.slots_in_use, GaugeMetricFamily),
+            ("lora_slot_evictions", "Adapters that left a slot for another.", lora.evictions, CounterMetricFamily),
+        ):
+            family: GaugeMetricFamily | CounterMetricFamily = kind(f"aioserve:{name}", doc, labels=list(labels))
+            family.add_metric(list(labels.values()), value)
+            yield family
 
     @staticmethod
     def _speculation(spec: SpeculationStats, labels: dict[str, str]) -> Iterator[Metric]:

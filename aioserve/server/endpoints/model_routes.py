@@ -1,4 +1,5 @@
-"""GET /v1/models and /v1/models/{model}: the one model this server serves."""
+"""GET /v1/models and /v1/models/{model}: the model this server serves and
+its LoRA adapters, each with `parent` naming the base (as vLLM lists them)."""
 
 from __future__ import annotations
 
@@ -10,22 +11,26 @@ from aioserve.server.output.service_bodies import ModelCard, ModelList
 from aioserve.server.wire import json_response
 
 
-def _model_card(ctx: ServingContext) -> ModelCard:
+def _model_card(ctx: ServingContext, adapter: str | None = None, path: str = "") -> ModelCard:
     return ModelCard(
-        id=ctx.model_name,
+        id=adapter or ctx.model_name,
         created=ctx.started_at,
         owned_by="aioserve",
-        root=str(ctx.args.engine.model),
+        root=path if adapter else str(ctx.args.engine.model),
         max_model_len=ctx.max_model_len,
+        parent=ctx.model_name if adapter else None,
     )
 
 
 async def list_models(request: Request) -> Response:
-    return json_response(ModelList(data=[_model_card(request.app.state.ctx)]))
+    ctx: ServingContext = request.app.state.ctx
+    lora = ctx.scheduler.info().lora
+    adapters = [_model_card(ctx, name, path) for name, path in (lora.adapters if lora else {}).items()]
+    return json_response(ModelList(data=[_model_card(ctx), *adapters]))
 
 
 async def retrieve_model(request: Request) -> Response:
     """GET /v1/models/{model}; ids may hold slashes ("Qwen/Qwen3-0.6B")."""
     ctx: ServingContext = request.app.state.ctx
-    ctx.check_model(request.path_params["model"])
-    return json_response(_model_card(ctx))
+    adapter = ctx.check_model(request.path_params["model"])
+    return json_response(_model_card(ctx, adapter.name, adapter.path) if adapter else _model_card(ctx))

@@ -10,7 +10,7 @@ from functools import cache
 from starlette.requests import Request
 from starlette.responses import Response
 
-from aioserve.server.endpoints import model_routes, ops_routes, pooling, token_routes, worker_routes
+from aioserve.server.endpoints import lora_routes, model_routes, ops_routes, pooling, token_routes, worker_routes
 from aioserve.server.endpoints.chat import create_chat_completion
 from aioserve.server.endpoints.completions import create_completion
 from aioserve.server.endpoints.generate import generate
@@ -114,6 +114,19 @@ ENDPOINTS: tuple[Endpoint, ...] = (
     Endpoint("/score", "POST", pooling.score, op.post(
         "/v1/score without the version prefix", "scoreUnversioned", "ScoreRequest", ref("ScoreResponse"),
         op.POST_ERRORS)),
+    # LoRA adapters at run time (--enable-lora; docs/guide/lora.md): vLLM's pair, then SGLang's.
+    Endpoint("/v1/load_lora_adapter", "POST", lora_routes.load_lora_adapter, op.post_text(
+        "Load a PEFT LoRA adapter under a name (vLLM's route; a plain-text answer)", "loadLoraAdapter",
+        "LoadLoraAdapterRequest", op.POST_ERRORS)),
+    Endpoint("/v1/unload_lora_adapter", "POST", lora_routes.unload_lora_adapter, op.post_text(
+        "Unload a LoRA adapter; its running requests finish on it (vLLM's route)", "unloadLoraAdapter",
+        "UnloadLoraAdapterRequest", (400, 401, 404, 500, 503))),
+    Endpoint("/load_lora_adapter", "POST", lora_routes.load_lora_adapter_sglang, op.post(
+        "Load a PEFT LoRA adapter (SGLang's route)", "loadLoraAdapterSglang", "LoadLoraAdapterRequest",
+        ref("LoraAdapterUpdate"), op.POST_ERRORS)),
+    Endpoint("/unload_lora_adapter", "POST", lora_routes.unload_lora_adapter_sglang, op.post(
+        "Unload a LoRA adapter (SGLang's route)", "unloadLoraAdapterSglang", "UnloadLoraAdapterRequest",
+        ref("LoraAdapterUpdate"), (400, 401, 404, 500, 503))),
     Endpoint("/docs", "GET", docs_page, op.probe("Swagger UI over this document", "docs", _HTML), open=True),
     Endpoint(DOCS_INIT, "GET", docs_init, op.probe("The Swagger UI page's start-up script", "docsInit", _SCRIPT),
              open=True),

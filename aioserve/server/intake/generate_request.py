@@ -84,6 +84,7 @@ class GenerateRequest(RequestModel):
     logprob_start_len: int = Field(-1, ge=-1)  # -1: no prompt logprobs
     return_text_in_logprobs: bool = False
     rid: str | list[str] | None = None
+    lora_path: str | list[str | None] | None = None  # the LoRA adapter's name, or one per prompt
 
     @property
     def wants_prompt_logprobs(self) -> bool:

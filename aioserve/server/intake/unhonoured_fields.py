@@ -11,7 +11,8 @@ from typing import Any
 
 from aioserve.server.errors import APIError
 
-NO_LORA = "LoRA adapters are not supported by this server"
+# vLLM's way: a LoRA adapter is the request's `model` (SGLang's /generate takes lora_path).
+NO_LORA = "name a LoRA adapter (--enable-lora) in the `model` field; lora_path is SGLang's /generate field"
 TEXT_ONLY = "this model takes text only"
 
 # Fields of /v1/completions and /v1/chat/completions (vLLM's and SGLang's extras).
@@ -35,8 +36,7 @@ OPENAI_FIELDS: Mapping[str, str] = {
 
 # Fields of SGLang's /generate.
 GENERATE_FIELDS: Mapping[str, str] = {
-    "lora_path": NO_LORA,
-    "lora_id": NO_LORA,
+    "lora_id": "name the LoRA adapter in lora_path",
     "image_data": TEXT_ONLY,
     "video_data": TEXT_ONLY,
     "audio_data": TEXT_ONLY,

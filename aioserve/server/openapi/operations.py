@@ -85,6 +85,17 @@ def post(summary: str, operation_id: str, body: str | None, schema: JsonDict, er
     return operation
 
 
+def post_text(summary: str, operation_id: str, body: str, errors: tuple[int, ...]) -> JsonDict:
+    """A POST answered in plain text (vLLM's LoRA routes)."""
+    text = {"text/plain": {"schema": {"type": "string"}}}
+    return {
+        "summary": summary,
+        "operationId": operation_id,
+        "requestBody": {"required": True, "content": _json_content(ref(body))},
+        "responses": {"200": {"description": "OK", "content": text}, **_errors(*errors)},
+    }
+
+
 def with_path_parameter(operation: JsonDict, name: str, description: str) -> JsonDict:
     parameter = {"name": name, "in": "path", "required": True, "description": description, "schema": {"type": "string"}}
     return {**operation, "parameters": [parameter]}

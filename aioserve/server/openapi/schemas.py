@@ -26,6 +26,7 @@ from aioserve.server.intake.openai_requests import (
     DetokenizeRequest,
     TokenizeRequest,
 )
+from aioserve.server.intake.lora_requests import LoadLoraAdapterRequest, UnloadLoraAdapterRequest
 from aioserve.server.intake.pooling_requests import EmbeddingRequest, RerankRequest, ScoreRequest
 from aioserve.server.intake.request_model import RequestModel
 from aioserve.server.intake.responses_request import ResponsesRequest
@@ -36,6 +37,7 @@ from aioserve.server.output.responses_api_bodies import ResponseObject
 from aioserve.server.output.service_bodies import (
     DetokenizeResponse,
     FlushCacheResponse,
+    LoraAdapterUpdate,
     ModelCard,
     ModelInfo,
     ModelList,
@@ -51,12 +53,13 @@ JsonDict = dict[str, Any]
 
 REQUEST_MODELS: tuple[type[BaseModel], ...] = (
     CompletionRequest, ChatCompletionRequest, GenerateRequest, TokenizeRequest, DetokenizeRequest, ResponsesRequest,
-    EmbeddingRequest, RerankRequest, ScoreRequest,
+    EmbeddingRequest, RerankRequest, ScoreRequest, LoadLoraAdapterRequest, UnloadLoraAdapterRequest,
 )
 RESPONSE_MODELS: tuple[type[BaseModel], ...] = (
     Completion, ChatCompletion, ChatCompletionChunk, ModelList, ModelCard, GenerateOutput, GenerateBatch,
     ErrorResponse, TokenizeResponse, DetokenizeResponse, FlushCacheResponse, ServerInfo,
     ModelInfo, WorkerLoad, VersionInfo, ResponseObject, EmbeddingList, RerankResponse, ScoreResponse,
+    LoraAdapterUpdate,
 )
 # The request and the response each have a class named ChatMessage; the
 # response's takes OpenAI's name for it, so both keep a short name. The

@@ -20,13 +20,14 @@ import asyncio
 import itertools
 import random
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, replace
 from functools import partial
 
 from aioserve.output_stream import OutputDelta, OutputStream
 from aioserve.sampling_params import SamplingParams, SamplingParamsError
 from aioserve.scheduler import Request, RequestEvent, RequestRejected
+from aioserve.scheduler.adapters import Adapter
 from aioserve.scheduler.constraint import ConstraintFactory
 from aioserve.scheduler.request import EventSink
 from aioserve.server.context import ServingContext
@@ -75,16 +76,21 @@ class Generation:
         self._queue: asyncio.Queue[tuple[Choice, RequestEvent, float]] = asyncio.Queue()
 
     def start(
-        self, prompts: list[list[int]], params: SamplingParams, n: int = 1, grammar: ConstraintFactory | None = None
+        self, prompts: list[list[int]], params: SamplingParams, n: int = 1, grammar: ConstraintFactory | None = None,
+        adapters: Sequence[Adapter | None] | Adapter | None = None,
     ) -> None:
         """n choices for each prompt, submitted together: the scheduler checks
         them all before it queues any, so that a 400 leaves nothing behind.
-        `grammar` (compiled from params.structured_outputs) gives each choice its own matcher."""
+        `grammar` (compiled from params.structured_outputs) gives each choice its own matcher.
+        `adapters`: the LoRA adapter of every prompt, or one per prompt (None: the base model)."""
+        per_prompt = list(adapters) if isinstance(adapters, Sequence) else [adapters] * len(prompts)
         choices = [
             self._choice(p * n + j, p, prompt_ids, _choice_params(params, j), grammar)
             for p, prompt_ids in enumerate(prompts)
             for j in range(n)
         ]
+        for choice in choices:
+            choice.request.adapter = per_prompt[choice.prompt_index]
         try:
             self.ctx.scheduler.submit_all([choice.request for choice in choices])
         except (SamplingParamsError, RequestRejected) as exc:

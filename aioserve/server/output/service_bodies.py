@@ -25,11 +25,20 @@ class ModelCard(WireModel):
     owned_by: str
     root: str  # vLLM's extras: where the weights came from, and the context length
     max_model_len: int
+    parent: str | None = None  # a LoRA adapter's base model (vLLM's field); null for the base itself
 
 
 class ModelList(WireModel):
     object: Literal["list"] = "list"
     data: list[ModelCard]
+
+
+class LoraAdapterUpdate(BaseModel):
+    """SGLang's answer to /load_lora_adapter and /unload_lora_adapter."""
+
+    success: bool
+    error_message: str | None = None
+    loaded_adapters: dict[str, str]  # name -> folder
 
 
 # -- /tokenize, /detokenize, /flush_cache, /server_info -----------------------------

@@ -1,0 +1,296 @@
+"""Multi-LoRA serving against PEFT itself: tiny random bases, adapters
+written by `peft` (ranks 4-16, different targets, rsLoRA, a rank_pattern),
+greedy tokens and logprobs equal PEFT's in float32 for each adapter alone
+and for batches that mix four adapters with the base; chunked prefill,
+prefix hits and preemption change nothing; the prefix cache never shares
+KV between adapters; and the routes and fields vLLM and SGLang users send
+(model, lora_path, load/unload) work through HTTP and the openai client."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import threading
+from pathlib import Path
+from typing import Any
+
+import httpx
+import openai
+import pytest
+import torch
+from lora_adapters import AdapterSpec, base_model, peft_greedy, write_adapter
+from server_harness import start_server
+from tiny_models import build_checkpoint
+
+from aioserve import LLM, SamplingParams
+
+pytest.importorskip("peft")
+
+ADAPTERS: dict[str, AdapterSpec] = {
+    "full": AdapterSpec(rank=8, seed=1),
+    "q-rslora": AdapterSpec(rank=4, targets=("q_proj",), use_rslora=True, seed=2),
+    "mlp": AdapterSpec(rank=16, alpha=8, targets=("gate_proj", "up_proj", "down_proj"), seed=3),
+    "pattern": AdapterSpec(rank=8, targets=("q_proj", "v_proj", "o_proj"), rank_pattern={"v_proj": 4}, seed=4),
+}
+PROMPTS = [
+    [5, 17, 33, 81, 9, 100, 42, 7],
+    [11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21, 22, 23, 24, 25, 26, 27, 28, 29, 30, 31],
+    [200, 3, 150, 77, 64],
+]
+MAX_TOKENS = 10
+LONG = 800  # tokens of a request that must still run when its adapter is unloaded
+GREEDY = SamplingParams(max_tokens=MAX_TOKENS, temperature=0, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    root = tmp_path_factory.mktemp("lora")
+    checkpoint = build_checkpoint("llama", root / "llama")
+    folders = {name: write_adapter(checkpoint, root / name, spec) for name, spec in ADAPTERS.items()}
+    reference = {
+        (name, i): peft_greedy(checkpoint, folders.get(name), prompt, MAX_TOKENS)
+        for name in [None, *ADAPTERS] for i, prompt in enumerate(PROMPTS)
+    }
+    return {"root": root, "checkpoint": checkpoint, "folders": folders, "reference": reference}
+
+
+def _modules(setup: dict[str, Any]) -> list[str]:
+    return [f"{name}={folder}" for name, folder in setup["folders"].items()]
+
+
+def _mixed_batch() -> tuple[list[list[int]], list[str | None]]:
+    """Every prompt under every adapter and the base, interleaved."""
+    prompts, choices = [], []
+    for i, prompt in enumerate(PROMPTS):
+        for name in [None, *ADAPTERS]:
+            prompts.append(prompt)
+            choices.append(name)
+    return prompts, choices
+
+
+def _expected(setup: dict[str, Any], prompts: list[list[int]], choices: list[str | None]) -> list[list[int]]:
+    return [setup["reference"][(name, PROMPTS.index(prompt))] for prompt, name in zip(prompts, choices)]
+
+
+@pytest.mark.parametrize("options", [
+    {},  # every request at once: the masked form for decodes, grouped prefill
+    {"max_prefill_tokens": 8, "max_loras": 2},  # chunked prompts; more adapters than slots: they take turns
+    {"num_pages": 12, "page_size": 4, "max_running_requests": 6},  # a small pool: preemption
+], ids=["together", "chunked-2-slots", "preempted"])
+def test_mixed_batches_equal_peft(setup: dict[str, Any], options: dict[str, Any]) -> None:
+    llm = LLM(str(setup["checkpoint"]), dtype="float32", enable_lora=True, lora_modules=_modules(setup),
+              debug_integrity=True, **options)
+    try:
+        prompts, choices = _mixed_batch()
+        outputs = llm.generate(prompts, GREEDY, lora_request=choices)
+        assert [o.token_ids for o in outputs] == _expected(setup, prompts, choices)
+        if "num_pages" in options:
+            assert llm.stats.preemptions > 0
+        if "max_loras" in options:
+            assert llm.scheduler.adapters is not None and llm.scheduler.adapters.evictions > 0
+        llm.scheduler.check_integrity()
+    finally:
+        llm.close()
+
+
+def test_logprobs_equal_peft_merged_and_unmerged(setup: dict[str, Any]) -> None:
+    from peft import PeftModel
+
+    checkpoint, folder = setup["checkpoint"], setup["folders"]["full"]
+    llm = LLM(str(checkpoint), dtype="float32", enable_lora=True, lora_modules=[f"full={folder}"])
+    try:
+        out = llm.generate([PROMPTS[0]], SamplingParams(max_tokens=MAX_TOKENS, temperature=0, ignore_eos=True,
+                                                         logprobs=0), lora_request="full")[0]
+    finally:
+        llm.close()
+    ids = torch.tensor([PROMPTS[0] + out.token_ids])
+    unmerged = PeftModel.from_pretrained(base_model(checkpoint), folder).eval()
+    merged = PeftModel.from_pretrained(base_model(checkpoint), folder).merge_and_unload().eval()
+    for model in (unmerged, merged):
+        with torch.no_grad():
+            logits = model(ids).logits[0, len(PROMPTS[0]) - 1 : -1].log_softmax(-1)
+        expected = logits.gather(1, torch.tensor(out.token_ids)[:, None])[:, 0]
+        assert torch.allclose(torch.tensor(out.logprobs), expected, atol=1e-4)
+
+
+def test_prefix_cache_is_keyed_by_adapter(setup: dict[str, Any]) -> None:
+    llm = LLM(str(setup["checkpoint"]), dtype="float32", enable_lora=True, lora_modules=_modules(setup), page_size=4)
+    prompt = PROMPTS[1]
+    try:
+        first = llm.generate([prompt], GREEDY, lora_request="full")[0]
+        other = llm.generate([prompt], GREEDY, lora_request="mlp")[0]
+        base = llm.generate([prompt], GREEDY)[0]
+        again = llm.generate([prompt], GREEDY, lora_request="full")[0]
+    finally:
+        llm.close()
+    assert first.num_cached_tokens == other.num_cached_tokens == base.num_cached_tokens == 0
+    assert again.num_cached_tokens == 20  # the same adapter finds its pages
+    assert again.token_ids == first.token_ids == setup["reference"][("full", 1)]
+    assert other.token_ids == setup["reference"][("mlp", 1)] and base.token_ids == setup["reference"][(None, 1)]
+
+
+def test_tensor_parallel_equals_one_rank(setup: dict[str, Any]) -> None:
+    llm = LLM(str(setup["checkpoint"]), dtype="float32", enable_lora=True, lora_modules=_modules(setup), tp=2)
+    try:
+        prompts, choices = _mixed_batch()
+        outputs = llm.generate(prompts, GREEDY, lora_request=choices)
+    finally:
+        llm.close()
+    assert [o.token_ids for o in outputs] == _expected(setup, prompts, choices)
+
+
+@pytest.mark.parametrize(("config", "weights", "message"), [
+    ({"use_dora": True}, None, "DoRA"),
+    ({"modules_to_save": ["lm_head"]}, None, "modules_to_save"),
+    ({"r": 32}, "rank32", "--max-lora-rank"),
+    (None, "missing", "no adapter_model.safetensors"),
+    (None, "garbage", "not a readable safetensors"),
+], ids=["dora", "modules-to-save", "rank", "no-weights", "garbage"])
+def test_adapters_that_cannot_be_served_are_refused(setup: dict[str, Any], tmp_path: Path, config: dict | None,
+                                                    weights: str | None, message: str) -> None:
+    from aioserve.lora.peft_folder import read_peft_adapter
+    from aioserve.lora_config import AdapterError
+
+    folder = tmp_path / "adapter"
+    if weights == "rank32":
+        write_adapter(setup["checkpoint"], folder, AdapterSpec(rank=32, targets=("q_proj",)))
+    else:
+        shutil.copytree(setup["folders"]["q-rslora"], folder)
+    if config:
+        path = folder / "adapter_config.json"
+        path.write_text(json.dumps({**json.loads(path.read_text()), **config}))
+    if weights == "missing":
+        (folder / "adapter_model.safetensors").unlink()
+    elif weights == "garbage":
+        (folder / "adapter_model.safetensors").write_bytes(b"not safetensors at all")
+    with pytest.raises(AdapterError, match=message):
+        read_peft_adapter(folder, max_rank=16)
+
+
+def test_an_adapter_of_another_base_is_refused(setup: dict[str, Any], tmp_path: Path) -> None:
+    other = build_checkpoint("llama", tmp_path / "wider", overrides={"hidden_size": 96})
+    folder = write_adapter(other, tmp_path / "wider-adapter", AdapterSpec(rank=4, targets=("q_proj",)))
+    llm = LLM(str(setup["checkpoint"]), dtype="float32", enable_lora=True)
+    try:
+        from aioserve.lora_config import AdapterError
+
+        with pytest.raises(AdapterError, match="another base model"):
+            llm.load_lora_adapter("wider", str(folder))
+        assert llm.scheduler.adapter("wider") is None
+    finally:
+        llm.close()
+
+
+# -- HTTP ------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def server(setup: dict[str, Any]):
+    folders = setup["folders"]
+    running = start_server(
+        setup["checkpoint"], "--dtype", "float32", "--enable-lora", "--lora-modules",
+        f"full={folders['full']}", f"q-rslora={folders['q-rslora']}", "--max-loras", "2", "--debug-integrity",
+    )
+    yield running
+    running.stop()
+
+
+def _served(server: Any) -> str:
+    return httpx.get(f"{server.v1}/models", timeout=30).json()["data"][0]["id"]
+
+
+def test_openai_client_selects_adapters_by_model(server: Any, setup: dict[str, Any]) -> None:
+    client = openai.OpenAI(base_url=server.v1, api_key="none")
+    models = {m.id: m for m in client.models.list().data}
+    base = _served(server)
+    assert set(models) == {base, "full", "q-rslora"}
+    assert models["full"].model_extra["parent"] == base and models[base].model_extra["parent"] is None
+    for name in (base, "full", "q-rslora"):
+        out = client.completions.create(model=name, prompt=PROMPTS[0], max_tokens=MAX_TOKENS, temperature=0,
+                                        extra_body={"ignore_eos": True})
+        generated = _generate(server, PROMPTS[0], name, MAX_TOKENS)
+        assert generated["output_ids"] == setup["reference"][(None if name == base else name, 0)]
+        assert out.choices[0].text == generated["text"]
+
+
+def _generate(server: Any, prompt: list[int], lora_path: str | None, max_tokens: int) -> dict[str, Any]:
+    """SGLang's /generate (its output ids, to compare with PEFT's tokens)."""
+    body = {"input_ids": prompt, "lora_path": lora_path,
+            "sampling_params": {"max_new_tokens": max_tokens, "temperature": 0, "ignore_eos": True}}
+    response = httpx.post(f"{server.url}/generate", json=body, timeout=120)
+    assert response.status_code == 200, response.text
+    return response.json()
+
+
+def test_load_use_and_unload_through_the_routes(server: Any, setup: dict[str, Any]) -> None:
+    folder = str(setup["folders"]["mlp"])
+    loaded = httpx.post(f"{server.v1}/load_lora_adapter", json={"lora_name": "mlp", "lora_path": folder}, timeout=60)
+    assert loaded.status_code == 200 and "mlp" in loaded.text
+    again = httpx.post(f"{server.v1}/load_lora_adapter", json={"lora_name": "mlp", "lora_path": folder}, timeout=60)
+    assert again.status_code == 400 and "already loaded" in again.json()["error"]["message"]
+    assert _generate(server, PROMPTS[2], "mlp", MAX_TOKENS)["output_ids"] == setup["reference"][("mlp", 2)]
+    body = {"input_ids": PROMPTS[2], "lora_path": "mlp", "sampling_params": {"max_new_tokens": 2}}
+    # SGLang's pair answers in its JSON.
+    unloaded = httpx.post(f"{server.url}/unload_lora_adapter", json={"lora_name": "mlp"}, timeout=30).json()
+    assert unloaded["success"] and "mlp" not in unloaded["loaded_adapters"]
+    gone = httpx.post(f"{server.url}/generate", json=body, timeout=30)
+    assert gone.status_code == 404 and gone.json()["error"]["param"] == "lora_path"
+    missing = httpx.post(f"{server.v1}/unload_lora_adapter", json={"lora_name": "mlp"}, timeout=30)
+    assert missing.status_code == 404
+    server.wait_idle()
+
+
+@pytest.mark.parametrize(("body", "status", "param"), [
+    ({"model": "no-such-adapter"}, 404, "model"),
+], ids=["unknown-model"])
+def test_unknown_adapter_is_a_404(server: Any, body: dict, status: int, param: str) -> None:
+    response = httpx.post(f"{server.v1}/completions", json={"prompt": "hi", "max_tokens": 2, **body}, timeout=30)
+    error = response.json()["error"]
+    assert response.status_code == status and error["param"] == param and error["code"] == "model_not_found"
+
+
+def test_malformed_and_oversized_adapters_are_400s(server: Any, setup: dict[str, Any], tmp_path: Path) -> None:
+    broken = tmp_path / "broken"
+    broken.mkdir()
+    (broken / "adapter_config.json").write_text("{not json")
+    big = write_adapter(setup["checkpoint"], tmp_path / "big", AdapterSpec(rank=32, targets=("q_proj",)))
+    for name, path, words in (("broken", broken, "not readable JSON"), ("big", big, "--max-lora-rank"),
+                              ("nowhere", tmp_path / "nowhere", "no adapter_config.json")):
+        response = httpx.post(f"{server.v1}/load_lora_adapter", json={"lora_name": name, "lora_path": str(path)},
+                              timeout=60)
+        assert response.status_code == 400 and words in response.json()["error"]["message"], response.text
+    assert {m["id"] for m in httpx.get(f"{server.v1}/models", timeout=30).json()["data"]} == {
+        _served(server), "full", "q-rslora"}
+    assert httpx.get(f"{server.url}/health", timeout=10).status_code == 200
+
+
+def test_unloading_an_adapter_in_use_loses_nothing(server: Any, setup: dict[str, Any]) -> None:
+    folder = str(setup["folders"]["pattern"])
+    assert httpx.post(f"{server.v1}/load_lora_adapter", json={"lora_name": "pattern", "lora_path": folder},
+                      timeout=60).status_code == 200
+    results: dict[str, Any] = {}
+
+    def run(name: str) -> None:
+        # Long enough that the unload lands while it runs.
+        results[name] = _generate(server, PROMPTS[1], name, LONG)
+
+    threads = [threading.Thread(target=run, args=(name,)) for name in ("pattern", "full")]
+    for thread in threads:
+        thread.start()
+    # Once its request runs, take the name away: the request finishes on it.
+    deadline = 200
+    while httpx.get(f"{server.url}/server_info", timeout=10).json()["running"] < 2 and deadline:
+        deadline -= 1
+    assert httpx.post(f"{server.v1}/unload_lora_adapter", json={"lora_name": "pattern"}, timeout=30).status_code == 200
+    assert threads[0].is_alive(), "the unload was meant to land while the adapter's request ran"
+    for thread in threads:
+        thread.join()
+    for name in ("pattern", "full"):
+        output_ids = results[name]["output_ids"]
+        assert len(output_ids) == LONG and output_ids[:MAX_TOKENS] == setup["reference"][(name, 1)]
+    after = httpx.post(f"{server.v1}/completions", json={"model": "pattern", "prompt": "x", "max_tokens": 1}, timeout=30)
+    assert after.status_code == 404
+    metrics = httpx.get(f"{server.url}/metrics", timeout=10).text
+    assert "aioserve:lora_requests_info{" in metrics and 'max_lora="2"' in metrics
+    assert "aioserve:lora_slot_evictions_total" in metrics
+    server.wait_idle()
