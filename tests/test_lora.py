@@ -294,3 +294,44 @@ def test_unloading_an_adapter_in_use_loses_nothing(server: Any, setup: dict[str,
     assert "aioserve:lora_requests_info{" in metrics and 'max_lora="2"' in metrics
     assert "aioserve:lora_slot_evictions_total" in metrics
     server.wait_idle()
+
+
+ATTENTION = ("q_proj", "k_proj", "v_proj", "o_proj")
+
+
+@pytest.mark.parametrize(("family", "targets"), [
+    ("qwen3-moe", ATTENTION),  # an MoE family's attention
+    ("mixtral", ATTENTION),
+    ("gemma3", ADAPTERS["full"].targets),
+])
+def test_other_families_equal_peft(tmp_path: Path, family: str, targets: tuple[str, ...]) -> None:
+    checkpoint = build_checkpoint(family, tmp_path / family)
+    folder = write_adapter(checkpoint, tmp_path / "adapter", AdapterSpec(rank=8, targets=targets, seed=5))
+    expected = [peft_greedy(checkpoint, adapter, PROMPTS[0], MAX_TOKENS) for adapter in (folder, None)]
+    llm = LLM(str(checkpoint), dtype="float32", enable_lora=True, lora_modules=[f"a={folder}"])
+    try:
+        outputs = llm.generate([PROMPTS[0]] * 2, GREEDY, lora_request=["a", None])
+    finally:
+        llm.close()
+    assert [o.token_ids for o in outputs] == expected
+    assert expected[0] != expected[1]  # the adapter changes the output
+
+
+def test_an_adapter_of_moe_experts_is_refused(tmp_path: Path) -> None:
+    from safetensors.torch import save_file
+
+    from aioserve.lora_config import AdapterError
+
+    checkpoint = build_checkpoint("qwen3-moe", tmp_path / "moe")
+    folder = tmp_path / "experts-adapter"
+    folder.mkdir()
+    (folder / "adapter_config.json").write_text(json.dumps({"peft_type": "LORA", "r": 4, "lora_alpha": 8}))
+    name = "base_model.model.model.layers.0.mlp.experts.0.gate_proj"
+    save_file({f"{name}.lora_A.weight": torch.zeros(4, 64), f"{name}.lora_B.weight": torch.zeros(32, 4)},
+              str(folder / "adapter_model.safetensors"))
+    llm = LLM(str(checkpoint), dtype="float32", enable_lora=True)
+    try:
+        with pytest.raises(AdapterError, match="MoE experts"):
+            llm.load_lora_adapter("experts", str(folder))
+    finally:
+        llm.close()
