@@ -17,13 +17,21 @@ global: each engine makes its own). Two forms compute the same sum:
   nothing that depends on Python branching per row.
 * **grouped** (prefill chunks): each slot's rows gathered, multiplied by
   that slot's A and B only, and added back.
+
+On a CPU with the native kernels built, the slots are also kept packed for
+the packed matmul (cpu/matmul.py), each slot alone and all of them
+together, repacked when a slot is loaded: a torch matmul there woke BLAS's
+own threads at every call (~150 us for a 16-row update on 2 cores, against
+~40 us alone), which made the updates cost as much as the base model.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
+
+from aioserve.cpu.native import cpu_kernels
 
 # Steps up to this many tokens take the masked form when they mix adapters:
 # its one-hot product costs every used slot's rank per row, which beats a
@@ -37,16 +45,15 @@ class LoraRouting:
 
     groups: list[tuple[int, torch.Tensor]]  # (slot, its rows [n] int64) for each slot used, base excluded
     all_rows: int | None = None  # the slot every row of the step uses, when one adapter covers them all
-    onehot: torch.Tensor | None = None  # [T, k]: row t uses slot j + 1 (the masked form), k = highest slot used
-
-    @property
-    def num_slots(self) -> int:
-        return 0 if self.onehot is None else int(self.onehot.shape[1])
+    onehot: torch.Tensor | None = None  # [T, slots]: row t uses slot s (the masked form)
 
 
-def route_rows(token_slots: list[int], device: torch.device, dtype: torch.dtype) -> LoraRouting | None:
-    """The routing of a step whose row t uses slot token_slots[t]; None when
-    no row uses an adapter (the layers then add nothing)."""
+def route_rows(
+    token_slots: list[int], num_slots: int, device: torch.device, dtype: torch.dtype
+) -> LoraRouting | None:
+    """The routing of a step whose row t uses slot token_slots[t] (of
+    `num_slots`, the base's included); None when no row uses an adapter
+    (the layers then add nothing)."""
     rows_of: dict[int, list[int]] = {}
     for row, slot in enumerate(token_slots):
         if slot:
@@ -58,10 +65,9 @@ def route_rows(token_slots: list[int], device: torch.device, dtype: torch.dtype)
         if len(rows) == len(token_slots):
             return LoraRouting([], all_rows=slot)
     if len(rows_of) > 1 and len(token_slots) <= MASKED_MAX_TOKENS:
-        k = max(rows_of)
-        onehot = torch.zeros(len(token_slots), k, dtype=dtype)
+        onehot = torch.zeros(len(token_slots), num_slots, dtype=dtype)
         for slot, rows in rows_of.items():
-            onehot[rows, slot - 1] = 1
+            onehot[rows, slot] = 1
         return LoraRouting([], onehot=onehot.to(device, non_blocking=True))
     groups = [(slot, torch.tensor(rows, dtype=torch.long).to(device, non_blocking=True))
               for slot, rows in sorted(rows_of.items())]
@@ -76,6 +82,17 @@ class LoraStepState:
     routing: LoraRouting | None = None
 
 
+@dataclass
+class PackedSlots:
+    """The slots in the native packed matmul's layout: A_s [P * R, in] and
+    B_s^T [out, P * R] of each slot, and of all slots at once."""
+
+    a: list[torch.Tensor]
+    b: list[torch.Tensor]
+    a_all: torch.Tensor  # [S * P * R, in]
+    b_all: torch.Tensor  # [out, S * P * R]
+
+
 @dataclass(eq=False)
 class LoraSlots:
     """One layer's adapter slots (see the module docstring)."""
@@ -83,12 +100,41 @@ class LoraSlots:
     a: torch.Tensor  # [S, P * R, in]
     b: torch.Tensor  # [S, P * R, out]
     state: LoraStepState
-    part_rows: list[tuple[int, int]] = field(default_factory=list)  # each part's (first output row, rows) here
+    packed: PackedSlots | None = None  # on a CPU with the native kernels
 
-    @property
-    def band(self) -> int:
-        """Rank rows per part (the slots' rank)."""
-        return int(self.a.shape[1]) // max(len(self.part_rows), 1)
+    def pack(self) -> bool:
+        """(Re)pack every slot for the native kernel; False where there is none (a GPU, no build)."""
+        kernels = cpu_kernels(wait=False) if self.a.device.type == "cpu" else None
+        if kernels is None:
+            return False
+        pack = kernels.pack_linear_weight
+        slots, width = self.a.shape[0], self.a.shape[1]
+        self.packed = PackedSlots(
+            [pack(self.a[s]) for s in range(slots)], [pack(self.b[s].T.contiguous()) for s in range(slots)],
+            pack(self.a.reshape(slots * width, -1)), pack(self.b.reshape(slots * width, -1).T.contiguous()),
+        )
+        return True
+
+    def _product(self, x: torch.Tensor, slot: int) -> torch.Tensor:
+        """x A_s^T B_s: slot s's update of rows x."""
+        if self.packed is not None:
+            linear = cpu_kernels(wait=False).packed_linear  # type: ignore[union-attr]  # packed: they are built
+            return linear(linear(x, self.packed.a[slot], None, self.a.shape[1]), self.packed.b[slot], None,
+                          self.b.shape[2])
+        return (x @ self.a[slot].T) @ self.b[slot]
+
+    def _masked(self, x: torch.Tensor, onehot: torch.Tensor) -> torch.Tensor:
+        """Every row's update through all slots' A, the other slots' columns zeroed."""
+        slots, width = self.a.shape[0], self.a.shape[1]
+        if self.packed is not None:
+            linear = cpu_kernels(wait=False).packed_linear  # type: ignore[union-attr]  # packed: they are built
+            h = linear(x, self.packed.a_all, None, slots * width)
+        else:
+            h = x @ self.a.reshape(slots * width, -1).T
+        h = (h.view(-1, slots, width) * onehot.unsqueeze(2)).view(-1, slots * width)
+        if self.packed is not None:
+            return linear(h, self.packed.b_all, None, self.b.shape[2])
+        return h @ self.b.reshape(slots * width, -1)
 
     def add_to(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         """y + each row's low-rank update (y as the layer computed it, before any all-reduce)."""
@@ -98,14 +144,9 @@ class LoraSlots:
         if x.dtype != self.a.dtype:
             x = x.to(self.a.dtype)
         if routing.all_rows is not None:
-            slot = routing.all_rows
-            return y + ((x @ self.a[slot].T) @ self.b[slot]).to(y.dtype)
+            return y + self._product(x, routing.all_rows).to(y.dtype)
         if routing.onehot is not None:
-            k, width = routing.num_slots, self.a.shape[1]
-            h = x @ self.a[1 : k + 1].reshape(k * width, -1).T  # [T, k * width]: every used slot's A
-            h = (h.view(-1, k, width) * routing.onehot.unsqueeze(2)).view(-1, k * width)
-            return y + (h @ self.b[1 : k + 1].reshape(k * width, -1)).to(y.dtype)
+            return y + self._masked(x, routing.onehot).to(y.dtype)
         for slot, rows in routing.groups:
-            update = (x.index_select(0, rows) @ self.a[slot].T) @ self.b[slot]
-            y.index_add_(0, rows, update.to(y.dtype))
+            y.index_add_(0, rows, self._product(x.index_select(0, rows), slot).to(y.dtype))
         return y

@@ -46,7 +46,9 @@ class AdapterSlots:
                 torch.zeros(num_slots, rows, layer.out_features, dtype=dtype, device=device),
                 self.state,
             )
+        self.num_slots = num_slots
         self.slot_adapter: list[int | None] = [None] * num_slots  # which adapter id each slot holds
+        self.packed = False  # the slots also packed for the CPU's native matmul (layers/lora.py)
         self._host: OrderedDict[int, HostAdapter] = OrderedDict()
         self._lock = threading.Lock()  # preload runs on the server's threads, loads on the forward's
         self.slot_loads = 0
@@ -110,13 +112,22 @@ class AdapterSlots:
                     slots.b[load.slot].copy_(weights[1], non_blocking=True)
             self.slot_adapter[load.slot] = load.adapter_id
             self.slot_loads += 1
+        if loads and self.packed:
+            self._pack()
+
+    def _pack(self) -> None:
+        """Pack the slots for the native matmul (again after loads); once the
+        kernels are built (a server may start before its background build lands)."""
+        self.packed = all([layer.lora.pack() for layer in self.layers.values() if layer.lora is not None])
 
     def route(self, host_plan: BatchPlan) -> LoraRouting | None:
         """Each token's slot, from its request's (the plan's rows are the requests' tokens in order)."""
         lora = host_plan.lora
         if lora is None:
             return None
+        if not self.packed and self.device.type == "cpu":
+            self._pack()
         token_slots: list[int] = []
         for slot, count in zip(lora.request_slots.tolist(), host_plan.extend_lens.tolist()):
             token_slots += [slot] * count
-        return route_rows(token_slots, self.device, self.dtype)
+        return route_rows(token_slots, self.num_slots, self.device, self.dtype)

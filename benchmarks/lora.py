@@ -1,0 +1,162 @@
+"""Multi-LoRA throughput: 64 requests over 1, 4 and 16 adapters beside the base model alone.
+
+Each model shape (tiny-llama: stories15M's shape with Llama's vocabulary, in
+float32; Qwen3-0.6B in bfloat16; dummy weights, real tokenizers from
+../shared/tokenizers) serves the same 64 prompts at concurrency 16
+(`max_running_requests`) through the Python API: once with no adapter, then
+spread round-robin over 1, 4 and 16 rank-16 adapters on q/k/v/o/gate/up/down
+(random A and B, written as PEFT folders), with as many slots as adapters.
+Output tokens per second, and each as a fraction of the base model's.
+
+    python benchmarks/lora.py                                   # both shapes
+    python benchmarks/lora.py --models tiny-llama --tokens 32 --png lora.png
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
+from tqdm import tqdm
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # benchmarks/ is no package
+
+from cpu_limits import MODELS, ModelSpec  # noqa: E402
+from dummy_model import write_dummy_model  # noqa: E402
+
+from aioserve import LLM, SamplingParams  # noqa: E402
+
+logger = logging.getLogger("benchmarks.lora")
+TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+@dataclass
+class Row:
+    model: str
+    adapters: int  # 0: the base model alone
+    seconds: float
+    output_tokens: int
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.output_tokens / self.seconds
+
+
+def write_peft_adapter(config: dict, folder: Path, rank: int, seed: int) -> Path:
+    """A PEFT folder of random rank-`rank` updates on every projection of a Llama-shaped config."""
+    hidden, inter = config["hidden_size"], config["intermediate_size"]
+    head_dim = config.get("head_dim") or hidden // config["num_attention_heads"]
+    q, kv = config["num_attention_heads"] * head_dim, config["num_key_value_heads"] * head_dim
+    shapes = {"q_proj": (hidden, q), "k_proj": (hidden, kv), "v_proj": (hidden, kv), "o_proj": (q, hidden),
+              "gate_proj": (hidden, inter), "up_proj": (hidden, inter), "down_proj": (inter, hidden)}
+    generator = torch.Generator().manual_seed(seed)
+    tensors = {}
+    for layer in range(config["num_hidden_layers"]):
+        for target, (fan_in, fan_out) in shapes.items():
+            block = "self_attn" if target in ("q_proj", "k_proj", "v_proj", "o_proj") else "mlp"
+            name = f"base_model.model.model.layers.{layer}.{block}.{target}"
+            tensors[f"{name}.lora_A.weight"] = torch.randn(rank, fan_in, generator=generator) / fan_in**0.5
+            tensors[f"{name}.lora_B.weight"] = torch.randn(fan_out, rank, generator=generator) / rank**0.5 * 0.1
+    folder.mkdir(parents=True, exist_ok=True)
+    save_file(tensors, str(folder / "adapter_model.safetensors"))
+    (folder / "adapter_config.json").write_text(json.dumps({
+        "peft_type": "LORA", "r": rank, "lora_alpha": 2 * rank, "target_modules": list(TARGETS), "bias": "none",
+    }))
+    return folder
+
+
+def model_folder(name: str, spec: ModelSpec, root: Path) -> Path:
+    return write_dummy_model(spec.folder, root / name, spec.fields) if spec.dummy else spec.folder
+
+
+def run(name: str, spec: ModelSpec, root: Path, counts: list[int], args: argparse.Namespace) -> list[Row]:
+    folder = model_folder(name, spec, root)
+    config = json.loads((folder / "config.json").read_text())
+    most = max(counts)
+    adapters = [write_peft_adapter(config, root / f"{name}-adapter-{i}", args.rank, seed=i) for i in range(most)]
+    llm = LLM(str(folder), load_format="dummy" if spec.dummy else "auto", dtype=spec.dtype, enable_lora=True,
+              max_loras=most, max_lora_rank=args.rank, max_running_requests=args.concurrency,
+              cuda_graph=not args.enforce_eager,
+              lora_modules=[f"a{i}={path}" for i, path in enumerate(adapters)])
+    generator = torch.Generator().manual_seed(0)
+    vocab = config["vocab_size"]
+    prompts = [torch.randint(100, vocab - 100, (args.prompt_tokens,), generator=generator).tolist()
+               for _ in range(args.requests)]
+    params = SamplingParams(max_tokens=args.tokens, temperature=0, ignore_eos=True)
+    rows = []
+    try:
+        llm.generate(prompts[: args.concurrency], SamplingParams(max_tokens=2, ignore_eos=True))  # warm-up
+        for count in tqdm([0, *counts], desc=name, unit="setting"):
+            choices = [None if count == 0 else f"a{i % count}" for i in range(args.requests)]
+            llm.scheduler.flush_cache()
+            start = time.perf_counter()
+            outputs = llm.generate(prompts, params, lora_request=choices)
+            seconds = time.perf_counter() - start
+            rows.append(Row(name, count, seconds, sum(len(o.token_ids) for o in outputs)))
+    finally:
+        llm.close()
+    return rows
+
+
+def table(rows: list[Row]) -> str:
+    lines = ["| model | adapters | out tok/s | vs base |", "|---|---|---|---|"]
+    base = {row.model: row.tokens_per_s for row in rows if row.adapters == 0}
+    for row in rows:
+        label = "base model" if row.adapters == 0 else str(row.adapters)
+        lines.append(f"| {row.model} | {label} | {row.tokens_per_s:.1f} | {row.tokens_per_s / base[row.model]:.2f}x |")
+    return "\n".join(lines)
+
+
+def plot(rows: list[Row], path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 3.5))
+    for model in dict.fromkeys(row.model for row in rows):
+        mine = [row for row in rows if row.model == model]
+        base = mine[0].tokens_per_s
+        ax.plot([str(r.adapters or "base") for r in mine], [r.tokens_per_s / base for r in mine], marker="o",
+                label=model)
+    ax.set_xlabel("adapters in the mix")
+    ax.set_ylabel("output tok/s vs the base model")
+    ax.axhline(0.75, linestyle=":", color="grey")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--models", nargs="+", default=["tiny-llama", "qwen3-0.6b"], choices=list(MODELS))
+    parser.add_argument("--adapters", nargs="+", type=int, default=[1, 4, 16])
+    parser.add_argument("--requests", type=int, default=64)
+    parser.add_argument("--concurrency", type=int, default=16)
+    parser.add_argument("--prompt-tokens", type=int, default=64)
+    parser.add_argument("--tokens", type=int, default=64, help="output tokens a request")
+    parser.add_argument("--rank", type=int, default=16)
+    parser.add_argument("--enforce-eager", action="store_true",
+                        help="the base model through the modules too (no CUDA graph, no native decode step)")
+    parser.add_argument("--png", help="write a plot here")
+    args = parser.parse_args()
+    logging.basicConfig(level=logging.WARNING)
+    rows: list[Row] = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for name in args.models:
+            rows += run(name, MODELS[name], Path(tmp), args.adapters, args)
+    print(table(rows))
+    if args.png:
+        plot(rows, args.png)
+
+
+if __name__ == "__main__":
+    main()
