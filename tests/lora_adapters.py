@@ -63,3 +63,33 @@ def peft_greedy(checkpoint: Path, adapter: Path | None, prompt_ids: list[int], m
             torch.tensor([prompt_ids]), max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=0,
         )
     return out[0, len(prompt_ids):].tolist()
+
+
+def write_raw_adapter(checkpoint: Path, folder: Path, rank: int, seed: int, targets: tuple[str, ...] = (
+        "q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")) -> Path:
+    """A PEFT-layout adapter written without peft (the GPU machine has no peft):
+    random A and B for `targets` of every layer of a Llama-shaped checkpoint."""
+    import json
+
+    from safetensors.torch import save_file
+
+    config = json.loads((checkpoint / "config.json").read_text())
+    hidden, inter = config["hidden_size"], config["intermediate_size"]
+    head_dim = config.get("head_dim") or hidden // config["num_attention_heads"]
+    q, kv = config["num_attention_heads"] * head_dim, config["num_key_value_heads"] * head_dim
+    shapes = {"q_proj": (hidden, q), "k_proj": (hidden, kv), "v_proj": (hidden, kv), "o_proj": (q, hidden),
+              "gate_proj": (hidden, inter), "up_proj": (hidden, inter), "down_proj": (inter, hidden)}
+    generator = torch.Generator().manual_seed(seed)
+    tensors = {}
+    for layer in range(config["num_hidden_layers"]):
+        for target in targets:
+            fan_in, fan_out = shapes[target]
+            block = "mlp" if target in ("gate_proj", "up_proj", "down_proj") else "self_attn"
+            name = f"base_model.model.model.layers.{layer}.{block}.{target}"
+            tensors[f"{name}.lora_A.weight"] = torch.randn(rank, fan_in, generator=generator) / fan_in**0.5
+            tensors[f"{name}.lora_B.weight"] = torch.randn(fan_out, rank, generator=generator) / rank**0.5
+    folder.mkdir(parents=True, exist_ok=True)
+    save_file(tensors, str(folder / "adapter_model.safetensors"))
+    (folder / "adapter_config.json").write_text(json.dumps(
+        {"peft_type": "LORA", "r": rank, "lora_alpha": rank, "target_modules": list(targets), "bias": "none"}))
+    return folder
