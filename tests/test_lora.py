@@ -335,3 +335,24 @@ def test_an_adapter_of_moe_experts_is_refused(tmp_path: Path) -> None:
             llm.load_lora_adapter("experts", str(folder))
     finally:
         llm.close()
+
+
+def test_a_failed_slot_load_fails_its_requests_and_loads_again(setup: dict[str, Any], tmp_path: Path) -> None:
+    """An adapter whose folder went away while it was out of host memory:
+    the step that loads it fails its requests (not the server), and once the
+    folder is back the next request loads it and runs right."""
+    folder = shutil.copytree(setup["folders"]["full"], tmp_path / "full")
+    llm = LLM(str(setup["checkpoint"]), dtype="float32", enable_lora=True, lora_modules=[f"full={folder}"],
+              debug_integrity=True)
+    try:
+        assert llm.engine.lora is not None
+        llm.engine.lora.forget(llm.scheduler.adapter("full").id)  # out of host memory: read again when next used
+        hidden = folder.rename(tmp_path / "moved")
+        failed = llm.generate([PROMPTS[0]], GREEDY, lora_request="full")[0]
+        assert failed.finish_reason == "error"
+        hidden.rename(folder)
+        again = llm.generate([PROMPTS[0]], GREEDY, lora_request="full")[0]
+        assert again.token_ids == setup["reference"][("full", 0)]
+        llm.scheduler.check_integrity()
+    finally:
+        llm.close()

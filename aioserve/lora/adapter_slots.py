@@ -99,7 +99,14 @@ class AdapterSlots:
         """Copy each load's adapter into its slot (on the forward's thread and
         stream, so in order with the steps: the slot's last user ran before)."""
         for load in loads:
-            host = self._host_copy(load)
+            try:
+                host = self._host_copy(load)
+            except Exception:
+                # The slot's old adapter is gone for the scheduler: a step
+                # that names the slot anyway fails (route) instead of running
+                # on the wrong weights.
+                self.slot_adapter[load.slot] = None
+                raise
             for name, layer in self.layers.items():
                 slots = layer.lora
                 assert slots is not None
@@ -129,5 +136,7 @@ class AdapterSlots:
             self._pack()
         token_slots: list[int] = []
         for slot, count in zip(lora.request_slots.tolist(), host_plan.extend_lens.tolist()):
+            if slot and self.slot_adapter[slot] is None:
+                raise RuntimeError(f"LoRA slot {slot} holds no adapter (its load failed)")
             token_slots += [slot] * count
         return route_rows(token_slots, self.num_slots, self.device, self.dtype)

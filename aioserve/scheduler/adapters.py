@@ -46,6 +46,7 @@ class AdapterTable:
         self._slots: OrderedDict[int, Adapter] = OrderedDict()
         self._holders: dict[int, int] = {}  # slot -> running requests holding it
         self._loads: list[AdapterLoad] = []
+        self._reload: set[int] = set()  # slots whose load failed: loaded again at the next admission
         self.evictions = 0
 
     # -- names -----------------------------------------------------------------
@@ -88,6 +89,9 @@ class AdapterTable:
         it is not (the next plan carries the load); None while every slot is
         held by running requests."""
         slot = next((s for s, held in self._slots.items() if held is adapter), None)
+        if slot is not None and slot in self._reload:
+            self._reload.discard(slot)
+            self._loads.append(AdapterLoad(slot, adapter.id, adapter.path))
         if slot is None:
             slot = self._free_slot()
             if slot is None:
@@ -113,6 +117,15 @@ class AdapterTable:
     def release(self, slot: int) -> None:
         """A running request holding `slot` left it (finished, preempted, aborted)."""
         self._holders[slot] -= 1
+
+    def loads_failed(self, loads: list[AdapterLoad]) -> None:
+        """A step carrying `loads` failed: the slots may not hold those
+        adapters (the engine fails any step that reads such a slot), so the
+        next request admitted under one loads it again."""
+        for load in loads:
+            held = self._slots.get(load.slot)
+            if held is not None and held.id == load.adapter_id:
+                self._reload.add(load.slot)
 
     def take_loads(self) -> list[AdapterLoad]:
         """The loads the plan being built must carry (each once)."""

@@ -386,6 +386,8 @@ class Scheduler:
             for entry in step.entries:
                 if not entry.request.finished:
                     self._fail(entry.request, f"forward failed: {exc}")
+            if self.adapters is not None and step.plan.lora is not None:
+                self.adapters.loads_failed(step.plan.lora.loads)
             return
         self.stats.steps_done += 1
         try:
