@@ -167,6 +167,11 @@ class LoraBatch:
     request_slots: torch.Tensor  # [B] int64: each request's adapter slot; 0 = the base model
     loads: list[AdapterLoad] = field(default_factory=list)
 
+    @property
+    def uses_adapters(self) -> bool:
+        """Some request of the step runs under an adapter (read on the host plan)."""
+        return any(self.request_slots.tolist())
+
 
 @dataclass
 class BatchPlan:

@@ -356,3 +356,21 @@ def test_a_failed_slot_load_fails_its_requests_and_loads_again(setup: dict[str, 
         llm.scheduler.check_integrity()
     finally:
         llm.close()
+
+
+def test_captured_decode_steps_run_adapters(setup: dict[str, Any]) -> None:
+    """The CUDA graph runner's LoRA graphs on CPU (EagerCapture replays the
+    captured step over the runner's buffers): a mixed batch's decode steps
+    replay them, with the one-hot slots written in place each step."""
+    from aioserve.engine.cuda_graph import EagerCapture
+
+    llm = LLM(str(setup["checkpoint"]), dtype="float32", enable_lora=True, lora_modules=_modules(setup),
+              cuda_graph=False, max_running_requests=16, cuda_graph_max_bs=16)
+    try:
+        runner = llm.engine.graph_runner = llm.engine.capture_decode_graphs(EagerCapture())
+        prompts, choices = _mixed_batch()
+        outputs = llm.generate(prompts, GREEDY, lora_request=choices)
+        assert [o.token_ids for o in outputs] == _expected(setup, prompts, choices)
+        assert runner.replays > 0 and runner.lora_steps
+    finally:
+        llm.close()

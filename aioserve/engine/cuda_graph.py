@@ -9,6 +9,12 @@ graph per batch size in `graph_batch_sizes(max_bs)`, and serves a decode
 step of n requests by padding it to the next captured size, writing its
 inputs into the buffers in place and replaying.
 
+With LoRA adapters served, a second graph per batch size computes every
+row's adapter update in the masked form (layers/lora.py): the rows' one-hot
+slots are a static buffer like the token ids, written before each replay,
+so one graph serves any mix of adapters; steps with none replay the plain
+graph.
+
 Padded rows are harmless dummies: token 0 at position 0, one KV token in
 the reserved page 0, whose slot 0 they also write (page 0 is never handed
 to a request, and padding elsewhere only ever reads it under a mask, so its
@@ -38,6 +44,7 @@ import torch
 
 from aioserve.attention.backend import AttentionBackend
 from aioserve.batch_plan import BatchPlan
+from aioserve.layers.lora import LoraRouting, LoraStepState
 from aioserve.models.causal_lm import CausalLM
 
 logger = logging.getLogger(__name__)
@@ -139,7 +146,9 @@ class DecodeGraphRunner:
         max_bs: int,
         max_pages_per_request: int,
         capture: Capture,
+        lora: tuple[LoraStepState, int] | None = None,
     ) -> None:
+        """`lora`: the model's LoRA step state and its slot count, when adapters are served."""
         self.model = model
         self.attention = attention
         self.batch_sizes = graph_batch_sizes(max_bs)
@@ -150,7 +159,11 @@ class DecodeGraphRunner:
         self.out_cache_loc = torch.full((self.max_bs,), SCRATCH_SLOT, **long)
         self.hidden = torch.zeros(self.max_bs, hidden_size, dtype=dtype, device=device)
         attention.init_graph_buffers(self.max_bs, max_pages_per_request)
+        self.lora_state = lora[0] if lora is not None else None
+        # Each row's adapter slot, one-hot (see the module doc); padded rows all zero.
+        self.lora_onehot = torch.zeros(self.max_bs, lora[1] if lora else 0, dtype=dtype, device=device)
         self.steps: dict[int, CapturedStep] = {}
+        self.lora_steps: dict[int, CapturedStep] = {}
         self.replays = 0  # decode steps served by a graph
         on_cuda = device.type == "cuda"
         free_before = torch.cuda.mem_get_info(device)[0] if on_cuda else 0
@@ -158,6 +171,8 @@ class DecodeGraphRunner:
         with torch.inference_mode():
             for bs in reversed(self.batch_sizes):
                 self.steps[bs] = self._capture(bs, capture)
+                if self.lora_state is not None:
+                    self.lora_steps[bs] = self._capture(bs, capture, with_lora=True)
         self.capture_seconds = time.perf_counter() - start
         used = (free_before - torch.cuda.mem_get_info(device)[0]) if on_cuda else 0
         logger.info(
@@ -174,13 +189,21 @@ class DecodeGraphRunner:
         )
         return pad_decode_plan(plan, batch_size)
 
-    def _capture(self, bs: int, capture: Capture) -> CapturedStep:
+    def _capture(self, bs: int, capture: Capture, with_lora: bool = False) -> CapturedStep:
         meta = self.attention.graph_metadata(bs, self.out_cache_loc[:bs])
         self.attention.update_graph_buffers(self._dummy_plan(bs))
         ids, positions, hidden = self.input_ids[:bs], self.positions[:bs], self.hidden[:bs]
+        state, routing = self.lora_state, LoraRouting([], onehot=self.lora_onehot[:bs])
 
         def step() -> None:
-            hidden.copy_(self.model(ids, positions, meta))
+            if state is None or not with_lora:
+                hidden.copy_(self.model(ids, positions, meta))
+                return
+            state.routing = routing  # set while the step runs: an eager replay reads it again
+            try:
+                hidden.copy_(self.model(ids, positions, meta))
+            finally:
+                state.routing = None
 
         step()  # warm-up outside the graph: lazy inits and autotuning must not be captured
         return capture(step)
@@ -190,6 +213,7 @@ class DecodeGraphRunner:
             host_plan.is_decode_only
             and host_plan.num_requests <= self.max_bs
             and host_plan.prompt_logprobs is None
+            and (host_plan.lora is None or not host_plan.lora.uses_adapters or bool(self.lora_steps))
         )
 
     def run(self, input_ids: torch.Tensor, plan: BatchPlan, host_plan: BatchPlan) -> torch.Tensor:
@@ -206,6 +230,13 @@ class DecodeGraphRunner:
             self.positions[n:bs].zero_()
             self.out_cache_loc[n:bs].fill_(SCRATCH_SLOT)
         self.attention.update_graph_buffers(pad_decode_plan(host_plan, bs))
+        if host_plan.lora is not None and host_plan.lora.uses_adapters:
+            onehot = torch.zeros(bs, self.lora_onehot.shape[1], dtype=self.lora_onehot.dtype)
+            onehot[torch.arange(n), host_plan.lora.request_slots] = 1
+            self.lora_onehot[:bs].copy_(onehot, non_blocking=True)
+            self.lora_steps[bs].replay()
+            self.replays += 1
+            return self.hidden[:n]
         self.steps[bs].replay()
         self.replays += 1
         return self.hidden[:n]

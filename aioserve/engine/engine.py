@@ -127,6 +127,7 @@ class Engine:
             self.model, self.attention, self.model_config.hidden_size, self.dtype, self.device,
             max_bs=min(self.config.cuda_graph_max_bs, self.config.max_running_requests),
             max_pages_per_request=-(-self.max_model_len // self.page_size), capture=capture,
+            lora=(self.lora.state, self.lora.num_slots) if self.lora is not None else None,
         )
 
     def forward(self, plan: BatchPlan) -> StepOutput:
@@ -162,10 +163,10 @@ class Engine:
         routing = None
         if self.lora is not None and host_plan.lora is not None:
             self.lora.apply_loads(host_plan.lora.loads)
-            routing = self.lora.route(host_plan)
-        # A captured step (CUDA graph, native DecoderStack) knows no adapters:
-        # a step with any runs through the modules.
-        if routing is None and self.graph_runner is not None and self.graph_runner.can_run(host_plan):
+            routing = self.lora.route(host_plan)  # also checks each slot holds its adapter
+        # A captured step runs adapters only where it was captured with them
+        # (CUDA graphs); the native DecoderStack declines a step that has any.
+        if self.graph_runner is not None and self.graph_runner.can_run(host_plan):
             hidden = self.graph_runner.run(input_ids, plan, host_plan)
         elif self.lora is not None:
             self.lora.state.routing = routing
