@@ -17,7 +17,15 @@
 // aligned buffer in the dtype torch's promotion gives, as the tensors that
 // the Python forward allocates. forward releases the GIL (see module.cpp):
 // the event loop plans the next step while this one runs.
+//
+// LoRA adapters (aioserve/layers/lora.py): a projection may carry its
+// adapters' slots, packed as two weights (A of every slot [S * PR, in], B of
+// every slot transposed [out, S * PR]). Given each row's slot, the step adds
+// the row's update after the projection's matmul, in the masked form the
+// Python forward computes: x A_all^T with every other slot's band zeroed,
+// times B_all, added in the projection's output type.
 
+#include "half.h"
 #include "kernels.h"
 
 #include <algorithm>
@@ -37,6 +45,14 @@ struct Packed {
   bool pairs;
 };
 
+// A projection's adapter slots: A and B of all slots, `width` = slots x band rank rows.
+struct Lora {
+  Packed a{nullptr, 0, false}, b{nullptr, 0, false};
+  int64_t width = 0, band = 0;
+};
+
+enum Projection { kQkv = 0, kO = 1, kGateUp = 2, kDown = 3 };
+
 struct Layer {
   const void* input_norm;
   int input_norm_type;
@@ -51,6 +67,7 @@ struct Layer {
   int64_t cache_limit;
   int64_t intermediate;
   int64_t window;  // sliding window, 0 for none
+  Lora lora[4] = {};  // by Projection; a.data null: no adapters
 };
 
 // rms_norm's output type: x's when the weight has it, else float32 (torch's promotion).
@@ -83,6 +100,13 @@ class DecoderStack {
                    "DecoderStack: bad head counts");
   }
 
+  void set_lora(int64_t layer, int64_t projection, const Lora& lora) {
+    AIOSERVE_CHECK(layer >= 0 && layer < static_cast<int64_t>(layers_.size()) && projection >= 0 && projection < 4,
+                   "DecoderStack: no such layer or projection");
+    AIOSERVE_CHECK(lora.band > 0 && lora.width % lora.band == 0, "DecoderStack: bad LoRA band");
+    layers_[layer].lora[projection] = lora;
+  }
+
   void add_layer(const Layer& layer) {
     AIOSERVE_CHECK((layer.q_norm == nullptr) == (layer.k_norm == nullptr), "DecoderStack: q and k norms come together");
     layers_.push_back(layer);
@@ -92,9 +116,10 @@ class DecoderStack {
   // place as the residual stream). positions, slots [B] int64; page_table
   // [B, P] int32 and seq_lens [B] int64 (each includes its new token).
   // Writes the final norm of the last layer's output into out [B, H].
+  // row_slots [B] int64: each row's LoRA slot (null: no adapters this step).
   void forward(void* hidden, int hidden_type, int64_t batch, const int64_t* positions, const int64_t* slots,
                const int32_t* page_table, int64_t pages_per_row, const int64_t* seq_lens, void* out,
-               int out_type) const {
+               int out_type, const int64_t* row_slots) const {
     const int64_t size = hidden_, q_size = num_heads_ * head_dim_, kv_size = num_kv_heads_ * head_dim_;
     const int64_t qkv_size = q_size + 2 * kv_size, dim = head_dim_;
     const float eps = static_cast<float>(eps_);
@@ -111,6 +136,31 @@ class DecoderStack {
       rms_norm(x.get(), contiguous_rows(batch, size), residual, contiguous_rows(batch, size), x_type, w, w_type, dst,
                size, eps);
     };
+    // y [B, n] of type `type` += each row's update through its slot of `lora`
+    // (x [B, k] of the same type: the projection's input).
+    auto add_lora = [&](const Lora& lora, const void* x, int64_t k, void* y, int type, int64_t n) {
+      if (row_slots == nullptr || lora.a.data == nullptr) return;
+      const int64_t bytes = element_size(type), slots_count = lora.width / lora.band;
+      Buffer h = allocate(batch * lora.width, type);
+      packed_linear(x, type, batch, k, lora.a.data, lora.a.type, lora.a.pairs, lora.width, nullptr, h.get(), false);
+      for (int64_t r = 0; r < batch; ++r) {  // the one-hot mask: every other slot's band is zero
+        AIOSERVE_CHECK(row_slots[r] >= 0 && row_slots[r] < slots_count, "DecoderStack: a row's LoRA slot is out of range");
+        char* row = h.get() + r * lora.width * bytes;
+        const int64_t keep = row_slots[r] * lora.band;
+        std::memset(row, 0, keep * bytes);
+        std::memset(row + (keep + lora.band) * bytes, 0, (lora.width - keep - lora.band) * bytes);
+      }
+      Buffer update = allocate(batch * n, type);
+      packed_linear(h.get(), type, batch, lora.width, lora.b.data, lora.b.type, lora.b.pairs, n, nullptr,
+                    update.get(), false);
+      dispatch_float(type, "DecoderStack", [&](auto zero) {
+        using T = decltype(zero);
+        T* out_values = static_cast<T*>(y);
+        const T* add = reinterpret_cast<const T*>(update.get());
+        for (int64_t i = 0; i < batch * n; ++i)  // rounded to T as torch's add is
+          out_values[i] = from_float<T>(to_float(out_values[i]) + to_float(add[i]));
+      });
+    };
     for (size_t i = 0; i < layers_.size(); ++i) {
       const Layer& l = layers_[i];
       const int a_type = norm_type(x_type, l.input_norm_type);
@@ -124,6 +174,7 @@ class DecoderStack {
       Buffer qkv = allocate(batch * qkv_size, a_type);
       packed_linear(a.get(), a_type, batch, size, l.qkv.data, l.qkv.type, l.qkv.pairs, qkv_size, l.qkv_bias,
                     qkv.get(), false);
+      add_lora(l.lora[kQkv], a.get(), size, qkv.get(), a_type, qkv_size);
       const int64_t a_bytes = element_size(a_type);
       // q, k, v: [B, heads, D] views of qkv's rows.
       void* q = qkv.get();
@@ -167,18 +218,21 @@ class DecoderStack {
       x = allocate(batch * size, q_type);
       x_type = q_type;
       packed_linear(attended.get(), q_type, batch, q_size, l.o.data, l.o.type, l.o.pairs, size, nullptr, x.get(), false);
+      add_lora(l.lora[kO], attended.get(), q_size, x.get(), q_type, size);
       const int p_type = norm_type(x_type, l.post_norm_type);
       Buffer p = allocate(batch * size, p_type);
       norm(l.post_norm, l.post_norm_type, p.get());
       Buffer gate_up = allocate(batch * 2 * l.intermediate, p_type);
       packed_linear(p.get(), p_type, batch, size, l.gate_up.data, l.gate_up.type, l.gate_up.pairs, 2 * l.intermediate,
                     nullptr, gate_up.get(), false);
+      add_lora(l.lora[kGateUp], p.get(), size, gate_up.get(), p_type, 2 * l.intermediate);
       Buffer act = allocate(batch * l.intermediate, p_type);
       silu_and_mul(gate_up.get(), act.get(), p_type, batch, l.intermediate);
       x = allocate(batch * size, p_type);
       x_type = p_type;
       packed_linear(act.get(), p_type, batch, l.intermediate, l.down.data, l.down.type, l.down.pairs, size, nullptr,
                     x.get(), false);
+      add_lora(l.lora[kDown], act.get(), l.intermediate, x.get(), p_type, size);
     }
     AIOSERVE_CHECK(!layers_.empty(), "DecoderStack: no layers");
     norm(final_norm_, final_norm_type_, out);
@@ -230,10 +284,19 @@ static int decoder_add_layer_direct(void* stack, const void* input_norm, int inp
 
 static int decoder_forward_direct(const void* stack, void* hidden, int hidden_type, int64_t batch, const int64_t* positions,
                              const int64_t* slots, const int32_t* page_table, int64_t pages_per_row,
-                             const int64_t* seq_lens, void* out, int out_type) {
+                             const int64_t* seq_lens, void* out, int out_type, const int64_t* row_slots) {
   return aioserve::guarded([&] {
     static_cast<const aioserve::DecoderStack*>(stack)->forward(hidden, hidden_type, batch, positions, slots,
-                                                               page_table, pages_per_row, seq_lens, out, out_type);
+                                                               page_table, pages_per_row, seq_lens, out, out_type,
+                                                               row_slots);
+  });
+}
+
+static int decoder_set_lora_direct(void* stack, int64_t layer, int64_t projection, const void* a, int a_type,
+                                   int a_pairs, const void* b, int b_type, int b_pairs, int64_t width, int64_t band) {
+  return aioserve::guarded([&] {
+    static_cast<aioserve::DecoderStack*>(stack)->set_lora(
+        layer, projection, aioserve::Lora{{a, a_type, a_pairs != 0}, {b, b_type, b_pairs != 0}, width, band});
   });
 }
 
@@ -243,5 +306,6 @@ extern "C" {
 
 int aioserve_decoder_add_layer(const void* record) { return aioserve::call_packed(decoder_add_layer_direct, record); }
 int aioserve_decoder_forward(const void* record) { return aioserve::call_packed(decoder_forward_direct, record); }
+int aioserve_decoder_set_lora(const void* record) { return aioserve::call_packed(decoder_set_lora_direct, record); }
 
 }  // extern "C"

@@ -23,6 +23,8 @@ from server_harness import start_server
 from tiny_models import build_checkpoint
 
 from aioserve import LLM, SamplingParams
+from aioserve.cpu.native import cpu_kernels
+from aioserve.cpu_engine.decode_stack import NativeDecodeRunner
 
 pytest.importorskip("peft")
 
@@ -84,6 +86,9 @@ def test_mixed_batches_equal_peft(setup: dict[str, Any], options: dict[str, Any]
         prompts, choices = _mixed_batch()
         outputs = llm.generate(prompts, GREEDY, lora_request=choices)
         assert [o.token_ids for o in outputs] == _expected(setup, prompts, choices)
+        runner = llm.engine.graph_runner
+        if cpu_kernels() is not None and not options:  # the native decode step ran the adapters
+            assert isinstance(runner, NativeDecodeRunner) and runner.lora_bound and runner.replays > 0
         if "num_pages" in options:
             assert llm.stats.preemptions > 0
         if "max_loras" in options:

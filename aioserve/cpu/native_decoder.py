@@ -98,11 +98,26 @@ class DecoderStack:
         ):
             raise self._lib.fail()
 
+    PROJECTIONS = ("qkv", "o", "gate_up", "down")  # decoder.cpp's Projection
+
+    def set_lora(self, layer: int, projection: str, a_all: torch.Tensor, b_all: torch.Tensor, width: int, band: int,
+                 in_features: int, out_features: int) -> None:
+        """A projection's LoRA slots, packed (layers/lora.py's PackedSlots: A
+        of every slot for x [M, in] -> [M, width], B's for [M, width] -> [M, out]).
+        The tensors must stay where they are: they are repacked in place."""
+        self._kept += [a_all, b_all]
+        if self._lib.decoder_set_lora(
+            self._handle, layer, self.PROJECTIONS.index(projection), *_packed(a_all, in_features, width, "lora A"),
+            *_packed(b_all, width, out_features, "lora B"), width, band,
+        ):
+            raise self._lib.fail()
+
     def forward(self, hidden: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, page_table: torch.Tensor,
-                seq_lens: torch.Tensor) -> torch.Tensor:
+                seq_lens: torch.Tensor, row_slots: torch.Tensor | None = None) -> torch.Tensor:
         """hidden [B, H] (updated in place as the residual stream); positions,
         slots [B] int64; page_table [B, P] int32, seq_lens [B] int64 (each
-        with its new token). Returns the final norm of the last layer's output."""
+        with its new token); row_slots [B] int64, each row's LoRA slot (None:
+        no adapters). Returns the final norm of the last layer's output."""
         if hidden.dim() != 2 or hidden.shape[1] != self.hidden_size or not hidden.is_contiguous():
             raise RuntimeError("DecoderStack: hidden must be contiguous [B, hidden]")
         batch = hidden.shape[0]
@@ -112,6 +127,10 @@ class DecoderStack:
             raise RuntimeError("store_kv: slots [T] int64")
         if page_table.dtype != torch.int32 or seq_lens.dtype != torch.int64:
             raise RuntimeError("page_table int32, seq_lens int64")
+        if row_slots is not None:
+            if row_slots.dtype != torch.int64 or row_slots.numel() != batch:
+                raise RuntimeError("DecoderStack: row_slots [B] int64")
+            row_slots = row_slots.contiguous()
         positions, slots = positions.contiguous(), slots.contiguous()
         page_table, seq_lens = page_table.contiguous(), seq_lens.contiguous()
         # The kernels size their OpenMP teams by this thread's setting, which
@@ -124,7 +143,7 @@ class DecoderStack:
         if self._lib.decoder_forward(
             self._handle, hidden.data_ptr(), code(hidden, "DecoderStack"), batch, positions.data_ptr(),
             slots.data_ptr(), page_table.data_ptr(), page_table.shape[1], seq_lens.data_ptr(), out.data_ptr(),
-            code(out, "DecoderStack"),
+            code(out, "DecoderStack"), row_slots.data_ptr() if row_slots is not None else 0,
         ):
             raise self._lib.fail()
         return out

@@ -68,7 +68,11 @@ class DecoderStack(Protocol):
     """What the engine calls on native/decoder.cpp's DecoderStack."""
 
     def forward(self, hidden: torch.Tensor, positions: torch.Tensor, out_cache_loc: torch.Tensor,
-                page_table: torch.Tensor, seq_lens: torch.Tensor) -> torch.Tensor: ...
+                page_table: torch.Tensor, seq_lens: torch.Tensor, row_slots: torch.Tensor | None = None
+                ) -> torch.Tensor: ...
+
+    def set_lora(self, layer: int, projection: str, a_all: torch.Tensor, b_all: torch.Tensor, width: int, band: int,
+                 in_features: int, out_features: int) -> None: ...
 
 
 def build_decoder_stack(model: LlamaForCausalLM, pool: KVPool, kernels: ModuleType) -> DecoderStack:
@@ -119,6 +123,30 @@ class NativeDecodeRunner:
         self.model = model
         self.stack = build_decoder_stack(model, pool, kernels)
         self.replays = 0  # decode steps it ran (the CUDA runner's name for the same count)
+        self.lora_bound = False  # the stack holds the layers' packed LoRA slots
+
+    def _bind_lora(self) -> bool:
+        """Hand the stack every projection's packed LoRA slots (once: they are
+        repacked in place); False while they are not packed yet."""
+        if self.lora_bound:
+            return True
+        bindings = []
+        for i, layer in enumerate(self.model.model.decoder_layers()):
+            attn, mlp = layer.self_attn, layer.mlp
+            assert isinstance(mlp, LlamaMLP)  # unsupported_reason refuses experts
+            for name, linear in (("qkv", attn.qkv_proj), ("o", attn.o_proj), ("gate_up", mlp.gate_up_proj),
+                                 ("down", mlp.down_proj)):
+                if linear.lora is None or linear.lora.packed is None:
+                    return False
+                bindings.append((i, name, linear))
+        for i, name, linear in bindings:
+            slots = linear.lora
+            assert slots is not None and slots.packed is not None
+            band = int(slots.a.shape[1])
+            self.stack.set_lora(i, name, slots.packed.a_all, slots.packed.b_all, band * int(slots.a.shape[0]), band,
+                                linear.in_features, linear.out_features)
+        self.lora_bound = True
+        return True
 
     def can_run(self, host_plan: BatchPlan) -> bool:
         # The elementwise switch is read at every call (the modules honor it
@@ -126,7 +154,7 @@ class NativeDecodeRunner:
         # decodes and verified drafts runs too: each token as a decode.
         return (
             host_plan.prompt_logprobs is None
-            and (host_plan.lora is None or not host_plan.lora.uses_adapters)  # the stack knows no adapters
+            and (host_plan.lora is None or not host_plan.lora.uses_adapters or self._bind_lora())
             and elementwise_kernels() is not None
             and (host_plan.is_decode_only or host_plan.runs_as_decodes())
         )
@@ -136,9 +164,14 @@ class NativeDecodeRunner:
         n = host_plan.num_requests
         hidden = self.model.model.embed_tokens(input_ids).contiguous()
         self.replays += 1
+        lora = host_plan.lora
+        request_slots = lora.request_slots if lora is not None and lora.uses_adapters else None
         if host_plan.is_decode_only:
-            return self.stack.forward(hidden, plan.positions, plan.out_cache_loc, plan.page_table[:n], plan.seq_lens[:n])
+            return self.stack.forward(hidden, plan.positions, plan.out_cache_loc, plan.page_table[:n],
+                                      plan.seq_lens[:n], request_slots)
         owners, lengths = token_rows(host_plan.seq_lens.tolist(), host_plan.extend_lens.tolist())
-        page_table = plan.page_table[torch.tensor(owners, dtype=torch.long)]
+        rows = torch.tensor(owners, dtype=torch.long)
+        page_table = plan.page_table[rows]
         seq_lens = torch.tensor(lengths, dtype=plan.seq_lens.dtype)
-        return self.stack.forward(hidden, plan.positions, plan.out_cache_loc, page_table, seq_lens)
+        row_slots = request_slots[rows] if request_slots is not None else None
+        return self.stack.forward(hidden, plan.positions, plan.out_cache_loc, page_table, seq_lens, row_slots)

@@ -103,16 +103,24 @@ class LoraSlots:
     packed: PackedSlots | None = None  # on a CPU with the native kernels
 
     def pack(self) -> bool:
-        """(Re)pack every slot for the native kernel; False where there is none (a GPU, no build)."""
+        """(Re)pack every slot for the native kernel, in place after the
+        first time (the native DecoderStack keeps their addresses); False
+        where there is none (a GPU, no build)."""
         kernels = cpu_kernels(wait=False) if self.a.device.type == "cpu" else None
         if kernels is None:
             return False
         pack = kernels.pack_linear_weight
         slots, width = self.a.shape[0], self.a.shape[1]
-        self.packed = PackedSlots(
+        packed = PackedSlots(
             [pack(self.a[s]) for s in range(slots)], [pack(self.b[s].T.contiguous()) for s in range(slots)],
             pack(self.a.reshape(slots * width, -1)), pack(self.b.reshape(slots * width, -1).T.contiguous()),
         )
+        if self.packed is None:
+            self.packed = packed
+        else:
+            for mine, new in zip([*self.packed.a, *self.packed.b, self.packed.a_all, self.packed.b_all],
+                                 [*packed.a, *packed.b, packed.a_all, packed.b_all]):
+                mine.copy_(new)
         return True
 
     def _product(self, x: torch.Tensor, slot: int) -> torch.Tensor:
