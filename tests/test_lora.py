@@ -78,7 +78,8 @@ def _expected(setup: dict[str, Any], prompts: list[list[int]], choices: list[str
     {},  # every request at once: the masked form for decodes, grouped prefill
     {"max_prefill_tokens": 8, "max_loras": 2},  # chunked prompts; more adapters than slots: they take turns
     {"num_pages": 12, "page_size": 4, "max_running_requests": 6},  # a small pool: preemption
-], ids=["together", "chunked-2-slots", "preempted"])
+    {"max_loras": 1, "max_cpu_loras": 1},  # one slot, one adapter in host memory: the others read again
+], ids=["together", "chunked-2-slots", "preempted", "one-slot"])
 def test_mixed_batches_equal_peft(setup: dict[str, Any], options: dict[str, Any]) -> None:
     llm = LLM(str(setup["checkpoint"]), dtype="float32", enable_lora=True, lora_modules=_modules(setup),
               debug_integrity=True, **options)
@@ -93,6 +94,8 @@ def test_mixed_batches_equal_peft(setup: dict[str, Any], options: dict[str, Any]
             assert llm.stats.preemptions > 0
         if "max_loras" in options:
             assert llm.scheduler.adapters is not None and llm.scheduler.adapters.evictions > 0
+        if "max_cpu_loras" in options:
+            assert llm.engine.lora is not None and llm.engine.lora.reads > len(ADAPTERS)
         llm.scheduler.check_integrity()
     finally:
         llm.close()

@@ -52,6 +52,7 @@ class AdapterSlots:
         self._host: OrderedDict[int, HostAdapter] = OrderedDict()
         self._lock = threading.Lock()  # preload runs on the server's threads, loads on the forward's
         self.slot_loads = 0
+        self.reads = 0  # adapter folders read (again, for one that left host memory)
 
     @property
     def nbytes(self) -> int:
@@ -60,6 +61,7 @@ class AdapterSlots:
     def read(self, path: str) -> HostAdapter:
         """Read, check and lay out an adapter (any thread); AdapterError if it cannot be served."""
         adapter = read_peft_adapter(path, self.config.max_lora_rank)
+        self.reads += 1
         return lay_out(adapter, self.model, self.model_config, self.config.max_lora_rank, self.dtype)
 
     def preload(self, adapter_id: int, path: str) -> None:
