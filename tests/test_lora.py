@@ -382,3 +382,23 @@ def test_captured_decode_steps_run_adapters(setup: dict[str, Any]) -> None:
         assert runner.replays > 0 and runner.lora_steps
     finally:
         llm.close()
+
+
+def test_the_flags_of_vllm_and_sglang_parse_and_round_trip() -> None:
+    from aioserve.cli import parse_serve_args, serve_argv
+    from aioserve.config import ConfigError
+    from aioserve.lora_config import parse_adapter_source, resolve_lora
+
+    args = parse_serve_args(["--lora-modules", "a=/x", '{"name": "b", "path": "/y"}', "--lora-paths", "/z",
+                             "--max-loras-per-batch", "3", "--max-lora-rank", "32"])
+    lora = resolve_lora(args.engine)
+    assert lora is not None and (lora.max_loras, lora.max_lora_rank) == (3, 32)
+    assert [(s.name, s.path) for s in lora.adapters] == [("a", "/x"), ("b", "/y"), ("/z", "/z")]
+    assert parse_serve_args(serve_argv(args)).engine == args.engine  # what --dp starts its replicas with
+    assert resolve_lora(parse_serve_args([]).engine) is None
+    with pytest.raises(ConfigError, match="more than once"):
+        resolve_lora(parse_serve_args(["--lora-modules", "a=/x", "a=/y"]).engine)
+    with pytest.raises(ConfigError, match="pooling"):
+        resolve_lora(parse_serve_args(["--enable-lora", "--runner", "pooling"]).engine)
+    with pytest.raises(ConfigError, match="NAME=PATH"):
+        parse_adapter_source("=/x")
