@@ -40,7 +40,7 @@ PROMPTS = [
     [200, 3, 150, 77, 64],
 ]
 MAX_TOKENS = 10
-LONG = 800  # tokens of a request that must still run when its adapter is unloaded
+LONG = 400  # tokens of a request that must still run when its adapter is unloaded
 GREEDY = SamplingParams(max_tokens=MAX_TOKENS, temperature=0, ignore_eos=True)
 
 

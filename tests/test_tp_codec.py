@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from aioserve import batch_plan
-from aioserve.batch_plan import BatchPlan, PoolingRequest, PromptLogprobRequest, SamplingTensors
+from aioserve.batch_plan import AdapterLoad, BatchPlan, LoraBatch, PoolingRequest, PromptLogprobRequest, SamplingTensors
 from aioserve.config import EngineConfig
 from aioserve.tp import codec as tp_codec
 from aioserve.engine.engine import Engine
@@ -35,6 +35,8 @@ def _filled(cls: type, seed: int) -> object:
             values[f.name] = _filled(PromptLogprobRequest, seed + 2)
         elif "PoolingRequest" in kind:
             values[f.name] = _filled(PoolingRequest, seed + 3)
+        elif "LoraBatch" in kind:
+            values[f.name] = LoraBatch(torch.tensor([0, 2, 1]), [AdapterLoad(2, 7, "/adapters/a"), AdapterLoad(1, 9, "b")])
         elif "Tensor" in kind:
             shape = (3, 5) if f.name in ("page_table", "grammar_bitmask") else (7 + i,)
             dtype = {"page_table": torch.int32, "grammar_bitmask": torch.int32}.get(f.name)
