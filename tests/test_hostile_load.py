@@ -370,6 +370,64 @@ def test_chunked_oversize_upload_gets_413(server: RunningServer) -> None:
     assert answer.startswith(b"HTTP/1.1 413") and b"connection: close" in answer.lower(), answer[:200]
 
 
+def send_until_closed(sock: socket.socket, piece: bytes, limit_s: float) -> tuple[bytes, float | None, float]:
+    """Keep sending `piece` (never stopping to wait) and read what comes back,
+    until the server closes the connection (EOF or a reset) or `limit_s`
+    passes: (the answer, seconds from its first byte to the close or None
+    when it never closed, seconds in all)."""
+    sock.setblocking(False)
+    answer, answered, start = b"", 0.0, time.perf_counter()
+    while time.perf_counter() - start < limit_s:
+        try:
+            sock.send(piece)
+        except BlockingIOError:
+            pass
+        except OSError:  # a broken pipe or a reset: closed
+            return answer, time.perf_counter() - (answered or start), time.perf_counter() - start
+        try:
+            chunk = sock.recv(65536)
+        except BlockingIOError:
+            time.sleep(0.005)
+            continue
+        except OSError:
+            return answer, time.perf_counter() - (answered or start), time.perf_counter() - start
+        if not chunk:
+            return answer, time.perf_counter() - (answered or start), time.perf_counter() - start
+        answered = answered or time.perf_counter()
+        answer += chunk
+    return answer, None, time.perf_counter() - start
+
+
+def test_chunked_oversize_upload_is_closed_while_the_client_keeps_sending(server: RunningServer) -> None:
+    """The 413 found while a chunked body streams in is followed by the
+    close it announces, within a few seconds, though the client never stops
+    sending (hypercorn kept such a connection, and its task, open for good)."""
+    host, port = server.url.removeprefix("http://").split(":")
+    with socket.create_connection((host, int(port)), timeout=10) as sock:
+        sock.sendall(f"POST /v1/completions HTTP/1.1\r\nHost: {host}\r\nContent-Type: application/json\r\n"
+                     "Transfer-Encoding: chunked\r\n\r\n".encode())
+        piece = b"1," * (32 << 10)
+        answer, closed_after, took = send_until_closed(sock, b"%x\r\n%s\r\n" % (len(piece), piece), 20)
+    assert answer.startswith(b"HTTP/1.1 413") and b"--max-request-bytes" in answer, answer[:200]
+    assert closed_after is not None and closed_after < 4, (closed_after, took)
+    assert httpx.get(f"{server.url}/health", timeout=10).status_code == 200
+
+
+def test_a_body_answered_unread_keeps_its_connection(server: RunningServer) -> None:
+    """A small body the handler never reads (a 405) is taken off the
+    connection after the answer, which then serves the next request."""
+    host, port = server.url.removeprefix("http://").split(":")
+    with socket.create_connection((host, int(port)), timeout=10) as sock:
+        sock.sendall(f"POST /health HTTP/1.1\r\nHost: {host}\r\nContent-Length: 10\r\n\r\n0123456789"
+                     f"GET /health HTTP/1.1\r\nHost: {host}\r\n\r\n".encode())
+        answer = b""
+        while answer.count(b"HTTP/1.1 ") < 2:
+            chunk = sock.recv(65536)
+            assert chunk, answer
+            answer += chunk
+    assert answer.startswith(b"HTTP/1.1 405") and b"HTTP/1.1 200" in answer, answer
+
+
 @pytest.mark.parametrize("expect", [True, False], ids=["expect-100-continue", "plain"])
 def test_declared_oversize_gets_413_at_once(server: RunningServer, expect: bool) -> None:
     start = time.perf_counter()
