@@ -16,17 +16,23 @@ import pytest
 
 from server_harness import RunningServer, start_server
 
+from aioserve.config import ServerArgs
+
 # Generous for a loaded 2-core CI machine (measured: under 75 ms with the worker
 # process; 0.24-1.2 s with these bodies parsed on the loop; the issue saw 55.6 s).
 HEALTH_BOUND_S = 0.3
 BODY_TIMEOUT_S = 1.0
 BODY_DEADLINE_S = 4.0
+# Below the default (4,194,304) so that n × max_tokens, each capped at this
+# 512-token model's context, can pass it: 128 × 512 = 65,536.
+RESPONSE_TOKENS = 60_000
 
 
 @pytest.fixture(scope="module")
 def server(stories_path: Path):
     started = start_server(stories_path, "--page-size", "4", "--request-body-timeout", str(BODY_TIMEOUT_S),
-                           "--request-body-deadline", str(BODY_DEADLINE_S))
+                           "--request-body-deadline", str(BODY_DEADLINE_S),
+                           "--max-response-tokens-per-request", str(RESPONSE_TOKENS))
     yield started
     started.stop()
 
@@ -222,8 +228,11 @@ def test_wide_or_deep_json_is_a_400_before_any_work(
         ("/generate", {"text": ["hi"] * 64, "return_logprob": True, "top_logprobs_num": 20,
                        "sampling_params": {"max_new_tokens": 1000}}),
         ("/v1/completions", {"prompt": "word " * 60000, "prompt_logprobs": 20, "max_tokens": 1}),
+        # Each choice carries its own copy of the prompt's logprobs.
+        ("/v1/completions", {"prompt": "word " * 400, "prompt_logprobs": 20, "n": 32, "max_tokens": 1}),
     ],
-    ids=["echo-n128-top20", "n64-top20-1000", "chat-n100-top20", "generate-64-top20", "prompt-logprobs-top20"],
+    ids=["echo-n128-top20", "n64-top20-1000", "chat-n100-top20", "generate-64-top20", "prompt-logprobs-top20",
+         "prompt-logprobs-n32"],
 )
 def test_products_past_the_logprob_budget_are_400s_at_once(
     server: RunningServer, path: str, body: dict[str, Any]
@@ -238,6 +247,65 @@ def test_products_past_the_logprob_budget_are_400s_at_once(
     error = response.json()["error"]
     assert "--max-logprob-entries-per-request" in error["message"] and error["param"] == "logprobs", error
     assert took < 1.0 and probe.worst < HEALTH_BOUND_S, (took, probe.worst)
+
+
+DEFAULT_RESPONSE_TOKENS = ServerArgs.__dataclass_fields__["max_response_tokens_per_request"].default
+ECHOED_ASSISTANT = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "word " * 8000}]
+
+
+@pytest.mark.parametrize(
+    ("path", "body"),
+    [
+        ("/v1/completions", {"prompt": ["word " * 1000] * 8, "n": 128, "echo": True, "max_tokens": 1}),
+        ("/v1/completions", {"prompt": [[5] * 4096], "n": 1024, "echo": True}),
+        ("/v1/chat/completions", {"messages": ECHOED_ASSISTANT, "echo": True, "n": 128, "max_tokens": 1,
+                                  "add_generation_prompt": False, "continue_final_message": True}),
+    ],
+    ids=["echo-8x5000-chars-n128", "echo-4096-ids-n1024", "chat-echo-40k-chars-n128"],
+)
+def test_echo_past_the_response_budget_is_a_400_at_once(
+    server: RunningServer, path: str, body: dict[str, Any]
+) -> None:
+    """Echo copies each prompt into every one of its n choices, at no cost
+    in generation: 40 KB of prompts × n=128 would be a 20 MB response (a
+    128K-token prompt × n=1024, half a gigabyte). The product is estimated
+    before any work and refused naming it."""
+    with HealthProbe(server.url) as probe:
+        start = time.perf_counter()
+        response = post(server, path, body)
+        took = time.perf_counter() - start
+    assert response.status_code == 400, response.text[:300]
+    error = response.json()["error"]
+    assert error["type"] == "invalid_request_error" and error["param"] == "echo", error
+    assert "prompts × n × (echoed prompt + max tokens)" in error["message"], error
+    assert "--max-response-tokens-per-request" in error["message"], error
+    estimated = int(error["message"].split("up to ")[1].split()[0])
+    assert estimated > DEFAULT_RESPONSE_TOKENS, estimated  # the default refuses it too
+    assert took < 1.0 and probe.worst < HEALTH_BOUND_S, (took, probe.worst)
+
+
+def test_echo_within_the_response_budget_is_served(server: RunningServer) -> None:
+    response = post(server, "/v1/completions", {"prompt": ["Once upon a time"] * 8, "n": 16, "echo": True,
+                                                "max_tokens": 1})
+    assert response.status_code == 200, response.text
+    choices = response.json()["choices"]
+    assert len(choices) == 128 and all(c["text"].startswith("Once upon a time") for c in choices)
+
+
+def test_the_response_budget_counts_max_tokens_up_to_the_context(server: RunningServer) -> None:
+    """n × max_tokens counts too, each choice's capped at the context (past
+    it, the context's own 400 answers), and a chat request without
+    max_tokens counts the context."""
+    chat = post(server, "/v1/chat/completions", {"messages": MESSAGES, "n": 128})
+    assert chat.status_code == 400 and chat.json()["error"]["param"] == "max_tokens", chat.text
+    assert "max_tokens unset counts as the model's context of 512 tokens" in chat.json()["error"]["message"]
+    completion = post(server, "/v1/completions", {"prompt": "x", "n": 128, "max_tokens": 500})
+    assert_limit_error(completion, "max_tokens", "--max-response-tokens-per-request")
+    past_context = post(server, "/v1/completions", {"prompt": "x", "max_tokens": 100_000})
+    assert past_context.status_code == 400 and "context" in past_context.json()["error"]["message"]
+    assert "--max-response-tokens" not in past_context.text
+    served = post(server, "/v1/chat/completions", {"messages": MESSAGES, "n": 64, "max_tokens": 2})
+    assert served.status_code == 200, served.text
 
 
 @pytest.mark.parametrize(

@@ -76,7 +76,8 @@ class ServingContext:
 
     @property
     def request_limits(self) -> RequestLimits:
-        return RequestLimits(**{name: getattr(self.args, name) for name in RequestLimits.__dataclass_fields__})
+        fields = {name: getattr(self.args, name) for name in RequestLimits.__dataclass_fields__ if name != "max_model_len"}
+        return RequestLimits(**fields, max_model_len=self.max_model_len)
 
     @property
     def model_name(self) -> str:
