@@ -430,6 +430,12 @@ class ServerArgs:
         help="logprob entries one response may hold, estimated before any work: prompts × n × (echoed prompt + "
         "max_tokens) × (1 + top logprobs), a prompt's tokens counted as its characters",
     )
+    max_response_tokens_per_request: int = option(
+        1 << 22, group="HTTP",
+        help="tokens of text one response may hold, estimated before any work: prompts × n × (echoed prompt + "
+        "max_tokens), a prompt's tokens counted as its characters and each choice's max_tokens capped at the "
+        "context (a chat request without one counts the context). 4,194,304 by default: ~16 MB of text",
+    )
     max_grammar_chars: int = option(
         128 << 10, group="HTTP",
         help="characters of the grammar text one constraint compiles from (a JSON schema, a regex, an EBNF, "

@@ -141,6 +141,7 @@ async def serve(args: ServerArgs) -> str | None:
             await asyncio.wait({ctx.scheduler_task}, timeout=30)
         scheduler.shutdown()
         tokenizer.shutdown()
+        ctx.response_pool.shutdown(wait=False)
         await ctx.body_parser.close()
     return failure.reason
 

@@ -83,7 +83,7 @@ class Tokenizer:
         self._token_texts: dict[int, str] = {}
         self._anchor = self.encode("a", add_special_tokens=False)[-1]
         self.max_token_chars = max(len(piece) for piece in self.rust.get_vocab(with_added_tokens=True))
-        self._pool = _started_pool(workers)
+        self._pool = started_pool(workers)
 
     @property
     def has_chat_template(self) -> bool:
@@ -181,12 +181,12 @@ class Tokenizer:
         self._pool.shutdown(wait=False)
 
 
-def _started_pool(workers: int) -> ThreadPoolExecutor:
+def started_pool(workers: int, name: str = "aioserve-tokenizer") -> ThreadPoolExecutor:
     """A pool whose threads all run already. ThreadPoolExecutor starts a thread
     at submit time and waits for it to run, which takes the GIL: while another
     worker holds it (a chat template on a huge conversation), `submit` would
     stall the event loop."""
-    pool = ThreadPoolExecutor(workers, thread_name_prefix="aioserve-tokenizer")
+    pool = ThreadPoolExecutor(workers, thread_name_prefix=name)
     barrier = threading.Barrier(workers)
     for _ in range(workers):
         pool.submit(barrier.wait)  # each waits for the others: one thread per task

@@ -15,18 +15,25 @@ import httpx
 import pytest
 
 from server_harness import RunningServer, start_server
+from tiny_models import build_tokenizer
+
+from aioserve.config import ServerArgs
 
 # Generous for a loaded 2-core CI machine (measured: under 75 ms with the worker
 # process; 0.24-1.2 s with these bodies parsed on the loop; the issue saw 55.6 s).
 HEALTH_BOUND_S = 0.3
 BODY_TIMEOUT_S = 1.0
 BODY_DEADLINE_S = 4.0
+# Below the default (4,194,304) so that n × max_tokens, each capped at this
+# 512-token model's context, can pass it: 128 × 512 = 65,536.
+RESPONSE_TOKENS = 60_000
 
 
 @pytest.fixture(scope="module")
 def server(stories_path: Path):
     started = start_server(stories_path, "--page-size", "4", "--request-body-timeout", str(BODY_TIMEOUT_S),
-                           "--request-body-deadline", str(BODY_DEADLINE_S))
+                           "--request-body-deadline", str(BODY_DEADLINE_S),
+                           "--max-response-tokens-per-request", str(RESPONSE_TOKENS))
     yield started
     started.stop()
 
@@ -222,8 +229,11 @@ def test_wide_or_deep_json_is_a_400_before_any_work(
         ("/generate", {"text": ["hi"] * 64, "return_logprob": True, "top_logprobs_num": 20,
                        "sampling_params": {"max_new_tokens": 1000}}),
         ("/v1/completions", {"prompt": "word " * 60000, "prompt_logprobs": 20, "max_tokens": 1}),
+        # Each choice carries its own copy of the prompt's logprobs.
+        ("/v1/completions", {"prompt": "word " * 400, "prompt_logprobs": 20, "n": 32, "max_tokens": 1}),
     ],
-    ids=["echo-n128-top20", "n64-top20-1000", "chat-n100-top20", "generate-64-top20", "prompt-logprobs-top20"],
+    ids=["echo-n128-top20", "n64-top20-1000", "chat-n100-top20", "generate-64-top20", "prompt-logprobs-top20",
+         "prompt-logprobs-n32"],
 )
 def test_products_past_the_logprob_budget_are_400s_at_once(
     server: RunningServer, path: str, body: dict[str, Any]
@@ -238,6 +248,81 @@ def test_products_past_the_logprob_budget_are_400s_at_once(
     error = response.json()["error"]
     assert "--max-logprob-entries-per-request" in error["message"] and error["param"] == "logprobs", error
     assert took < 1.0 and probe.worst < HEALTH_BOUND_S, (took, probe.worst)
+
+
+DEFAULT_RESPONSE_TOKENS = ServerArgs.__dataclass_fields__["max_response_tokens_per_request"].default
+ECHOED_ASSISTANT = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "word " * 8000}]
+
+
+@pytest.mark.parametrize(
+    ("path", "body"),
+    [
+        ("/v1/completions", {"prompt": ["word " * 1000] * 8, "n": 128, "echo": True, "max_tokens": 1}),
+        ("/v1/completions", {"prompt": [[5] * 4096], "n": 1024, "echo": True}),
+        ("/v1/chat/completions", {"messages": ECHOED_ASSISTANT, "echo": True, "n": 128, "max_tokens": 1,
+                                  "add_generation_prompt": False, "continue_final_message": True}),
+    ],
+    ids=["echo-8x5000-chars-n128", "echo-4096-ids-n1024", "chat-echo-40k-chars-n128"],
+)
+def test_echo_past_the_response_budget_is_a_400_at_once(
+    server: RunningServer, path: str, body: dict[str, Any]
+) -> None:
+    """Echo copies each prompt into every one of its n choices, at no cost
+    in generation: 40 KB of prompts × n=128 would be a 20 MB response (a
+    128K-token prompt × n=1024, half a gigabyte). The product is estimated
+    before any work and refused naming it."""
+    with HealthProbe(server.url) as probe:
+        start = time.perf_counter()
+        response = post(server, path, body)
+        took = time.perf_counter() - start
+    assert response.status_code == 400, response.text[:300]
+    error = response.json()["error"]
+    assert error["type"] == "invalid_request_error" and error["param"] == "echo", error
+    assert "prompts × n × (echoed prompt + max tokens)" in error["message"], error
+    assert "--max-response-tokens-per-request" in error["message"], error
+    estimated = int(error["message"].split("up to ")[1].split()[0])
+    assert estimated > DEFAULT_RESPONSE_TOKENS, estimated  # the default refuses it too
+    assert took < 1.0 and probe.worst < HEALTH_BOUND_S, (took, probe.worst)
+
+
+def test_echo_within_the_response_budget_is_served(server: RunningServer) -> None:
+    response = post(server, "/v1/completions", {"prompt": ["Once upon a time"] * 8, "n": 16, "echo": True,
+                                                "max_tokens": 1})
+    assert response.status_code == 200, response.text
+    choices = response.json()["choices"]
+    assert len(choices) == 128 and all(c["text"].startswith("Once upon a time") for c in choices)
+
+
+def test_a_large_response_is_built_off_the_loop(server: RunningServer) -> None:
+    """32 choices × 40 tokens × 20 top logprobs, in chat's shape (a model per
+    entry): built on the loop it held /health 0.7 s on 2 cores; built on a
+    thread of its own and encoded in slices, the loop goes on answering."""
+    body = {"messages": MESSAGES, "n": 32, "max_tokens": 40, "logprobs": True, "top_logprobs": 20,
+            "ignore_eos": True}
+    with HealthProbe(server.url) as probe:
+        response = post(server, "/v1/chat/completions", body)
+    assert response.status_code == 200, response.text[:300]
+    choices = response.json()["choices"]
+    assert len(choices) == 32
+    assert all(len(c["logprobs"]["content"]) == 40 and len(c["logprobs"]["content"][-1]["top_logprobs"]) == 20
+               for c in choices)
+    assert probe.worst < HEALTH_BOUND_S, probe.worst
+
+
+def test_the_response_budget_counts_max_tokens_up_to_the_context(server: RunningServer) -> None:
+    """n × max_tokens counts too, each choice's capped at the context (past
+    it, the context's own 400 answers), and a chat request without
+    max_tokens counts the context."""
+    chat = post(server, "/v1/chat/completions", {"messages": MESSAGES, "n": 128})
+    assert chat.status_code == 400 and chat.json()["error"]["param"] == "max_tokens", chat.text
+    assert "max_tokens unset counts as the model's context of 512 tokens" in chat.json()["error"]["message"]
+    completion = post(server, "/v1/completions", {"prompt": "x", "n": 128, "max_tokens": 500})
+    assert_limit_error(completion, "max_tokens", "--max-response-tokens-per-request")
+    past_context = post(server, "/v1/completions", {"prompt": "x", "max_tokens": 100_000})
+    assert past_context.status_code == 400 and "context" in past_context.json()["error"]["message"]
+    assert "--max-response-tokens" not in past_context.text
+    served = post(server, "/v1/chat/completions", {"messages": MESSAGES, "n": 64, "max_tokens": 2})
+    assert served.status_code == 200, served.text
 
 
 @pytest.mark.parametrize(
@@ -368,6 +453,64 @@ def test_chunked_oversize_upload_gets_413(server: RunningServer) -> None:
         while b"--max-request-bytes" not in answer:
             answer += sock.recv(65536)
     assert answer.startswith(b"HTTP/1.1 413") and b"connection: close" in answer.lower(), answer[:200]
+
+
+def send_until_closed(sock: socket.socket, piece: bytes, limit_s: float) -> tuple[bytes, float | None, float]:
+    """Keep sending `piece` (never stopping to wait) and read what comes back,
+    until the server closes the connection (EOF or a reset) or `limit_s`
+    passes: (the answer, seconds from its first byte to the close or None
+    when it never closed, seconds in all)."""
+    sock.setblocking(False)
+    answer, answered, start = b"", 0.0, time.perf_counter()
+    while time.perf_counter() - start < limit_s:
+        try:
+            sock.send(piece)
+        except BlockingIOError:
+            pass
+        except OSError:  # a broken pipe or a reset: closed
+            return answer, time.perf_counter() - (answered or start), time.perf_counter() - start
+        try:
+            chunk = sock.recv(65536)
+        except BlockingIOError:
+            time.sleep(0.005)
+            continue
+        except OSError:
+            return answer, time.perf_counter() - (answered or start), time.perf_counter() - start
+        if not chunk:
+            return answer, time.perf_counter() - (answered or start), time.perf_counter() - start
+        answered = answered or time.perf_counter()
+        answer += chunk
+    return answer, None, time.perf_counter() - start
+
+
+def test_chunked_oversize_upload_is_closed_while_the_client_keeps_sending(server: RunningServer) -> None:
+    """The 413 found while a chunked body streams in is followed by the
+    close it announces, within a few seconds, though the client never stops
+    sending (hypercorn kept such a connection, and its task, open for good)."""
+    host, port = server.url.removeprefix("http://").split(":")
+    with socket.create_connection((host, int(port)), timeout=10) as sock:
+        sock.sendall(f"POST /v1/completions HTTP/1.1\r\nHost: {host}\r\nContent-Type: application/json\r\n"
+                     "Transfer-Encoding: chunked\r\n\r\n".encode())
+        piece = b"1," * (32 << 10)
+        answer, closed_after, took = send_until_closed(sock, b"%x\r\n%s\r\n" % (len(piece), piece), 20)
+    assert answer.startswith(b"HTTP/1.1 413") and b"--max-request-bytes" in answer, answer[:200]
+    assert closed_after is not None and closed_after < 4, (closed_after, took)
+    assert httpx.get(f"{server.url}/health", timeout=10).status_code == 200
+
+
+def test_a_body_answered_unread_keeps_its_connection(server: RunningServer) -> None:
+    """A small body the handler never reads (a 405) is taken off the
+    connection after the answer, which then serves the next request."""
+    host, port = server.url.removeprefix("http://").split(":")
+    with socket.create_connection((host, int(port)), timeout=10) as sock:
+        sock.sendall(f"POST /health HTTP/1.1\r\nHost: {host}\r\nContent-Length: 10\r\n\r\n0123456789"
+                     f"GET /health HTTP/1.1\r\nHost: {host}\r\n\r\n".encode())
+        answer = b""
+        while answer.count(b"HTTP/1.1 ") < 2:
+            chunk = sock.recv(65536)
+            assert chunk, answer
+            answer += chunk
+    assert answer.startswith(b"HTTP/1.1 405") and b"HTTP/1.1 200" in answer, answer
 
 
 @pytest.mark.parametrize("expect", [True, False], ids=["expect-100-continue", "plain"])
@@ -552,3 +695,40 @@ def test_the_grammar_cache_is_bounded_by_its_bytes(stories_path: Path) -> None:
         assert len(compiler._cache) == 2  # the two newest, within the bytes
     finally:
         llm.close()
+
+
+# -- long prompts × n: the work they imply on the event loop ----------------------------------
+
+
+@pytest.fixture(scope="module")
+def long_context_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tiny Llama with a 32k context (served with --load-format dummy): long
+    prompts that a CPU prefills in seconds. Token 276 is " robot"."""
+    folder = tmp_path_factory.mktemp("long-context")
+    build_tokenizer(folder)
+    config = {
+        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 64, "intermediate_size": 128,
+        "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 320,
+        "max_position_embeddings": 32768, "rms_norm_eps": 1e-5, "eos_token_id": 2, "torch_dtype": "float32",
+    }
+    (folder / "config.json").write_text(json.dumps(config))
+    return folder
+
+
+def test_n_copies_of_a_long_prompt_keep_health_fast(long_context_model: Path) -> None:
+    """n=64 of a 12k-token prompt, prefilled 32 tokens a step: the prefix
+    cache holds the prompt as a chain of ~375 nodes, and each of the 64
+    requests walks it at admission, as it shares its pages and at release.
+    A walk that copied the prompt at every node held the loop ~0.5 s a step
+    (2.4 s with n=128 of 32k tokens); one that compares each node's run at
+    once, a few milliseconds."""
+    server = start_server(long_context_model, "--load-format", "dummy", "--device", "cpu", "--page-size", "16",
+                          "--max-prefill-tokens", "32")
+    try:
+        with HealthProbe(server.url) as probe:
+            response = post(server, "/v1/completions", {"prompt": [276] * 12_000, "n": 64, "max_tokens": 1})
+        assert response.status_code == 200, response.text[:300]
+        assert len(response.json()["choices"]) == 64
+        assert probe.worst < HEALTH_BOUND_S, probe.worst
+    finally:
+        server.stop()

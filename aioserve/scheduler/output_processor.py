@@ -176,18 +176,25 @@ class OutputProcessor:
         assert entry.prompt_logprob_span is not None and output.prompt_logprobs is not None
         first, count = entry.prompt_logprob_span
         wanted = request.params.prompt_logprobs or 0
+        # Each tensor's rows taken to Python at once: indexing them token by
+        # token cost ~50 µs a token on the event loop (0.2 s a step at n=6
+        # of a 4k-token prompt echoed with logprobs).
+        rows = slice(first, first + count)
+        logprobs = output.prompt_logprobs[rows].tolist()
+        tops: list[TopLogprobs] = [[] for _ in range(count)]
+        if output.prompt_top_ids is not None and output.prompt_top_logprobs is not None:
+            top_ids = output.prompt_top_ids[rows, :wanted].tolist()
+            top_lps = output.prompt_top_logprobs[rows, :wanted].tolist()
+            tops = [list(zip(ids, lps)) for ids, lps in zip(top_ids, top_lps)]
+        ranks = output.prompt_ranks[rows].tolist() if output.prompt_ranks is not None else None
         for i in range(count):
             # Position p's logits give the logprob of prompt token p + 1; a
             # recomputed chunk (after preemption) may repeat positions already had.
             if entry.first_position + i + 1 != len(request.prompt_logprobs):
                 continue
-            top: TopLogprobs = []
-            if output.prompt_top_ids is not None and output.prompt_top_logprobs is not None:
-                ids = output.prompt_top_ids[first + i, :wanted].tolist()
-                top = list(zip(ids, output.prompt_top_logprobs[first + i, :wanted].tolist()))
-            request.prompt_logprobs.append((float(output.prompt_logprobs[first + i]), top))
-            if output.prompt_ranks is not None:
-                request.prompt_logprob_ranks.append(int(output.prompt_ranks[first + i]))
+            request.prompt_logprobs.append((float(logprobs[i]), tops[i]))
+            if ranks is not None:
+                request.prompt_logprob_ranks.append(int(ranks[i]))
 
     def _accept(self, request: Request, row: int, host: _HostOutput) -> int:
         token = host.tokens[row]

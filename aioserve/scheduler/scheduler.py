@@ -214,15 +214,23 @@ class Scheduler:
         """Check every request, then queue them all: a bad one (SamplingParamsError
         or RequestRejected, both ValueErrors naming the field) leaves nothing
         queued. The one place a request is validated, for HTTP and offline alike."""
-        for i, request in enumerate(requests):
-            if request.rid in self.table.by_id or any(other.rid == request.rid for other in requests[:i]):
+        # Linear in the prompts, not prompts × n: a choice's prompt is often
+        # its siblings' very list, checked once (by min and max, in C); n=128
+        # of a 32k-token prompt took the event loop 0.4 s id by id.
+        seen: set[str] = set()
+        checked: set[int] = set()
+        for request in requests:
+            if request.rid in self.table.by_id or request.rid in seen:
                 raise RequestRejected(f"request id {request.rid!r} is already in use", "request_id")
+            seen.add(request.rid)
             self._check_kind(request)
             if request.adapter is not None and (request.adapter.unloaded or self.adapters is None):
                 raise RequestRejected(f"the LoRA adapter `{request.adapter.name}` is not loaded", "model")
             request.params.validate(self.facts.vocab_size)
-            if any(not 0 <= t < self.facts.vocab_size for t in request.prompt_ids):
+            ids = request.prompt_ids
+            if id(ids) not in checked and ids and (min(ids) < 0 or max(ids) >= self.facts.vocab_size):
                 raise RequestRejected(f"prompt token ids must be in [0, {self.facts.vocab_size})", "prompt")
+            checked.add(id(ids))
             request.max_new_tokens = self.validate(len(request.prompt_ids), request.params.max_tokens)
         for request in requests:
             self._queue(request)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import MutableMapping
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -17,7 +18,7 @@ from aioserve.server.body.checks import RequestLimits
 from aioserve.server.body.parser_process import BodyParserProcess
 from aioserve.server.errors import APIError
 from aioserve.server.request_metrics import RequestMetrics
-from aioserve.tokenizer import Tokenizer
+from aioserve.tokenizer import Tokenizer, started_pool
 
 ADMITTING_KEY = "aioserve.admitting"  # in an HTTP scope: how many requests it reserved
 RETRY_AFTER_S = 1  # what a 429 (queue full) or 503 (draining) tells the client to wait
@@ -66,6 +67,9 @@ class ServingContext:
     admitting: int = 0
     # Parses large request bodies in a process of its own (server/body/parser_process.py).
     body_parser: BodyParserProcess = field(default_factory=BodyParserProcess)
+    # Builds and encodes large whole responses (server/output/assembly.py),
+    # off the loop and beside the tokenizer's threads: two at a time.
+    response_pool: ThreadPoolExecutor = field(default_factory=lambda: started_pool(2, "aioserve-response"))
     # A pooling model (embedder, reranker): how it pools; None for a generating model.
     pooler: PoolerConfig | None = None
     hidden_size: int = 0  # an embedding's full length
@@ -77,7 +81,8 @@ class ServingContext:
 
     @property
     def request_limits(self) -> RequestLimits:
-        return RequestLimits(**{name: getattr(self.args, name) for name in RequestLimits.__dataclass_fields__})
+        fields = {name: getattr(self.args, name) for name in RequestLimits.__dataclass_fields__ if name != "max_model_len"}
+        return RequestLimits(**fields, max_model_len=self.max_model_len)
 
     @property
     def model_name(self) -> str:

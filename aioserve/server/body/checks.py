@@ -1,7 +1,8 @@
 """Checks on a parsed JSON request body that come before pydantic sees it:
 its shape (nesting depth, values in its objects and arrays), the
 per-request bounds (prompts × n, messages, token ids, logit_bias entries,
-stop strings, tools) and lone surrogates.
+stop strings, tools), the response's estimated cost (cost.py) and lone
+surrogates.
 
 Standard library only, and nothing of aioserve: server/body/worker.py, a
 plain-Python process that parses large bodies away from the event loop, runs
@@ -15,12 +16,18 @@ from __future__ import annotations
 import re
 from collections.abc import Sized
 from dataclasses import asdict, dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING or __package__:  # in the server, and as the type checker reads it
+    from aioserve.server.body.cost import estimate
+else:  # body/worker.py runs this as a plain script beside cost.py
+    from cost import estimate
 
 
 @dataclass(frozen=True)
 class RequestLimits:
-    """What one request may ask for; ServerArgs' fields of the same names."""
+    """What one request may ask for: ServerArgs' fields of the same names,
+    and the model's context."""
 
     max_choices_per_request: int
     max_messages_per_request: int
@@ -29,8 +36,10 @@ class RequestLimits:
     max_stop_sequences: int
     max_tools_per_request: int
     max_logprob_entries_per_request: int
+    max_response_tokens_per_request: int
     max_json_depth: int
     max_json_values: int
+    max_model_len: int = 0  # the model's context (ServingContext's); 0: unknown
 
     def as_dict(self) -> dict[str, int]:
         """Plain data for the worker process (which cannot unpickle this class)."""
@@ -76,72 +85,28 @@ def check_sizes(data: dict[str, Any], limits: RequestLimits) -> None:
     text = data.get("text")  # /generate's batch of texts
     if isinstance(text, list):
         _check_choices(len(text), _n(sampling), limits, "text")
-    _check_logprob_entries(data, sampling, limits)
+    _check_response_cost(data, limits)
 
 
-def _int(value: Any, default: int = 0) -> int:
-    return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else default
-
-
-def _prompt_tokens(prompt: Any) -> tuple[int, int]:
-    """(prompts, tokens of the longest) of a prompt field, a string's tokens
-    counted as its characters (an estimate before tokenizing)."""
-    if isinstance(prompt, str):
-        return 1, len(prompt)
-    if not isinstance(prompt, list) or not prompt:
-        return 1, 0
-    if not isinstance(prompt[0], (list, str)):
-        return 1, len(prompt)
-    return len(prompt), max(len(p) if isinstance(p, (list, str)) else 0 for p in prompt)
-
-
-def _chat_chars(messages: Any) -> int:
-    """Characters of the messages' text: their tokens, estimated."""
-    total = 0
-    for message in messages if isinstance(messages, list) else []:
-        content = message.get("content") if isinstance(message, dict) else None
-        if isinstance(content, str):
-            total += len(content)
-        elif isinstance(content, list):
-            total += sum(len(part["text"]) for part in content if isinstance(part, dict) and isinstance(part.get("text"), str))
-    return total
-
-
-def _check_logprob_entries(data: dict[str, Any], sampling: dict[str, Any], limits: RequestLimits) -> None:
-    """Each bound above holds alone, but a response's logprobs multiply
-    them: 8 prompts of 500 tokens × n=128 × echo × 21 logprobs a token is 10
-    million entries (~270 MB of JSON) from a 19 KB body. Estimated from the
-    raw fields of every route, before anything is built."""
-    if "messages" in data:  # chat: logprobs (bool) and top_logprobs
-        prompts, prompt_tokens = 1, _chat_chars(data["messages"])
-        top = _int(data.get("top_logprobs")) if data.get("logprobs") is True else -1
-        echoed = False
-        output = _int(data.get("max_completion_tokens") or data.get("max_tokens"))
-        n = _n(data)
-    elif "sampling_params" in data or "input_ids" in data or "text" in data:  # /generate
-        prompts, prompt_tokens = _prompt_tokens(data.get("input_ids") if data.get("input_ids") else data.get("text"))
-        top = _int(data.get("top_logprobs_num")) if data.get("return_logprob") is True else -1
-        echoed = top >= 0 and isinstance(data.get("logprob_start_len"), int) and data["logprob_start_len"] >= 0
-        output = _int(sampling.get("max_new_tokens"), 128)
-        n = _n(sampling)
-    else:  # completions: logprobs (int) and echo
-        prompts, prompt_tokens = _prompt_tokens(data.get("prompt"))
-        logprobs = data.get("logprobs")
-        top = logprobs if isinstance(logprobs, int) and not isinstance(logprobs, bool) and logprobs >= 0 else -1
-        echoed = data.get("echo") is True and top >= 0
-        output = _int(data.get("max_tokens"), 16)
-        n = _n(data)
-    prompt_top = data.get("prompt_logprobs")
-    entries = 0
-    if top >= 0:
-        entries += prompts * n * (output + (prompt_tokens if echoed else 0)) * (1 + top)
-    if isinstance(prompt_top, int) and not isinstance(prompt_top, bool) and prompt_top >= 0:
-        entries += prompts * prompt_tokens * (1 + prompt_top)
-    if entries > limits.max_logprob_entries_per_request:
+def _check_response_cost(data: dict[str, Any], limits: RequestLimits) -> None:
+    """Each bound above holds alone; their product, the response, is
+    estimated (cost.py) and held to its budgets before anything is built."""
+    cost = estimate(data, limits.max_model_len)
+    if cost.logprob_entries > limits.max_logprob_entries_per_request:
         raise BodyRejected(
-            f"this response would hold up to {entries} logprob entries (prompts × n × (echoed prompt + max tokens) "
-            f"× (1 + top logprobs)), more than this server's limit of {limits.max_logprob_entries_per_request} "
-            "(--max-logprob-entries-per-request raises it)", "logprobs", "request_too_large",
+            f"this response would hold up to {cost.logprob_entries} logprob entries (prompts × n × (echoed "
+            f"prompt + max tokens) × (1 + top logprobs)), more than this server's limit of "
+            f"{limits.max_logprob_entries_per_request} (--max-logprob-entries-per-request raises it)",
+            "logprobs", "request_too_large",
+        )
+    if cost.text_tokens > limits.max_response_tokens_per_request:
+        unset = (f"; max_tokens unset counts as the model's context of {limits.max_model_len} tokens, "
+                 "setting it lowers the estimate") if cost.output_unset else ""
+        raise BodyRejected(
+            f"this response would hold up to {cost.text_tokens} tokens of text (prompts × n × (echoed prompt "
+            f"+ max tokens), a prompt's tokens counted as its characters), more than this server's limit of "
+            f"{limits.max_response_tokens_per_request} (--max-response-tokens-per-request raises it){unset}",
+            cost.text_param, "request_too_large",
         )
 
 

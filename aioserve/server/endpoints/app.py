@@ -20,6 +20,7 @@ from aioserve.server.endpoints.metrics import register_scheduler_metrics
 from aioserve.server.endpoints.page import page_routes
 from aioserve.server.endpoints.routes import ENDPOINTS
 from aioserve.server.errors import APIError, api_error_handler, client_left_handler, unexpected_error_handler
+from aioserve.server.intake.lingering_close import LingeringClose
 from aioserve.server.intake.upload_guard import UploadGuard
 from aioserve.server.openapi.docs_routes import docs_assets
 from aioserve.server.request_metrics import stamp_arrival
@@ -102,9 +103,12 @@ def parse_origins(allowed: str | None) -> list[str]:
 def build_middleware(
     allowed_origins: str | None, api_key: str | None, ctx: ServingContext | None = None
 ) -> list[Middleware]:
-    """Outermost first. CORS wraps the key check so that its headers are on
-    a 401 too (else the page sees an opaque network error, not "bad key")."""
-    middleware = [Middleware(ServingGate, ctx=ctx), Middleware(UploadGuard, ctx=ctx)] if ctx is not None else []
+    """Outermost first. The lingering close wraps everything that may answer
+    before a body is read; CORS wraps the key check so that its headers are
+    on a 401 too (else the page sees an opaque network error, not "bad key")."""
+    middleware = [Middleware(LingeringClose)]
+    if ctx is not None:
+        middleware += [Middleware(ServingGate, ctx=ctx), Middleware(UploadGuard, ctx=ctx)]
     origins = parse_origins(allowed_origins)
     if origins:
         logger.info("CORS allowed for %s", ", ".join(origins))

@@ -48,17 +48,12 @@ async def parse_body(request: Request, model: type[Body]) -> Body:
         raise from_validation_error(exc) from None
 
 
-# An over-long body is read on and dropped, up to this much, before the 413 is
-# sent: a client still uploading when the answer comes sees a broken pipe
-# instead of the 413 (httpx, requests). Past it the connection is just closed.
-DISCARD_LIMIT = 64 << 20
-
-
 async def read_body(
     request: Request, limit: int, timeout: float | None = None, deadline: float | None = None
 ) -> bytes:
     """The body, refused with 413 as soon as it is known to be over `limit`
-    (from Content-Length, else while it streams in) and never held whole;
+    (from Content-Length, else while it streams in) and never held whole
+    (what is still coming is read on and dropped by lingering_close.py);
     with 408 when the client sends nothing for `timeout` seconds, or the
     whole body takes longer than `deadline` (a stalled upload, or one
     trickling a byte a second, would hold its connection, and a file
@@ -86,13 +81,9 @@ async def read_body(
             # Which bound this wait was (a timer may fire a hair before the clock reads the deadline).
             raise (body_deadline(deadline) if by_deadline else body_timeout(timeout)) from None
         size += len(chunk)
-        over = over or size > limit
-        if over:
-            chunks.clear()
-            if size > DISCARD_LIMIT:
-                break
-        else:
-            chunks.append(chunk)
+        if over or size > limit:
+            raise too_large(limit)
+        chunks.append(chunk)
     if over:
         raise too_large(limit)
     return b"".join(chunks)

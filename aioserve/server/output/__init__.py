@@ -4,6 +4,7 @@ the one response path that sends them whole or as server-sent events.
 
   generation.py             the bridge to the scheduler: n choices per prompt, their deltas, abort on leave
   assembly.py               the one response path: content processors, SSE or whole, the client leaving
+  sliced_json.py            a large whole body's JSON in short serializer calls (built off the loop)
   sse.py                    server-sent events as OpenAI clients read them
   content.py                ContentDelta, and the processor protocol a choice's text goes through
   reasoning.py              <think> into reasoning_content

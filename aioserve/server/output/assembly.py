@@ -27,6 +27,7 @@ from aioserve.server.output import sse
 from aioserve.server.output.completion_bodies import Usage
 from aioserve.server.output.content import ContentDelta, ContentProcessor, PlainText
 from aioserve.server.output.generation import Choice, Generation
+from aioserve.server.output.sliced_json import sliced_json
 from aioserve.server.wire import WireModel, json_response
 
 logger = logging.getLogger(__name__)
@@ -124,7 +125,36 @@ async def respond(
     error = generation.error()
     if error:
         raise _generation_failed(generation, error)
-    return json_response(builder.whole(assembly.results(), generation.usage()))
+    results, usage = assembly.results(), generation.usage()
+    if sum(_values(result.choice) for result in results) < LARGE_RESPONSE_VALUES:
+        return json_response(builder.whole(results, usage))
+    # Large: built on a thread of the response pool, and encoded in slices
+    # (sliced_json.py) between which the GIL goes back to the loop; the
+    # choices are finished, so nothing else touches what the builder reads.
+    loop = asyncio.get_running_loop()
+    pieces = await loop.run_in_executor(generation.ctx.response_pool, _encoded, builder, results, usage)
+    return Response(pieces, media_type="application/json")
+
+
+# A response that may hold this many values (tokens and their logprob
+# entries) is built off the loop: echoed with logprobs, a million entries
+# (the budget's default) took the loop 0.35 s to build and 0.7 s to encode on
+# 2 cores; n=128 × 60 tokens of chat logprobs, top 20, 4 s. Below, the
+# thread's round trip would cost about what the build does.
+LARGE_RESPONSE_VALUES = 16384
+
+
+def _values(choice: Choice) -> int:
+    """What a choice's part of the response may hold, at most: its prompt
+    (echoed) and output tokens, each with its logprob entries if asked for."""
+    params = choice.stream.params
+    per_output = 1 if params.logprobs is None else 2 + params.logprobs
+    per_prompt = 1 if params.prompt_logprobs is None else 2 + params.prompt_logprobs
+    return len(choice.stream.token_ids) * per_output + len(choice.prompt_ids) * per_prompt
+
+
+def _encoded(builder: ResponseBuilder, results: list[ChoiceUpdate], usage: Usage) -> bytes:
+    return b"".join(sliced_json(builder.whole(results, usage)))
 
 
 def _generation_failed(generation: Generation, error: str) -> APIError:
