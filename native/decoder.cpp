@@ -19,11 +19,12 @@
 // the event loop plans the next step while this one runs.
 //
 // LoRA adapters (aioserve/layers/lora.py): a projection may carry its
-// adapters' slots, packed as two weights (A of every slot [S * PR, in], B of
-// every slot transposed [out, S * PR]). Given each row's slot, the step adds
-// the row's update after the projection's matmul, in the masked form the
-// Python forward computes: x A_all^T with every other slot's band zeroed,
-// times B_all, added in the projection's output type.
+// adapters' slots, each slot's A [band, in] and B^T [out, band] packed on
+// their own. Given each row's slot, the step adds each row's update after
+// the projection's matmul: for every slot the step uses (and only those:
+// a decode step is bound by the weights it reads), x A_s^T for all rows,
+// the other rows zeroed, times B_s, added to the rows of that slot in the
+// projection's output type.
 
 #include "half.h"
 #include "kernels.h"
@@ -45,10 +46,13 @@ struct Packed {
   bool pairs;
 };
 
-// A projection's adapter slots: A and B of all slots, `width` = slots x band rank rows.
+// A projection's adapter slots: each slot's packed A and B (`slots` pointers each), `band` rank rows.
 struct Lora {
-  Packed a{nullptr, 0, false}, b{nullptr, 0, false};
-  int64_t width = 0, band = 0;
+  const int64_t* a = nullptr;  // addresses of the slots' packed A
+  const int64_t* b = nullptr;
+  int a_type = 0, b_type = 0;
+  bool a_pairs = false, b_pairs = false;
+  int64_t slots = 0, band = 0;
 };
 
 enum Projection { kQkv = 0, kO = 1, kGateUp = 2, kDown = 3 };
@@ -103,7 +107,7 @@ class DecoderStack {
   void set_lora(int64_t layer, int64_t projection, const Lora& lora) {
     AIOSERVE_CHECK(layer >= 0 && layer < static_cast<int64_t>(layers_.size()) && projection >= 0 && projection < 4,
                    "DecoderStack: no such layer or projection");
-    AIOSERVE_CHECK(lora.band > 0 && lora.width % lora.band == 0, "DecoderStack: bad LoRA band");
+    AIOSERVE_CHECK(lora.band > 0 && lora.slots > 0, "DecoderStack: bad LoRA slots");
     layers_[layer].lora[projection] = lora;
   }
 
@@ -138,28 +142,33 @@ class DecoderStack {
     };
     // y [B, n] of type `type` += each row's update through its slot of `lora`
     // (x [B, k] of the same type: the projection's input).
+    std::vector<int64_t> used;  // the slots this step's rows use, the base's (0) aside
+    for (int64_t r = 0; row_slots != nullptr && r < batch; ++r)
+      if (row_slots[r] != 0 && std::find(used.begin(), used.end(), row_slots[r]) == used.end()) used.push_back(row_slots[r]);
     auto add_lora = [&](const Lora& lora, const void* x, int64_t k, void* y, int type, int64_t n) {
-      if (row_slots == nullptr || lora.a.data == nullptr) return;
-      const int64_t bytes = element_size(type), slots_count = lora.width / lora.band;
-      Buffer h = allocate(batch * lora.width, type);
-      packed_linear(x, type, batch, k, lora.a.data, lora.a.type, lora.a.pairs, lora.width, nullptr, h.get(), false);
-      for (int64_t r = 0; r < batch; ++r) {  // the one-hot mask: every other slot's band is zero
-        AIOSERVE_CHECK(row_slots[r] >= 0 && row_slots[r] < slots_count, "DecoderStack: a row's LoRA slot is out of range");
-        char* row = h.get() + r * lora.width * bytes;
-        const int64_t keep = row_slots[r] * lora.band;
-        std::memset(row, 0, keep * bytes);
-        std::memset(row + (keep + lora.band) * bytes, 0, (lora.width - keep - lora.band) * bytes);
-      }
+      if (used.empty() || lora.a == nullptr) return;
+      const int64_t bytes = element_size(type);
+      Buffer h = allocate(batch * lora.band, type);
       Buffer update = allocate(batch * n, type);
-      packed_linear(h.get(), type, batch, lora.width, lora.b.data, lora.b.type, lora.b.pairs, n, nullptr,
-                    update.get(), false);
-      dispatch_float(type, "DecoderStack", [&](auto zero) {
-        using T = decltype(zero);
-        T* out_values = static_cast<T*>(y);
-        const T* add = reinterpret_cast<const T*>(update.get());
-        for (int64_t i = 0; i < batch * n; ++i)  // rounded to T as torch's add is
-          out_values[i] = from_float<T>(to_float(out_values[i]) + to_float(add[i]));
-      });
+      for (const int64_t slot : used) {
+        AIOSERVE_CHECK(slot > 0 && slot < lora.slots, "DecoderStack: a row's LoRA slot is out of range");
+        packed_linear(x, type, batch, k, reinterpret_cast<const void*>(lora.a[slot]), lora.a_type, lora.a_pairs,
+                      lora.band, nullptr, h.get(), false);
+        for (int64_t r = 0; r < batch; ++r)  // the other slots' rows add nothing
+          if (row_slots[r] != slot) std::memset(h.get() + r * lora.band * bytes, 0, lora.band * bytes);
+        packed_linear(h.get(), type, batch, lora.band, reinterpret_cast<const void*>(lora.b[slot]), lora.b_type,
+                      lora.b_pairs, n, nullptr, update.get(), false);
+        dispatch_float(type, "DecoderStack", [&](auto zero) {
+          using T = decltype(zero);
+          for (int64_t r = 0; r < batch; ++r) {
+            if (row_slots[r] != slot) continue;
+            T* out_row = static_cast<T*>(y) + r * n;
+            const T* add = reinterpret_cast<const T*>(update.get()) + r * n;
+            for (int64_t i = 0; i < n; ++i)  // rounded to T as torch's add is
+              out_row[i] = from_float<T>(to_float(out_row[i]) + to_float(add[i]));
+          }
+        });
+      }
     };
     for (size_t i = 0; i < layers_.size(); ++i) {
       const Layer& l = layers_[i];
@@ -292,11 +301,11 @@ static int decoder_forward_direct(const void* stack, void* hidden, int hidden_ty
   });
 }
 
-static int decoder_set_lora_direct(void* stack, int64_t layer, int64_t projection, const void* a, int a_type,
-                                   int a_pairs, const void* b, int b_type, int b_pairs, int64_t width, int64_t band) {
+static int decoder_set_lora_direct(void* stack, int64_t layer, int64_t projection, const int64_t* a, int a_type,
+                                   int a_pairs, const int64_t* b, int b_type, int b_pairs, int64_t slots, int64_t band) {
   return aioserve::guarded([&] {
     static_cast<aioserve::DecoderStack*>(stack)->set_lora(
-        layer, projection, aioserve::Lora{{a, a_type, a_pairs != 0}, {b, b_type, b_pairs != 0}, width, band});
+        layer, projection, aioserve::Lora{a, b, a_type, b_type, a_pairs != 0, b_pairs != 0, slots, band});
   });
 }
 

@@ -100,15 +100,22 @@ class DecoderStack:
 
     PROJECTIONS = ("qkv", "o", "gate_up", "down")  # decoder.cpp's Projection
 
-    def set_lora(self, layer: int, projection: str, a_all: torch.Tensor, b_all: torch.Tensor, width: int, band: int,
+    def set_lora(self, layer: int, projection: str, a: list[torch.Tensor], b: list[torch.Tensor], band: int,
                  in_features: int, out_features: int) -> None:
-        """A projection's LoRA slots, packed (layers/lora.py's PackedSlots: A
-        of every slot for x [M, in] -> [M, width], B's for [M, width] -> [M, out]).
-        The tensors must stay where they are: they are repacked in place."""
-        self._kept += [a_all, b_all]
+        """A projection's LoRA slots, each packed (layers/lora.py's
+        PackedSlots: slot s's A for x [M, in] -> [M, band], its B for
+        [M, band] -> [M, out]). The tensors must stay where they are: they
+        are repacked in place."""
+        a_fields = [_packed(w, in_features, band, "lora A") for w in a]
+        b_fields = [_packed(w, band, out_features, "lora B") for w in b]
+        if len({f[1:] for f in a_fields}) != 1 or len({f[1:] for f in b_fields}) != 1 or len(a) != len(b):
+            raise RuntimeError("DecoderStack: a projection's LoRA slots differ in dtype or layout")
+        a_ptrs = torch.tensor([f[0] for f in a_fields], dtype=torch.int64)
+        b_ptrs = torch.tensor([f[0] for f in b_fields], dtype=torch.int64)
+        self._kept += [*a, *b, a_ptrs, b_ptrs]
         if self._lib.decoder_set_lora(
-            self._handle, layer, self.PROJECTIONS.index(projection), *_packed(a_all, in_features, width, "lora A"),
-            *_packed(b_all, width, out_features, "lora B"), width, band,
+            self._handle, layer, self.PROJECTIONS.index(projection), a_ptrs.data_ptr(), *a_fields[0][1:],
+            b_ptrs.data_ptr(), *b_fields[0][1:], len(a), band,
         ):
             raise self._lib.fail()
 

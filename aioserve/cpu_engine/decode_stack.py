@@ -71,7 +71,7 @@ class DecoderStack(Protocol):
                 page_table: torch.Tensor, seq_lens: torch.Tensor, row_slots: torch.Tensor | None = None
                 ) -> torch.Tensor: ...
 
-    def set_lora(self, layer: int, projection: str, a_all: torch.Tensor, b_all: torch.Tensor, width: int, band: int,
+    def set_lora(self, layer: int, projection: str, a: list[torch.Tensor], b: list[torch.Tensor], band: int,
                  in_features: int, out_features: int) -> None: ...
 
 
@@ -142,8 +142,7 @@ class NativeDecodeRunner:
         for i, name, linear in bindings:
             slots = linear.lora
             assert slots is not None and slots.packed is not None
-            band = int(slots.a.shape[1])
-            self.stack.set_lora(i, name, slots.packed.a_all, slots.packed.b_all, band * int(slots.a.shape[0]), band,
+            self.stack.set_lora(i, name, slots.packed.a, slots.packed.b, int(slots.a.shape[1]),
                                 linear.in_features, linear.out_features)
         self.lora_bound = True
         return True

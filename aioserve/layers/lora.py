@@ -11,18 +11,20 @@ Which row reads which slot changes every step; the engine hands it to every
 adapted layer through one `LoraStepState` the model's layers share (no
 global: each engine makes its own). Two forms compute the same sum:
 
-* **masked** (small steps, several adapters: decodes): one product with the
-  A of every slot up to the highest used, each row's other slots zeroed by
-  a one-hot mask, one product with B. Two matmuls whatever the mix, with
-  nothing that depends on Python branching per row.
-* **grouped** (prefill chunks): each slot's rows gathered, multiplied by
-  that slot's A and B only, and added back.
+* **masked** (a GPU's small steps with several adapters: decodes, and
+  every captured graph): one product with the A of every slot, each row's
+  other slots zeroed by a one-hot mask, one product with B. Two matmuls
+  whatever the mix, nothing that depends on Python branching per row.
+* **grouped** (prefill chunks, and a CPU's steps): each used slot's rows
+  gathered, multiplied by that slot's A and B only, and added back: a step
+  reads the adapters it uses, not every slot.
 
-On a CPU with the native kernels built, the slots are also kept packed for
-the packed matmul (cpu/matmul.py), each slot alone and all of them
-together, repacked when a slot is loaded: a torch matmul there woke BLAS's
-own threads at every call (~150 us for a 16-row update on 2 cores, against
-~40 us alone), which made the updates cost as much as the base model.
+On a CPU with the native kernels built, each slot is also kept packed for
+the packed matmul (cpu/matmul.py), repacked in place when a slot is loaded:
+a torch matmul there woke BLAS's own threads at every call (~150 us for a
+16-row update on 2 cores, against ~40 us alone), which made the updates
+cost as much as the base model. The native DecoderStack reads the same
+packed slots.
 """
 
 from __future__ import annotations
@@ -64,7 +66,7 @@ def route_rows(
         ((slot, rows),) = rows_of.items()
         if len(rows) == len(token_slots):
             return LoraRouting([], all_rows=slot)
-    if len(rows_of) > 1 and len(token_slots) <= MASKED_MAX_TOKENS:
+    if len(rows_of) > 1 and len(token_slots) <= MASKED_MAX_TOKENS and device.type != "cpu":
         onehot = torch.zeros(len(token_slots), num_slots, dtype=dtype)
         for slot, rows in rows_of.items():
             onehot[rows, slot] = 1
@@ -84,13 +86,10 @@ class LoraStepState:
 
 @dataclass
 class PackedSlots:
-    """The slots in the native packed matmul's layout: A_s [P * R, in] and
-    B_s^T [out, P * R] of each slot, and of all slots at once."""
+    """The slots in the native packed matmul's layout: A_s [P * R, in] and B_s^T [out, P * R] of each slot."""
 
     a: list[torch.Tensor]
     b: list[torch.Tensor]
-    a_all: torch.Tensor  # [S * P * R, in]
-    b_all: torch.Tensor  # [out, S * P * R]
 
 
 @dataclass(eq=False)
@@ -110,16 +109,12 @@ class LoraSlots:
         if kernels is None:
             return False
         pack = kernels.pack_linear_weight
-        slots, width = self.a.shape[0], self.a.shape[1]
-        packed = PackedSlots(
-            [pack(self.a[s]) for s in range(slots)], [pack(self.b[s].T.contiguous()) for s in range(slots)],
-            pack(self.a.reshape(slots * width, -1)), pack(self.b.reshape(slots * width, -1).T.contiguous()),
-        )
+        slots = range(self.a.shape[0])
+        packed = PackedSlots([pack(self.a[s]) for s in slots], [pack(self.b[s].T.contiguous()) for s in slots])
         if self.packed is None:
             self.packed = packed
         else:
-            for mine, new in zip([*self.packed.a, *self.packed.b, self.packed.a_all, self.packed.b_all],
-                                 [*packed.a, *packed.b, packed.a_all, packed.b_all]):
+            for mine, new in zip([*self.packed.a, *self.packed.b], [*packed.a, *packed.b]):
                 mine.copy_(new)
         return True
 
@@ -134,14 +129,8 @@ class LoraSlots:
     def _masked(self, x: torch.Tensor, onehot: torch.Tensor) -> torch.Tensor:
         """Every row's update through all slots' A, the other slots' columns zeroed."""
         slots, width = self.a.shape[0], self.a.shape[1]
-        if self.packed is not None:
-            linear = cpu_kernels(wait=False).packed_linear  # type: ignore[union-attr]  # packed: they are built
-            h = linear(x, self.packed.a_all, None, slots * width)
-        else:
-            h = x @ self.a.reshape(slots * width, -1).T
+        h = x @ self.a.reshape(slots * width, -1).T
         h = (h.view(-1, slots, width) * onehot.unsqueeze(2)).view(-1, slots * width)
-        if self.packed is not None:
-            return linear(h, self.packed.b_all, None, self.b.shape[2])
         return h @ self.b.reshape(slots * width, -1)
 
     def add_to(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
