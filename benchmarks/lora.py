@@ -24,18 +24,19 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from safetensors.torch import save_file
 from tqdm import tqdm
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # benchmarks/ is no package
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))  # the tests' PEFT-layout writer
+
 from cpu_limits import MODELS, ModelSpec  # noqa: E402
 from dummy_model import write_dummy_model  # noqa: E402
+from lora_adapters import write_raw_adapter  # noqa: E402
 
 from aioserve import LLM, SamplingParams  # noqa: E402
 
 logger = logging.getLogger("benchmarks.lora")
-TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 
 @dataclass
@@ -50,29 +51,6 @@ class Row:
         return self.output_tokens / self.seconds
 
 
-def write_peft_adapter(config: dict, folder: Path, rank: int, seed: int) -> Path:
-    """A PEFT folder of random rank-`rank` updates on every projection of a Llama-shaped config."""
-    hidden, inter = config["hidden_size"], config["intermediate_size"]
-    head_dim = config.get("head_dim") or hidden // config["num_attention_heads"]
-    q, kv = config["num_attention_heads"] * head_dim, config["num_key_value_heads"] * head_dim
-    shapes = {"q_proj": (hidden, q), "k_proj": (hidden, kv), "v_proj": (hidden, kv), "o_proj": (q, hidden),
-              "gate_proj": (hidden, inter), "up_proj": (hidden, inter), "down_proj": (inter, hidden)}
-    generator = torch.Generator().manual_seed(seed)
-    tensors = {}
-    for layer in range(config["num_hidden_layers"]):
-        for target, (fan_in, fan_out) in shapes.items():
-            block = "self_attn" if target in ("q_proj", "k_proj", "v_proj", "o_proj") else "mlp"
-            name = f"base_model.model.model.layers.{layer}.{block}.{target}"
-            tensors[f"{name}.lora_A.weight"] = torch.randn(rank, fan_in, generator=generator) / fan_in**0.5
-            tensors[f"{name}.lora_B.weight"] = torch.randn(fan_out, rank, generator=generator) / rank**0.5 * 0.1
-    folder.mkdir(parents=True, exist_ok=True)
-    save_file(tensors, str(folder / "adapter_model.safetensors"))
-    (folder / "adapter_config.json").write_text(json.dumps({
-        "peft_type": "LORA", "r": rank, "lora_alpha": 2 * rank, "target_modules": list(TARGETS), "bias": "none",
-    }))
-    return folder
-
-
 def model_folder(name: str, spec: ModelSpec, root: Path) -> Path:
     return write_dummy_model(spec.folder, root / name, spec.fields) if spec.dummy else spec.folder
 
@@ -81,7 +59,8 @@ def run(name: str, spec: ModelSpec, root: Path, counts: list[int], args: argpars
     folder = model_folder(name, spec, root)
     config = json.loads((folder / "config.json").read_text())
     most = max(counts)
-    adapters = [write_peft_adapter(config, root / f"{name}-adapter-{i}", args.rank, seed=i) for i in range(most)]
+    adapters = [write_raw_adapter(folder, root / f"{name}-adapter-{i}", args.rank, seed=i, scale=0.1)
+                for i in range(most)]
     llm = LLM(str(folder), load_format="dummy" if spec.dummy else "auto", dtype=spec.dtype, enable_lora=True,
               max_loras=most, max_lora_rank=args.rank, max_running_requests=args.concurrency,
               cuda_graph=not args.enforce_eager,

@@ -66,9 +66,10 @@ def peft_greedy(checkpoint: Path, adapter: Path | None, prompt_ids: list[int], m
 
 
 def write_raw_adapter(checkpoint: Path, folder: Path, rank: int, seed: int, targets: tuple[str, ...] = (
-        "q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")) -> Path:
-    """A PEFT-layout adapter written without peft (the GPU machine has no peft):
-    random A and B for `targets` of every layer of a Llama-shaped checkpoint."""
+        "q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"), scale: float = 1.0) -> Path:
+    """A PEFT-layout adapter written without peft (the GPU machine has no peft;
+    benchmarks/lora.py writes its adapters with it too): random A and B
+    (B times `scale`) for `targets` of every layer of a Llama-shaped checkpoint."""
     import json
 
     from safetensors.torch import save_file
@@ -87,7 +88,7 @@ def write_raw_adapter(checkpoint: Path, folder: Path, rank: int, seed: int, targ
             block = "mlp" if target in ("gate_proj", "up_proj", "down_proj") else "self_attn"
             name = f"base_model.model.model.layers.{layer}.{block}.{target}"
             tensors[f"{name}.lora_A.weight"] = torch.randn(rank, fan_in, generator=generator) / fan_in**0.5
-            tensors[f"{name}.lora_B.weight"] = torch.randn(fan_out, rank, generator=generator) / rank**0.5
+            tensors[f"{name}.lora_B.weight"] = torch.randn(fan_out, rank, generator=generator) / rank**0.5 * scale
     folder.mkdir(parents=True, exist_ok=True)
     save_file(tensors, str(folder / "adapter_model.safetensors"))
     (folder / "adapter_config.json").write_text(json.dumps(

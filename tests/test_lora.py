@@ -402,3 +402,18 @@ def test_the_flags_of_vllm_and_sglang_parse_and_round_trip() -> None:
         resolve_lora(parse_serve_args(["--enable-lora", "--runner", "pooling"]).engine)
     with pytest.raises(ConfigError, match="NAME=PATH"):
         parse_adapter_source("=/x")
+
+
+def test_the_benchmark_runs_on_the_demo_model() -> None:
+    import subprocess
+    import sys
+
+    script = Path(__file__).resolve().parents[1] / "benchmarks" / "lora.py"
+    result = subprocess.run(
+        [sys.executable, str(script), "--models", "demo", "--adapters", "1", "2", "--requests", "4", "--concurrency",
+         "2", "--tokens", "4", "--prompt-tokens", "8", "--rank", "8"],
+        capture_output=True, text=True, timeout=300,
+    )
+    assert result.returncode == 0, result.stderr[-2000:]
+    rows = [line for line in result.stdout.splitlines() if line.startswith("| demo |")]
+    assert [row.split("|")[2].strip() for row in rows] == ["base model", "1", "2"]
