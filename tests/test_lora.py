@@ -417,3 +417,21 @@ def test_the_benchmark_runs_on_the_demo_model() -> None:
     assert result.returncode == 0, result.stderr[-2000:]
     rows = [line for line in result.stdout.splitlines() if line.startswith("| demo |")]
     assert [row.split("|")[2].strip() for row in rows] == ["base model", "1", "2"]
+
+
+def test_half_precision_weights_keep_their_adapters_half(setup: dict[str, Any]) -> None:
+    """bf16 weights: the slots' packed copies are bf16 too (what a decode step
+    reads), and every request's first token still equals PEFT's in float32
+    (later ones may part: the base's own weights are rounded too)."""
+    llm = LLM(str(setup["checkpoint"]), dtype="bfloat16", enable_lora=True, lora_modules=_modules(setup))
+    try:
+        prompts, choices = _mixed_batch()
+        outputs = llm.generate(prompts, GREEDY, lora_request=choices)
+        layer = next(iter(llm.engine.lora.layers.values())) if llm.engine.lora else None
+        if cpu_kernels() is not None:
+            assert layer is not None and layer.lora is not None and layer.lora.packed is not None
+            assert layer.lora.packed.a[1].dtype == torch.bfloat16
+    finally:
+        llm.close()
+    expected = _expected(setup, prompts, choices)
+    assert [o.token_ids[0] for o in outputs] == [tokens[0] for tokens in expected]

@@ -72,7 +72,7 @@ class Engine:
         lora = resolve_lora(config)
         self.lora: AdapterSlots | None = None
         if lora is not None:
-            self.lora = AdapterSlots(cast(nn.Module, self.model), mc, lora, self.dtype, self.device)
+            self.lora = AdapterSlots(cast(nn.Module, self.model), mc, lora, self.dtype, self.device, self.weight_dtype)
             logger.info("LoRA: %d slots of rank %d on %d layers (%.1f MiB)", lora.max_loras, lora.max_lora_rank,
                         len(self.lora.layers), self.lora.nbytes / 2**20)
         # Decode-only steps run as one captured unit where they can: CUDA

@@ -100,6 +100,10 @@ class LoraSlots:
     b: torch.Tensor  # [S, P * R, out]
     state: LoraStepState
     packed: PackedSlots | None = None  # on a CPU with the native kernels
+    # What the packed slots are stored in: the weights' width (bf16 weights
+    # computed in float32 read their adapters as bf16 too: a decode step is
+    # bound by the bytes it reads).
+    packed_dtype: torch.dtype | None = None
 
     def pack(self) -> bool:
         """(Re)pack every slot for the native kernel, in place after the
@@ -108,9 +112,13 @@ class LoraSlots:
         kernels = cpu_kernels(wait=False) if self.a.device.type == "cpu" else None
         if kernels is None:
             return False
-        pack = kernels.pack_linear_weight
+        dtype = self.packed_dtype or self.a.dtype
+
+        def pack(weight: torch.Tensor) -> torch.Tensor:
+            return kernels.pack_linear_weight(weight.to(dtype).contiguous())
+
         slots = range(self.a.shape[0])
-        packed = PackedSlots([pack(self.a[s]) for s in slots], [pack(self.b[s].T.contiguous()) for s in slots])
+        packed = PackedSlots([pack(self.a[s]) for s in slots], [pack(self.b[s].T) for s in slots])
         if self.packed is None:
             self.packed = packed
         else:

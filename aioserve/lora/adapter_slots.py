@@ -32,8 +32,11 @@ logger = logging.getLogger(__name__)
 
 class AdapterSlots:
     def __init__(
-        self, model: nn.Module, model_config: ModelConfig, config: LoraConfig, dtype: torch.dtype, device: torch.device
+        self, model: nn.Module, model_config: ModelConfig, config: LoraConfig, dtype: torch.dtype, device: torch.device,
+        storage_dtype: torch.dtype | None = None,
     ) -> None:
+        """`dtype`: the math's; `storage_dtype`: the weights' when narrower
+        (the CPU's packed slots are kept in it, as the weights are)."""
         self.model, self.model_config, self.config = model, model_config, config
         self.dtype, self.device = dtype, device
         self.state = LoraStepState()
@@ -45,6 +48,8 @@ class AdapterSlots:
                 torch.zeros(num_slots, rows, layer.in_features, dtype=dtype, device=device),
                 torch.zeros(num_slots, rows, layer.out_features, dtype=dtype, device=device),
                 self.state,
+                packed_dtype=storage_dtype if storage_dtype is not None and storage_dtype.itemsize < dtype.itemsize
+                else None,
             )
         self.num_slots = num_slots
         self.slot_adapter: list[int | None] = [None] * num_slots  # which adapter id each slot holds
