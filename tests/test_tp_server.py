@@ -251,7 +251,41 @@ def test_a_stopped_follower_is_caught_by_the_step_bound(llama_path: Path, monkey
         assert server.process.poll() not in (None, 0), server.log()[-3000:]
         assert unhealthy_after is not None and unhealthy_after < 2 + 3, unhealthy_after
         assert exited_after < 2 + 12, exited_after
-        assert "a step did not complete within" in server.log()
+        # The request's step, or an idle heartbeat queued just before it.
+        assert "did not complete within" in server.log()
+    finally:
+        if _alive(follower):
+            os.kill(follower, signal.SIGKILL)
+        server.stop()
+
+
+def test_a_follower_stopped_while_idle_is_caught_without_a_request(
+    llama_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """No request comes: rank 0 pings the followers every IDLE_PING_S (2 s)
+    while no step runs, each ping answered within the step bound (2 s
+    here), so a hung follower turns /health 503 within about 4 s (it was
+    noticed only when the next request's step timed out)."""
+    monkeypatch.setenv("AIOSERVE_TP_STEP_TIMEOUT", "2")
+    server = start_server(llama_path, *FLAGS, "--tp", "2")
+    follower = server.info()["tensor_parallel"]["ranks"][1]["pid"]
+    try:
+        time.sleep(3)  # idle, pinged: the pings alone do not fail a healthy group
+        assert httpx.get(f"{server.url}/health", timeout=5).status_code == 200
+        os.kill(follower, signal.SIGSTOP)
+        stopped = time.monotonic()
+        unhealthy_after = None
+        while unhealthy_after is None and server.process.poll() is None and time.monotonic() - stopped < 20:
+            try:
+                if httpx.get(f"{server.url}/health", timeout=0.5).status_code == 503:
+                    unhealthy_after = time.monotonic() - stopped
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.05)
+        assert unhealthy_after is not None and unhealthy_after < 2 + 2 + 2, (unhealthy_after, server.log()[-2000:])
+        server.process.wait(15)
+        assert server.process.returncode not in (None, 0)
+        assert "an idle heartbeat did not complete within 2.0 s: a rank is hung" in server.log()
     finally:
         if _alive(follower):
             os.kill(follower, signal.SIGKILL)

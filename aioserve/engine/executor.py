@@ -19,7 +19,8 @@ Under tensor parallelism (a `PlanBroadcaster`, rank 0's TPLeader) the same
 thread that launches a step first broadcasts its plan to the followers, so
 the event loop never blocks on a collective and plans reach the followers in
 execution order. Any exception on that path is fatal to the group; at
-shutdown the followers are told to stop after the last step.
+shutdown the followers are told to stop after the last step. While no step
+runs, the same thread pings the followers (engine/idle_heartbeat.py).
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ import torch
 from aioserve.batch_plan import BatchPlan, StepOutput
 from aioserve.config import EngineConfig
 from aioserve.engine.engine import Engine
+from aioserve.engine.idle_heartbeat import IdleHeartbeat
 from aioserve.engine.loading import resolve_device
 
 T = TypeVar("T")
@@ -52,6 +54,8 @@ class PlanBroadcaster(Protocol):
     def fail(self, reason: str) -> None: ...
 
     def fail_after_error(self, what: str, exc: BaseException) -> str: ...
+
+    def ping(self) -> None: ...
 
     def stop_followers(self) -> None: ...
 
@@ -74,10 +78,15 @@ def _fatal_on_error(leader: PlanBroadcaster | None, what: str, fn: Callable[...,
         raise TensorParallelFailure(leader.fail_after_error(what, exc)) from exc
 
 
-def _shutdown(leader: PlanBroadcaster | None, threads: list[concurrent.futures.ThreadPoolExecutor]) -> None:
+def _shutdown(
+    leader: PlanBroadcaster | None, threads: list[concurrent.futures.ThreadPoolExecutor],
+    heartbeat: IdleHeartbeat | None,
+) -> None:
     """Stop the followers after the last step (on the step thread), then the
     threads. After a failure nothing waits: a thread may be stuck in a
     collective with a dead rank."""
+    if heartbeat is not None:
+        heartbeat.stop()  # a ping already queued goes first; none after the followers' stop
     if leader is not None and not leader.failed:
         try:
             threads[0].submit(leader.stop_followers).result(timeout=30)
@@ -110,6 +119,7 @@ class ThreadExecutor:
         self.engine = engine
         self.leader = leader
         self._thread = thread or _step_thread("aioserve-forward")
+        self._heartbeat = IdleHeartbeat(leader, self._thread) if leader is not None else None
 
     def _step(self, plan: BatchPlan) -> StepOutput:
         if self.leader is not None:
@@ -121,10 +131,13 @@ class ThreadExecutor:
 
     def submit(self, plan: BatchPlan) -> "asyncio.Future[StepOutput]":
         what = f"step {plan.step}"
-        return asyncio.wrap_future(self._thread.submit(_fatal_on_error, self.leader, what, self._step, plan))
+        done = self._thread.submit(_fatal_on_error, self.leader, what, self._step, plan)
+        if self._heartbeat is not None:
+            self._heartbeat.step_submitted(done)
+        return asyncio.wrap_future(done)
 
     def shutdown(self) -> None:
-        _shutdown(self.leader, [self._thread])
+        _shutdown(self.leader, [self._thread], self._heartbeat)
 
 
 class CudaStreamExecutor:
@@ -139,6 +152,8 @@ class CudaStreamExecutor:
         self.stream = torch.cuda.Stream(engine.device)
         self._launcher = launcher or _step_thread("aioserve-launch")
         self._waiter = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="aioserve-cuda-wait")
+        # Pings go to the launcher: the thread that broadcasts plans.
+        self._heartbeat = IdleHeartbeat(leader, self._launcher) if leader is not None else None
 
     def _launch(self, plan: BatchPlan) -> tuple[StepOutput, torch.cuda.Event]:
         if self.leader is not None:
@@ -159,10 +174,13 @@ class CudaStreamExecutor:
     def submit(self, plan: BatchPlan) -> "asyncio.Future[StepOutput]":
         what = f"step {plan.step}"
         launched = self._launcher.submit(_fatal_on_error, self.leader, what, self._launch, plan)
-        return asyncio.wrap_future(self._waiter.submit(_fatal_on_error, self.leader, what, self._wait, launched))
+        done = self._waiter.submit(_fatal_on_error, self.leader, what, self._wait, launched)
+        if self._heartbeat is not None:
+            self._heartbeat.step_submitted(done)  # in flight until its outputs are on the host
+        return asyncio.wrap_future(done)
 
     def shutdown(self) -> None:
-        _shutdown(self.leader, [self._launcher, self._waiter])
+        _shutdown(self.leader, [self._launcher, self._waiter], self._heartbeat)
 
 
 def start_executor(config: EngineConfig, leader: PlanBroadcaster | None = None) -> tuple[Engine, StepExecutor]:

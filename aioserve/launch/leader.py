@@ -115,8 +115,8 @@ class TPLeader:
             raise
         self.channel = PlanChannel()
         self.lifeline.watch(lambda rank: self.fail(f"rank {rank} exited or became unreachable"))
-        # (deadline, bound) of the step in flight, None between steps.
-        self._step_deadline: tuple[float, float] | None = None
+        # (deadline, bound, what) of the step or heartbeat in flight, None between them.
+        self._step_deadline: tuple[float, float, str] | None = None
         threading.Thread(target=self._watch_steps, name="aioserve-tp-step-watch", daemon=True).start()
         logger.info("tensor parallel: %d ranks over %d node(s) met at %s:%d", self.world_size, config.nnodes,
                     host, self.store.port)
@@ -133,18 +133,29 @@ class TPLeader:
     def send(self, plan: Any) -> None:
         """Broadcast a step's plan (on the executor's thread, before the forward)."""
         bound = step_bound(plan.num_tokens)
-        self._step_deadline = (time.monotonic() + bound, bound)
+        self._step_deadline = (time.monotonic() + bound, bound, "a step")
         self.channel.send(plan)
 
     def step_done(self) -> None:
         """The step's forward returned on every rank (its collectives completed)."""
         self._step_deadline = None
 
+    def ping(self) -> None:
+        """While idle (engine/idle_heartbeat.py, on the executor's thread, so
+        never beside a plan): every follower must answer within a step's
+        bound, or the watch below fails the group. A SIGSTOPped follower
+        keeps its lifeline open, and with no step running nothing else
+        would notice it until a request came."""
+        bound = step_bound(0)
+        self._step_deadline = (time.monotonic() + bound, bound, "an idle heartbeat")
+        self.channel.ping()
+        self._step_deadline = None
+
     def _watch_steps(self) -> None:
         while not self._closed and not self.failed:
             in_flight = self._step_deadline
             if in_flight is not None and time.monotonic() > in_flight[0]:
-                self.fail(f"a step did not complete within {in_flight[1]:.1f} s: a rank is hung")
+                self.fail(f"{in_flight[2]} did not complete within {in_flight[1]:.1f} s: a rank is hung")
                 return
             time.sleep(WATCH_INTERVAL_S)
 

@@ -3,7 +3,7 @@ rank 0 planning for all of them.
 
   distributed.py  the TP group and its collectives (identity at one rank): what the layers call
   codec.py        a BatchPlan as bytes and back, for the broadcast
-  channel.py      rank 0 -> followers: each step's plan over a host broadcast
+  channel.py      rank 0 -> followers: each step's plan over a host broadcast; idle pings they answer
   lifeline.py     each rank notices when another one dies
 
 It sits low (the layers, the models and the engine call it) and imports
