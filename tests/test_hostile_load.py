@@ -716,19 +716,24 @@ def long_context_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def test_n_copies_of_a_long_prompt_keep_health_fast(long_context_model: Path) -> None:
-    """n=64 of a 12k-token prompt, prefilled 32 tokens a step: the prefix
-    cache holds the prompt as a chain of ~375 nodes, and each of the 64
-    requests walks it at admission, as it shares its pages and at release.
-    A walk that copied the prompt at every node held the loop ~0.5 s a step
-    (2.4 s with n=128 of 32k tokens); one that compares each node's run at
-    once, a few milliseconds."""
+    """A 24k-token prompt prefilled 64 tokens a step is a chain of 375
+    nodes in the prefix cache; then n=64 of it (and one token more, so that
+    all 64 are admitted in one step) walk that chain at admission, as they
+    share their pages and at release. A walk that copied the prompt at every node held the
+    loop about a second a step (2.4 s with n=128 of a 32k-token prompt); one
+    that compares each node's run at once, a few milliseconds. (The bound is
+    wider than the module's: this test probes for seconds on a shared 2-core
+    machine.)"""
     server = start_server(long_context_model, "--load-format", "dummy", "--device", "cpu", "--page-size", "16",
-                          "--max-prefill-tokens", "32")
+                          "--max-prefill-tokens", "64")
+    prompt = [276] * 24_000
+    url = f"{server.v1}/completions"
     try:
+        assert httpx.post(url, json={"prompt": prompt, "max_tokens": 1}, timeout=300).status_code == 200
         with HealthProbe(server.url) as probe:
-            response = post(server, "/v1/completions", {"prompt": [276] * 12_000, "n": 64, "max_tokens": 1})
+            response = httpx.post(url, json={"prompt": prompt + [276], "n": 64, "max_tokens": 1}, timeout=300)
         assert response.status_code == 200, response.text[:300]
         assert len(response.json()["choices"]) == 64
-        assert probe.worst < HEALTH_BOUND_S, probe.worst
+        assert probe.worst < 0.5, probe.worst
     finally:
         server.stop()

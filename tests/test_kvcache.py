@@ -49,6 +49,25 @@ def test_locked_pages_are_not_evicted_and_lru_goes_first() -> None:
     assert sorted(cache.evict(10)) == [5, 6]
 
 
+def test_a_walk_costs_the_prompt_not_the_prompt_per_node() -> None:
+    """A 32k-token prompt inserted 32 tokens at a time (chunked prefill) is
+    a chain of 1000 nodes; a walk that copied the prompt at each node took
+    63 ms (prompt x nodes), one that compares each node's run at once 2.5 ms.
+    n copies of a prompt walk it three times each, on the event loop."""
+    import time
+
+    cache = RadixCache(page_size=16)
+    tokens = [5] * 32_000
+    for end in range(32, len(tokens) + 1, 32):
+        cache.insert(tokens[:end], list(range(end // 16)))
+    start = time.perf_counter()
+    for _ in range(10):
+        match = cache.match(tokens)
+    took = (time.perf_counter() - start) / 10
+    assert match.num_tokens == 32_000 - 16 and match.pages == list(range(1999))
+    assert took < 0.02, took
+
+
 def test_flush_refuses_while_locked() -> None:
     cache = RadixCache(page_size=1)
     cache.insert([1, 2], [1, 2])
