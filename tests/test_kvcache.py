@@ -53,19 +53,27 @@ def test_a_walk_costs_the_prompt_not_the_prompt_per_node() -> None:
     """A 32k-token prompt inserted 32 tokens at a time (chunked prefill) is
     a chain of 1000 nodes; a walk that copied the prompt at each node took
     63 ms (prompt x nodes), one that compares each node's run at once 2.5 ms.
-    n copies of a prompt walk it three times each, on the event loop."""
+    n copies of a prompt walk it three times each, on the event loop. Timed
+    as a ratio to the same prompt held in one node (the machine's load
+    cancels): ~5x now, ~100x with the copying walk."""
     import time
 
-    cache = RadixCache(page_size=16)
     tokens = [5] * 32_000
+    chain, whole = RadixCache(page_size=16), RadixCache(page_size=16)
     for end in range(32, len(tokens) + 1, 32):
-        cache.insert(tokens[:end], list(range(end // 16)))
-    start = time.perf_counter()
-    for _ in range(10):
-        match = cache.match(tokens)
-    took = (time.perf_counter() - start) / 10
-    assert match.num_tokens == 32_000 - 16 and match.pages == list(range(1999))
-    assert took < 0.02, took
+        chain.insert(tokens[:end], list(range(end // 16)))
+    whole.insert(tokens, list(range(2000)))
+
+    def best_match_seconds(cache: RadixCache) -> float:
+        times = []
+        for _ in range(7):
+            start = time.perf_counter()
+            match = cache.match(tokens)
+            times.append(time.perf_counter() - start)
+        assert match.num_tokens == 32_000 - 16 and match.pages == list(range(1999))
+        return min(times)
+
+    assert best_match_seconds(chain) < 25 * best_match_seconds(whole)
 
 
 def test_flush_refuses_while_locked() -> None:
