@@ -219,6 +219,17 @@ def test_wide_or_deep_json_is_a_400_before_any_work(
     assert probe.worst < HEALTH_BOUND_S, probe.worst
 
 
+def _refused_at_once(server: RunningServer, path: str, body: dict[str, Any]) -> dict[str, Any]:
+    """The 400's error of a request refused by its estimate: at once, the loop free meanwhile."""
+    with HealthProbe(server.url) as probe:
+        start = time.perf_counter()
+        response = post(server, path, body)
+        took = time.perf_counter() - start
+    assert response.status_code == 400, response.text[:300]
+    assert took < 1.0 and probe.worst < HEALTH_BOUND_S, (took, probe.worst)
+    return response.json()["error"]
+
+
 @pytest.mark.parametrize(
     ("path", "body"),
     [
@@ -240,14 +251,8 @@ def test_products_past_the_logprob_budget_are_400s_at_once(
 ) -> None:
     """Each bound holds alone; their product (prompts × n × tokens × (1 +
     top logprobs)) is estimated before any work and refused naming it."""
-    with HealthProbe(server.url) as probe:
-        start = time.perf_counter()
-        response = post(server, path, body)
-        took = time.perf_counter() - start
-    assert response.status_code == 400, response.text[:300]
-    error = response.json()["error"]
+    error = _refused_at_once(server, path, body)
     assert "--max-logprob-entries-per-request" in error["message"] and error["param"] == "logprobs", error
-    assert took < 1.0 and probe.worst < HEALTH_BOUND_S, (took, probe.worst)
 
 
 DEFAULT_RESPONSE_TOKENS = ServerArgs.__dataclass_fields__["max_response_tokens_per_request"].default
@@ -271,18 +276,12 @@ def test_echo_past_the_response_budget_is_a_400_at_once(
     in generation: 40 KB of prompts × n=128 would be a 20 MB response (a
     128K-token prompt × n=1024, half a gigabyte). The product is estimated
     before any work and refused naming it."""
-    with HealthProbe(server.url) as probe:
-        start = time.perf_counter()
-        response = post(server, path, body)
-        took = time.perf_counter() - start
-    assert response.status_code == 400, response.text[:300]
-    error = response.json()["error"]
+    error = _refused_at_once(server, path, body)
     assert error["type"] == "invalid_request_error" and error["param"] == "echo", error
     assert "prompts × n × (echoed prompt + max tokens)" in error["message"], error
     assert "--max-response-tokens-per-request" in error["message"], error
     estimated = int(error["message"].split("up to ")[1].split()[0])
     assert estimated > DEFAULT_RESPONSE_TOKENS, estimated  # the default refuses it too
-    assert took < 1.0 and probe.worst < HEALTH_BOUND_S, (took, probe.worst)
 
 
 def test_echo_within_the_response_budget_is_served(server: RunningServer) -> None:
