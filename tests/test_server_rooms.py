@@ -60,7 +60,8 @@ def test_rooms_import_only_downward() -> None:
 
 
 def test_the_body_room_imports_nothing_of_aioserve() -> None:
-    """body/worker.py runs as a plain script beside checks.py: an aioserve
-    import there would pull in torch, or fail."""
+    """body/worker.py runs as a plain script beside checks.py and cost.py
+    (each imported by its bare name there): an aioserve import there would
+    pull in torch, or fail."""
     imported = {t for m, targets in graph().items() if room(m) == "body" for t in targets}
-    assert imported <= {f"{SERVER}.body.checks"}, sorted(imported)
+    assert imported <= {f"{SERVER}.body.checks", f"{SERVER}.body.cost"}, sorted(imported)
