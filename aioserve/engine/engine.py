@@ -16,6 +16,7 @@ loading.py; the CPU's native fast paths live behind cpu_engine/fast_paths.py.
 from __future__ import annotations
 
 import logging
+from contextlib import nullcontext
 from pathlib import Path
 from typing import cast
 
@@ -164,18 +165,13 @@ class Engine:
         if self.lora is not None and host_plan.lora is not None:
             self.lora.apply_loads(host_plan.lora.loads)
             routing = self.lora.route(host_plan)  # also checks each slot holds its adapter
-        # A captured step runs adapters only where it was captured with them
-        # (CUDA graphs); the native DecoderStack declines a step that has any.
+        # A captured step (a CUDA graph, the native DecoderStack) runs the
+        # adapters from the plan itself; the modules read the routing.
         if self.graph_runner is not None and self.graph_runner.can_run(host_plan):
             hidden = self.graph_runner.run(input_ids, plan, host_plan)
-        elif self.lora is not None:
-            self.lora.state.routing = routing
-            try:
-                hidden = self.model(input_ids, plan.positions, self.attention.prepare(plan, host_plan))
-            finally:
-                self.lora.state.routing = None
         else:
-            hidden = self.model(input_ids, plan.positions, self.attention.prepare(plan, host_plan))
+            with self.lora.routed(routing) if self.lora is not None else nullcontext():
+                hidden = self.model(input_ids, plan.positions, self.attention.prepare(plan, host_plan))
         tokens = self._tokens(hidden[plan.logits_indices], plan, host_plan) if plan.sampling is not None else None
         if tokens is None:
             empty = torch.zeros(0, dtype=torch.long, device=self.device)

@@ -35,9 +35,9 @@ import torch
 
 from aioserve.cpu.native import cpu_kernels
 
-# Steps up to this many tokens take the masked form when they mix adapters:
-# its one-hot product costs every used slot's rank per row, which beats a
-# gather per slot while rows are few.
+# A GPU's steps up to this many tokens take the masked form when they mix
+# adapters: its one-hot product costs every slot's rank per row, which beats
+# a gather per slot (more kernel launches) while rows are few.
 MASKED_MAX_TOKENS = 256
 
 

@@ -16,11 +16,14 @@ from __future__ import annotations
 import logging
 import threading
 from collections import OrderedDict
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 import torch
 from torch import nn
 
 from aioserve.batch_plan import AdapterLoad, BatchPlan
+from aioserve.cpu.native import cpu_kernels
 from aioserve.layers.lora import LoraRouting, LoraSlots, LoraStepState, route_rows
 from aioserve.lora.host_layout import HostAdapter, adaptable_layers, lay_out, part_ids
 from aioserve.lora.peft_folder import read_peft_adapter
@@ -104,7 +107,15 @@ class AdapterSlots:
 
     def apply_loads(self, loads: list[AdapterLoad]) -> None:
         """Copy each load's adapter into its slot (on the forward's thread and
-        stream, so in order with the steps: the slot's last user ran before)."""
+        stream, so in order with the steps: the slot's last user ran before).
+        The packed copies follow whatever was copied, even when a later load fails."""
+        try:
+            self._copy_loads(loads)
+        finally:
+            if loads and self.packed:
+                self._pack()
+
+    def _copy_loads(self, loads: list[AdapterLoad]) -> None:
         for load in loads:
             try:
                 host = self._host_copy(load)
@@ -126,13 +137,22 @@ class AdapterSlots:
                     slots.b[load.slot].copy_(weights[1], non_blocking=True)
             self.slot_adapter[load.slot] = load.adapter_id
             self.slot_loads += 1
-        if loads and self.packed:
-            self._pack()
 
     def _pack(self) -> None:
         """Pack the slots for the native matmul (again after loads); once the
         kernels are built (a server may start before its background build lands)."""
+        if cpu_kernels(wait=False) is None:
+            return
         self.packed = all([layer.lora.pack() for layer in self.layers.values() if layer.lora is not None])
+
+    @contextmanager
+    def routed(self, routing: LoraRouting | None) -> Iterator[None]:
+        """The modules' forward under `routing` (cleared after, also on an error)."""
+        self.state.routing = routing
+        try:
+            yield
+        finally:
+            self.state.routing = None
 
     def route(self, host_plan: BatchPlan) -> LoraRouting | None:
         """Each token's slot, from its request's (the plan's rows are the requests' tokens in order)."""
