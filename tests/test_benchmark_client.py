@@ -65,6 +65,10 @@ class StubState:
     request_count: int = 0
     in_flight: int = 0
     max_in_flight: int = 0
+    # A stream waits (up to 5 s) until this many have been in flight at once:
+    # a concurrency test then does not hang on the client reaching its cap
+    # before the first request ends, which a loaded machine may not allow.
+    hold_until_peak: int = 0
     payloads: list[dict[str, Any]] = field(default_factory=list)
 
 
@@ -100,6 +104,10 @@ def build_stub_app(state: StubState) -> Starlette:
             state.in_flight += 1
             state.max_in_flight = max(state.max_in_flight, state.in_flight)
             try:
+                waited = 0.0
+                while state.max_in_flight < state.hold_until_peak and waited < 5.0:
+                    await asyncio.sleep(0.01)
+                    waited += 0.01
                 if chat:  # real servers open with an empty role delta; it is not a token
                     yield _sse(_chunk(chat, None, None, role=True))
                 await asyncio.sleep(state.first_delay)
@@ -328,6 +336,7 @@ def test_request_rate_spreads_sends(stub: StubServer) -> None:
 
 
 def test_max_concurrency_caps_in_flight(stub: StubServer) -> None:
+    stub.state.hold_until_peak = 2
     result = run(make_config(stub, num_requests=6, max_concurrency=2))
     assert result.summary["completed"] == 6
     assert stub.state.max_in_flight == 2
