@@ -35,7 +35,7 @@ RANKS: dict[str, float] = {
     "speculative_config": 0.5,  # reads config's ConfigError and EngineConfig
     "pooling_config": 0.5,  # likewise: a pooling model's pooling, from its folder and the flags
     "lora_config": 0.5,  # likewise: the LoRA flags, the adapters named at start
-    "config": 0, "sampling_params": 0, "batch_plan": 0, "placeholders": 0, "hf_imports": 0,
+    "config": 0, "sampling_params": 0, "batch_plan": 0, "placeholders": 0, "hf_imports": 0, "image_inputs": 0,
     "sampling_limits": -1,  # the ranges of the sampling fields: sampling_params reads them
 }
 

@@ -20,7 +20,7 @@ kernel for kernel), it checks for that concrete class itself.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Sequence
-from typing import Protocol
+from typing import Protocol, cast
 
 import torch
 from torch import nn
@@ -69,6 +69,33 @@ class CausalLM(Protocol):
     def modules(self) -> Iterator[nn.Module]: ...
 
     def parameters(self, recurse: bool = True) -> Iterator[nn.Parameter]: ...
+
+
+# (rows [M] int64 of a step's tokens, the input embeddings [M, hidden] they take)
+ImageEmbeds = tuple[torch.Tensor, torch.Tensor]
+
+
+class VisionLanguageModel(CausalLM, Protocol):
+    """A decoder that also reads images (Qwen2.5-VL): a vision encoder gives
+    each image the input embeddings of its placeholder tokens."""
+
+    def encode_images(self, images: Sequence[dict[str, torch.Tensor]]) -> list[torch.Tensor]:
+        """Each image's embeddings [its placeholder tokens, hidden] in the
+        model's dtype, from its processor's tensors (image_inputs.ProcessedImage.tensors,
+        on the model's device); one encoder pass over them all."""
+
+    def __call__(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
+        image_embeds: ImageEmbeds | None = None,
+    ) -> torch.Tensor:
+        """As CausalLM's, and the rows `image_embeds` names take its
+        embeddings instead of their tokens'. `positions` is [3, T] for M-RoPE
+        steps with images (image_inputs.mrope_positions), else [T]."""
+
+
+def vision_language(model: CausalLM) -> VisionLanguageModel | None:
+    """The model as a vision-language model, if it is one."""
+    return cast(VisionLanguageModel, model) if callable(getattr(model, "encode_images", None)) else None
 
 
 # What the registry maps an architecture name to: a model class, built from

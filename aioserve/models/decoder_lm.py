@@ -19,6 +19,7 @@ from torch import nn
 from aioserve.attention.backend import AttentionMetadata
 from aioserve.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from aioserve.layers.norm import RMSNorm
+from aioserve.models.causal_lm import ImageEmbeds
 from aioserve.models.model_config import ModelConfig
 
 
@@ -39,9 +40,15 @@ class DecoderModel(nn.Module):
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         return self.embed_tokens(input_ids)
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+    def forward(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
+        image_embeds: ImageEmbeds | None = None,
+    ) -> torch.Tensor:
         self.new_step()
         hidden = self.embed(input_ids)
+        if image_embeds is not None:  # image placeholders take their encoder's rows
+            rows, values = image_embeds
+            hidden[rows] = values.to(hidden.dtype)
         residual = None
         for layer in self.layers:
             hidden, residual = layer(positions, hidden, residual, meta)
@@ -74,9 +81,14 @@ class DecoderLM(nn.Module):
     def decoder_layers(self) -> Sequence[nn.Module]:
         return list(self.model.layers)
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        """Final hidden states of every token: [T, hidden]."""
-        return self.model(input_ids, positions, meta)
+    def forward(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
+        image_embeds: ImageEmbeds | None = None,
+    ) -> torch.Tensor:
+        """Final hidden states of every token: [T, hidden]. `image_embeds`
+        (a vision-language model's steps with images): rows of the step and
+        the input embeddings they take instead of their tokens'."""
+        return self.model(input_ids, positions, meta, image_embeds)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """float32 logits over the whole vocabulary for the given rows, valid

@@ -18,6 +18,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from aioserve.image_inputs import PromptImages
 from aioserve.kvcache.request_kv import RequestKV
 from aioserve.sampling_params import SamplingParams
 from aioserve.scheduler.adapters import Adapter
@@ -96,10 +97,19 @@ class Request:
     pooling: PoolingState | None = None  # an embedding or score request: computes its prompt, generates nothing
     adapter: Adapter | None = None  # the LoRA adapter it runs under (None: the base model)
     lora_slot: int = 0  # while running under an adapter: the slot holding it (scheduler/adapters.py)
+    images: PromptImages | None = None  # a vision-language model's prompt images (image_inputs.py)
 
     def __post_init__(self) -> None:
         if not self.all_ids:
             self.all_ids = list(self.prompt_ids)
+
+    @property
+    def cache_ids(self) -> list[int]:
+        """Its tokens as the prefix cache keys them: `all_ids`, with each
+        image's placeholders standing for that image's content."""
+        if self.images is None:
+            return self.all_ids
+        return self.images.cache_ids(self.prompt_ids) + self.all_ids[len(self.prompt_ids):]
 
     @property
     def num_prompt_tokens(self) -> int:
