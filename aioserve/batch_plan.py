@@ -174,6 +174,46 @@ class LoraBatch:
 
 
 @dataclass
+class ImageToEncode:
+    """An image the step's vision encoder runs on first: its processor's
+    tensors by name (image_inputs.ProcessedImage), kept under `key`."""
+
+    key: int
+    names: list[str]
+    tensors: list[torch.Tensor]
+
+
+@dataclass
+class ImageRows:
+    """Rows [row, row + length) of the step's tokens take rows [first,
+    first + length) of image `key`'s embeddings instead of their tokens'."""
+
+    row: int
+    key: int
+    first: int
+    length: int
+
+
+@dataclass
+class ImageBatch:
+    """A vision-language model's step with image tokens. The engine keeps
+    each image's embeddings by key from the step that encodes it until a
+    plan evicts it (the scheduler tracks the same set: scheduler/encoder_cache.py),
+    so an image whose tokens span several chunks, or several requests, is
+    encoded once."""
+
+    evict: list[int]  # keys dropped first: no request needs them any more
+    encode: list[ImageToEncode]  # then encoded, in one pass of the encoder
+    rows: list[ImageRows]  # in row order
+
+    def row_indices(self) -> torch.Tensor:
+        """[M] int64: every row that takes an image embedding, in order."""
+        if not self.rows:
+            return torch.zeros(0, dtype=torch.long)
+        return torch.cat([torch.arange(r.row, r.row + r.length) for r in self.rows])
+
+
+@dataclass
 class BatchPlan:
     """One forward step over B requests and T new tokens.
 
@@ -183,7 +223,8 @@ class BatchPlan:
 
     step: int
     input_ids: torch.Tensor  # [T] int64, may hold placeholders
-    positions: torch.Tensor  # [T] int64
+    # [T] int64; [3, T] (time, height, width) in an M-RoPE model's steps with image tokens
+    positions: torch.Tensor
     out_cache_loc: torch.Tensor  # [T] int64: KV slot (page * page_size + offset) of each new token
     seq_lens: torch.Tensor  # [B] int64: KV length of each request after this step
     extend_lens: torch.Tensor  # [B] int64: new tokens of each request
@@ -194,10 +235,18 @@ class BatchPlan:
     prompt_logprobs: PromptLogprobRequest | None = None
     pooling: PoolingRequest | None = None
     lora: LoraBatch | None = None  # with LoRA adapters served: each request's slot, the loads first
+    images: ImageBatch | None = None  # steps with image tokens (a vision-language model)
 
     @property
     def num_tokens(self) -> int:
         return int(self.input_ids.shape[0])
+
+    @property
+    def has_image_rows(self) -> bool:
+        """Some row takes an image's embedding (or needs M-RoPE's three
+        positions): only the model's own forward computes those, never a
+        captured decode."""
+        return (self.images is not None and bool(self.images.rows)) or self.positions.dim() == 2
 
     @property
     def num_requests(self) -> int:

@@ -153,6 +153,7 @@ class NativeDecodeRunner:
         # decodes and verified drafts runs too: each token as a decode.
         return (
             host_plan.prompt_logprobs is None
+            and not host_plan.has_image_rows
             and (host_plan.lora is None or not host_plan.lora.uses_adapters or self._bind_lora())
             and elementwise_kernels() is not None
             and (host_plan.is_decode_only or host_plan.runs_as_decodes())

@@ -211,6 +211,7 @@ class DecodeGraphRunner:
     def can_run(self, host_plan: BatchPlan) -> bool:
         return (
             host_plan.is_decode_only
+            and not host_plan.has_image_rows
             and host_plan.num_requests <= self.max_bs
             and host_plan.prompt_logprobs is None
             and (host_plan.lora is None or not host_plan.lora.uses_adapters or bool(self.lora_steps))

@@ -30,6 +30,7 @@ from aioserve.tp.distributed import broadcast_from_leader, get_tp_group, min_ove
 from aioserve.cpu_engine.fast_paths import CpuFastPaths
 from aioserve.engine.cuda_graph import Capture, CudaGraphCapture, DecodeGraphRunner
 from aioserve.cpu_engine.greedy_screen import GreedyScreen
+from aioserve.engine.image_embeddings import ImageEmbeddings
 from aioserve.engine.loading import describe, load
 from aioserve.engine.pooler import pool_segments, score_head_of
 from aioserve.cpu_engine.decode_stack import NativeDecodeRunner
@@ -38,6 +39,7 @@ from aioserve.engine.tp_layout import gather_layout, layout_lines
 from aioserve.kvcache.kv_pool import RESERVED_PAGES, KVPool
 from aioserve.lora.adapter_slots import AdapterSlots
 from aioserve.lora_config import resolve_lora
+from aioserve.models.causal_lm import VisionLanguageModel, vision_language
 from aioserve.placeholders import PreviousStepTokens
 
 logger = logging.getLogger(__name__)
@@ -76,6 +78,9 @@ class Engine:
             self.lora = AdapterSlots(cast(nn.Module, self.model), mc, lora, self.dtype, self.device, self.weight_dtype)
             logger.info("LoRA: %d slots of rank %d on %d layers (%.1f MiB)", lora.max_loras, lora.max_lora_rank,
                         len(self.lora.layers), self.lora.nbytes / 2**20)
+        # A vision-language model's image embeddings, kept while requests need them.
+        vlm = vision_language(self.model)
+        self.images = ImageEmbeddings(vlm, self.device) if vlm is not None else None
         # Decode-only steps run as one captured unit where they can: CUDA
         # graphs on a GPU, the native DecoderStack on a CPU.
         self.graph_runner: DecodeGraphRunner | NativeDecodeRunner | None = None
@@ -165,13 +170,22 @@ class Engine:
         if self.lora is not None and host_plan.lora is not None:
             self.lora.apply_loads(host_plan.lora.loads)
             routing = self.lora.route(host_plan)  # also checks each slot holds its adapter
+        image_embeds = None
+        if host_plan.images is not None:
+            if self.images is None:
+                raise ValueError("a plan with images for a model that reads none")
+            image_embeds = self.images.step(host_plan.images)
         # A captured step (a CUDA graph, the native DecoderStack) runs the
         # adapters from the plan itself; the modules read the routing.
         if self.graph_runner is not None and self.graph_runner.can_run(host_plan):
             hidden = self.graph_runner.run(input_ids, plan, host_plan)
         else:
+            meta = self.attention.prepare(plan, host_plan)
             with self.lora.routed(routing) if self.lora is not None else nullcontext():
-                hidden = self.model(input_ids, plan.positions, self.attention.prepare(plan, host_plan))
+                if image_embeds is not None:
+                    hidden = cast(VisionLanguageModel, self.model)(input_ids, plan.positions, meta, image_embeds)
+                else:
+                    hidden = self.model(input_ids, plan.positions, meta)
         tokens = self._tokens(hidden[plan.logits_indices], plan, host_plan) if plan.sampling is not None else None
         if tokens is None:
             empty = torch.zeros(0, dtype=torch.long, device=self.device)

@@ -31,6 +31,7 @@ def model_facts(engine: Engine) -> ModelFacts:
         pooler=engine.pooler,
         read_adapter=engine.lora.preload if engine.lora is not None else None,
         forget_adapter=engine.lora.forget if engine.lora is not None else None,
+        takes_images=engine.images is not None,
     )
 
 

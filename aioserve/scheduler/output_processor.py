@@ -168,7 +168,7 @@ class OutputProcessor:
             return False
         request.kv.computed(entry.kv_len_after)
         if entry.prefill:
-            self.table.kv.share_computed(request.kv, request.all_ids)
+            self.table.kv.share_computed(request.kv, request.cache_ids)
         return True
 
     @staticmethod

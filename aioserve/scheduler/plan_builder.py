@@ -7,9 +7,10 @@ from dataclasses import dataclass, field
 
 import torch
 
-from aioserve.batch_plan import AdapterLoad, BatchPlan, LoraBatch, PoolingRequest, PromptLogprobRequest
+from aioserve.batch_plan import AdapterLoad, BatchPlan, ImageBatch, LoraBatch, PoolingRequest, PromptLogprobRequest
 from aioserve.kvcache.page_table import PageTable
 from aioserve.kvcache.request_kv import RequestKV
+from aioserve.scheduler.encoder_cache import EncoderCacheTable
 from aioserve.scheduler.request import Request
 from aioserve.scheduler.sampling_batch import SampleRow, SamplingBatchBuilder
 
@@ -59,6 +60,10 @@ class PlanBuilder:
     pool_type: str = ""  # one pooling model a server: every segment pools alike
     pool_score: bool = False
     lora_slots: list[int] = field(default_factory=list)  # each entry's LoRA slot (0: the base model)
+    images: EncoderCacheTable | None = None  # a vision-language model's image rows go through it
+    # An M-RoPE request's entry: its positions, when not start.. (None): its
+    # KV index plus a delta ([N] int64), or three rows per token ([3, N]).
+    explicit_positions: dict[int, torch.Tensor] = field(default_factory=dict)
 
     def add(
         self,
@@ -82,6 +87,13 @@ class PlanBuilder:
         self.lengths.append(len(token_ids))
         self.slots.append(kv.slot)
         self.lora_slots.append(request.lora_slot)
+        images = request.images
+        if images is not None:
+            end = start + len(token_ids)
+            if images.mrope is not None:
+                self.explicit_positions[len(self.entries)] = _mrope_positions(images.positions(start, end))
+            if not decode and self.images is not None and images.spans_in(start, end):
+                self.images.add_chunk(request.rid, images.spans_in(start, end), start, end, first_row)
         entry = StepEntry(request, kv, start + len(token_ids), start, prefill=not decode)
         if sample is not None:
             entry.row = len(self.sample_rows)
@@ -115,9 +127,26 @@ class PlanBuilder:
     def num_tokens(self) -> int:
         return len(self.ids)
 
-    def build(self, lora_loads: list[AdapterLoad] | None = None) -> ScheduledStep:
+    @property
+    def _has_mrope_rows(self) -> bool:
+        return any(p.dim() == 2 for p in self.explicit_positions.values())
+
+    def _mrope_rows(self, flat: torch.Tensor) -> torch.Tensor:
+        """[3, T] positions: each entry's three rows (its image tokens'
+        differ), or its one row thrice."""
+        rows = flat.expand(3, -1).clone()
+        first = 0
+        for i, length in enumerate(self.lengths):
+            explicit = self.explicit_positions.get(i)
+            if explicit is not None and explicit.dim() == 2:
+                rows[:, first:first + length] = explicit
+            first += length
+        return rows
+
+    def build(self, lora_loads: list[AdapterLoad] | None = None, images: ImageBatch | None = None) -> ScheduledStep:
         """The plan; `lora_loads` (with LoRA served, even if empty) gives it each
-        request's adapter slot and the loads to do first."""
+        request's adapter slot and the loads to do first; `images` the
+        image work its rows need (the encoder cache table's take())."""
         # Plain list arithmetic, then one tensor per field: a decode step's
         # plan is a few dozen numbers, and as tensor ops (repeat_interleave,
         # cumsum, gathers: ~15 of them) it cost the event loop ~0.1-0.5 ms a
@@ -129,9 +158,10 @@ class PlanBuilder:
         # (the page table's row for it: the KV manager writes both alike).
         positions: list[int] = []
         out_cache_loc: list[int] = []
-        for entry, start, end in zip(self.entries, self.starts, seq_lens):
+        for i, (entry, start, end) in enumerate(zip(self.entries, self.starts, seq_lens)):
             pages = entry.kv.pages
-            positions += range(start, end)
+            explicit = self.explicit_positions.get(i)
+            positions += range(start, end) if explicit is None else (explicit if explicit.dim() == 1 else explicit[0]).tolist()
             for index in range(start // ps, (end - 1) // ps + 1):
                 base = pages[index] * ps
                 out_cache_loc += range(base + max(start - index * ps, 0), base + min(end - index * ps, ps))
@@ -153,7 +183,7 @@ class PlanBuilder:
         plan = BatchPlan(
             step=self.step,
             input_ids=input_ids,
-            positions=positions_t,
+            positions=self._mrope_rows(positions_t) if self._has_mrope_rows else positions_t,
             out_cache_loc=slots_t,
             seq_lens=seq_lens_t,
             extend_lens=extend_lens,
@@ -168,6 +198,14 @@ class PlanBuilder:
             ) if self.pool_starts else None,
             lora=LoraBatch(torch.tensor(self.lora_slots, dtype=torch.long), lora_loads)
             if lora_loads is not None else None,
+            images=images,
         )
         num_prefill = sum(length for entry, length in zip(self.entries, self.lengths) if entry.prefill)
         return ScheduledStep(plan, self.entries, num_prefill)
+
+
+def _mrope_positions(block: torch.Tensor) -> torch.Tensor:
+    """An M-RoPE request's [3, N] positions as one row [N] where its three
+    axes agree (text, and every generated token: M-RoPE is then plain RoPE,
+    and the step keeps its fast paths), else as they are."""
+    return block[0] if bool((block[0] == block[1]).all() and (block[0] == block[2]).all()) else block

@@ -21,6 +21,7 @@ from __future__ import annotations
 import logging
 
 from aioserve.config import EngineConfig
+from aioserve.image_inputs import PromptImages
 from aioserve.kvcache.manager import KVManager
 from aioserve.scheduler.plan_builder import PlanBuilder, ScheduledStep, StepEntry
 from aioserve.scheduler.request import Request, RequestEvent
@@ -49,14 +50,14 @@ class StepPlanner:
         self.sampling = sampling
 
     def plan(self, step_id: int) -> ScheduledStep | None:
-        builder = PlanBuilder(step_id, self.kv.page_size, self.kv.table, self.sampling)
+        builder = PlanBuilder(step_id, self.kv.page_size, self.kv.table, self.sampling, images=self.table.images)
         self._plan_decodes(builder, step_id)
         budget = self._plan_running_chunks(builder, self.max_prefill_tokens, step_id)
         self._plan_admissions(builder, budget, step_id)
         if not builder.entries:
             return None
         adapters = self.table.adapters
-        return builder.build(adapters.take_loads() if adapters is not None else None)
+        return builder.build(adapters.take_loads() if adapters is not None else None, self.table.images.take())
 
     # -- phase 1: decodes --------------------------------------------------------
 
@@ -145,6 +146,8 @@ class StepPlanner:
         end = min(len(request.all_ids), start + budget)
         if end < len(request.all_ids) and request.pooling is not None and not request.pooling.causal:
             return 0  # an encoder's prompt is computed whole (its attention sees all of it): a later step
+        if request.images is not None:
+            end = whole_images_end(request.images, start, end)
         samples = end == len(request.all_ids) and request.max_new_tokens > 0
         sample = SampleRow(request, request.num_generated, None) if samples else None
         targets = None
@@ -183,7 +186,7 @@ class StepPlanner:
     def _admit(self, request: Request) -> bool:
         """Admit `request` if the pool holds its whole sequence and can also
         keep room for it and for each running request to decode."""
-        tokens = request.all_ids
+        tokens = request.cache_ids  # an image's tokens keyed by its content
         headroom = 0
         if self.table.running:
             decode_room = min(request.max_new_tokens - request.num_generated, self.config.decode_reserve_tokens)
@@ -219,3 +222,15 @@ class StepPlanner:
         else:
             message = "the request does not fit the KV pool"
             self.table.finish(request, "error", RequestEvent(finish_reason="error", error=message))
+
+
+def whole_images_end(images: PromptImages, start: int, end: int) -> int:
+    """A chunk's end moved so that no image whose tokens attend to each other
+    both ways (Gemma 3) is cut: its tokens are computed in one chunk. Before
+    such an image the chunk stops short of it; an image the chunk starts in
+    (its first tokens cached) is taken whole, past the budget if it must be
+    (an image is a few hundred tokens)."""
+    for span in images.spans_in(start, end):
+        if span.bidirectional and span.offset < end < span.end:
+            return span.offset if span.offset > start else span.end
+    return end

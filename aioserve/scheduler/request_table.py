@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from aioserve.kvcache.manager import KVManager
 from aioserve.kvcache.request_kv import RequestKV
 from aioserve.scheduler.adapters import AdapterTable
+from aioserve.scheduler.encoder_cache import EncoderCacheTable
 from aioserve.scheduler.request import Request, RequestEvent, Status
 
 logger = logging.getLogger(__name__)
@@ -41,6 +42,7 @@ class RequestTable:
     def __init__(self, kv: KVManager, adapters: AdapterTable | None = None) -> None:
         self.kv = kv
         self.adapters = adapters  # with LoRA served: the slots requests hold while running
+        self.images = EncoderCacheTable()  # the images' embeddings the engine holds for running requests
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []  # in admission order: the last is the newest
         self.by_id: dict[str, Request] = {}
@@ -107,6 +109,7 @@ class RequestTable:
         if request.lora_slot and self.adapters is not None:
             self.adapters.release(request.lora_slot)
             request.lora_slot = 0
+        self.images.release(request.rid)
         request.status, request.finish_reason, request.kv = Status.FINISHED, "error", None
         self._adapter_done(request)
         self.deliver(request, event)
@@ -123,7 +126,8 @@ class RequestTable:
 
     def _release(self, request: Request) -> None:
         assert request.kv is not None
-        self.kv.release(request.kv, request.all_ids)
+        self.kv.release(request.kv, request.cache_ids)
+        self.images.release(request.rid)
         self.running.remove(request)
         request.kv = None
         if request.lora_slot and self.adapters is not None:

@@ -62,6 +62,7 @@ class ModelFacts:
     # and lets an unloaded one's copy go (lora/adapter_slots.py).
     read_adapter: Callable[[int, str], None] | None = None
     forget_adapter: Callable[[int], None] | None = None
+    takes_images: bool = False  # a vision-language model: requests may carry images
 
 
 class Scheduler:
@@ -226,6 +227,8 @@ class Scheduler:
             self._check_kind(request)
             if request.adapter is not None and (request.adapter.unloaded or self.adapters is None):
                 raise RequestRejected(f"the LoRA adapter `{request.adapter.name}` is not loaded", "model")
+            if request.images is not None:
+                self._check_images(request)
             request.params.validate(self.facts.vocab_size)
             ids = request.prompt_ids
             if id(ids) not in checked and ids and (min(ids) < 0 or max(ids) >= self.facts.vocab_size):
@@ -234,6 +237,23 @@ class Scheduler:
             request.max_new_tokens = self.validate(len(request.prompt_ids), request.params.max_tokens)
         for request in requests:
             self._queue(request)
+
+    def _check_images(self, request: Request) -> None:
+        """Images only for a model that reads them, at their placeholders."""
+        images = request.images
+        assert images is not None
+        if not self.facts.takes_images:
+            raise RequestRejected("this model does not take images: it is a text model", "messages")
+        if images.spans and images.spans[-1].end > len(request.prompt_ids):
+            raise RequestRejected("an image's placeholder tokens run past the prompt", "prompt")
+        if images.mrope is not None and images.mrope.shape[1] != len(request.prompt_ids):
+            raise RequestRejected("the prompt's M-RoPE positions do not cover it", "prompt")
+        for span in images.spans:
+            if span.bidirectional and span.image.num_tokens > self.facts.max_prefill_tokens:
+                raise RequestRejected(
+                    f"an image of {span.image.num_tokens} tokens cannot be computed in one chunk of "
+                    f"{self.facts.max_prefill_tokens} (--max-prefill-tokens)", "messages",
+                )
 
     def _check_kind(self, request: Request) -> None:
         """A pooling model pools and a generating one generates (the server
