@@ -192,6 +192,10 @@ class ImageRows:
     key: int
     first: int
     length: int
+    # Gemma 3: the image's tokens attend to each other both ways. The plan's
+    # chunk then holds all of the image it has not computed before, so these
+    # rows see every key up to the last of them (attention backends' masks).
+    bidirectional: bool = False
 
 
 @dataclass
@@ -205,6 +209,10 @@ class ImageBatch:
     evict: list[int]  # keys dropped first: no request needs them any more
     encode: list[ImageToEncode]  # then encoded, in one pass of the encoder
     rows: list[ImageRows]  # in row order
+
+    def both_ways(self) -> list[tuple[int, int]]:
+        """[first, end) row ranges whose tokens attend to each other both ways."""
+        return [(r.row, r.row + r.length) for r in self.rows if r.bidirectional]
 
     def row_indices(self) -> torch.Tensor:
         """[M] int64: every row that takes an image embedding, in order."""

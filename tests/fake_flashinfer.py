@@ -76,8 +76,13 @@ def _half_only(*tensors: torch.Tensor) -> None:
     _need(all(t.dtype == tensors[0].dtype for t in tensors), "inputs of mixed dtypes are read as the first's type")
 
 
-def _attend(q, k_cache, v_cache, qo_indptr, indptr, indices, last_page_len, scale, window_left, out, causal=True):
+def _attend(q, k_cache, v_cache, qo_indptr, indptr, indices, last_page_len, scale, window_left, out, causal=True,
+            custom_mask=None):
     page_size, hk = k_cache.shape[1], k_cache.shape[2]
+
+    def _kv_len(j):
+        return (int(indptr[j + 1] - indptr[j]) - 1) * page_size + int(last_page_len[j])
+
     k_flat, v_flat = k_cache.reshape(-1, hk, k_cache.shape[3]), v_cache.reshape(-1, hk, v_cache.shape[3])
     for i in range(last_page_len.shape[0]):
         pages = indices[indptr[i] : indptr[i + 1]].long()
@@ -90,6 +95,9 @@ def _attend(q, k_cache, v_cache, qo_indptr, indptr, indices, last_page_len, scal
         q_pos = torch.arange(queries.shape[0])[:, None] + length - queries.shape[0]
         k_pos = torch.arange(length)[None, :]
         allowed = k_pos <= q_pos if causal else torch.ones_like(k_pos <= q_pos)
+        if custom_mask is not None:  # each request's [qo_len, kv_len], flattened, one after another
+            first = sum(int(qo_indptr[j + 1] - qo_indptr[j]) * _kv_len(j) for j in range(i))
+            allowed = custom_mask[first : first + queries.shape[0] * length].view(queries.shape[0], length).cpu()
         if window_left >= 0:
             allowed &= k_pos >= q_pos - window_left
         out[rows] = F.scaled_dot_product_attention(
@@ -136,7 +144,7 @@ class _Wrapper:
         out = torch.empty_like(q) if out is None else out
         window = p.window_left if window_left is None else window_left
         return _attend(q, k_cache, v_cache, qo_indptr, p.indptr, p.indices, p.last_page_len, p.sm_scale, window, out,
-                       getattr(p, "causal", True))
+                       getattr(p, "causal", True), getattr(p, "custom_mask", None))
 
 
 class BatchDecodeWithPagedKVCacheWrapper(_Wrapper):
@@ -168,15 +176,24 @@ class BatchDecodeWithPagedKVCacheWrapper(_Wrapper):
 class BatchPrefillWithPagedKVCacheWrapper(_Wrapper):
     def plan(self, qo_indptr, paged_kv_indptr, paged_kv_indices, paged_kv_last_page_len, num_qo_heads,
              num_kv_heads, head_dim_qk, page_size, *, causal=False, window_left=-1, q_data_type=torch.float16,
-             kv_data_type=None, sm_scale=None):
+             kv_data_type=None, sm_scale=None, custom_mask=None):
         assert qo_indptr.device.type == "cpu", "plan takes host arrays"
         self._check_plan(head_dim_qk, qo_indptr, paged_kv_indptr, paged_kv_indices, paged_kv_last_page_len)
+        if custom_mask is not None:  # FlashInfer packs it into bits per request: a flat bool of every [qo, kv]
+            _need(custom_mask.dtype == torch.bool and custom_mask.dim() == 1, "custom_mask is a flat bool tensor")
+            qo_lens = (qo_indptr[1:] - qo_indptr[:-1]).tolist()
+            kv_lens = [(int(paged_kv_indptr[j + 1] - paged_kv_indptr[j]) - 1) * page_size
+                       + int(paged_kv_last_page_len[j]) for j in range(len(qo_lens))]
+            _need(custom_mask.numel() == sum(q * k for q, k in zip(qo_lens, kv_lens)),
+                  "custom_mask holds every request's [qo_len, kv_len]")
+            _need(not causal, "a custom mask replaces the causal one")
         self.plans += 1
         self.planned = SimpleNamespace(
             qo_indptr=qo_indptr, indptr=paged_kv_indptr, indices=paged_kv_indices,
             last_page_len=paged_kv_last_page_len, num_qo_heads=num_qo_heads, num_kv_heads=num_kv_heads,
             head_dim=head_dim_qk, page_size=page_size, window_left=window_left, q_data_type=q_data_type,
             kv_data_type=kv_data_type or q_data_type, sm_scale=sm_scale or head_dim_qk**-0.5, causal=causal,
+            custom_mask=custom_mask,
         )
 
     def run(self, q, paged_kv_cache, *, out=None, window_left=None):

@@ -108,3 +108,41 @@ def test_flashinfer_graph_buffers_match_eager(head_dim_64: dict[str, Path], page
     options = dict(page_size=page_size, dtype="float32", cuda_graph_max_bs=6, max_running_requests=8)
     reference = _run(model, prompts, fake=False, graphs=False, **options)
     assert _run(model, prompts, fake=True, graphs=True, **options) == reference
+
+
+@pytest.mark.parametrize("window", [None, 4])
+def test_image_rows_both_ways_match_torch_native(window) -> None:
+    """Gemma 3's image rows attend both ways: the FlashInfer backend plans a
+    custom mask (the fake checks its layout and applies it) and attends as
+    torch_native does, beside a decode and a plain chunk."""
+    from aioserve.batch_plan import BatchPlan, ImageBatch, ImageRows
+    from aioserve.attention.torch_native import TorchNativeBackend
+
+    page, heads, kv_heads, dim = 4, 4, 2, 64
+    # a decode (KV 6), an extend of 9 after 4 cached with an image at rows 3..8 of it, a fresh chunk of 5
+    seq_lens, extend_lens = [6, 13, 5], [1, 9, 5]
+    width = 4
+    rows = [[1 + r * width + p for p in range(width)] for r in range(3)]
+    positions, slots = [], []
+    for r, (total, new) in enumerate(zip(seq_lens, extend_lens)):
+        for pos in range(total - new, total):
+            positions.append(pos)
+            slots.append(rows[r][pos // page] * page + pos % page)
+    plan = BatchPlan(
+        step=0, input_ids=torch.zeros(15, dtype=torch.long), positions=torch.tensor(positions),
+        out_cache_loc=torch.tensor(slots), seq_lens=torch.tensor(seq_lens), extend_lens=torch.tensor(extend_lens),
+        page_table=torch.tensor(rows, dtype=torch.int32), num_decodes=1, logits_indices=torch.zeros(0, dtype=torch.long),
+        sampling=None, images=ImageBatch([], [], [ImageRows(1 + 3, 5, 0, 6, bidirectional=True)]),
+    )
+    generator = torch.Generator().manual_seed(5)
+    q = torch.randn(15, heads, dim, generator=generator).to(torch.bfloat16)
+    k = torch.randn(15, kv_heads, dim, generator=generator).to(torch.bfloat16)
+    v = torch.randn(15, kv_heads, dim, generator=generator).to(torch.bfloat16)
+    outs = []
+    for make in (lambda pool: TorchNativeBackend(pool, use_native=False),
+                 lambda pool: FlashInferBackend(pool, shape, fake_flashinfer)):
+        pool = KVPool(1, 20, page, kv_heads, dim, torch.bfloat16, torch.device("cpu"))
+        pool.buffer[:, :, page:].normal_(generator=torch.Generator().manual_seed(9))
+        shape = AttentionShape(heads, kv_heads, dim, (window,), torch.bfloat16)
+        outs.append(make(pool).prepare(plan, plan).attend(0, q.clone(), k, v, dim**-0.5, window))
+    torch.testing.assert_close(outs[1].float(), outs[0].float(), atol=2e-2, rtol=2e-2)

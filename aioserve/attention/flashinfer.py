@@ -30,6 +30,7 @@ from typing import Any, Protocol
 import torch
 
 from aioserve.attention.backend import AttentionBackend, AttentionMetadata, AttentionShape, check_non_causal_plan
+from aioserve.attention.torch_native import both_ways_by_request
 from aioserve.batch_plan import BatchPlan
 from aioserve.flashinfer import loader
 from aioserve.flashinfer.paged_args import PagedKVArgs, paged_kv_args, qo_indptr, window_left
@@ -96,6 +97,25 @@ class FlashInferMetadata(AttentionMetadata):
             self.decode.run(q[:nd], cache, out=out[:nd], window_left=window)
         self.prefill.run(q[nd:], cache, out=out[nd:], window_left=window)
         return out
+
+
+def both_ways_mask(plan: BatchPlan) -> torch.Tensor | None:
+    """The extends' masks, flattened and concatenated, where some rows of
+    the step attend both ways (None: the step is plainly causal). A row sees
+    the keys up to itself, or up to the last row of its both-ways block."""
+    nd = plan.num_decodes
+    extend_lens = plan.extend_lens[nd:].tolist()
+    blocks = both_ways_by_request(plan, plan.extend_lens.tolist())
+    if not blocks:
+        return None
+    masks = []
+    for i, (length, total) in enumerate(zip(extend_lens, plan.seq_lens[nd:].tolist()), start=nd):
+        prefix = total - length
+        last_seen = torch.arange(length) + prefix
+        for first, end in blocks.get(i, []):
+            last_seen[first:end] = prefix + end - 1
+        masks.append((torch.arange(total)[None, :] <= last_seen[:, None]).flatten())
+    return torch.cat(masks)
 
 
 class FlashInferBackend(AttentionBackend):
@@ -175,13 +195,18 @@ class FlashInferBackend(AttentionBackend):
             sm_scale=self.sm_scale,
         )
 
-    def _plan_prefill(self, qo: torch.Tensor, args: PagedKVArgs) -> None:
+    def _plan_prefill(self, qo: torch.Tensor, args: PagedKVArgs, mask: torch.Tensor | None = None) -> None:
+        """`mask`: a step with rows that attend both ways (Gemma 3's images):
+        each extend's [new tokens, KV length] bool mask, flattened and
+        concatenated, in place of the causal one (a layer's window still
+        applies at run time, as a lower bound on the keys)."""
         s = self.shape
+        extra = {} if mask is None else {"custom_mask": mask}
         self.prefill.plan(
             qo, args.indptr, args.indices, args.last_page_len,
             s.num_qo_heads, s.num_kv_heads, s.head_dim, self.pool.page_size,
-            causal=s.causal, window_left=self.plan_window, q_data_type=s.q_dtype, kv_data_type=self.pool.dtype,
-            sm_scale=self.sm_scale,
+            causal=s.causal and mask is None, window_left=self.plan_window, q_data_type=s.q_dtype,
+            kv_data_type=self.pool.dtype, sm_scale=self.sm_scale, **extra,
         )
 
     def prepare(self, plan: BatchPlan, host_plan: BatchPlan) -> FlashInferMetadata:
@@ -196,7 +221,10 @@ class FlashInferBackend(AttentionBackend):
         if batch > nd:
             args = paged_kv_args(host_plan.page_table[nd:], host_plan.seq_lens[nd:], ps)
             qo = qo_indptr(host_plan.extend_lens[nd:])
-            self._plan_prefill(qo.pin_memory() if self.on_cuda else qo, self._upload(args))
+            mask = both_ways_mask(host_plan) if host_plan.images is not None else None
+            if mask is not None and self.on_cuda:
+                mask = mask.pin_memory().to(self.pool.buffer.device, non_blocking=True)
+            self._plan_prefill(qo.pin_memory() if self.on_cuda else qo, self._upload(args), mask)
         self._after_planning()
         return FlashInferMetadata(
             self, plan.out_cache_loc, nd, self.decode if nd else None, self.prefill if batch > nd else None

@@ -47,21 +47,43 @@ class _Extend:
     prefix: int  # cached tokens before them
     slots: torch.Tensor | None  # [prefix + length] KV slots, None when there is no prefix
     device: torch.device
+    # [first, end) of its new tokens (0 = its first) that attend to each
+    # other both ways (an image's tokens in Gemma 3), else causal.
+    both_ways: list[tuple[int, int]] = field(default_factory=list)
     masks: dict[int | None, torch.Tensor | None] = field(default_factory=dict)
 
     def mask(self, window: int | None) -> torch.Tensor | None:
-        """[length, prefix + length] bool; None means plain causal (no prefix, no window)."""
+        """[length, prefix + length] bool; None means plain causal (no
+        prefix, no window, nothing both ways). A window bounds how far back
+        a query reaches, both ways' rows' too (Gemma 3's sliding layers)."""
         if window not in self.masks:
-            if self.prefix == 0 and window is None:
+            if self.prefix == 0 and window is None and not self.both_ways:
                 self.masks[window] = None
             else:
                 q_pos = torch.arange(self.length, device=self.device)[:, None] + self.prefix
                 k_pos = torch.arange(self.prefix + self.length, device=self.device)[None, :]
-                allowed = k_pos <= q_pos
-                if window is not None:
+                last_seen = q_pos.clone()  # the last key each query sees
+                for first, end in self.both_ways:
+                    last_seen[first:end] = self.prefix + end - 1
+                allowed = k_pos <= last_seen
+                if window is not None:  # a lower bound only (as transformers' Gemma 3 masks)
                     allowed &= k_pos > q_pos - window
                 self.masks[window] = allowed
         return self.masks[window]
+
+
+def both_ways_by_request(plan: BatchPlan, extend_lens: list[int]) -> dict[int, list[tuple[int, int]]]:
+    """Request index -> its rows that attend to each other both ways (an
+    image's in Gemma 3), counted from its first new token."""
+    ranges = plan.images.both_ways() if plan.images is not None else []
+    found: dict[int, list[tuple[int, int]]] = {}
+    start = 0
+    for i, length in enumerate(extend_lens):
+        for first, end in ranges:
+            if start <= first < start + length:
+                found.setdefault(i, []).append((first - start, end - start))
+        start += length
+    return found
 
 
 def _fresh_runs(extends: list[_Extend]) -> list[list[_Extend]]:
@@ -117,8 +139,11 @@ class TorchNativeMetadata(AttentionMetadata):
         # Rows the native decode kernel attends: the decodes, then (with the
         # kernels) short extends' tokens; `paged_rows` None means rows [0, nd).
         self.paged_rows: torch.Tensor | None = None
+        # Each extend's rows that attend both ways (an extend with some is never run as decodes).
+        blocks = both_ways_by_request(host_plan, extend_lens)
         short = {
-            i for i in range(nd, plan.num_requests) if extend_runs_as_decodes(extend_lens[i], seq_lens[i])
+            i for i in range(nd, plan.num_requests)
+            if extend_runs_as_decodes(extend_lens[i], seq_lens[i]) and not blocks.get(i)
         } if kernels else set()
         if nd:
             self.decode_pages = plan.page_table[:nd]
@@ -142,7 +167,7 @@ class TorchNativeMetadata(AttentionMetadata):
             prefix = total - length
             if i not in short:
                 slots = kv_slots(plan.page_table[i : i + 1], total, pool.page_size)[0] if prefix else None
-                self.extends.append(_Extend(start, length, prefix, slots, plan.input_ids.device))
+                self.extends.append(_Extend(start, length, prefix, slots, plan.input_ids.device, blocks.get(i, [])))
             start += length
         self.extend_runs = _fresh_runs(self.extends)
 

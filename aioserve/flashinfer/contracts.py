@@ -16,7 +16,7 @@ their bindings (csrc/*.cu):
 | norm.fused_add_rmsnorm | x, residual, weight: one half type | 2-D, last dim contiguous | as rmsnorm, for x and residual | same shape |
 | activation.silu_and_mul | one half type | contiguous (rows are read at token * 2d) | data 16; d * itemsize % 16 (the up half and each output row start at a multiple of d) | last dim even |
 | rope.apply_rope_with_cos_sin_cache_inplace | q, k: one half type; cache float32; positions int32/int64 | q, k 3-D, last dim contiguous; cache and positions contiguous | q, k data and strides 16 | head_dim in 64/128/256/512 (the specialised kernel; other head dims take a different path), cache [P, head_dim] |
-| Batch{Decode,Prefill}WithPagedKVCacheWrapper | q: float16/bfloat16; cache: the same or float8_e4m3fn | q [T, Hq, D] contiguous; cache NHD [pages, page_size, Hk, D] | data 16 | head_dim in 64/128/256; plan arrays int32 |
+| Batch{Decode,Prefill}WithPagedKVCacheWrapper | q: float16/bfloat16; cache: the same or float8_e4m3fn | q [T, Hq, D] contiguous; cache NHD [pages, page_size, Hk, D] | data 16 | head_dim in 64/128/256; plan arrays int32; a prefill's custom_mask (rows that attend both ways) flat bool of every request's [qo_len, kv_len], with causal off |
 | fused_moe.cutlass_fused_moe | x, fc1, fc2: one half type; expert ids int32; routing weights float32 | all contiguous: x [T, H], ids and weights [T, k], fc1 [E, 2I, H] ([up, gate] rows), fc2 [E, H, I] | data 16 (rows 16 follow from the shapes) | H and I multiples of 128 (stricter than the 16-byte rows the kernel needs: its tile shapes cannot be checked here); compute capability 9.x on CUDA (the bundle's sm_90) |
 
 KV append and sampling are torch ops in aioserve (kvcache/kv_pool.py,

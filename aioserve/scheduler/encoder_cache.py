@@ -61,7 +61,9 @@ class EncoderCacheTable:
                     names = sorted(image.tensors)
                     self._step.encode.append(ImageToEncode(key, names, [image.tensors[n] for n in names]))
                     self.encoded += 1
-            self._step.rows.append(ImageRows(first_row + lo - start, key, lo - span.offset, hi - lo))
+            self._step.rows.append(
+                ImageRows(first_row + lo - start, key, lo - span.offset, hi - lo, span.bidirectional)
+            )
             if hi < span.end:  # more of it in a later chunk
                 self.held[key].add(rid)
                 self.by_request.setdefault(rid, set()).add(key)
