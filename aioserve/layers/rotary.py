@@ -3,6 +3,12 @@ with the frequency scalings their configs name: default, linear, llama3, yarn.
 
 cos/sin are precomputed for every position up to the model's limit, in
 float32, the way Hugging Face computes them, so greedy outputs match.
+
+M-RoPE (Qwen2-VL, Qwen2.5-VL): a token has three positions (time, height,
+width) and the frequencies are split into sections, section i rotating by
+axis i's position (`RopeScaling.mrope_section`). Such a step's positions are
+[3, T]; a step of text only (every axis equal, where M-RoPE is plain RoPE)
+passes [T] and keeps the fast paths.
 """
 
 from __future__ import annotations
@@ -21,6 +27,8 @@ from aioserve.cpu.elementwise import elementwise_kernels
 class RopeScaling:
     rope_type: str = "default"
     params: dict[str, float] = field(default_factory=dict)
+    # M-RoPE: frequencies per axis (time, height, width), summing to head_dim / 2.
+    mrope_section: tuple[int, ...] | None = None
 
 
 def _base_inv_freq(head_dim: int, theta: float) -> torch.Tensor:
@@ -95,12 +103,25 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
     return torch.cat((-second, first), dim=-1)
 
 
+def mrope_dim_axes(head_dim: int, section: tuple[int, ...]) -> torch.Tensor:
+    """[head_dim] int64: which position axis each rotary dimension takes.
+    Section i covers the next section[i] frequencies, in both halves (the
+    cos/sin rows repeat their frequencies twice, for rotate_half)."""
+    if sum(section) != head_dim // 2:
+        raise ValueError(f"mrope_section {list(section)} does not sum to head_dim / 2 = {head_dim // 2}")
+    half = torch.repeat_interleave(torch.arange(len(section)), torch.tensor(section))
+    return torch.cat((half, half))
+
+
 class RotaryEmbedding(nn.Module):
     cos_cache: torch.Tensor  # buffers (register_buffer), declared for the type checker
     sin_cache: torch.Tensor
+    mrope_axes: torch.Tensor | None
 
     def __init__(self, head_dim: int, max_positions: int, theta: float, scaling: RopeScaling) -> None:
         super().__init__()
+        section = scaling.mrope_section
+        self.register_buffer("mrope_axes", mrope_dim_axes(head_dim, section) if section else None, persistent=False)
         inv_freq, attention_factor = rope_inv_freq(head_dim, theta, scaling)
         freqs = torch.arange(max_positions, dtype=torch.float32)[:, None] * inv_freq[None, :]
         angles = torch.cat((freqs, freqs), dim=-1)
@@ -114,7 +135,11 @@ class RotaryEmbedding(nn.Module):
         self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Rotate q [T, Hq, D] and k [T, Hk, D] by their token's position.
-        On CPU with the native kernels, in place: q and k are returned rotated."""
+        On CPU with the native kernels, in place: q and k are returned rotated.
+        M-RoPE positions [3, T] take plain torch (the kernels know one axis)."""
+        if positions.dim() == 2:
+            cos, sin = self._cos_sin(positions, q.dtype)
+            return q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin
         kernels = elementwise_kernels() if q.is_cpu else None
         if kernels is not None:
             kernels.rotary_embedding(positions, q, k, self.cos_cache, self.sin_cache)
@@ -150,7 +175,19 @@ class RotaryEmbedding(nn.Module):
         and gets the same positions tensor, so the lookup is done once a step:
         on a GPU each op costs a kernel launch, and small steps are launch-bound."""
         if self._step_key is None or self._step_key[0] is not positions or self._step_key[1] != dtype:
-            cos = self.cos_cache[positions].unsqueeze(1).to(dtype)
-            sin = self.sin_cache[positions].unsqueeze(1).to(dtype)
+            if positions.dim() == 2:
+                cos, sin = self._mrope_rows(self.cos_cache, positions), self._mrope_rows(self.sin_cache, positions)
+            else:
+                cos, sin = self.cos_cache[positions], self.sin_cache[positions]
+            cos, sin = cos.unsqueeze(1).to(dtype), sin.unsqueeze(1).to(dtype)
             self._step_key, self._step_cos_sin = (positions, dtype), (cos, sin)
         return self._step_cos_sin
+
+    def _mrope_rows(self, cache: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """[T, D] rows of M-RoPE positions [3, T]: dimension d from the row
+        of its section's axis (Hugging Face's recomposition_frequencies)."""
+        if self.mrope_axes is None:
+            raise ValueError("[3, T] positions given to a rotary embedding without an mrope_section")
+        rows = cache[positions]  # [3, T, D]
+        axes = self.mrope_axes.view(1, 1, -1).expand(1, rows.shape[1], -1)
+        return rows.gather(0, axes).squeeze(0)

@@ -13,6 +13,7 @@ from aioserve.models.encoder_config import EncoderConfig, encoder_config
 from aioserve.models.moe_config import MoeConfig
 from aioserve.models.special_tokens import special_token_id
 from aioserve.models.text_of_multimodal import TEXT_MODEL_OF, text_model_config
+from aioserve.models.vision_config import VisionConfig, vision_language_config
 from aioserve.quant.config import read_quantization
 from aioserve.quant.method import QuantMethod
 
@@ -59,6 +60,9 @@ class ModelConfig:
     # its tensors lack the `model.` prefix and there is no LM head.
     backbone_only: bool = False
     encoder: EncoderConfig | None = None  # BERT and XLM-R: bidirectional, no LM head (models/bert.py)
+    # A vision-language model served whole (Qwen2.5-VL): its tower's config
+    # and the image tokens; None for a text model.
+    vision: VisionConfig | None = None
 
     @property
     def is_encoder(self) -> bool:
@@ -66,10 +70,17 @@ class ModelConfig:
         there is no LM head: embeddings and sequence scores, not generation."""
         return self.encoder is not None
 
+    @property
+    def uses_mrope(self) -> bool:
+        """Tokens have three rotary positions (time, height, width): a step
+        with images passes [3, T] positions (image_inputs.mrope_positions)."""
+        return self.rope_scaling.mrope_section is not None
+
     @classmethod
     def from_dict(cls, raw: dict[str, Any], generation: dict[str, Any] | None = None) -> "ModelConfig":
         outer = (raw.get("architectures") or [None])[0]
         raw = text_model_config(raw)
+        raw, vision = vision_language_config(raw)
         archs = raw.get("architectures") or []
         if not archs:
             raise ValueError("config.json names no architecture")
@@ -118,6 +129,7 @@ class ModelConfig:
             wrapper=outer if outer in TEXT_MODEL_OF else None,
             backbone_only=backbone_only,
             encoder=encoder,
+            vision=vision,
         )
 
     @classmethod
@@ -157,8 +169,16 @@ def _rope(raw: dict[str, Any], layer_type: str) -> tuple[float, RopeScaling]:
     fallback = raw.get("rope_local_base_freq") if local else raw.get("rope_theta")
     theta = rope.get("rope_theta") or fallback or default
     kind = rope.get("rope_type") or rope.get("type") or "default"
-    params = {k: v for k, v in rope.items() if k not in ("rope_type", "type", "rope_theta")}
-    return float(theta), RopeScaling(kind, params)
+    params = {k: v for k, v in rope.items() if k not in ("rope_type", "type", "rope_theta", "mrope_section")}
+    # M-RoPE (Qwen2.5-VL): older configs name the type "mrope", transformers 5
+    # "default" beside the section; either way the frequencies are plain ones.
+    section = rope.get("mrope_section")
+    if kind == "mrope":
+        kind = "default"
+    if params.get("mrope_interleaved"):
+        raise ValueError("interleaved M-RoPE (mrope_interleaved: Qwen3-VL) is not supported")
+    params.pop("mrope_interleaved", None)
+    return float(theta), RopeScaling(kind, params, tuple(section) if section else None)
 
 
 def _as_list(value: Any) -> list[int]:

@@ -13,6 +13,7 @@ from aioserve.models.llama import LlamaForCausalLM, MistralForCausalLM
 from aioserve.models.mixtral import MixtralForCausalLM
 from aioserve.models.model_config import ModelConfig
 from aioserve.models.qwen2 import Qwen2ForCausalLM
+from aioserve.models.qwen2_5_vl import Qwen2_5_VLForConditionalGeneration
 from aioserve.models.qwen3 import Qwen3ForCausalLM
 from aioserve.models.qwen3_moe import Qwen3MoeForCausalLM
 
@@ -24,6 +25,7 @@ MODEL_CLASSES: dict[str, ModelClass] = {
     "MistralForCausalLM": MistralForCausalLM,
     "MixtralForCausalLM": MixtralForCausalLM,
     "Qwen2ForCausalLM": Qwen2ForCausalLM,
+    "Qwen2_5_VLForConditionalGeneration": Qwen2_5_VLForConditionalGeneration,
     "Qwen3ForCausalLM": Qwen3ForCausalLM,
     "Qwen3MoeForCausalLM": Qwen3MoeForCausalLM,
     "XLMRobertaForSequenceClassification": XLMRobertaForSequenceClassification,

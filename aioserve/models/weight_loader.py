@@ -118,7 +118,11 @@ def _target(model: nn.Module, hf_name: str) -> tuple[nn.Module, str, object] | N
         shard = (int(module_path[-2]), part)
         module_path, param = module_path[:-2], stacked
     elif module_path and module_path[-1] in _FUSED_PARTS:
-        module_path[-1], shard = _FUSED_PARTS[module_path[-1]]
+        fused, fused_part = _FUSED_PARTS[module_path[-1]]
+        # Fused only where the model fuses it: a vision tower keeps its
+        # projections as the checkpoint names them (plain torch modules).
+        with contextlib.suppress(AttributeError):
+            return model.get_submodule(".".join([*module_path[:-1], fused])), param, fused_part
     try:
         return model.get_submodule(".".join(module_path)), param, shard
     except AttributeError:
@@ -182,7 +186,10 @@ def load_safetensors(model: nn.Module, config: ModelConfig, path: Path) -> set[t
                 else:
                     tensor = _checkpoint_tensor(handle, hf_name, owner, method)
                     stored.add(tensor.dtype)
-                    cast(_LoadsWeights, module).load_weight(param, tensor, shard)
+                    if hasattr(module, "load_weight"):
+                        cast(_LoadsWeights, module).load_weight(param, tensor, shard)
+                    else:
+                        _load_whole(module, param, tensor, hf_name)
                 loaded.setdefault(id(getattr(module, param)), set()).add(shard)
     if skipped and config.wrapper:
         logger.info("%s: serving the text model; %d vision tensors not loaded", config.wrapper, skipped)
@@ -190,6 +197,18 @@ def load_safetensors(model: nn.Module, config: ModelConfig, path: Path) -> set[t
         logger.info("%s: %d checkpoint tensors not used (a head it does not apply)", config.architecture, skipped)
     _check_complete(model, loaded, path)
     return stored
+
+
+def _load_whole(module: nn.Module, param: str, loaded: LazyTensor, hf_name: str) -> None:
+    """A plain torch module (nn.Linear, nn.Conv3d of a vision tower): its
+    parameter takes the whole tensor on every rank (replicated, unsharded)."""
+    target = getattr(module, param, None)
+    if not isinstance(target, torch.Tensor):
+        raise ValueError(f"{hf_name}: {type(module).__name__} has no parameter {param!r}")
+    if tuple(loaded.shape) != tuple(target.shape):
+        raise ValueError(f"{hf_name}: checkpoint shape {tuple(loaded.shape)} != {tuple(target.shape)}")
+    with torch.no_grad():
+        target.copy_(loaded[:])
 
 
 def _checkpoint_tensor(handle: Any, hf_name: str, owner: dict[str, Any], method: QuantMethod | None) -> LazyTensor:
