@@ -121,8 +121,9 @@ def gemma3_multimodal(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 def test_wrapped_text_model_matches_transformers(gemma3_multimodal: Path) -> None:
     """Gemma 3 4B-27B's layout (Gemma3ForConditionalGeneration): its text
-    model served, the vision tower left on disk; greedy equals transformers'
-    wrapper given text only, offline and through the chat template over HTTP."""
+    model read from the wrapper's config and tensors (the tower beside it:
+    tests/test_gemma3_vision.py); greedy equals transformers' wrapper given
+    text only, offline and through the chat template over HTTP."""
     from aioserve.models.text_of_multimodal import text_weight_name
 
     prompts = [hf_encode(gemma3_multimodal, p) for p in PROMPTS]
@@ -131,7 +132,7 @@ def test_wrapped_text_model_matches_transformers(gemma3_multimodal: Path) -> Non
         config = llm.engine.model_config
         assert (config.architecture, config.wrapper) == ("Gemma3ForCausalLM", "Gemma3ForConditionalGeneration")
         assert config.sliding_windows == [WINDOW, None, WINDOW]
-        assert type(llm.engine.model).__name__ == "Gemma3ForCausalLM"
+        assert type(llm.engine.model).__name__ == "Gemma3ForConditionalGeneration"
         check_against_hf(gemma3_multimodal, llm, prompts)
     finally:
         llm.close()

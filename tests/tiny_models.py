@@ -224,7 +224,8 @@ def build_checkpoint(name: str, folder: Path, seed: int = 0, overrides: dict | N
     return folder
 
 
-def build_gemma3_multimodal(folder: Path, text_overrides: dict | None = None) -> Path:
+def build_gemma3_multimodal(folder: Path, text_overrides: dict | None = None, vision_overrides: dict | None = None,
+                            **config_overrides: object) -> Path:
     """A tiny Gemma3ForConditionalGeneration (Gemma 3 4B-27B's layout): the
     tiny Gemma 3 text model inside, a one-layer SigLIP tower beside it, saved
     as the hub checkpoints are (language_model.model.*, vision_tower.*).
@@ -240,10 +241,14 @@ def build_gemma3_multimodal(folder: Path, text_overrides: dict | None = None) ->
     text = json.loads((text_folder / "config.json").read_text())
     defaults = transformers.Gemma3TextConfig().to_dict()
     sparse_text = {k: v for k, v in text.items() if k == "model_type" or defaults.get(k) != v}
-    vision = transformers.SiglipVisionConfig(hidden_size=16, intermediate_size=32, num_hidden_layers=1,
-                                             num_attention_heads=2, image_size=28, patch_size=14)
-    config = transformers.Gemma3Config(text_config=sparse_text, vision_config=vision.to_dict(), mm_tokens_per_image=4,
-                                       eos_token_id=text["eos_token_id"], bos_token_id=text["bos_token_id"])
+    vision = transformers.SiglipVisionConfig(**{
+        "hidden_size": 16, "intermediate_size": 32, "num_hidden_layers": 1, "num_attention_heads": 2,
+        "image_size": 28, "patch_size": 14, **(vision_overrides or {}),
+    })
+    config = transformers.Gemma3Config(**{
+        "text_config": sparse_text, "vision_config": vision.to_dict(), "mm_tokens_per_image": 4,
+        "eos_token_id": text["eos_token_id"], "bos_token_id": text["bos_token_id"], **config_overrides,
+    })
     wrapper = transformers.Gemma3ForConditionalGeneration(config).eval()
     text_model = transformers.AutoModelForCausalLM.from_pretrained(text_folder, dtype=torch.float32)
     wrapper.model.language_model.load_state_dict(text_model.model.state_dict())

@@ -13,7 +13,7 @@ from aioserve.models.encoder_config import EncoderConfig, encoder_config
 from aioserve.models.moe_config import MoeConfig
 from aioserve.models.special_tokens import special_token_id
 from aioserve.models.text_of_multimodal import TEXT_MODEL_OF, text_model_config
-from aioserve.models.vision_config import VisionConfig, vision_language_config
+from aioserve.models.vision_config import VisionConfig, gemma3_vision_config, vision_language_config
 from aioserve.quant.config import read_quantization
 from aioserve.quant.method import QuantMethod
 
@@ -79,8 +79,10 @@ class ModelConfig:
     @classmethod
     def from_dict(cls, raw: dict[str, Any], generation: dict[str, Any] | None = None) -> "ModelConfig":
         outer = (raw.get("architectures") or [None])[0]
+        gemma3_vision = gemma3_vision_config(raw)  # a wrapper served whole: its text model and its tower
         raw = text_model_config(raw)
         raw, vision = vision_language_config(raw)
+        vision = vision or gemma3_vision
         archs = raw.get("architectures") or []
         if not archs:
             raise ValueError("config.json names no architecture")

@@ -9,6 +9,7 @@ from aioserve.models.bert import BertModel, XLMRobertaModel
 from aioserve.models.bert_classification import BertForSequenceClassification, XLMRobertaForSequenceClassification
 from aioserve.models.causal_lm import ModelClass
 from aioserve.models.gemma3 import Gemma3ForCausalLM
+from aioserve.models.gemma3_vl import Gemma3ForConditionalGeneration
 from aioserve.models.llama import LlamaForCausalLM, MistralForCausalLM
 from aioserve.models.mixtral import MixtralForCausalLM
 from aioserve.models.model_config import ModelConfig
@@ -34,6 +35,8 @@ MODEL_CLASSES: dict[str, ModelClass] = {
 
 
 def model_class(config: ModelConfig) -> ModelClass:
+    if config.wrapper == "Gemma3ForConditionalGeneration" and config.vision is not None:
+        return Gemma3ForConditionalGeneration  # served whole, with its vision tower
     try:
         return MODEL_CLASSES[config.architecture]
     except KeyError:

@@ -1,11 +1,11 @@
-"""Checkpoints that wrap a text model with a vision tower, served as their
-text model: Gemma 3 4B-27B (`Gemma3ForConditionalGeneration`) is Gemma 3's
-text decoder plus a SigLIP encoder whose image embeddings replace image
-tokens. Given text only, the wrapper computes exactly its decoder's forward,
-so aioserve serves the decoder: the config's `text_config` (with the text
-model's defaults filled in, as transformers reads it), the language model's
-weights, and the vision tower left on disk. Image content parts are refused
-at the API (server/intake/openai_requests.py), as for any text model.
+"""Checkpoints that wrap a text model with a vision tower: Gemma 3 4B-27B
+(`Gemma3ForConditionalGeneration`) is Gemma 3's text decoder plus a SigLIP
+encoder whose image embeddings replace image tokens. The decoder is read as
+the text model's own: the config's `text_config` (with the text model's
+defaults filled in, as transformers reads it) and the language model's
+weights under its names. With a `vision_config` the tower and its projector
+load beside it (models/gemma3_vl.py, vision_weight_name); a wrapper without
+one is served as its text model.
 """
 
 from __future__ import annotations
@@ -55,6 +55,19 @@ def text_model_config(raw: dict[str, Any]) -> dict[str, Any]:
     filled["architectures"] = [TEXT_MODEL_OF[wrapper]]
     filled["model_type"] = model_type
     return filled
+
+
+def vision_weight_name(name: str) -> str | None:
+    """A wrapper checkpoint's vision tensor under the whole model's names
+    (`vision_tower.*`, `multi_modal_projector.*`); None for a text tensor."""
+    if not name.startswith(_VISION_PREFIXES):
+        return None
+    name = name.removeprefix("model.")
+    # The published checkpoints nest SigLIP's tower (vision_tower.vision_model.*);
+    # transformers 5 saves it one level flatter (vision_tower.*).
+    if name.startswith("vision_tower.") and not name.startswith("vision_tower.vision_model."):
+        name = "vision_tower.vision_model." + name.removeprefix("vision_tower.")
+    return name
 
 
 def text_weight_name(name: str) -> str | None:

@@ -33,8 +33,13 @@ class VisionConfig:
     image_token_id: int  # the placeholder each merged patch of an image takes in the prompt (<|image_pad|>)
     vision_start_token_id: int  # <|vision_start|>, before an image's placeholders
     vision_end_token_id: int  # <|vision_end|>, after them
-    mrope_section: tuple[int, ...]  # rotary frequencies per position axis (time, height, width)
+    mrope_section: tuple[int, ...]  # rotary frequencies per position axis (time, height, width); () without M-RoPE
     spatial_merge_size: int  # patches merged per side into one placeholder token (2: 2x2 patches)
+    # Gemma 3: every image is this many placeholder tokens (one fixed-size crop)
+    # between its start and end tokens; None: the count follows the image's size.
+    tokens_per_image: int | None = None
+    # The placeholders of one image attend to each other both ways (Gemma 3).
+    both_ways: bool = False
 
 
 def _rope_fields(text: dict[str, Any]) -> dict[str, Any]:
@@ -64,8 +69,30 @@ def vision_language_config(raw: dict[str, Any]) -> tuple[dict[str, Any], VisionC
     ids = {key: int(raw[key]) if raw.get(key) is not None else default for key, default in _DEFAULT_IDS.items()}
     vision = VisionConfig(
         raw=vision_raw,
+        image_token_id=ids["image_token_id"],
+        vision_start_token_id=ids["vision_start_token_id"],
+        vision_end_token_id=ids["vision_end_token_id"],
         mrope_section=section,
         spatial_merge_size=int(vision_raw.get("spatial_merge_size", 2)),
-        **ids,
     )
     return text, vision
+
+
+def gemma3_vision_config(raw: dict[str, Any]) -> VisionConfig | None:
+    """Gemma3ForConditionalGeneration's vision facts (None without a
+    `vision_config`): a SigLIP tower, `mm_tokens_per_image` soft tokens per
+    image (`image_token_index`) between `<start_of_image>` and `<end_of_image>`,
+    attending to each other both ways. transformers' defaults where the
+    config leaves a field out (Gemma3Config)."""
+    if (raw.get("architectures") or [None])[0] != "Gemma3ForConditionalGeneration" or not raw.get("vision_config"):
+        return None
+    return VisionConfig(
+        raw=dict(raw["vision_config"]),
+        image_token_id=int(raw.get("image_token_index", raw.get("image_token_id", 262144))),
+        vision_start_token_id=int(raw.get("boi_token_index", 255999)),
+        vision_end_token_id=int(raw.get("eoi_token_index", 256000)),
+        mrope_section=(),
+        spatial_merge_size=1,
+        tokens_per_image=int(raw.get("mm_tokens_per_image", 256)),
+        both_ways=True,
+    )

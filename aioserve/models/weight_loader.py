@@ -33,7 +33,7 @@ from aioserve.tp.distributed import get_tp_group
 from aioserve.models.causal_lm import CausalLM
 from aioserve.models.model_config import ModelConfig
 from aioserve.models.registry import model_class
-from aioserve.models.text_of_multimodal import text_weight_name
+from aioserve.models.text_of_multimodal import text_weight_name, vision_weight_name
 from aioserve.quant.method import LazyTensor, QuantMethod
 
 logger = logging.getLogger(__name__)
@@ -133,7 +133,9 @@ def _local_name(model: nn.Module, config: ModelConfig, hf_name: str) -> str | No
     """The name a checkpoint tensor loads under: a wrapped text model's
     prefix dropped, a bare decoder's added, and an encoder's own mapping (EncoderLM.checkpoint_name:
     its task prefix, its fused q/k/v); None for a tensor the model does not use."""
-    name = text_weight_name(hf_name) if config.wrapper else hf_name
+    name: str | None = hf_name
+    if config.wrapper:  # a wrapper's text model, and its tower where it is served whole
+        name = text_weight_name(hf_name) or (vision_weight_name(hf_name) if config.vision is not None else None)
     if config.backbone_only and name is not None and not name.startswith("model."):
         name = f"model.{name}"  # a bare decoder's tensors (an embedder), as its LM class names them
     rename = getattr(model, "checkpoint_name", None)
