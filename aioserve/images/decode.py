@@ -16,11 +16,11 @@ from aioserve.images.errors import ImageError
 
 logger = logging.getLogger(__name__)
 
-# What OpenAI takes (PNG, JPEG, WebP, GIF), with BMP, and MPO: the JPEG a
-# phone's camera writes, which Pillow opens under that name. Formats past
-# these (TIFF, PSD, EPS and the rest) are more decoder surface than a
-# chat request needs.
-FORMATS = ("PNG", "JPEG", "MPO", "GIF", "WEBP", "BMP")
+# What OpenAI takes (PNG, JPEG, WebP, GIF), with BMP. (Pillow's JPEG opener
+# also opens MPO, the JPEG a phone's camera writes.) Formats past these
+# (TIFF, PSD, EPS and the rest) are more decoder surface than a chat request
+# needs.
+FORMATS = ("PNG", "JPEG", "GIF", "WEBP", "BMP")
 # Transparent pixels are laid on white, as vLLM does (dropping the alpha
 # channel would show whatever color the transparent pixels hold, often black).
 BACKGROUND = (255, 255, 255)
@@ -39,8 +39,8 @@ def decode_image(data: bytes, max_bytes: int, max_pixels: int, content_type: str
         raise ImageError("the image is empty (0 bytes)")
     try:
         image = Image.open(io.BytesIO(data), formats=FORMATS)
-    except Image.DecompressionBombError:  # past twice Pillow's bound: refused by its header too
-        raise ImageError(f"the image has more than {max_pixels} pixels (--max-image-pixels)") from None
+    except Image.DecompressionBombError as exc:  # past twice Pillow's own bound: refused from its header too
+        raise ImageError(f"the image has more than {max_pixels} pixels (--max-image-pixels): {exc}") from None
     except Image.UnidentifiedImageError:
         served = f" (served as {content_type})" if content_type and not content_type.startswith("image/") else ""
         raise ImageError(f"the data is not an image this server reads ({', '.join(FORMATS)}){served}") from None
