@@ -266,6 +266,8 @@ def test_fetch_over_http(site: str) -> None:
     cat = read_source(f"{site}/cat.png", allowed)
     assert cat.data == image_bytes(64, 48, seed=1) and cat.content_type == "image/png"
     assert read_source(f"{site}/to-cat", allowed).data == cat.data
+    port = site.rsplit(":", 1)[1]
+    assert read_source(f"http://localhost:{port}/cat.png", allowed).data == cat.data  # ::1 refused, 127.0.0.1 tried
     page = read_source(f"{site}/page.html", allowed)
     decode_error = image_error(lambda: decode_image(page.data, MIB, 10**6, page.content_type))
     assert "not an image" in decode_error.message and "text/html" in decode_error.message

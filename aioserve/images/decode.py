@@ -7,14 +7,11 @@ the first frame of an animation. Blocking: run it on a worker thread."""
 from __future__ import annotations
 
 import io
-import logging
 import warnings
 
 from PIL import Image
 
 from aioserve.images.errors import ImageError
-
-logger = logging.getLogger(__name__)
 
 # What OpenAI takes (PNG, JPEG, WebP, GIF), with BMP. (Pillow's JPEG opener
 # also opens MPO, the JPEG a phone's camera writes.) Formats past these

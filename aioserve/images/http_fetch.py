@@ -3,10 +3,10 @@ held: the whole fetch within its deadline (redirects included), at most a
 few redirects, at most the byte cap, and only public addresses unless
 private ones are allowed.
 
-The host is resolved here and the connection made to the address that was
-checked (not resolved again by the connection: a DNS answer that changes
-between the check and the connect must not reach a private address), on
-every hop. `abort()`, from another thread, ends a fetch at once by
+The host is resolved here and the connection made to the addresses that
+were checked (not resolved again by the connection: a DNS answer that
+changes between the check and the connect must not reach a private
+address), on every hop. `abort()`, from another thread, ends a fetch at once by
 shutting its socket: the event loop's side calls it when its own deadline
 passes or the client goes away, so a server that trickles its headers
 cannot hold the thread either.
@@ -42,35 +42,48 @@ class Fetched:
 
 
 class _PinnedHTTP(http.client.HTTPConnection):
-    """Connects to the checked address; the Host header names the host.
+    """Connects to the checked addresses; the Host header names the host.
     `opened` keeps the socket: a response that closes the connection
     (HTTP/1.0, `Connection: close`) takes it over and the connection forgets
     it, yet its deadline and abort still act on it."""
 
-    def __init__(self, host: str, port: int, address: str, timeout: float) -> None:
+    def __init__(self, host: str, port: int, addresses: list[str], timeout: float) -> None:
         super().__init__(host, port, timeout=timeout)
-        self.address = address
+        self.addresses = addresses
         self.opened: socket.socket | None = None
 
     def connect(self) -> None:
-        self.sock = self.opened = socket.create_connection((self.address, self.port), self.timeout)
+        self.sock = self.opened = _connect(self.addresses, self.port, self.timeout)
 
 
 class _PinnedHTTPS(http.client.HTTPSConnection):
     """As _PinnedHTTP, with TLS checked against the host's name (SNI too)."""
 
-    def __init__(self, host: str, port: int, address: str, timeout: float, context: ssl.SSLContext) -> None:
+    def __init__(self, host: str, port: int, addresses: list[str], timeout: float, context: ssl.SSLContext) -> None:
         super().__init__(host, port, timeout=timeout, context=context)
-        self.address = address
+        self.addresses = addresses
         self.tls = context
         self.opened: socket.socket | None = None
 
     def connect(self) -> None:
-        raw = socket.create_connection((self.address, self.port), self.timeout)
+        raw = _connect(self.addresses, self.port, self.timeout)
         self.sock = self.opened = self.tls.wrap_socket(raw, server_hostname=self.host)
 
 
 Pinned = _PinnedHTTP | _PinnedHTTPS
+
+
+def _connect(addresses: list[str], port: int, timeout: float | None) -> socket.socket:
+    """A connection to the first of the checked addresses that answers
+    (localhost is ::1 and 127.0.0.1; a server may listen on one only)."""
+    error: OSError | None = None
+    for address in addresses:
+        try:
+            return socket.create_connection((address, port), timeout)
+        except OSError as exc:
+            error = exc
+    assert error is not None
+    raise error
 
 
 class GuardedFetch:
@@ -135,13 +148,13 @@ class GuardedFetch:
             raise ImageError(f"an image URL must be http(s), a data URL or a file: {shown(url)}")
         https = parts.scheme == "https"
         port = parts.port or (443 if https else 80)
-        address = self._address(parts.hostname, port)
+        addresses = self._addresses(parts.hostname, port)
         timeout = self._remaining_or_fail()
         connection: Pinned
         if https:
-            connection = _PinnedHTTPS(parts.hostname, port, address, timeout, ssl.create_default_context())
+            connection = _PinnedHTTPS(parts.hostname, port, addresses, timeout, ssl.create_default_context())
         else:
-            connection = _PinnedHTTP(parts.hostname, port, address, timeout)
+            connection = _PinnedHTTP(parts.hostname, port, addresses, timeout)
         with self._lock:
             if self._aborted:
                 raise self.timeout_error()
@@ -152,9 +165,9 @@ class GuardedFetch:
         })
         return connection, connection.getresponse()
 
-    def _address(self, host: str, port: int) -> str:
-        """The address to connect to: every one the host resolves to must be
-        public (unless private ones are allowed)."""
+    def _addresses(self, host: str, port: int) -> list[str]:
+        """The addresses to connect to, the host's: every one must be public
+        (unless private ones are allowed)."""
         try:
             infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
         except socket.gaierror as exc:
@@ -163,11 +176,13 @@ class GuardedFetch:
         if not self.settings.allow_private_urls:
             for text in addresses:
                 if not is_public(ipaddress.ip_address(text.split("%")[0])):
+                    # Worth an operator's eye: a request tried to reach the server's own network.
+                    logger.info("refused an image URL whose host %r is %s (not a public address)", host, text)
                     raise ImageError(
                         f"the image URL's host {host!r} is {text}, a private, loopback or link-local address: "
                         "this server does not fetch from its own network"
                     )
-        return addresses[0]
+        return list(dict.fromkeys(addresses))  # getaddrinfo repeats an address per protocol
 
     def _body(self, connection: Pinned, response: http.client.HTTPResponse) -> bytes:
         cap = self.settings.max_image_bytes

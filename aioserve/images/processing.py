@@ -5,7 +5,6 @@ tokens it takes. Blocking: it runs on the tokenizer's threads."""
 
 from __future__ import annotations
 
-import logging
 from pathlib import Path
 from typing import Any
 
@@ -15,8 +14,6 @@ from aioserve.hf_imports import HF_IMPORT_LOCK
 from aioserve.image_inputs import ProcessedImage, content_key
 from aioserve.images.errors import ImageError
 from aioserve.images.family import VisionFamily
-
-logger = logging.getLogger(__name__)
 
 
 def load_hf_image_processor(folder: str | Path) -> Any:

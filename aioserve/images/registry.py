@@ -4,14 +4,11 @@ architectures[0]; a checkpoint of any other architecture takes text only."""
 from __future__ import annotations
 
 import json
-import logging
 from pathlib import Path
 from typing import Any
 
 from aioserve.images.family import VisionFamily
 from aioserve.images.qwen_vl import QwenVL
-
-logger = logging.getLogger(__name__)
 
 FAMILIES: tuple[type[VisionFamily], ...] = (QwenVL,)
 

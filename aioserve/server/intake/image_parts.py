@@ -47,8 +47,8 @@ def generate_image_refs(image_data: Any, num_prompts: int, batch: bool) -> list[
         if any(not isinstance(url, str) for url in urls):
             raise APIError("image_data for one prompt is an image (a URL or a data URL) or a list of them",
                            param="image_data")
-        name = (lambda k: "image_data") if isinstance(image_data, str) else (lambda k: f"image_data.{k}")
-        return [[ImageRef(url, name(k)) for k, url in enumerate(urls)]]
+        single = isinstance(image_data, str)
+        return [[ImageRef(url, "image_data" if single else f"image_data.{k}") for k, url in enumerate(urls)]]
     if not isinstance(image_data, list) or len(image_data) != num_prompts:
         count = len(image_data) if isinstance(image_data, list) else 1
         raise APIError(f"image_data has {count} entries for {num_prompts} prompts: give one per prompt "
@@ -103,6 +103,7 @@ async def load_images(intake: ImageIntake, refs: Sequence[ImageRef]) -> list[Pro
         return await intake.load([ref.url for ref in refs])
     except ImageError as exc:
         param = refs[exc.index].param if exc.index is not None else None
+        logger.debug("image refused (%s): %s", param, exc.message)
         raise APIError(exc.message, param=param, code="invalid_image") from None
 
 
