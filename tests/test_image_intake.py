@@ -474,7 +474,7 @@ def app_for(tokenizer: Tokenizer, images: ImageIntake | None) -> tuple[Any, Reco
 
     scheduler = RecordingScheduler()
     args = ServerArgs(EngineConfig(model="tiny-vl"))
-    ctx = ServingContext(args, scheduler, tokenizer, 4096, tokenizer.vocab_size, images=images)
+    ctx = ServingContext(args, scheduler, tokenizer, 1024, tokenizer.vocab_size, images=images)
     return create_app(ctx), scheduler
 
 
@@ -516,6 +516,10 @@ def test_chat_with_images_reaches_the_scheduler(intake: ImageIntake, tokenizer: 
     counted = post(app, "/tokenize", {"messages": chat_body(text, image_part(png_data_url(80, 40)),
                                                            image_part(png_data_url(40, 80)))["messages"]})
     assert counted.json()["count"] == len(request.prompt_ids)  # /tokenize counts the image tokens as chat does
+
+    # An image's megabytes are no text for the template's length bound (4 contexts of text at most).
+    large = post(app, "/v1/chat/completions", chat_body(text, image_part(data_url(image_bytes(400, 400, seed=4)))))
+    assert large.status_code == 200, large.text
 
     # text only, on a vision-language model: no images, the prompt as a text model's
     plain = post(app, "/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 1})

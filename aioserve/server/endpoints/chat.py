@@ -59,7 +59,8 @@ async def encode_messages(
     refs = chat_image_refs(body.messages)
     ctx.check_prompt_chars(sum(m.kept_chars() for m in body.messages), "messages")
     handed = body.model_dump(include={"messages", "tools", "chat_template_kwargs"}, exclude_none=True)
-    ctx.check_template_chars(text_chars(handed), "messages")
+    # An image's URL (a data URL's megabytes) is not handed to the template: its placeholder is.
+    ctx.check_template_chars(text_chars(handed) - sum(len(ref.url) for ref in refs), "messages")
     template = ctx.tokenizer.hf.chat_template
     messages = template_messages(tools, [m.template_dict() for m in body.messages], template)
     # One dict, so that chat_template_kwargs may set add_generation_prompt too
