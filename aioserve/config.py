@@ -16,7 +16,7 @@ DEFAULT_CPU_KV_BYTES = 4 << 30
 DEFAULT_MAX_REQUEST_BYTES = 16 << 20
 
 # CLI argument groups, in the order `aioserve serve --help` lists them.
-GROUPS = ("model", "KV cache", "scheduling", "speculative decoding", "LoRA", "distributed", "HTTP")
+GROUPS = ("model", "KV cache", "scheduling", "speculative decoding", "LoRA", "images", "distributed", "HTTP")
 
 # Equals aioserve.attention.BACKENDS (tests/test_cli.py checks it). Spelled out
 # because importing it would make this leaf module, which everything imports,
@@ -36,6 +36,45 @@ def _json_object(text: str) -> dict[str, Any]:
     if not isinstance(value, dict):
         raise argparse.ArgumentTypeError("must be a JSON object")
     return value
+
+
+# What --limit-mm-per-prompt names (vLLM's modalities); aioserve takes images only.
+MODALITIES = ("image", "video", "audio")
+DEFAULT_IMAGES_PER_PROMPT = 16
+
+
+def _modality_limits(text: str) -> dict[str, Any]:
+    """vLLM's --limit-mm-per-prompt: a JSON object ('{"image": 4}', a
+    modality's value a count or vLLM's newer {"count": 4, ...}), or its
+    older spelling image=4,video=0."""
+    import argparse
+
+    if text.lstrip().startswith("{"):
+        return _json_object(text)
+    limits: dict[str, Any] = {}
+    for pair in filter(None, (p.strip() for p in text.split(","))):
+        name, sep, value = pair.partition("=")
+        if not sep or not value.strip().isdigit():
+            raise argparse.ArgumentTypeError(f"expected a JSON object or MODALITY=COUNT pairs, got {pair!r}")
+        limits[name.strip()] = int(value)
+    return limits
+
+
+def images_per_prompt(limits: dict[str, Any] | None) -> int:
+    """The image count of a --limit-mm-per-prompt value; a ValueError (a
+    usage error) for a modality aioserve does not take or a bad count."""
+    limits = limits or {}
+    counts: dict[str, int] = {}
+    for name, value in limits.items():
+        if name not in MODALITIES:
+            raise ValueError(f"--limit-mm-per-prompt: unknown modality {name!r} (vLLM's are {', '.join(MODALITIES)})")
+        count = value.get("count") if isinstance(value, dict) else value
+        if not isinstance(count, int) or isinstance(count, bool) or count < 0:
+            raise ValueError(f"--limit-mm-per-prompt: {name} needs a count of 0 or more, got {value!r}")
+        counts[name] = count
+    if any(counts.get(name, 0) for name in MODALITIES if name != "image"):
+        raise ValueError("--limit-mm-per-prompt: aioserve takes images only; video and audio may only be 0")
+    return counts.get("image", DEFAULT_IMAGES_PER_PROMPT)
 
 
 def parse_bytes(text: str) -> int:
@@ -454,6 +493,36 @@ class ServerArgs:
         help="values in a request body's objects and arrays, token-id lists aside (bounded by "
         "--max-token-ids-per-request): what validating it costs the event loop",
     )
+    # Images in prompts (a vision-language model: aioserve/images), vLLM's spellings.
+    limit_mm_per_prompt: dict[str, Any] | None = option(
+        None, group="images", parse=_modality_limits,
+        help=f'images one prompt may hold, vLLM\'s JSON object, e.g. \'{{"image": 4}}\' (its older image=4 too; '
+        f"video and audio may only be 0); default {DEFAULT_IMAGES_PER_PROMPT} images",
+    )
+    allowed_local_media_path: str | None = option(
+        None, group="images",
+        help="a folder whose image files requests may name (file:// URLs or absolute paths), symlinks resolved "
+        "and none outside it (default: no local files)",
+    )
+    media_fetch_timeout: float = option(
+        5.0, group="images",
+        help="seconds an image URL gets to be fetched whole, redirects included (vLLM: VLLM_IMAGE_FETCH_TIMEOUT)",
+    )
+    max_image_bytes: int = option(
+        20 << 20, parse=parse_bytes, group="images",
+        help="the largest image file taken, fetched, inline (a data URL) or local; data URLs count toward "
+        "--max-request-bytes too",
+    )
+    max_image_pixels: int = option(
+        50_000_000, group="images",
+        help="the most pixels an image may have, read from its header before it is decoded (a decompression "
+        "bomb, a GIF of huge logical size, is refused unread)",
+    )
+    allow_private_media_urls: bool = option(
+        False, group="images",
+        help="fetch image URLs whose host is a private, loopback or link-local address (refused by default, "
+        "on every redirect too: a request must not reach the server's own network)",
+    )
     log_level: str = option("info", choices=("debug", "info", "warning", "error"), help="logging level", group="HTTP")
     access_log: bool = option(
         False, group="HTTP",
@@ -467,6 +536,11 @@ class ServerArgs:
             raise ValueError("--enable-reasoning needs --reasoning-parser (qwen3 or deepseek_r1)")
         if (self.ssl_keyfile is None) != (self.ssl_certfile is None):
             raise ValueError("--ssl-keyfile and --ssl-certfile go together: HTTPS needs both the key and the certificate")
+        images_per_prompt(self.limit_mm_per_prompt)  # a bad modality or count: a usage error now
+        for flag, value in (("--media-fetch-timeout", self.media_fetch_timeout),
+                            ("--max-image-bytes", self.max_image_bytes), ("--max-image-pixels", self.max_image_pixels)):
+            if value <= 0:
+                raise ValueError(f"{flag} must be positive, got {value}")
 
     @property
     def model_name(self) -> str:

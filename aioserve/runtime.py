@@ -38,13 +38,17 @@ from aioserve.launch.wiring import build_scheduler
 from aioserve.server.context import InFlight, ServingContext
 from aioserve.server.endpoints.app import create_app
 from aioserve.server.intake.generation_defaults import load_generation_defaults
-from aioserve.tokenizer import Tokenizer
+from aioserve.images import MediaSettings, load_image_intake
+from aioserve.tokenizer import Tokenizer, started_pool
 
 logger = logging.getLogger(__name__)
 
 FAILURE_GRACE_S = 1.0  # /health answers 503 this long before the listener closes
 LAST_EVENTS_S = 2.0  # after aborting what outlived --shutdown-timeout, for their final events to go out
 HARD_EXIT_S = 8.0  # after a failure, exit by force if still running (the issue allows 10 s)
+# Threads that read a vision-language model's images (fetches wait on the
+# network, so more than the tokenizer's; each is bounded by --media-fetch-timeout).
+MEDIA_WORKERS = 8
 
 
 class FatalFailure:
@@ -102,11 +106,20 @@ async def serve(args: ServerArgs) -> str | None:
     tokenizer = tokenizer_loaded or Tokenizer(
         args.engine.tokenizer or engine.model_path, args.chat_template, args.tokenizer_workers
     )
+    try:
+        images = load_image_intake(
+            engine.model_path, MediaSettings.from_args(args), tokenizer.run_async,
+            partial(started_pool, MEDIA_WORKERS, "aioserve-media"), tokenizer.rust.token_to_id,
+        )
+    except Exception:  # a vision-language checkpoint whose image processor cannot load
+        scheduler.shutdown()
+        tokenizer.shutdown()
+        raise
     ctx = ServingContext(
         args, scheduler, tokenizer, engine.max_model_len, engine.vocab_size, tp_layout=engine.tp_layout,
         generation_defaults=load_generation_defaults(args.generation_config, engine.model_path),
         pooler=engine.pooler, hidden_size=engine.model_config.hidden_size,
-        score_row=engine.score_row, pooling_causal=not engine.model_config.is_encoder,
+        score_row=engine.score_row, pooling_causal=not engine.model_config.is_encoder, images=images,
     )
     ctx.scheduler_task = asyncio.create_task(scheduler.run(), name="scheduler")
     ctx.scheduler_task.add_done_callback(partial(_on_scheduler_exit, failure))
@@ -141,6 +154,8 @@ async def serve(args: ServerArgs) -> str | None:
             await asyncio.wait({ctx.scheduler_task}, timeout=30)
         scheduler.shutdown()
         tokenizer.shutdown()
+        if ctx.images is not None:
+            ctx.images.shutdown()
         ctx.response_pool.shutdown(wait=False)
         await ctx.body_parser.close()
     return failure.reason

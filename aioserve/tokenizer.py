@@ -194,8 +194,12 @@ def started_pool(workers: int, name: str = "aioserve-tokenizer") -> ThreadPoolEx
 
 
 def normalize_message(message: dict[str, Any]) -> dict[str, Any]:
-    """List-of-parts content becomes one string (templates expect strings)."""
+    """List-of-parts content becomes one string (templates expect strings),
+    unless it holds an image: a vision-language model's template walks the
+    parts and writes its image placeholder at each `{"type": "image"}`."""
     content = message.get("content")
+    if isinstance(content, list) and any(isinstance(part, dict) and part.get("type") == "image" for part in content):
+        return message
     if isinstance(content, list):
         texts = [part.get("text", "") for part in content if isinstance(part, dict) and part.get("type") == "text"]
         message = {**message, "content": "\n".join(texts)}

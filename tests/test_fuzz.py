@@ -146,8 +146,8 @@ class SchemaStrategies:
             return NAMED[name]
         if "$ref" in schema:
             return self.named(schema["$ref"].rsplit("/", 1)[1])
-        if "anyOf" in schema:
-            return st.one_of([self.build(option, name) for option in schema["anyOf"]])
+        if "anyOf" in schema or "oneOf" in schema:  # oneOf: a discriminated union (chat's content parts)
+            return st.one_of([self.build(option, name) for option in schema.get("anyOf", schema.get("oneOf"))])
         if "const" in schema:
             return st.just(schema["const"])
         if "enum" in schema:

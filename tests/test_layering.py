@@ -24,6 +24,7 @@ RANKS: dict[str, float] = {
     "server": 8, "llm": 8,
     "launch": 7.5,  # the wiring and tensor parallelism's processes (world, leader, follower)
     "output_stream": 7, "grammar": 6.7, "tokenizer": 6.5,
+    "images": 6.5,  # a prompt's images read, decoded, processed; beside the tokenizer, independent of it
     "scheduler": 6,
     "engine": 5, "cpu_engine": 4.8,  # the engine's CPU fast paths: they read the model and the KV pool
     "lora": 4.6,  # LoRA adapters read for the model's layers, and the engine's slots

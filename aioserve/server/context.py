@@ -1,5 +1,6 @@
 """What every handler needs: the scheduler, the tokenizer, the served name,
-the request metrics, and the server's state (serving, draining, failed)."""
+the request metrics, the image intake of a vision-language model, and the
+server's state (serving, draining, failed)."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from aioserve.config import ServerArgs
+from aioserve.images import ImageIntake
 from aioserve.pooling_config import PoolerConfig
 from aioserve.scheduler import SchedulerClient
 from aioserve.scheduler.adapters import Adapter
@@ -75,6 +77,8 @@ class ServingContext:
     hidden_size: int = 0  # an embedding's full length
     score_row: str = "last"  # the row of a sequence a reranker's score head reads (first: BERT's [CLS])
     pooling_causal: bool = True  # False for an encoder: no prefix of its prompt is reused
+    # A vision-language model's images (aioserve/images): None when the model takes text only.
+    images: ImageIntake | None = None
 
     def __post_init__(self) -> None:
         self.metrics = RequestMetrics(self.model_name)

@@ -9,9 +9,11 @@ from pydantic import BaseModel
 from starlette.requests import Request
 from starlette.responses import Response
 
+from aioserve.image_inputs import PromptImages
 from aioserve.scheduler.constraint import ConstraintFactory
 from aioserve.server.context import ServingContext
 from aioserve.server.errors import APIError
+from aioserve.server.intake.image_parts import chat_image_refs, refuse_chat_images, with_images
 from aioserve.server.intake.openai_requests import ChatCompletionRequest
 from aioserve.server.intake.request_body import parse_body
 from aioserve.server.intake.structured import compile_grammar, structured_request
@@ -47,10 +49,18 @@ TEMPLATE_CALL_ARGUMENTS = frozenset({
 })
 
 
-async def encode_messages(ctx: ServingContext, body: ChatCompletionRequest, tools: ToolPlan) -> list[int]:
+async def encode_messages(
+    ctx: ServingContext, body: ChatCompletionRequest, tools: ToolPlan
+) -> tuple[list[int], PromptImages | None]:
+    """The rendered messages' ids and, with image parts (a vision-language
+    model), their images: read and processed while the template renders,
+    each placeholder the template wrote then expanded to its image's tokens."""
+    refuse_chat_images(ctx, body.messages)
+    refs = chat_image_refs(body.messages)
     ctx.check_prompt_chars(sum(m.kept_chars() for m in body.messages), "messages")
     handed = body.model_dump(include={"messages", "tools", "chat_template_kwargs"}, exclude_none=True)
-    ctx.check_template_chars(text_chars(handed), "messages")
+    # An image's URL (a data URL's megabytes) is not handed to the template: its placeholder is.
+    ctx.check_template_chars(text_chars(handed) - sum(len(ref.url) for ref in refs), "messages")
     template = ctx.tokenizer.hf.chat_template
     messages = template_messages(tools, [m.template_dict() for m in body.messages], template)
     # One dict, so that chat_template_kwargs may set add_generation_prompt too
@@ -62,11 +72,18 @@ async def encode_messages(ctx: ServingContext, body: ChatCompletionRequest, tool
     if reserved := sorted(TEMPLATE_CALL_ARGUMENTS & extra.keys()):
         raise APIError(f"chat_template_kwargs may not set {', '.join(reserved)}", param="chat_template_kwargs")
     kwargs.update(extra)
-    try:
-        return await ctx.tokenizer.encode_chat_async(messages, **kwargs)
-    except ChatTemplateError as exc:
-        blamed = "chat_template_kwargs" if exc.refused_arguments and extra else "messages"
-        raise APIError(str(exc), param=blamed) from None
+
+    async def encode() -> list[int]:
+        try:
+            return await ctx.tokenizer.encode_chat_async(messages, **kwargs)
+        except ChatTemplateError as exc:
+            blamed = "chat_template_kwargs" if exc.refused_arguments and extra else "messages"
+            raise APIError(str(exc), param=blamed) from None
+
+    return await with_images(
+        ctx, encode, refs, "messages", "messages",
+        "the model's chat template does not place these messages' images, or their text spells an image placeholder",
+    )
 
 
 async def create_chat_completion(request: Request) -> Response:
@@ -96,7 +113,7 @@ async def start_chat(
         if constraint is not None:
             raise APIError(f"tool_choice {tools.mode!r} forces the output; {constraint.param} cannot also", param=constraint.param)
         constraint = tools.grammar
-    prompt_ids = await encode_messages(ctx, body, tools)
+    prompt_ids, images = await encode_messages(ctx, body, tools)
     compiled = await compile_grammar(ctx, constraint)
     thinking = await thinks_first(ctx, body, prompt_ids)
     grammar: ConstraintFactory | None = compiled
@@ -109,7 +126,7 @@ async def start_chat(
         params.skip_special_tokens = False
     generation = Generation(ctx, new_id(id_prefix), arrival_time(request), incremental=body.stream)
     try:
-        generation.start([prompt_ids], params, body.n, grammar, adapter)
+        generation.start([prompt_ids], params, body.n, grammar, adapter, images=[images])
         ctx.admitted(request.scope)
     except APIError as exc:  # the prompt is the rendered messages
         if exc.param == "prompt":

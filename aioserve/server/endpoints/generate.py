@@ -1,5 +1,13 @@
 """POST /generate: SGLang's native endpoint, served by the same response
-path as the OpenAI ones (only the wire shapes differ)."""
+path as the OpenAI ones (only the wire shapes differ).
+
+Images (image_data, a vision-language model) are placed as SGLang places
+them: SGLang inserts nothing, its processor pairs each image, in order,
+with an occurrence of the model's image marker in the prompt (Qwen2.5-VL:
+<|vision_start|><|image_pad|><|vision_end|>, what its chat template writes
+for an image part). Here the text (or input_ids) must hold exactly one
+marker per image; SGLang only warns at a mismatch and drops what is left
+over, aioserve answers 400."""
 
 from __future__ import annotations
 
@@ -10,12 +18,14 @@ from pydantic import BaseModel
 from starlette.requests import Request
 from starlette.responses import Response
 
+from aioserve.image_inputs import PromptImages
 from aioserve.output_stream import OutputStream, TopLogprobs
 from aioserve.scheduler.adapters import Adapter
 from aioserve.server.body.checks import prompt_count
 from aioserve.server.context import ServingContext
 from aioserve.server.errors import APIError
 from aioserve.server.intake.generate_request import GenerateRequest, sglang_param
+from aioserve.server.intake.image_parts import ImageRef, generate_image_refs, intake_for, with_images
 from aioserve.server.intake.request_body import parse_body
 from aioserve.server.intake.structured import compile_grammar
 from aioserve.server.output.assembly import ChoiceUpdate, respond
@@ -41,6 +51,29 @@ async def _prompts(ctx: ServingContext, body: GenerateRequest) -> tuple[list[lis
     if isinstance(ids[0], int):
         return [list(ids)], False
     return [list(p) for p in ids], True
+
+
+async def _images(
+    ctx: ServingContext, prompts: list[list[int]], refs: list[list[ImageRef]], prompt_field: str
+) -> list[PromptImages | None]:
+    """Each prompt's images loaded and its markers expanded (prompts in
+    turn: a batch with images is rare, and one failure ends the request)."""
+    images: list[PromptImages | None] = []
+    for p, (prompt_ids, its_refs) in enumerate(zip(prompts, refs)):
+        if not its_refs:
+            images.append(None)
+            continue
+
+        async def ids(prompt_ids: list[int] = prompt_ids) -> list[int]:
+            return prompt_ids
+
+        param = prompt_field if len(prompts) == 1 else f"{prompt_field}.{p}"
+        prompts[p], its_images = await with_images(
+            ctx, ids, its_refs, "image_data", param, "the prompt must hold the model's image marker once per image "
+            "of image_data",
+        )
+        images.append(its_images)
+    return images
 
 
 def _request_ids(body: GenerateRequest, num_prompts: int) -> list[str]:
@@ -71,17 +104,24 @@ async def generate(request: Request) -> Response:
     ctx.check_generates()
     prompts_given = body.text if body.text is not None else body.input_ids
     ctx.check_capacity(prompt_count(prompts_given or "") * body.sampling_params.n, request.scope)
+    prompt_field = "text" if body.text is not None else "input_ids"
+    batch_given = isinstance(body.text, list) or bool(body.input_ids and isinstance(body.input_ids[0], list))
+    refs = generate_image_refs(body.image_data, prompt_count(prompts_given or ""), batch_given)
+    for its_refs in refs:  # a text-only model, or too many images: refused before any tokenizing
+        if its_refs:
+            intake_for(ctx, its_refs, "image_data")
     prompts, batch = await _prompts(ctx, body)
+    images = await _images(ctx, prompts, refs, prompt_field)
     rids = _request_ids(body, len(prompts))
     adapters = _adapters(ctx, body, len(prompts))
     n = body.sampling_params.n
     grammar = await compile_grammar(ctx, body.sampling_params.structured())
     generation = Generation(ctx, f"generate-{rids[0]}", arrival_time(request), incremental=body.stream)
     try:
-        generation.start(prompts, body.to_sampling_params(ctx.generation_defaults), n, grammar, adapters)
+        generation.start(prompts, body.to_sampling_params(ctx.generation_defaults), n, grammar, adapters, images)
         ctx.admitted(request.scope)
     except APIError as exc:  # named as OpenAI's fields are; say SGLang's names
-        exc.param = sglang_param(exc.param, "text" if body.text is not None else "input_ids")
+        exc.param = sglang_param(exc.param, prompt_field)
         raise
     builder = GenerateBuilder(ctx, body, rids, several=batch or n > 1)
     return await respond(request, generation, builder, stream=body.stream)

@@ -20,6 +20,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from aioserve.server.context import ServingContext
+from aioserve.server.errors import APIError
 from aioserve.server.endpoints.chat import start_chat
 from aioserve.server.intake.request_body import parse_body
 from aioserve.server.intake.responses_request import ResponsesRequest, chat_request
@@ -56,8 +57,12 @@ async def create_response(request: Request) -> Response:
     ctx: ServingContext = request.app.state.ctx
     body = await parse_body(request, ResponsesRequest)
     ctx.check_generates()
-    chat = chat_request(body)
-    generation, new_processor = await start_chat(request, ctx, chat, "resp")
+    chat, translation = chat_request(body, takes_images=ctx.images is not None)
+    try:
+        generation, new_processor = await start_chat(request, ctx, chat, "resp")
+    except APIError as exc:  # named as the chat request's fields are; say the input's
+        exc.param = translation.param(exc.param)
+        raise
     builder = ResponsesBuilder(ctx, body, generation.request_id)
     # include_usage: the usage hook is where the stream's closing events go out.
     return await respond(

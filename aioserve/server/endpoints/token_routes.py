@@ -30,7 +30,9 @@ async def tokenize(request: Request) -> Response:
             )
         except ValidationError as exc:
             raise from_validation_error(exc) from None
-        tokens = await encode_messages(ctx, chat, plan_tools(ctx, chat))
+        # A vision-language model's images are read and processed as the chat
+        # request's would be: the count holds each image's tokens.
+        tokens, _ = await encode_messages(ctx, chat, plan_tools(ctx, chat))
     else:
         assert body.prompt is not None
         ctx.check_prompt_chars(len(body.prompt), "prompt")  # bounded as the generation routes are

@@ -85,6 +85,11 @@ class GenerateRequest(RequestModel):
     return_text_in_logprobs: bool = False
     rid: str | list[str] | None = None
     lora_path: str | list[str | None] | None = None  # the LoRA adapter's name, or one per prompt
+    # A vision-language model's images (URLs, data URLs, local files), SGLang's
+    # shapes: one prompt's image or list of them; for a batch, one entry
+    # (an image, a list of them or null) per prompt. The text holds the
+    # model's image marker once per image (server/intake/image_parts.py).
+    image_data: str | list[str | list[str] | None] | None = None
 
     @property
     def wants_prompt_logprobs(self) -> bool:

@@ -1,7 +1,9 @@
 """OpenAI request bodies (pydantic) and their translation to SamplingParams.
 
 Unknown fields are ignored, as OpenAI's own server does; fields we cannot
-honour (best_of > n, suffix, images) are refused with a clear 400. The
+honour (best_of > n, suffix, audio) are refused with a clear 400. Image
+parts are read here whatever the model; a text-only model refuses them
+when the request is served (server/intake/image_parts.py). The
 structured-output fields (response_format, vLLM's structured_outputs and its
 older guided_*) are read by structured.py, tools by server/output/tools.py.
 An explicit null means the field's default, as in OpenAI's spec (clients and
@@ -161,6 +163,25 @@ class TextPart(RequestModel):
     text: str
 
 
+class ImageURL(RequestModel):
+    url: str
+    # OpenAI's resolution hint; the model's own processor decides an
+    # image's size here (as in vLLM), so it is taken and not used.
+    detail: Literal["auto", "low", "high"] | None = None
+
+
+class ImagePart(RequestModel):
+    type: Literal["image_url"]
+    image_url: ImageURL | str  # vLLM takes the URL alone too
+
+    @property
+    def url(self) -> str:
+        return self.image_url if isinstance(self.image_url, str) else self.image_url.url
+
+
+ContentPart = Annotated[TextPart | ImagePart, Field(discriminator="type")]
+
+
 class FunctionCall(RequestModel):
     name: str
     arguments: str | dict[str, Any] = "{}"
@@ -188,7 +209,7 @@ class ToolDefinition(RequestModel):
 
 class ChatMessage(RequestModel):
     role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: str | list[TextPart] | None = None
+    content: str | list[ContentPart] | None = None
     name: str | None = None
     tool_calls: list[ToolCall] | None = None  # assistant
     tool_call_id: str | None = None  # tool
@@ -196,15 +217,15 @@ class ChatMessage(RequestModel):
 
     @field_validator("content", mode="before")
     @classmethod
-    def _text_only(cls, value: Any) -> Any:
-        """Images, audio and files get one clear answer rather than pydantic's
+    def _text_and_images(cls, value: Any) -> Any:
+        """Audio and files get one clear answer rather than pydantic's
         account of why each union member failed."""
         for number, part in enumerate(value if isinstance(value, list) else []):
             kind = part.get("type") if isinstance(part, dict) else type(part).__name__
-            if kind != "text":
+            if kind not in ("text", "image_url"):
                 raise ValueError(
-                    f"this model takes text only: content part {number} has type {kind!r}, "
-                    "and only 'text' parts are supported"
+                    f"content part {number} has type {kind!r}: this server takes 'text' parts, and 'image_url' "
+                    "parts for a vision-language model"
                 )
         return value
 
@@ -214,6 +235,27 @@ class ChatMessage(RequestModel):
             raise ValueError("a message with role 'tool' must have a tool_call_id (the call it answers)")
         return self
 
+    @model_validator(mode="after")
+    def _images_from_the_user(self) -> ChatMessage:
+        # As OpenAI: image parts are the user's (a template places them in user turns).
+        if self.role != "user" and self.image_parts:
+            raise ValueError(f"image parts are taken in user messages only, not in a {self.role!r} message")
+        return self
+
+    @property
+    def image_parts(self) -> list[tuple[int, ImagePart]]:
+        """(part number, part) of each image part, in order."""
+        if not isinstance(self.content, list):
+            return []
+        return [(number, part) for number, part in enumerate(self.content) if isinstance(part, ImagePart)]
+
+    @property
+    def text(self) -> str:
+        """The content's text: its text parts joined by newlines."""
+        if isinstance(self.content, list):
+            return "\n".join(part.text for part in self.content if isinstance(part, TextPart))
+        return self.content or ""
+
     def kept_chars(self) -> int:
         """Characters of content every chat template writes out whole: a
         system, user or tool message's. (Templates may cut an assistant turn:
@@ -221,15 +263,22 @@ class ChatMessage(RequestModel):
         if self.role == "assistant":
             return 0
         if isinstance(self.content, list):
-            return sum(len(part.text) for part in self.content)
+            return sum(len(part.text) for part in self.content if isinstance(part, TextPart))
         return len(self.content or "")
 
     def template_dict(self) -> dict[str, Any]:
+        """The message as chat templates take it: content a string, or with
+        images a list of text parts and `{"type": "image"}` entries in order
+        (where the template writes its image placeholder)."""
         message: dict[str, Any] = {"role": "system" if self.role == "developer" else self.role}
-        if isinstance(self.content, list):
-            message["content"] = "\n".join(part.text for part in self.content)
+        if self.image_parts:
+            assert isinstance(self.content, list)
+            message["content"] = [
+                {"type": "text", "text": part.text} if isinstance(part, TextPart) else {"type": "image"}
+                for part in self.content
+            ]
         else:
-            message["content"] = self.content or ""
+            message["content"] = self.text
         if self.name:
             message["name"] = self.name
         if self.tool_calls:
@@ -291,7 +340,7 @@ class ChatCompletionRequest(SamplingFields):
         last = self.messages[-1]
         if not self.echo or last.role != "assistant":
             return ""
-        return "\n".join(p.text for p in last.content) if isinstance(last.content, list) else last.content or ""
+        return last.text
 
     @property
     def token_limit(self) -> int | None:

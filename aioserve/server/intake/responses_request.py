@@ -1,11 +1,16 @@
 """The request body of POST /v1/responses (OpenAI's Responses API), and
 its translation into a chat request: the input items become chat messages
 (function calls and their outputs included), `text.format` becomes
-`response_format`, function tools become chat tools. Nothing is stored, so
-`previous_response_id` is refused."""
+`response_format`, function tools become chat tools. `input_image` parts
+become chat's image_url parts when the model takes images (a part keeps
+its number, so an error the chat request names is renamed to the input
+item's: ChatTranslation.param). Nothing is stored, so
+`previous_response_id` and an image's `file_id` are refused."""
 
 from __future__ import annotations
 
+import re
+from dataclasses import dataclass, field
 from typing import Any
 
 from pydantic import Field, ValidationError
@@ -51,9 +56,49 @@ def _text_of(content: Any, where: str) -> str:
     return "\n".join(texts)
 
 
-def chat_messages(body: ResponsesRequest) -> list[dict[str, Any]]:
+def _parts_of(content: Any, where: str, takes_images: bool) -> str | list[dict[str, Any]]:
+    """A message's content for the chat request: its text, or, holding an
+    image for a model that takes them, chat's parts one for one."""
+    if not takes_images or not isinstance(content, list) or not any(
+        isinstance(part, dict) and part.get("type") == "input_image" for part in content
+    ):
+        return _text_of(content, where)
+    parts: list[dict[str, Any]] = []
+    for number, part in enumerate(content):
+        kind = part.get("type") if isinstance(part, dict) else None
+        if kind in TEXT_PARTS:
+            parts.append({"type": "text", "text": str(part.get("text", ""))})
+        elif kind == "input_image":
+            url = part.get("image_url")
+            if not isinstance(url, str) or not url:
+                raise APIError(
+                    "an input_image part needs its image_url (a URL or a data URL; file_id is not supported: "
+                    "this server stores no files)", param=f"{where}.content.{number}.image_url",
+                )
+            parts.append({"type": "image_url", "image_url": {"url": url}})
+        else:
+            raise APIError(f"a part of type {kind!r} is not supported", param=f"{where}.content.{number}")
+    return parts
+
+
+@dataclass
+class ChatTranslation:
+    """Where each chat message came from: chat's parameter names renamed to the input's."""
+
+    messages: list[dict[str, Any]]
+    sources: dict[int, str] = field(default_factory=dict)  # chat message index -> "input.N"
+
+    def param(self, param: str | None) -> str | None:
+        found = re.fullmatch(r"messages\.(\d+)(.*)", param or "")
+        if found is None or int(found[1]) not in self.sources:
+            return param
+        return self.sources[int(found[1])] + found[2]
+
+
+def chat_messages(body: ResponsesRequest, takes_images: bool = False) -> ChatTranslation:
     """Input items -> chat messages (function calls and their outputs included)."""
     messages: list[dict[str, Any]] = []
+    translation = ChatTranslation(messages)
     if body.instructions:
         messages.append({"role": "system", "content": body.instructions})
     items = [{"role": "user", "content": body.input}] if isinstance(body.input, str) else body.input
@@ -61,7 +106,9 @@ def chat_messages(body: ResponsesRequest) -> list[dict[str, Any]]:
         where = f"input.{number}"
         kind = item.get("type", "message")
         if kind == "message":
-            messages.append({"role": item.get("role", "user"), "content": _text_of(item.get("content", ""), where)})
+            translation.sources[len(messages)] = where
+            messages.append({"role": item.get("role", "user"),
+                             "content": _parts_of(item.get("content", ""), where, takes_images)})
         elif kind == "function_call":
             call = {"id": item.get("call_id"), "type": "function",
                     "function": {"name": item.get("name"), "arguments": item.get("arguments", "{}")}}
@@ -78,17 +125,21 @@ def chat_messages(body: ResponsesRequest) -> list[dict[str, Any]]:
             continue  # an earlier turn's thought: templates drop it
         else:
             raise APIError(f"input items of type {kind!r} are not supported", param=f"{where}.type")
-    return messages
+    return translation
 
 
-def chat_request(body: ResponsesRequest) -> ChatCompletionRequest:
+def chat_request(body: ResponsesRequest, takes_images: bool = False) -> tuple[ChatCompletionRequest, ChatTranslation]:
+    """The chat request, and how its parameter names map back to the input's.
+    `takes_images`: the model is a vision-language model (else an
+    input_image part is refused as before)."""
     if body.previous_response_id is not None:
         raise APIError(
             "previous_response_id is not supported: this server stores no responses; send the conversation in input",
             param="previous_response_id",
         )
+    translation = chat_messages(body, takes_images)
     fields: dict[str, Any] = {
-        "model": body.model, "messages": chat_messages(body), "stream": body.stream,
+        "model": body.model, "messages": translation.messages, "stream": body.stream,
         "max_tokens": body.max_output_tokens, "temperature": body.temperature, "top_p": body.top_p,
         "parallel_tool_calls": body.parallel_tool_calls, "user": body.user,
     }
@@ -120,6 +171,8 @@ def chat_request(body: ResponsesRequest) -> ChatCompletionRequest:
         else:
             raise APIError(f"text.format type {kind!r} is not supported", param="text.format.type")
     try:
-        return ChatCompletionRequest.model_validate(fields)
+        return ChatCompletionRequest.model_validate(fields), translation
     except ValidationError as exc:
-        raise from_validation_error(exc) from None
+        error = from_validation_error(exc)
+        error.param = translation.param(error.param)
+        raise error from None

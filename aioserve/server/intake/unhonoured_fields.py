@@ -19,7 +19,7 @@ TEXT_ONLY = "this model takes text only"
 OPENAI_FIELDS: Mapping[str, str] = {
     "lora_path": NO_LORA,
     "lora_request": NO_LORA,
-    "image_data": TEXT_ONLY,
+    "image_data": "images come as image_url content parts of a chat message (image_data is SGLang's /generate field)",
     "audio": f"{TEXT_ONLY}: no audio output",
     "mm_processor_kwargs": TEXT_ONLY,
     "prompt_embeds": "prompt embeddings are not supported (send text or token ids)",
@@ -34,10 +34,11 @@ OPENAI_FIELDS: Mapping[str, str] = {
     "modalities": f"{TEXT_ONLY}: only the text modality",
 }
 
-# Fields of SGLang's /generate.
+# Fields of SGLang's /generate. (Its image_data is taken for a
+# vision-language model and refused for a text-only one when the request is
+# served: server/intake/image_parts.py.)
 GENERATE_FIELDS: Mapping[str, str] = {
     "lora_id": "name the LoRA adapter in lora_path",
-    "image_data": TEXT_ONLY,
     "video_data": TEXT_ONLY,
     "audio_data": TEXT_ONLY,
     "input_embeds": "input embeddings are not supported (send text or input_ids)",

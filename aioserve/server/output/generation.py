@@ -24,6 +24,7 @@ from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, replace
 from functools import partial
 
+from aioserve.image_inputs import PromptImages
 from aioserve.output_stream import OutputDelta, OutputStream
 from aioserve.sampling_params import SamplingParams, SamplingParamsError
 from aioserve.scheduler import Request, RequestEvent, RequestRejected
@@ -32,6 +33,7 @@ from aioserve.scheduler.constraint import ConstraintFactory
 from aioserve.scheduler.request import EventSink
 from aioserve.server.context import ServingContext
 from aioserve.server.errors import APIError
+from aioserve.server.intake.image_parts import check_image_tokens
 from aioserve.server.output.completion_bodies import PromptTokensDetails, Usage
 
 _counter = itertools.count()
@@ -78,12 +80,21 @@ class Generation:
     def start(
         self, prompts: list[list[int]], params: SamplingParams, n: int = 1, grammar: ConstraintFactory | None = None,
         adapters: Sequence[Adapter | None] | Adapter | None = None,
+        images: Sequence[PromptImages | None] | None = None,
     ) -> None:
         """n choices for each prompt, submitted together: the scheduler checks
         them all before it queues any, so that a 400 leaves nothing behind.
         `grammar` (compiled from params.structured_outputs) gives each choice its own matcher.
-        `adapters`: the LoRA adapter of every prompt, or one per prompt (None: the base model)."""
+        `adapters`: the LoRA adapter of every prompt, or one per prompt (None: the base model).
+        `images`: a vision-language model's images of each prompt (None: none),
+        its placeholders already expanded in the prompt's ids
+        (server/intake/image_parts.py); a prompt's choices share them."""
         per_prompt = list(adapters) if isinstance(adapters, Sequence) else [adapters] * len(prompts)
+        prompt_images = list(images) if images is not None else [None] * len(prompts)
+        if len(prompt_images) != len(prompts):
+            raise ValueError(f"{len(prompt_images)} image lists for {len(prompts)} prompts")
+        for prompt_ids, its_images in zip(prompts, prompt_images):
+            check_image_tokens(self.ctx, prompt_ids, its_images)
         choices = [
             self._choice(p * n + j, p, prompt_ids, _choice_params(params, j), grammar)
             for p, prompt_ids in enumerate(prompts)
@@ -91,6 +102,7 @@ class Generation:
         ]
         for choice in choices:
             choice.request.adapter = per_prompt[choice.prompt_index]
+            choice.request.images = prompt_images[choice.prompt_index]
         try:
             self.ctx.scheduler.submit_all([choice.request for choice in choices])
         except (SamplingParamsError, RequestRejected) as exc:
