@@ -153,8 +153,15 @@ class Tokenizer:
         # Anything else (a TypeError inside the template code) is the server's
         # fault, not the client's: it goes up and becomes this request's 500.
 
-    def encode_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True, **kwargs: Any) -> list[int]:
+    def encode_chat(
+        self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
+        rewrite: Callable[[str], str] | None = None, **kwargs: Any,
+    ) -> list[int]:
+        """The rendered chat's ids; `rewrite` changes the rendered text first
+        (a vision family that writes each image's tokens into it)."""
         text = self.render_chat(messages, add_generation_prompt, **kwargs)
+        if rewrite is not None:
+            text = rewrite(text)
         # The template writes BOS itself; encoding with special tokens would double it.
         return self.encode(text, add_special_tokens=False)
 

@@ -20,16 +20,35 @@ from tiny_models import build_gemma3_multimodal
 TOKENS = 4  # per image: 4x4 patches pooled 2x2
 
 
+IMAGE_SPECIALS = ("<start_of_image>", "<image_soft_token>", "<end_of_image>")
+# Gemma3ImageProcessor at the tiny tower's size (the published one: 896x896), pan-and-scan off.
+PREPROCESSOR = {
+    "image_processor_type": "Gemma3ImageProcessor", "size": {"height": 56, "width": 56}, "do_pan_and_scan": False,
+    "do_resize": True, "do_rescale": True, "rescale_factor": 1 / 255, "do_normalize": True,
+    "image_mean": [0.5, 0.5, 0.5], "image_std": [0.5, 0.5, 0.5], "resample": 2, "do_convert_rgb": True,
+}
+
+
 @pytest.fixture(scope="module")
 def gemma3_vl(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The tiny wrapper with a two-layer 56x56 tower, 4 tokens per image, and
+    the image specials added to its tokenizer (in the embedding's spare rows)."""
+    from tokenizers import Tokenizer
+
     folder = tmp_path_factory.mktemp("gemma3-vl") / "gemma3-vl"
     probe = build_gemma3_multimodal(folder.parent / "probe")
-    vocab = json.loads((probe / "config.json").read_text())["text_config"]["vocab_size"]
-    # the image's tokens in the embedding's spare rows (the tiny tokenizer has no such specials)
-    return build_gemma3_multimodal(
+    size = Tokenizer.from_file(str(probe / "tokenizer.json")).get_vocab_size()
+    boi, soft, eoi = size, size + 1, size + 2
+    build_gemma3_multimodal(
         folder, vision_overrides={"image_size": 56, "num_hidden_layers": 2},
-        mm_tokens_per_image=TOKENS, image_token_index=vocab - 3, boi_token_index=vocab - 2, eoi_token_index=vocab - 1,
+        mm_tokens_per_image=TOKENS, image_token_index=soft, boi_token_index=boi, eoi_token_index=eoi,
     )
+    tokenizer = Tokenizer.from_file(str(folder / "tokenizer.json"))
+    tokenizer.add_special_tokens(list(IMAGE_SPECIALS))
+    assert [tokenizer.token_to_id(t) for t in IMAGE_SPECIALS] == [boi, soft, eoi]
+    tokenizer.save(str(folder / "tokenizer.json"))
+    (folder / "preprocessor_config.json").write_text(json.dumps(PREPROCESSOR))
+    return folder
 
 
 def hf_model(folder: Path):
@@ -123,3 +142,32 @@ def test_images_attend_both_ways_as_transformers(gemma3_vl: Path, max_prefill_to
         assert abs(run(llm, [(ids, causal)], 8)[0][1][0] - expected[1][0]) > 1e-3
     finally:
         llm.close()
+
+
+def test_chat_with_images_over_http_equals_transformers(gemma3_vl: Path) -> None:
+    """Gemma's chat template writes <start_of_image>; the image's run is
+    written into the text as transformers' processor writes it (its blank
+    lines merging with the template's newlines), then tokenized."""
+    import httpx
+    from transformers import AutoTokenizer
+
+    from image_fixtures import data_url, image_bytes, image_part
+    from server_harness import start_server
+    from vision_reference import reference
+
+    images = [image_bytes(80, 50, 1), image_bytes(40, 120, 2)]
+    messages = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "and"}, {"type": "image"}]}]
+    ids, tokens = reference(gemma3_vl, messages, images, 6)
+    text = AutoTokenizer.from_pretrained(gemma3_vl).decode(tokens, skip_special_tokens=True).rstrip("\ufffd")
+    server = start_server(gemma3_vl, "--dtype", "float32", "--served-model-name", "g", "--max-prefill-tokens", "16")
+    try:
+        content = [image_part(data_url(images[0])), {"type": "text", "text": "and"}, image_part(data_url(images[1]))]
+        body = {"model": "g", "max_tokens": 6, "temperature": 0, "messages": [{"role": "user", "content": content}]}
+        tokenized = httpx.post(f"{server.url}/tokenize", json={"model": "g", "messages": body["messages"]}, timeout=60)
+        assert tokenized.json()["tokens"] == ids
+        response = httpx.post(f"{server.v1}/chat/completions", json=body, timeout=120)
+        assert response.status_code == 200, response.text
+        assert response.json()["usage"]["prompt_tokens"] == len(ids)
+        assert response.json()["choices"][0]["message"]["content"].rstrip("\ufffd") == text
+    finally:
+        server.stop()

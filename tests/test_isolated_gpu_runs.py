@@ -51,7 +51,7 @@ def test_one_line_per_test_and_no_test_hides_another(tmp_path: Path) -> None:
     (tmp_path / "test_suite.py").write_text(SUITE)
     out = tmp_path / "out"
     done = subprocess.run(
-        [sys.executable, str(RUNNER), "--out", str(out), "--timeout", "4", "test_suite.py"],
+        [sys.executable, str(RUNNER), "--out", str(out), "--timeout", "10", "test_suite.py"],
         cwd=tmp_path, capture_output=True, text=True, timeout=120,
     )
     assert done.returncode == 1, done.stdout + done.stderr

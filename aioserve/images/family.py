@@ -1,8 +1,7 @@
 """A vision-language family as intake sees it: which processor outputs an
 image keeps, how many tokens it takes in the prompt and on what grid, and
-which token ids stand for it. One subclass per family (qwen_vl.py; Gemma 3
-would be the next: a fixed 256 tokens per image between its boi and eoi
-tokens, attended both ways); registry.py picks it from config.json."""
+which token ids stand for it. One subclass per family (qwen_vl.py,
+gemma3_vl.py); registry.py picks it from config.json."""
 
 from __future__ import annotations
 
@@ -42,6 +41,17 @@ class VisionFamily(ABC):
         # What a raw prompt (SGLang's /generate text) writes where an image
         # goes: what the chat template writes for one.
         self.marker = marker
+
+    @classmethod
+    def applies(cls, config: dict[str, Any]) -> bool:
+        """Whether a checkpoint of one of `architectures` takes images."""
+        return True
+
+    def rewrite_text(self, text: str) -> str:
+        """A rendered chat prompt as it is tokenized when it has images: a
+        family whose images take a fixed run of tokens writes the run into
+        the text, as its processor does (Gemma 3); others leave it."""
+        return text
 
     @classmethod
     @abstractmethod

@@ -46,9 +46,17 @@ def expand_images(
     cursor = 0
     for offset, image in zip(offsets, images):
         out += ids[cursor:offset]
+        run = [tokens.pad_id] * image.num_tokens
+        if tokens.before[-1:] == (tokens.placeholder_id,) and ids[offset + 1 : offset + 1 + len(run)] == run:
+            # The run is in place already (family.rewrite_text wrote it into the text): keep it.
+            out.append(ids[offset])
+            spans.append(ImageSpan(image, len(out), bidirectional=family.bidirectional))
+            out += run
+            cursor = offset + 1 + len(run)
+            continue
         out += tokens.before
         spans.append(ImageSpan(image, len(out), bidirectional=family.bidirectional))
-        out += [tokens.pad_id] * image.num_tokens
+        out += run
         out += tokens.after
         cursor = offset + 1
     out += ids[cursor:]

@@ -8,9 +8,10 @@ from pathlib import Path
 from typing import Any
 
 from aioserve.images.family import VisionFamily
+from aioserve.images.gemma3_vl import Gemma3Vision
 from aioserve.images.qwen_vl import QwenVL
 
-FAMILIES: tuple[type[VisionFamily], ...] = (QwenVL,)
+FAMILIES: tuple[type[VisionFamily], ...] = (QwenVL, Gemma3Vision)
 
 
 def read_config(folder: str | Path) -> dict[str, Any]:
@@ -30,4 +31,4 @@ def architecture(config: dict[str, Any]) -> str | None:
 def family_class(config: dict[str, Any]) -> type[VisionFamily] | None:
     """The family of a checkpoint that takes images (None: text only)."""
     name = architecture(config)
-    return next((family for family in FAMILIES if name in family.architectures), None)
+    return next((family for family in FAMILIES if name in family.architectures and family.applies(config)), None)

@@ -73,9 +73,12 @@ async def encode_messages(
         raise APIError(f"chat_template_kwargs may not set {', '.join(reserved)}", param="chat_template_kwargs")
     kwargs.update(extra)
 
+    # With images, the family may write each image's tokens into the text (Gemma 3).
+    rewrite = ctx.images.family.rewrite_text if refs and ctx.images is not None else None
+
     async def encode() -> list[int]:
         try:
-            return await ctx.tokenizer.encode_chat_async(messages, **kwargs)
+            return await ctx.tokenizer.encode_chat_async(messages, rewrite=rewrite, **kwargs)
         except ChatTemplateError as exc:
             blamed = "chat_template_kwargs" if exc.refused_arguments and extra else "messages"
             raise APIError(str(exc), param=blamed) from None
