@@ -23,6 +23,9 @@ from tqdm import tqdm
 
 from aioserve.config import DEMO_MODEL, EngineConfig
 from aioserve.grammar import compiler_for
+from aioserve.image_inputs import PromptImages
+from aioserve.images import MediaSettings, load_image_intake
+from aioserve.images.offline import OfflineImages
 from aioserve.output_stream import OutputStream, PromptLogprobs, TopLogprobs
 from aioserve.sampling_params import SamplingParams
 from aioserve.launch.wiring import build_scheduler
@@ -30,9 +33,13 @@ from aioserve.pooling_config import PoolerConfig, pair_text
 from aioserve.scheduler.adapters import Adapter
 from aioserve.scheduler.pooling import PooledOutput, PoolingState, embedding_vector, relevance
 from aioserve.scheduler.request import Request, RequestEvent
-from aioserve.tokenizer import Tokenizer
+from aioserve.tokenizer import Tokenizer, started_pool
 
 Prompt = str | list[int]
+# vLLM's prompt with images: {"prompt": text or "prompt_token_ids": ids,
+# "multi_modal_data": {"image": a PIL image, a URL, or a list of them}}, the
+# prompt holding the model's image marker once per image.
+MultiModalPrompt = dict[str, Any]
 # A prompt's LoRA adapter: a loaded one's name, an object with lora_name and
 # lora_path (vLLM's LoRARequest), or None for the base model.
 LoraChoice = str | Any | None
@@ -76,6 +83,7 @@ def _tp_size_option(options: dict[str, Any]) -> None:
 class LLM:
     def __init__(self, model: str = DEMO_MODEL, **engine_options: Any) -> None:
         chat_template = engine_options.pop("chat_template", None)
+        allowed_local_media_path = engine_options.pop("allowed_local_media_path", None)  # vLLM's, for file:// images
         _tp_size_option(engine_options)
         self.config = EngineConfig(model=model, **engine_options)
         self._loop = asyncio.new_event_loop()
@@ -84,23 +92,43 @@ class LLM:
         self.engine, self.scheduler = build_scheduler(self.config, on_tp_failure=self._on_tp_failure)
         self.tokenizer = Tokenizer(self.config.tokenizer or self.engine.model_path, chat_template)
         self._ids = itertools.count()
+        intake = load_image_intake(
+            self.engine.model_path, MediaSettings(allowed_local_path=allowed_local_media_path),
+            self.tokenizer.run_async, partial(started_pool, 2, "aioserve-media"), self.tokenizer.rust.token_to_id,
+        )
+        self.images = OfflineImages(intake, self._loop) if intake is not None else None
 
     def encode(self, prompt: Prompt) -> list[int]:
         return list(prompt) if isinstance(prompt, list) else self.tokenizer.encode(prompt)
 
+    def _with_images(self, prompt: Prompt | MultiModalPrompt) -> tuple[list[int], PromptImages | None]:
+        """A prompt's ids, and its images where it is vLLM's dict form."""
+        if not isinstance(prompt, dict):
+            return self.encode(prompt), None
+        ids = list(prompt["prompt_token_ids"]) if "prompt_token_ids" in prompt else self.encode(prompt["prompt"])
+        if isinstance(prompt.get("images"), PromptImages):  # a conversation's, already expanded (chat)
+            return ids, prompt["images"]
+        images = (prompt.get("multi_modal_data") or {}).get("image")
+        if images is None:
+            return ids, None
+        if self.images is None:
+            raise ValueError("this model takes text only: multi_modal_data needs a vision-language model")
+        return self.images.prompt(ids, images if isinstance(images, list) else [images])
+
     def generate(
         self,
-        prompts: Prompt | Sequence[Prompt],
+        prompts: Prompt | MultiModalPrompt | Sequence[Prompt | MultiModalPrompt],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = False,
         lora_request: LoraChoice | Sequence[LoraChoice] = None,
     ) -> list[GenerationOutput]:
-        """Generate for every prompt (text, or token ids), all batched together.
+        """Generate for every prompt (text, token ids, or vLLM's dict with
+        `multi_modal_data` images), all batched together.
         `lora_request`: the LoRA adapter of every prompt, or one per prompt
         (None: the base model): a loaded adapter's name, or an object with
         `lora_name` and `lora_path` (vLLM's LoRARequest), loaded on first use."""
         self._check_tp()
-        if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
+        if isinstance(prompts, (str, dict)) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
         if sampling_params is None or isinstance(sampling_params, SamplingParams):
             sampling_params = [sampling_params or SamplingParams()] * len(prompts)
@@ -112,7 +140,7 @@ class LLM:
         adapters = [self._adapter(choice) for choice in choices]
         bar = tqdm(total=len(prompts), desc="generating", disable=not use_tqdm)
         try:
-            outputs, requests = self._prepare(cast(Sequence[Prompt], prompts), sampling_params, bar)  # one prompt is wrapped above
+            outputs, requests = self._prepare(cast(Sequence[Prompt | MultiModalPrompt], prompts), sampling_params, bar)
         except BaseException:
             bar.close()
             raise
@@ -197,18 +225,20 @@ class LLM:
             bar.update(1)
 
     def _prepare(
-        self, prompts: Sequence[Prompt], sampling_params: Sequence[SamplingParams], bar: tqdm
+        self, prompts: Sequence[Prompt | MultiModalPrompt], sampling_params: Sequence[SamplingParams], bar: tqdm
     ) -> tuple[list[GenerationOutput], list[Request]]:
         """Encode every prompt and build its request, submitting none (the
         scheduler's submit_all checks them: bad params, an impossible prompt);
         a grammar that does not compile raises here."""
         outputs, requests = [], []
         for prompt, params in zip(prompts, sampling_params):
-            ids = self.encode(prompt)
-            output = GenerationOutput(prompt if isinstance(prompt, str) else None, ids)
+            ids, images = self._with_images(prompt)
+            text = prompt.get("prompt") if isinstance(prompt, dict) else prompt
+            output = GenerationOutput(text if isinstance(text, str) else None, ids)
             rid = f"offline-{next(self._ids)}"
             stream = OutputStream(self.tokenizer, ids, params, end_request=partial(self.scheduler.abort, rid, "stop"))
-            request = Request(rid, ids, params, sink=self._sink(stream, output, bar), grammar=self._grammar(params))
+            request = Request(rid, ids, params, sink=self._sink(stream, output, bar), grammar=self._grammar(params),
+                              images=images)
             outputs.append(output)
             requests.append(request)
         return outputs, requests
@@ -281,14 +311,28 @@ class LLM:
     def chat(
         self, conversations: list[list[dict[str, Any]]], sampling_params: SamplingParams | None = None
     ) -> list[GenerationOutput]:
-        """Apply the chat template to each conversation, then generate."""
-        return self.generate([self.tokenizer.encode_chat(c) for c in conversations], sampling_params)
+        """Apply the chat template to each conversation, then generate. A
+        vision-language model takes image parts (`image_url` with a URL or a
+        data URL, `image_pil` with a PIL image)."""
+        if self.images is None:
+            return self.generate([self.tokenizer.encode_chat(c) for c in conversations], sampling_params)
+        encode = self._encode_conversation
+        prompts: list[MultiModalPrompt] = []
+        for conversation in conversations:
+            ids, images = self.images.chat(conversation, encode)
+            prompts.append({"prompt_token_ids": ids, "images": images})
+        return self.generate(cast(Any, prompts), sampling_params)
+
+    def _encode_conversation(self, messages: list[dict[str, Any]], rewrite: Callable[[str], str] | None) -> list[int]:
+        return self.tokenizer.encode_chat(messages, rewrite=rewrite)
 
     @property
     def stats(self):
         return self.scheduler.stats
 
     def close(self) -> None:
+        if self.images is not None:
+            self.images.intake.shutdown()
         self.scheduler.shutdown()
         self.tokenizer.shutdown()
         self._loop.close()

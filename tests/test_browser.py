@@ -200,3 +200,44 @@ def test_stats_after_a_failure_and_after_one_token(page: Page, chat_server: Runn
     expect(page.locator("#send")).to_be_enabled()
     expect(page.locator("#stats")).to_have_text(re.compile(r"^1 token · – tokens/s · time to first token \d+ ms$"))
     expect(page.locator("#mode")).to_be_hidden()
+
+
+def test_an_attached_image_goes_with_the_prompt(page: Page, tmp_path: Path) -> None:
+    """A vision-language model: the page offers to attach images (the file
+    picker; dropping works alike), shows them in the user's turn, sends them
+    as data URLs in image_url parts, and the reply equals the API's for the
+    same image and text; the next turn keeps the image in the history."""
+    import sys
+
+    sys.path.insert(0, str(Path(__file__).parent))
+    from image_fixtures import data_url, image_bytes, image_part
+    from vision_checkpoints import write_qwen2_5_vl
+
+    checkpoint = write_qwen2_5_vl(tmp_path / "qwen-vl")
+    picture = tmp_path / "picture.png"
+    picture.write_bytes(image_bytes(60, 90, 1))
+    server = start_server(checkpoint, "--dtype", "float32", "--served-model-name", "vl")
+    try:
+        page.goto(server.url)
+        expect(page.locator("#model")).to_have_text("vl")
+        expect(page.locator("#attach")).to_be_visible()
+        page.set_input_files("#image-file", str(picture))
+        expect(page.locator("#attachments img")).to_have_count(1)
+        send(page, "What is this?", max_tokens=8, temperature=0)
+        expect(page.locator("#send")).to_be_enabled()
+        expect(page.locator("#attachments")).to_be_hidden()
+        assert page.locator(".turn.user img").count() == 1
+        client = openai.OpenAI(base_url=server.v1, api_key="unused", max_retries=0)
+        messages = [{"role": "user", "content": [image_part(data_url(picture.read_bytes())),
+                                                 {"type": "text", "text": "What is this?"}]}]
+        expected = client.chat.completions.create(model="vl", messages=messages, max_tokens=8,  # type: ignore[arg-type]
+                                                  temperature=0).choices[0].message.content
+        assert page.locator(".turn.reply .text").last.text_content() == expected
+        send(page, "and?", max_tokens=8, temperature=0)
+        expect(page.locator("#send")).to_be_enabled()
+        messages += [{"role": "assistant", "content": expected}, {"role": "user", "content": "and?"}]
+        again = client.chat.completions.create(model="vl", messages=messages, max_tokens=8,  # type: ignore[arg-type]
+                                               temperature=0).choices[0].message.content
+        assert page.locator(".turn.reply .text").last.text_content() == again
+    finally:
+        server.stop()

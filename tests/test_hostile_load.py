@@ -716,8 +716,9 @@ def long_context_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def test_n_copies_of_a_long_prompt_keep_health_fast(long_context_model: Path) -> None:
-    """A 24k-token prompt prefilled 64 tokens a step is a chain of 375
-    nodes in the prefix cache; then n=64 of it (and one token more, so that
+    """A 12k-token prompt prefilled 32 tokens a step is a chain of 375
+    nodes in the prefix cache (what a 24k one is at 64 a step, for a quarter
+    of the attention's work); then n=64 of it (and one token more, so that
     all 64 are admitted in one step) walk that chain at admission, as they
     share their pages and at release. A walk that copied the prompt at every node held the
     loop about a second a step (2.4 s with n=128 of a 32k-token prompt); one
@@ -725,8 +726,8 @@ def test_n_copies_of_a_long_prompt_keep_health_fast(long_context_model: Path) ->
     wider than the module's: this test probes for seconds on a shared 2-core
     machine.)"""
     server = start_server(long_context_model, "--load-format", "dummy", "--device", "cpu", "--page-size", "16",
-                          "--max-prefill-tokens", "64")
-    prompt = [276] * 24_000
+                          "--max-prefill-tokens", "32")
+    prompt = [276] * 12_000
     url = f"{server.v1}/completions"
     try:
         assert httpx.post(url, json={"prompt": prompt, "max_tokens": 1}, timeout=300).status_code == 200

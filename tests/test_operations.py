@@ -276,7 +276,7 @@ def test_full_queue_gets_429_with_retry_after(wide_model: Path) -> None:
         "--max-waiting-requests", "1",
     )
     try:
-        body = {"prompt": [5] * 8, "max_tokens": 300, "ignore_eos": True}
+        body = {"prompt": [5] * 8, "max_tokens": 120, "ignore_eos": True}
         results: list[int] = []
         threads = [
             threading.Thread(target=lambda: results.append(httpx.post(f"{server.v1}/completions", json=body, timeout=300).status_code))

@@ -181,3 +181,33 @@ def test_a_broken_image_is_a_400_and_the_server_serves_on(server: Any) -> None:
     assert httpx.get(f"{server.url}/health", timeout=10).status_code == 200
     assert chat(server, "square", "still there?")["choices"][0]["finish_reason"] in ("stop", "length")
     assert server.wait_idle(timeout=30)["running"] == 0
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_offline_chat_and_generate_take_images(checkpoint: Path, tp: int) -> None:
+    """LLM.chat with image parts (a data URL, vLLM's image_pil), and vLLM's
+    multi_modal_data beside a prompt holding the marker; under --tp 2 the
+    plan carries the images to the follower, which encodes them too."""
+    from transformers import AutoTokenizer
+
+    from aioserve import LLM, SamplingParams
+    from vision_reference import pil
+
+    ids, text = expected(checkpoint, "square", "What is in the picture?", "strip")
+    params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0)
+    llm = LLM(str(checkpoint), dtype="float32", tp=tp, max_prefill_tokens=32)
+    try:
+        conversation = [{"role": "user", "content": [
+            image_part(data_url(IMAGES["square"])), {"type": "text", "text": "What is in the picture?"},
+            {"type": "image_pil", "image_pil": pil(IMAGES["strip"])},
+        ]}]
+        out = llm.chat([conversation], params)[0]
+        assert out.prompt_token_ids == ids and out.text.rstrip("\ufffd") == text
+        prompt = AutoTokenizer.from_pretrained(checkpoint).decode(ids).replace("<|image_pad|>", "")
+        marker = "<|vision_start|><|vision_end|>"
+        prompt = prompt.replace(marker, "<|vision_start|><|image_pad|><|vision_end|>")
+        out = llm.generate({"prompt": prompt, "multi_modal_data": {"image": [pil(IMAGES["square"]), pil(IMAGES["strip"])]}},
+                           params)[0]
+        assert out.prompt_token_ids == ids and out.text.rstrip("\ufffd") == text
+    finally:
+        llm.close()

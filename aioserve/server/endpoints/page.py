@@ -39,11 +39,14 @@ async def chat_page(request: Request) -> Response:
 
 
 async def page_config(request: Request) -> Response:
-    """Whether the model has a chat template: the page picks chat or plain
-    completion up front instead of learning it from a refused chat request.
-    Behind the API key, like the API."""
+    """Whether the model has a chat template (the page picks chat or plain
+    completion up front instead of learning it from a refused chat request)
+    and takes images (the page offers to attach them). Behind the API key,
+    like the API."""
     ctx = request.app.state.ctx
-    return JSONResponse({"model": ctx.model_name, "chat_template": ctx.tokenizer.has_chat_template})
+    return JSONResponse({
+        "model": ctx.model_name, "chat_template": ctx.tokenizer.has_chat_template, "images": ctx.images is not None,
+    })
 
 
 class _StaticFiles(StaticFiles):

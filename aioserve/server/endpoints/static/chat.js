@@ -1,7 +1,9 @@
 // The aioserve chat page. Streams a reply from /v1/chat/completions over
 // server-sent events (fetch + ReadableStream), or from /v1/completions for a
 // model without a chat template (GET /page-config says which, up front). Model text reaches the page only as Text
-// nodes (append of a string, appendData, textContent): never as markup.
+// nodes (append of a string, appendData, textContent): never as markup. For a
+// model that takes images, the user's own images (attached or dropped) go
+// with the next prompt as data URLs in image_url parts.
 "use strict";
 
 const KEY_STORAGE = "aioserve.apiKey"; // sessionStorage: forgotten when the tab closes
@@ -15,6 +17,8 @@ const state = {
   mode: "chat",       // "completion" when the server says the model has no chat template
   history: [],        // chat mode: the conversation so far, as OpenAI messages
   controller: null,   // the AbortController of the request under way
+  takesImages: false, // the model reads images (GET /page-config)
+  images: [],         // data URLs of the images attached to the next prompt
 };
 
 // ---- talking to the server -------------------------------------------------
@@ -48,7 +52,14 @@ function numberFrom(input, fallback, parse) {
   return Number.isFinite(value) && value >= 0 ? value : fallback;
 }
 
-function requestFor(mode, text) {
+// The user turn's content: the text, or with images attached a list of
+// image_url parts and the text part (OpenAI's chat form).
+function userContent(text, images) {
+  if (!images.length) return text;
+  return [...images.map((url) => ({ type: "image_url", image_url: { url } })), { type: "text", text }];
+}
+
+function requestFor(mode, text, images = []) {
   const body = {
     model: state.model ?? undefined,
     stream: true,
@@ -57,13 +68,14 @@ function requestFor(mode, text) {
     temperature: numberFrom($("temperature"), DEFAULT_TEMPERATURE, parseFloat),
   };
   if (mode === "chat") {
-    return ["/v1/chat/completions", { ...body, messages: [...state.history, { role: "user", content: text }] }];
+    const messages = [...state.history, { role: "user", content: userContent(text, images) }];
+    return ["/v1/chat/completions", { ...body, messages }];
   }
   return ["/v1/completions", { ...body, prompt: text }];
 }
 
-function post(mode, text, signal) {
-  const [path, body] = requestFor(mode, text);
+function post(mode, text, signal, images = []) {
+  const [path, body] = requestFor(mode, text, images);
   return fetch(path, { method: "POST", headers: headers(), body: JSON.stringify(body), signal });
 }
 
@@ -117,7 +129,50 @@ async function loadModel() {
 async function loadMode() {
   const response = await fetch("/page-config", { headers: headers() });
   if (!response.ok) return; // an older server: the 400 fallback in send() decides
-  setMode((await response.json()).chat_template ? "chat" : "completion");
+  const config = await response.json();
+  setMode(config.chat_template ? "chat" : "completion");
+  state.takesImages = Boolean(config.images) && config.chat_template;
+  $("attach").hidden = !state.takesImages;
+}
+
+// ---- images --------------------------------------------------------------------
+
+function readAsDataURL(file) {
+  return new Promise((resolve, reject) => {
+    const reader = new FileReader();
+    reader.onload = () => resolve(reader.result);
+    reader.onerror = () => reject(reader.error);
+    reader.readAsDataURL(file);
+  });
+}
+
+async function attach(files) {
+  if (!state.takesImages) return;
+  for (const file of files) {
+    if (file.type.startsWith("image/")) state.images.push(await readAsDataURL(file));
+  }
+  showAttachments();
+}
+
+function thumbnail(url, title) {
+  const img = document.createElement("img");
+  img.src = url; // the user's own file, as a data URL: nothing the model wrote
+  img.alt = title;
+  return img;
+}
+
+// The images waiting for the next prompt; clicking one drops it.
+function showAttachments() {
+  const box = $("attachments");
+  box.replaceChildren(...state.images.map((url, i) => {
+    const img = thumbnail(url, `image ${i + 1} (click to remove)`);
+    img.addEventListener("click", () => {
+      state.images.splice(i, 1);
+      showAttachments();
+    });
+    return img;
+  }));
+  box.hidden = state.images.length === 0;
 }
 
 // ---- the page ----------------------------------------------------------------
@@ -198,7 +253,10 @@ const FINISH_NOTES = {
 };
 
 async function send(text) {
-  addTurn("user", text);
+  const images = state.mode === "chat" ? state.images.splice(0) : [];
+  showAttachments();
+  const userTurn = addTurn("user");
+  userTurn.append(...images.map((url, i) => thumbnail(url, `image ${i + 1}`)), text);
   const turn = addTurn("reply streaming");
   // A completion continues the prompt ("Once upon a time" -> ", there was"):
   // the reply shows the prompt before it, so it reads as the whole text.
@@ -221,7 +279,7 @@ async function send(text) {
   let replyMode = mode;
   let finish = null;
   try {
-    let response = await post(mode, text, controller.signal);
+    let response = await post(mode, text, controller.signal, images);
     if (mode === "chat" && response.status === 400) {
       const error = await readError(response);
       if (!isMissingTemplate(error)) throw new Error(error.message);
@@ -260,7 +318,7 @@ async function send(text) {
     $("stats").textContent = stats.toString();
     // turn.isConnected: "New chat" during the reply has already dropped it.
     if (replyMode === "chat" && output.data && turn.isConnected) {
-      state.history.push({ role: "user", content: text }, { role: "assistant", content: output.data });
+      state.history.push({ role: "user", content: userContent(text, images) }, { role: "assistant", content: output.data });
     }
   }
 }
@@ -287,11 +345,31 @@ function init() {
       $("composer").requestSubmit();
     }
   });
+  $("attach").addEventListener("click", () => $("image-file").click());
+  $("image-file").addEventListener("change", async (event) => {
+    await attach(event.target.files);
+    event.target.value = ""; // the same file may be picked again
+  });
+  const composer = $("composer");
+  composer.addEventListener("dragover", (event) => {
+    if (!state.takesImages) return;
+    event.preventDefault();
+    composer.classList.add("dropping");
+  });
+  composer.addEventListener("dragleave", () => composer.classList.remove("dropping"));
+  composer.addEventListener("drop", (event) => {
+    composer.classList.remove("dropping");
+    if (!state.takesImages) return;
+    event.preventDefault();
+    attach(event.dataTransfer.files);
+  });
   // Aborting the fetch closes the connection; the server aborts the request at once.
   $("stop").addEventListener("click", () => state.controller?.abort());
   $("clear").addEventListener("click", () => {
     state.controller?.abort();
     state.history = [];
+    state.images = [];
+    showAttachments();
     $("transcript").replaceChildren();
     $("stats").textContent = "—";
   });
