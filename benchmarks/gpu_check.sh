@@ -299,7 +299,7 @@ phase_tests() {
 # CUDA_LAUNCH_BLOCKING=1; the Qwen3-0.6B figures only if time is left.
 GPU_TEST_FILES=(tests/test_gpu.py tests/test_gpu_fast_path.py tests/test_fp8_kv_cache.py tests/test_fp8_block_gemm.py
     tests/test_fp8_checkpoints.py tests/test_compressed_tensors.py tests/test_flashinfer_moe.py tests/test_speculative.py
-    tests/test_gpu_pooling.py tests/test_gpu_lora.py)
+    tests/test_gpu_pooling.py tests/test_gpu_lora.py tests/test_gpu_vision.py)
 phase_proof() {
     step install 240 bash -c install_wheels
     step kernels 60 bash -c install_kernels

@@ -31,16 +31,20 @@ PREPROCESSOR = {
 
 @pytest.fixture(scope="module")
 def gemma3_vl(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return gemma3_vl_folder(tmp_path_factory.mktemp("gemma3-vl"))
+
+
+def gemma3_vl_folder(root: Path, text_overrides: dict | None = None) -> Path:
     """The tiny wrapper with a two-layer 56x56 tower, 4 tokens per image, and
     the image specials added to its tokenizer (in the embedding's spare rows)."""
     from tokenizers import Tokenizer
 
-    folder = tmp_path_factory.mktemp("gemma3-vl") / "gemma3-vl"
-    probe = build_gemma3_multimodal(folder.parent / "probe")
+    folder = root / "gemma3-vl"
+    probe = build_gemma3_multimodal(root / "probe")
     size = Tokenizer.from_file(str(probe / "tokenizer.json")).get_vocab_size()
     boi, soft, eoi = size, size + 1, size + 2
     build_gemma3_multimodal(
-        folder, vision_overrides={"image_size": 56, "num_hidden_layers": 2},
+        folder, text_overrides=text_overrides, vision_overrides={"image_size": 56, "num_hidden_layers": 2},
         mm_tokens_per_image=TOKENS, image_token_index=soft, boi_token_index=boi, eoi_token_index=eoi,
     )
     tokenizer = Tokenizer.from_file(str(folder / "tokenizer.json"))

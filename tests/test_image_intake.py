@@ -397,6 +397,13 @@ def test_a_text_model_folder_has_no_intake(tmp_path: Path, tokenizer: Tokenizer)
                              tokenizer.rust.token_to_id) is None
 
 
+def test_a_vision_folder_without_its_processor_serves_text_only(tmp_path: Path, tokenizer: Tokenizer) -> None:
+    """Copied without preprocessor_config.json: text still serves (logged), images are refused."""
+    (tmp_path / "config.json").write_text('{"architectures": ["Qwen2_5_VLForConditionalGeneration"]}')
+    assert load_image_intake(tmp_path, MediaSettings(), tokenizer.run_async, ThreadPoolExecutor,
+                             tokenizer.rust.token_to_id) is None
+
+
 # -- the async intake: every image at once, off the loop -----------------------------------------
 
 

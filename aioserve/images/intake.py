@@ -129,13 +129,20 @@ def load_image_intake(
     token_id: TokenLookup,
 ) -> ImageIntake | None:
     """The intake of the checkpoint in `folder`, or None when it takes text
-    only (its architecture is no vision-language family's). `media_pool`
+    only (its architecture is no vision-language family's, or its folder has
+    no image processor's config: logged). `media_pool`
     makes the threads that read images (only for a model that takes them).
     A vision-language checkpoint without a usable image processor cannot
     be served with images: a ConfigError."""
     config = read_config(folder)
     family_type = family_class(config)
     if family_type is None:
+        return None
+    if not (Path(folder) / "preprocessor_config.json").is_file():
+        # Its text still serves (a folder copied without the processor's file):
+        # image parts are then refused as for a text model.
+        logger.warning("%s is a %s checkpoint without a preprocessor_config.json: serving text only, images refused",
+                       folder, family_type.name)
         return None
     try:
         family = family_type.from_config(config, token_id)
