@@ -1,4 +1,4 @@
-"""Qwen2-VL and Qwen2.5-VL: an image is the processor's patches
+"""Qwen2.5-VL: an image is the processor's patches
 (pixel_values [patches, C*T*P*P]) and its patch grid (image_grid_thw
 [1, 3]); the vision encoder merges merge x merge patches into one token,
 so it takes t*h*w / merge^2 <|image_pad|> tokens, on a (t, h/merge,
@@ -19,7 +19,7 @@ MARKER = "<|vision_start|><|image_pad|><|vision_end|>"
 
 class QwenVL(VisionFamily):
     name = "Qwen2.5-VL"
-    architectures = frozenset({"Qwen2_5_VLForConditionalGeneration", "Qwen2VLForConditionalGeneration"})
+    architectures = frozenset({"Qwen2_5_VLForConditionalGeneration"})  # (Qwen2-VL's tower differs: not served)
     tensor_names = ("pixel_values", "image_grid_thw")
     mrope = True
 
