@@ -407,7 +407,14 @@ phase_bench_families() {
     offline qwen3-fp8 .gpu_models/qwen3-fp8
     offline llama8b-fp8 .gpu_models/llama3-8b-fp8
     roofline llama8b-fp8 .gpu_models/llama3-8b-fp8
+    # Images (issue 43): the Qwen2.5-VL-3B shape's encoder rate and time to first token, fresh and cached.
+    step vision-qwen2.5-vl-3b 240 bash -c vision_run
 }
+
+vision_run() {
+    "$PY" benchmarks/vision.py --shape qwen2.5-vl-3b --dtype bfloat16 >"$RESULTS/vision-qwen2.5-vl-3b.md"
+}
+export -f vision_run
 
 phase_bench_8b() {
     ensure_ready

@@ -323,3 +323,15 @@ def test_tp2_equals_tp1_with_the_tower_replicated(checkpoint: Path, hf: Any) -> 
         llm.close()
     for mine, theirs in zip(got, expected, strict=True):
         torch.testing.assert_close(mine, theirs, atol=1e-5, rtol=1e-5)
+
+
+def test_the_tower_computes_as_the_engine_does(checkpoint: Path) -> None:
+    """bf16 weights on a CPU whose half math is float32 (no AVX512-BF16, no
+    AMX): the tower is widened to float32 (a bf16 linear through torch ran
+    4.6x slower there); where the CPU has the units it stays bf16. Its
+    embeddings always come out in the decoder's embedding dtype."""
+    engine = Engine(EngineConfig(model=str(checkpoint), dtype="bfloat16", device="cpu"))
+    tower = next(engine.model.visual.parameters()).dtype
+    assert tower == (torch.float32 if engine.dtype == torch.float32 else torch.bfloat16)
+    out = engine.model.encode_images([t.tensors for t in processed(checkpoint, [(56, 84)])])
+    assert out[0].dtype == engine.model.embed_tokens.weight.dtype

@@ -84,6 +84,10 @@ class VisionLanguageModel(CausalLM, Protocol):
         model's dtype, from its processor's tensors (image_inputs.ProcessedImage.tensors,
         on the model's device); one encoder pass over them all."""
 
+    def vision_modules(self) -> list[nn.Module]:
+        """The vision tower and its projector: they compute in their weights'
+        dtype (the engine may widen them where half math is slow)."""
+
     def __call__(
         self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
         image_embeds: ImageEmbeds | None = None,

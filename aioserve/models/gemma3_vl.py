@@ -65,6 +65,9 @@ class Gemma3ForConditionalGeneration(Gemma3ForCausalLM):
         self.vision_tower = SiglipVisionModel(vision)
         self.multi_modal_projector = Gemma3MultiModalProjector(vision, config.hidden_size, self.tokens_per_image)
 
+    def vision_modules(self) -> list[nn.Module]:
+        return [self.vision_tower, self.multi_modal_projector]
+
     def encode_images(self, images: Sequence[dict[str, torch.Tensor]]) -> list[torch.Tensor]:
         """Each image's 256 soft tokens [256, hidden] in the decoder's dtype:
         one tower pass over all crops of the call."""

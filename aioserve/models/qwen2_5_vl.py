@@ -19,6 +19,7 @@ import logging
 from collections.abc import Sequence
 
 import torch
+from torch import nn
 
 from aioserve.models.model_config import ModelConfig
 from aioserve.models.qwen2 import Qwen2ForCausalLM
@@ -55,6 +56,9 @@ class Qwen2_5_VLForConditionalGeneration(Qwen2ForCausalLM):
             if name.startswith(prefix):
                 return replacement + name[len(prefix):]
         return name
+
+    def vision_modules(self) -> list[nn.Module]:
+        return [self.visual]
 
     def encode_images(self, images: Sequence[dict[str, torch.Tensor]]) -> list[torch.Tensor]:
         """Each image's placeholder embeddings [tokens, hidden] in the
