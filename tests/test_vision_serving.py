@@ -179,6 +179,7 @@ def test_a_broken_image_is_a_400_and_the_server_serves_on(server: Any) -> None:
     error = response.json()["error"]
     assert error["param"] == "messages.0.content.1.image_url" and error["type"] == "invalid_request_error"
     assert httpx.get(f"{server.url}/health", timeout=10).status_code == 200
+    assert httpx.get(f"{server.url}/get_model_info", timeout=10).json()["has_image_understanding"] is True
     assert chat(server, "square", "still there?")["choices"][0]["finish_reason"] in ("stop", "length")
     assert server.wait_idle(timeout=30)["running"] == 0
 

@@ -80,7 +80,7 @@ async def model_info(request: Request) -> Response:
             is_generation=True,
             preferred_sampling_params=None,
             weight_version="default",
-            has_image_understanding=False,
+            has_image_understanding=ctx.images is not None,
             has_audio_understanding=False,
             architectures=architectures(ctx),
             max_context_length=ctx.max_model_len,
