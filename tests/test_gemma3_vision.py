@@ -175,3 +175,16 @@ def test_chat_with_images_over_http_equals_transformers(gemma3_vl: Path) -> None
         assert response.json()["choices"][0]["message"]["content"].rstrip("\ufffd") == text
     finally:
         server.stop()
+
+
+def test_pan_and_scan_is_turned_off() -> None:
+    """A processor that would cut a large image into extra crops (each 256
+    tokens more than the prompt was laid out for) is set to one crop."""
+    from types import SimpleNamespace
+
+    from aioserve.images.family import ImageTokens
+    from aioserve.images.gemma3_vl import Gemma3Vision
+
+    processor = SimpleNamespace(do_pan_and_scan=True)
+    Gemma3Vision(ImageTokens(1, 2, (1,), (3,)), TOKENS).configure_processor(processor)
+    assert processor.do_pan_and_scan is False

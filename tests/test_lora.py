@@ -213,6 +213,9 @@ def test_openai_client_selects_adapters_by_model(server: Any, setup: dict[str, A
     base = _served(server)
     assert set(models) == {base, "full", "q-rslora"}
     assert models["full"].model_extra["parent"] == base and models[base].model_extra["parent"] is None
+    lora = httpx.get(f"{server.url}/server_info", timeout=10).json()["lora"]
+    assert (lora["max_loras"], lora["max_lora_rank"], lora["max_cpu_loras"]) == (2, 16, None)
+    assert set(lora["adapters"]) == {"full", "q-rslora"}
     for name in (base, "full", "q-rslora"):
         out = client.completions.create(model=name, prompt=PROMPTS[0], max_tokens=MAX_TOKENS, temperature=0,
                                         extra_body={"ignore_eos": True})

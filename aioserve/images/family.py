@@ -47,6 +47,10 @@ class VisionFamily(ABC):
         """Whether a checkpoint of one of `architectures` takes images."""
         return True
 
+    def configure_processor(self, hf_processor: Any) -> None:
+        """Settle the checkpoint's processor to what the model is served with
+        (Gemma 3: one crop per image)."""
+
     def rewrite_text(self, text: str) -> str:
         """A rendered chat prompt as it is tokenized when it has images: a
         family whose images take a fixed run of tokens writes the run into

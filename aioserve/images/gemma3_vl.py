@@ -44,6 +44,12 @@ class Gemma3Vision(VisionFamily):
         count = int(config.get("mm_tokens_per_image", 256))
         return cls(ImageTokens(placeholder_id=start, pad_id=soft, before=(start,), after=(end,)), count)
 
+    def configure_processor(self, hf_processor: Any) -> None:
+        # Pan-and-scan (extra crops of a large image, each 256 tokens more) is
+        # not served: a checkpoint's processor that turns it on is turned off.
+        if getattr(hf_processor, "do_pan_and_scan", False):
+            hf_processor.do_pan_and_scan = False
+
     def measure(self, tensors: dict[str, torch.Tensor]) -> tuple[int, tuple[int, int, int]]:
         crops = tensors["pixel_values"].reshape(-1, *tensors["pixel_values"].shape[-3:]).shape[0]
         if crops != 1:  # pan-and-scan is off: one crop per image

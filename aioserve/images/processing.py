@@ -35,6 +35,7 @@ class ImageProcessor:
     def __init__(self, hf_processor: Any, family: VisionFamily) -> None:
         self.hf = hf_processor
         self.family = family
+        family.configure_processor(hf_processor)
         merge = getattr(hf_processor, "merge_size", None)
         expected = getattr(family, "merge", None)
         if merge is not None and expected is not None and merge != expected:

@@ -23,6 +23,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from aioserve.batch_plan import AdapterLoad
+from aioserve.lora_config import AdapterError
 
 logger = logging.getLogger(__name__)
 
@@ -54,9 +55,13 @@ class AdapterTable:
     def new_id(self) -> int:
         return next(self._ids)
 
-    def register(self, adapter_id: int, name: str, path: str) -> Adapter:
+    def check_free(self, name: str) -> None:
+        """AdapterError (a 400) when an adapter of that name is loaded."""
         if name in self.by_name:
-            raise ValueError(f"a LoRA adapter named `{name}` is already loaded")
+            raise AdapterError(f"a LoRA adapter named `{name}` is already loaded")
+
+    def register(self, adapter_id: int, name: str, path: str) -> Adapter:
+        self.check_free(name)
         adapter = self.by_name[name] = Adapter(adapter_id, name, path)
         return adapter
 

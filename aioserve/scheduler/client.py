@@ -21,6 +21,8 @@ class LoraInfo:
     """LoRA serving's state: adapters by name, requests under each, slots."""
 
     max_loras: int
+    max_lora_rank: int  # the slots' rank (--max-lora-rank)
+    max_cpu_loras: int | None  # adapters kept read in host memory (None: all)
     adapters: dict[str, str]  # name -> folder, of the loaded ones
     running: dict[str, int]  # adapter name -> running requests under it
     waiting: dict[str, int]

@@ -77,7 +77,7 @@ class Scheduler:
         # step ~30 -> ~45 ms).
         with this_thread_single_threaded():
             self.kv = self._new_kv()
-        lora = resolve_lora(config)
+        lora = self.lora = resolve_lora(config)
         self.adapters: AdapterTable | None = None
         if lora is not None:
             assert facts.read_adapter is not None and facts.forget_adapter is not None
@@ -173,8 +173,7 @@ class Scheduler:
     def load_adapter_now(self, name: str, path: str) -> Adapter:
         """Read and register an adapter on this thread (the ones named at start)."""
         table = self._adapter_table()
-        if name in table.by_name:
-            raise AdapterError(f"a LoRA adapter named `{name}` is already loaded")
+        table.check_free(name)
         adapter_id = table.new_id()
         assert self.facts.read_adapter is not None
         self.facts.read_adapter(adapter_id, path)
@@ -184,16 +183,16 @@ class Scheduler:
         """Read and check an adapter off the event loop, then register it:
         AdapterError (a 400) for a name in use or an adapter not servable."""
         table = self._adapter_table()
-        if name in table.by_name:
-            raise AdapterError(f"a LoRA adapter named `{name}` is already loaded")
+        table.check_free(name)
         adapter_id = table.new_id()
         assert self.facts.read_adapter is not None
         await asyncio.to_thread(_single_threaded, self.facts.read_adapter, adapter_id, path)
-        if name in table.by_name:  # loaded meanwhile by another call
+        try:
+            adapter = table.register(adapter_id, name, path)
+        except AdapterError:  # loaded meanwhile by another call: this read goes
             assert self.facts.forget_adapter is not None
             self.facts.forget_adapter(adapter_id)
-            raise AdapterError(f"a LoRA adapter named `{name}` is already loaded")
-        adapter = table.register(adapter_id, name, path)
+            raise
         logger.info("LoRA adapter `%s` loaded from %s", name, path)
         return adapter
 
@@ -342,8 +341,9 @@ class Scheduler:
         def per_adapter(requests: Iterable[Request]) -> dict[str, int]:
             return dict(Counter(r.adapter.name for r in requests if r.adapter is not None))
 
+        assert self.lora is not None  # set with the table
         return LoraInfo(
-            max_loras=table.max_loras,
+            max_loras=table.max_loras, max_lora_rank=self.lora.max_lora_rank, max_cpu_loras=self.lora.max_cpu_loras,
             adapters={name: adapter.path for name, adapter in table.by_name.items()},
             running=per_adapter(self.running), waiting=per_adapter(self.waiting),
             slots_in_use=table.slots_in_use, evictions=table.evictions,
