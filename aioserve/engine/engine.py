@@ -105,8 +105,9 @@ class Engine:
         self.previous = PreviousStepTokens(self.device)  # fills the next plan's placeholders
         # What every rank holds (gathered from all of them; equal on every rank).
         self.tp_layout = gather_layout(self)
-        logger.info("%s; KV pool: %d pages x %d = %d tokens", describe(loaded), self.num_pages,
-                    self.page_size, self.kv_capacity_tokens)
+        pool_mib = self.pool.buffer.numel() * self.pool.buffer.element_size() / 2**20
+        logger.info("%s; KV pool: %d pages x %d = %d tokens (%.0f MiB)", describe(loaded), self.num_pages,
+                    self.page_size, self.kv_capacity_tokens, pool_mib)
         if self.tp.size > 1 and self.tp.is_leader:
             for line in layout_lines(self.tp_layout):
                 logger.info("tensor parallel: %s", line)

@@ -161,7 +161,10 @@ class PlanBuilder:
         for i, (entry, start, end) in enumerate(zip(self.entries, self.starts, seq_lens)):
             pages = entry.kv.pages
             explicit = self.explicit_positions.get(i)
-            positions += range(start, end) if explicit is None else (explicit if explicit.dim() == 1 else explicit[0]).tolist()
+            if explicit is None:
+                positions += range(start, end)
+            else:  # an M-RoPE request's own (three rows: the first here, all three in _mrope_rows)
+                positions += (explicit if explicit.dim() == 1 else explicit[0]).tolist()
             for index in range(start // ps, (end - 1) // ps + 1):
                 base = pages[index] * ps
                 out_cache_loc += range(base + max(start - index * ps, 0), base + min(end - index * ps, ps))
