@@ -93,14 +93,19 @@ def _write_tokenizer(folder: Path) -> dict[str, int]:
 
 
 def _write_image_processor(folder: Path) -> None:
-    from transformers import Qwen2VLImageProcessorPil
-
-    Qwen2VLImageProcessorPil(min_pixels=MIN_PIXELS, max_pixels=MAX_PIXELS).save_pretrained(folder)
-    # The published files' keys beside transformers 5's `size`, for readers of either.
-    path = folder / "preprocessor_config.json"
-    config = json.loads(path.read_text())
-    config.update(min_pixels=MIN_PIXELS, max_pixels=MAX_PIXELS, processor_class="Qwen2_5_VLProcessor")
-    path.write_text(json.dumps(config, indent=2))
+    """preprocessor_config.json as published (min_pixels, max_pixels) with
+    transformers 5's `size` beside them: written out, not by a processor
+    class, so any transformers that serves Qwen2.5-VL reads it (the GPU
+    machine's is another version than this one's)."""
+    config = {
+        "image_processor_type": "Qwen2VLImageProcessor", "processor_class": "Qwen2_5_VLProcessor",
+        "min_pixels": MIN_PIXELS, "max_pixels": MAX_PIXELS,
+        "size": {"shortest_edge": MIN_PIXELS, "longest_edge": MAX_PIXELS},
+        "patch_size": 14, "merge_size": 2, "temporal_patch_size": 2, "do_resize": True, "do_rescale": True,
+        "rescale_factor": 1 / 255, "do_normalize": True, "do_convert_rgb": True, "resample": 3,
+        "image_mean": [0.48145466, 0.4578275, 0.40821073], "image_std": [0.26862954, 0.26130258, 0.27577711],
+    }
+    (folder / "preprocessor_config.json").write_text(json.dumps(config, indent=2))
 
 
 def write_qwen2_5_vl(folder: Path, seed: int = 0, **overrides: Any) -> Path:
