@@ -28,7 +28,10 @@ def load_hf_image_processor(folder: str | Path) -> Any:
 
         major = int(transformers.__version__.split(".")[0])
         form: dict[str, Any] = {"backend": "pil"} if major >= 5 else {"use_fast": False}
-        return AutoImageProcessor.from_pretrained(str(folder), **form)
+        try:
+            return AutoImageProcessor.from_pretrained(str(folder), **form)
+        except (TypeError, ValueError):  # a transformers 5 from before the `backend` argument
+            return AutoImageProcessor.from_pretrained(str(folder), use_fast=False)
 
 
 class ImageProcessor:
