@@ -106,6 +106,21 @@ def test_penalties_and_bias_follow_their_definitions() -> None:
     assert logits.tolist() == [[1.0, -1.0, 2.0, 0.5]], "the raw logits must stay untouched"
 
 
+def test_a_masked_token_stays_masked_under_a_vanishing_repetition_penalty() -> None:
+    """min_tokens' -inf on a seen EOS, and repetition_penalty 5e-324 (a
+    positive float64, 0 in float32): -inf * 0 was NaN and the row failed
+    (a 500, found by tests/test_fuzz.py). The row samples; EOS stays out."""
+    logits = torch.tensor([[1.0, -1.0, 0.0, 0.5]])
+    st = tensors(
+        1, repetition=torch.tensor([5e-324]), seen_rows=torch.tensor([0, 0, 0]), seen_token_ids=torch.tensor([0, 1, 3]),
+        bias_rows=torch.tensor([0]), bias_token_ids=torch.tensor([3]), bias_values=torch.tensor([float("-inf")]),
+    )
+    adjusted = adjust_logits(logits, st)[0]
+    assert adjusted[3] == float("-inf") and not adjusted.isnan().any()
+    out = sample(logits, st)
+    assert out.token_ids.tolist() == [0] and not out.logprobs.isnan().any()
+
+
 def test_seed_fixes_tokens_across_batch_compositions(llama_path: Path) -> None:
     llm = LLM(str(llama_path), page_size=4)
     seeded = SamplingParams(max_tokens=16, temperature=1.0, top_p=0.95, seed=1234, ignore_eos=True)

@@ -39,7 +39,11 @@ def adjust_logits(logits: torch.Tensor, st: SamplingTensors) -> torch.Tensor:
         values = out[rows, ids]
         penalty = st.repetition[rows]
         # Repeated (row, id) pairs write the same value, so duplicates are harmless.
-        out[rows, ids] = torch.where(values > 0, values / penalty, values * penalty)
+        # A masked logit (-inf: min_tokens' EOS, a -100 bias's floor) stays
+        # masked: a penalty that is 0 in float32 (5e-324 is a positive float64)
+        # would make it -inf * 0 = NaN, and the row unsampleable.
+        scaled = torch.where(values > 0, values / penalty, values * penalty)
+        out[rows, ids] = torch.where(values == float("-inf"), values, scaled)
     if st.output_rows.numel():
         # Static shapes, so no device sync (unique(return_counts=True) had to
         # wait for the GPU to learn its output's size) and no dense [S, V]
