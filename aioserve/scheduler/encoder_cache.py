@@ -52,11 +52,7 @@ class EncoderCacheTable:
             key = span.image.key
             if key not in self.held:
                 self.held[key] = set()
-                if key in self._evict or key in self._evict_later:  # released, wanted again: still held
-                    for pending in (self._evict, self._evict_later):
-                        if key in pending:
-                            pending.remove(key)
-                else:
+                if not self._unevict(key):
                     image = span.image
                     names = sorted(image.tensors)
                     self._step.encode.append(ImageToEncode(key, names, [image.tensors[n] for n in names]))
@@ -67,28 +63,40 @@ class EncoderCacheTable:
             if hi < span.end:  # more of it in a later chunk
                 self.held[key].add(rid)
                 self.by_request.setdefault(rid, set()).add(key)
-            else:
-                self._drop(rid, key)
+                continue
+            keys = self.by_request.get(rid)
+            if keys is not None:
+                keys.discard(key)
+                if not keys:
+                    del self.by_request[rid]
+            # This plan's rows read it: evicted by the plan after the next.
+            self._unhold(rid, key, self._evict_later)
 
     def release(self, rid: str) -> None:
         """`rid` finished, was aborted or preempted: its holds go."""
         for key in self.by_request.pop(rid, set()):
             # Between plans (or before this plan's rows): the steps already
             # planned run before the next plan's evictions.
-            self._drop(rid, key, keep_index=True, evict=self._evict)
+            self._unhold(rid, key, self._evict)
 
-    def _drop(self, rid: str, key: int, keep_index: bool = False, evict: list[int] | None = None) -> None:
+    def _unhold(self, rid: str, key: int, evict: list[int]) -> None:
+        """`rid` no longer needs image `key`; the last holder's going puts it on `evict`."""
         holders = self.held.get(key)
         if holders is None:
             return
         holders.discard(rid)
-        if not keep_index and rid in self.by_request:
-            self.by_request[rid].discard(key)
-            if not self.by_request[rid]:
-                del self.by_request[rid]
         if not holders:
             del self.held[key]
-            (self._evict_later if evict is None else evict).append(key)
+            evict.append(key)
+
+    def _unevict(self, key: int) -> bool:
+        """Take `key` off the evictions still to send (True: it was on one,
+        so the engine holds it yet)."""
+        for pending in (self._evict, self._evict_later):
+            if key in pending:
+                pending.remove(key)
+                return True
+        return False
 
     def take(self) -> ImageBatch | None:
         """The step's image work and the evictions released before it was
