@@ -61,8 +61,11 @@ class PlanBuilder:
     pool_score: bool = False
     lora_slots: list[int] = field(default_factory=list)  # each entry's LoRA slot (0: the base model)
     images: EncoderCacheTable | None = None  # a vision-language model's image rows go through it
-    # An M-RoPE request's entry: its positions, when not start.. (None): its
-    # KV index plus a delta ([N] int64), or three rows per token ([3, N]).
+    # An M-RoPE request's entry, where its positions are not start.. : its
+    # generated tokens' shift (their KV index plus the delta, every axis
+    # alike: a decode plans no tensor), or its prompt chunk's own positions
+    # ([N] where the three axes agree, else [3, N]).
+    position_shifts: dict[int, int] = field(default_factory=dict)
     explicit_positions: dict[int, torch.Tensor] = field(default_factory=dict)
 
     def add(
@@ -90,10 +93,13 @@ class PlanBuilder:
         images = request.images
         if images is not None:
             end = start + len(token_ids)
-            if images.mrope is not None:
+            if images.mrope is not None and start >= images.mrope.shape[1]:
+                self.position_shifts[len(self.entries)] = images.rope_delta
+            elif images.mrope is not None:
                 self.explicit_positions[len(self.entries)] = _mrope_positions(images.positions(start, end))
-            if not decode and self.images is not None and images.spans_in(start, end):
-                self.images.add_chunk(request.rid, images.spans_in(start, end), start, end, first_row)
+            spans = images.spans_in(start, end) if not decode else []
+            if spans and self.images is not None:
+                self.images.add_chunk(request.rid, spans, start, end, first_row)
         entry = StepEntry(request, kv, start + len(token_ids), start, prefill=not decode)
         if sample is not None:
             entry.row = len(self.sample_rows)
@@ -162,7 +168,8 @@ class PlanBuilder:
             pages = entry.kv.pages
             explicit = self.explicit_positions.get(i)
             if explicit is None:
-                positions += range(start, end)
+                shift = self.position_shifts.get(i, 0)
+                positions += range(start + shift, end + shift)
             else:  # an M-RoPE request's own (three rows: the first here, all three in _mrope_rows)
                 positions += (explicit if explicit.dim() == 1 else explicit[0]).tolist()
             for index in range(start // ps, (end - 1) // ps + 1):
