@@ -40,6 +40,14 @@ Prompt = str | list[int]
 # "multi_modal_data": {"image": a PIL image, a URL, or a list of them}}, the
 # prompt holding the model's image marker once per image.
 MultiModalPrompt = dict[str, Any]
+
+
+@dataclass(frozen=True)
+class _Encoded:
+    """A prompt already encoded with its images (a conversation of LLM.chat)."""
+
+    ids: list[int]
+    images: PromptImages | None
 # A prompt's LoRA adapter: a loaded one's name, an object with lora_name and
 # lora_path (vLLM's LoRARequest), or None for the base model.
 LoraChoice = str | Any | None
@@ -101,13 +109,13 @@ class LLM:
     def encode(self, prompt: Prompt) -> list[int]:
         return list(prompt) if isinstance(prompt, list) else self.tokenizer.encode(prompt)
 
-    def _with_images(self, prompt: Prompt | MultiModalPrompt) -> tuple[list[int], PromptImages | None]:
+    def _with_images(self, prompt: Prompt | MultiModalPrompt | _Encoded) -> tuple[list[int], PromptImages | None]:
         """A prompt's ids, and its images where it is vLLM's dict form."""
+        if isinstance(prompt, _Encoded):
+            return prompt.ids, prompt.images
         if not isinstance(prompt, dict):
             return self.encode(prompt), None
         ids = list(prompt["prompt_token_ids"]) if "prompt_token_ids" in prompt else self.encode(prompt["prompt"])
-        if isinstance(prompt.get("images"), PromptImages):  # a conversation's, already expanded (chat)
-            return ids, prompt["images"]
         images = (prompt.get("multi_modal_data") or {}).get("image")
         if images is None:
             return ids, None
@@ -128,7 +136,7 @@ class LLM:
         (None: the base model): a loaded adapter's name, or an object with
         `lora_name` and `lora_path` (vLLM's LoRARequest), loaded on first use."""
         self._check_tp()
-        if isinstance(prompts, (str, dict)) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
+        if isinstance(prompts, (str, dict, _Encoded)) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
         if sampling_params is None or isinstance(sampling_params, SamplingParams):
             sampling_params = [sampling_params or SamplingParams()] * len(prompts)
@@ -140,7 +148,8 @@ class LLM:
         adapters = [self._adapter(choice) for choice in choices]
         bar = tqdm(total=len(prompts), desc="generating", disable=not use_tqdm)
         try:
-            outputs, requests = self._prepare(cast(Sequence[Prompt | MultiModalPrompt], prompts), sampling_params, bar)
+            outputs, requests = self._prepare(cast(Sequence[Prompt | MultiModalPrompt | _Encoded], prompts),
+                                              sampling_params, bar)
         except BaseException:
             bar.close()
             raise
@@ -225,7 +234,8 @@ class LLM:
             bar.update(1)
 
     def _prepare(
-        self, prompts: Sequence[Prompt | MultiModalPrompt], sampling_params: Sequence[SamplingParams], bar: tqdm
+        self, prompts: Sequence[Prompt | MultiModalPrompt | _Encoded], sampling_params: Sequence[SamplingParams],
+        bar: tqdm,
     ) -> tuple[list[GenerationOutput], list[Request]]:
         """Encode every prompt and build its request, submitting none (the
         scheduler's submit_all checks them: bad params, an impossible prompt);
@@ -316,11 +326,7 @@ class LLM:
         data URL, `image_pil` with a PIL image)."""
         if self.images is None:
             return self.generate([self.tokenizer.encode_chat(c) for c in conversations], sampling_params)
-        encode = self._encode_conversation
-        prompts: list[MultiModalPrompt] = []
-        for conversation in conversations:
-            ids, images = self.images.chat(conversation, encode)
-            prompts.append({"prompt_token_ids": ids, "images": images})
+        prompts = [_Encoded(*self.images.chat(c, self._encode_conversation)) for c in conversations]
         return self.generate(cast(Any, prompts), sampling_params)
 
     def _encode_conversation(self, messages: list[dict[str, Any]], rewrite: Callable[[str], str] | None) -> list[int]:
