@@ -30,7 +30,7 @@ from typing import Any, Protocol
 import torch
 
 from aioserve.attention.backend import AttentionBackend, AttentionMetadata, AttentionShape, check_non_causal_plan
-from aioserve.attention.torch_native import both_ways_by_request
+from aioserve.attention.torch_native import both_ways_by_request, causal_mask
 from aioserve.batch_plan import BatchPlan
 from aioserve.flashinfer import loader
 from aioserve.flashinfer.paged_args import PagedKVArgs, paged_kv_args, qo_indptr, window_left
@@ -110,11 +110,7 @@ def both_ways_mask(plan: BatchPlan) -> torch.Tensor | None:
         return None
     masks = []
     for i, (length, total) in enumerate(zip(extend_lens, plan.seq_lens[nd:].tolist()), start=nd):
-        prefix = total - length
-        last_seen = torch.arange(length) + prefix
-        for first, end in blocks.get(i, []):
-            last_seen[first:end] = prefix + end - 1
-        masks.append((torch.arange(total)[None, :] <= last_seen[:, None]).flatten())
+        masks.append(causal_mask(length, total - length, blocks.get(i, [])).flatten())
     return torch.cat(masks)
 
 

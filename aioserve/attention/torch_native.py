@@ -60,16 +60,25 @@ class _Extend:
             if self.prefix == 0 and window is None and not self.both_ways:
                 self.masks[window] = None
             else:
-                q_pos = torch.arange(self.length, device=self.device)[:, None] + self.prefix
-                k_pos = torch.arange(self.prefix + self.length, device=self.device)[None, :]
-                last_seen = q_pos.clone()  # the last key each query sees
-                for first, end in self.both_ways:
-                    last_seen[first:end] = self.prefix + end - 1
-                allowed = k_pos <= last_seen
+                allowed = causal_mask(self.length, self.prefix, self.both_ways, self.device)
                 if window is not None:  # a lower bound only (as transformers' Gemma 3 masks)
+                    q_pos = torch.arange(self.length, device=self.device)[:, None] + self.prefix
+                    k_pos = torch.arange(self.prefix + self.length, device=self.device)[None, :]
                     allowed &= k_pos > q_pos - window
                 self.masks[window] = allowed
         return self.masks[window]
+
+
+def causal_mask(
+    length: int, prefix: int, both_ways: list[tuple[int, int]], device: torch.device | None = None
+) -> torch.Tensor:
+    """[length, prefix + length] bool: `length` new tokens after `prefix`
+    cached ones, each seeing the keys up to itself, or up to the last row of
+    its `both_ways` block ([first, end) of the new tokens)."""
+    last_seen = torch.arange(length, device=device) + prefix  # the last key each query sees
+    for first, end in both_ways:
+        last_seen[first:end] = prefix + end - 1
+    return torch.arange(prefix + length, device=device)[None, :] <= last_seen[:, None]
 
 
 def both_ways_by_request(plan: BatchPlan, extend_lens: list[int]) -> dict[int, list[tuple[int, int]]]:
