@@ -137,20 +137,18 @@ class RotaryEmbedding(nn.Module):
         """Rotate q [T, Hq, D] and k [T, Hk, D] by their token's position.
         On CPU with the native kernels, in place: q and k are returned rotated.
         M-RoPE positions [3, T] take plain torch (the kernels know one axis)."""
-        if positions.dim() == 2:
-            cos, sin = self._cos_sin(positions, q.dtype)
-            return q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin
-        kernels = elementwise_kernels() if q.is_cpu else None
-        if kernels is not None:
-            kernels.rotary_embedding(positions, q, k, self.cos_cache, self.sin_cache)
-            return q, k
-        # (FlashInfer's cos/sin cache is built only where the kernel may be taken.)
-        fused = ROPE.kernel(q, k, positions, self._cos_sin_halves()) if ROPE.may_take(q) else None
-        if fused is not None:
-            fused.rope.apply_rope_with_cos_sin_cache_inplace(
-                positions, q, k, q.shape[-1], self._cos_sin_halves(), is_neox=True
-            )
-            return q, k
+        if positions.dim() == 1:
+            kernels = elementwise_kernels() if q.is_cpu else None
+            if kernels is not None:
+                kernels.rotary_embedding(positions, q, k, self.cos_cache, self.sin_cache)
+                return q, k
+            # (FlashInfer's cos/sin cache is built only where the kernel may be taken.)
+            fused = ROPE.kernel(q, k, positions, self._cos_sin_halves()) if ROPE.may_take(q) else None
+            if fused is not None:
+                fused.rope.apply_rope_with_cos_sin_cache_inplace(
+                    positions, q, k, q.shape[-1], self._cos_sin_halves(), is_neox=True
+                )
+                return q, k
         cos, sin = self._cos_sin(positions, q.dtype)
         return q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin
 
