@@ -47,18 +47,15 @@ def expand_images(
     for offset, image in zip(offsets, images):
         out += ids[cursor:offset]
         run = [tokens.pad_id] * image.num_tokens
-        if tokens.before[-1:] == (tokens.placeholder_id,) and ids[offset + 1 : offset + 1 + len(run)] == run:
+        before, after, in_place = tokens.before, tokens.after, 0
+        if before[-1:] == (tokens.placeholder_id,) and ids[offset + 1 : offset + 1 + len(run)] == run:
             # The run is in place already (family.rewrite_text wrote it into the text): keep it.
-            out.append(ids[offset])
-            spans.append(ImageSpan(image, len(out), bidirectional=family.bidirectional))
-            out += run
-            cursor = offset + 1 + len(run)
-            continue
-        out += tokens.before
+            before, after, in_place = (tokens.placeholder_id,), (), len(run)
+        out += before
         spans.append(ImageSpan(image, len(out), bidirectional=family.bidirectional))
         out += run
-        out += tokens.after
-        cursor = offset + 1
+        out += after
+        cursor = offset + 1 + in_place
     out += ids[cursor:]
     prompt_images = PromptImages(spans)
     if family.mrope:
