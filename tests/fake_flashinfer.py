@@ -143,6 +143,10 @@ class _Wrapper:
             _vector_loads(name, t, torch.tensor([0, *t.stride()[:-1]]), 16)
         out = torch.empty_like(q) if out is None else out
         window = p.window_left if window_left is None else window_left
+        # FlashInfer's run asserts this (decode.py and prefill.py): the window
+        # picks the kernel at plan time, so a layer with another window needs
+        # a wrapper planned with it.
+        _need(window == p.window_left, f"run with window_left={window}, planned with {p.window_left}")
         return _attend(q, k_cache, v_cache, qo_indptr, p.indptr, p.indices, p.last_page_len, p.sm_scale, window, out,
                        getattr(p, "causal", True), getattr(p, "custom_mask", None))
 

@@ -390,8 +390,11 @@ def test_verification_on_cuda(tmp_path: Path, backend: str, dtype: str) -> None:
     """On a GPU the verified drafts run through the attention backend's
     extend path (FlashInfer's prefill wrapper under auto) while plain
     decodes replay CUDA graphs. float32 on the torch backend: the plain
-    outputs exactly; bf16 on FlashInfer: the same outputs but where two
-    kernels' roundings split a near-tie (at least 80% of tokens agree)."""
+    outputs exactly; bf16 on FlashInfer: the same outputs up to where two
+    kernels' roundings split a near-tie, and there the speculative token is
+    one of the plain run's top two, with the logprob the plain run gave it.
+    (A share of equal tokens is no measure: on a random-weight model one
+    split near-tie changes every token after it; the H200 run saw 73 of 96.)"""
     from tiny_models import build_checkpoint
 
     model = build_checkpoint("qwen3", tmp_path / "qwen3", overrides={
@@ -399,7 +402,12 @@ def test_verification_on_cuda(tmp_path: Path, backend: str, dtype: str) -> None:
     prompts = [hf_encode(model, t) for t in TEXTS]
     params = [_params("greedy")] * len(prompts)
     options = {"device": "cuda", "dtype": dtype, "attention_backend": backend, "page_size": 16}
-    plain, _ = _run(model, prompts, params, **options)
+    llm = LLM(str(model), **options)
+    try:
+        plain_outputs = llm.generate(prompts, params)
+    finally:
+        llm.close()
+    plain = [(o.token_ids, o.logprobs, o.finish_reason) for o in plain_outputs]
     expected = {tuple(p): out[0] for p, out in zip(prompts, plain)}
     llm = LLM(str(model), debug_integrity=True, speculative_config=NGRAM, **options)
     try:
@@ -411,6 +419,13 @@ def test_verification_on_cuda(tmp_path: Path, backend: str, dtype: str) -> None:
         llm.close()
     if dtype == "float32":
         assert same_outputs(outs, plain)
-    else:
-        agree = sum(a == b for o, p in zip(outs, plain) for a, b in zip(o[0], p[0]))
-        assert agree >= 0.8 * sum(len(p[0]) for p in plain)
+        return
+    for (tokens, logprobs, _), reference in zip(outs, plain_outputs):
+        split = next((i for i, (a, b) in enumerate(zip(tokens, reference.token_ids)) if a != b), None)
+        if split is None:
+            assert tokens == reference.token_ids
+            continue
+        top = dict(reference.top_logprobs[split])  # the plain run's two best at the split
+        assert tokens[split] in top, (split, tokens[split], top)
+        assert abs(logprobs[split] - top[tokens[split]]) < 0.1
+        assert abs(top[tokens[split]] - top[reference.token_ids[split]]) < 0.1  # a near-tie, not a wrong token

@@ -11,9 +11,16 @@ plans again and nothing reads a length off the device.
 The pool's per-layer keys `[slots, Hk, D]` are FlashInfer's NHD layout
 `[pages, page_size, Hk, D]` under a view: no copy, any page size.
 
+A wrapper's `run` must use the `window_left` it was planned with (the
+window picks the kernel at plan time; FlashInfer asserts it), so a model
+whose layers differ in window (Gemma 3: sliding layers and global ones)
+keeps one decode and one prefill wrapper per distinct window, each planned
+every step, and a layer runs the pair of its own window.
+
 For CUDA graphs (engine/cuda_graph.py) the backend keeps one decode wrapper
-per captured batch size in FlashInfer's CUDA-graph mode; they share fixed
-index buffers, which each `plan` rewrites in place before a replay.
+per captured batch size and window in FlashInfer's CUDA-graph mode; they
+share fixed index buffers, which each `plan` rewrites in place (with the
+same values) before a replay.
 
 `flashinfer` is imported on first use (flashinfer/loader.py's
 `load_flashinfer`, shared with the fused elementwise ops): without the extra
@@ -59,8 +66,8 @@ class FlashInferMetadata(AttentionMetadata):
         backend: "FlashInferBackend",
         out_cache_loc: torch.Tensor,
         num_decodes: int,
-        decode: PagedWrapper | None,
-        prefill: PagedWrapper | None,
+        decode: dict[int, PagedWrapper] | None,
+        prefill: dict[int, PagedWrapper] | None,
     ) -> None:
         self.backend = backend
         self.out_cache_loc = out_cache_loc
@@ -90,12 +97,12 @@ class FlashInferMetadata(AttentionMetadata):
         nd = self.num_decodes
         if self.prefill is None:  # decode-only: no copy into a second output
             assert self.decode is not None
-            return self.decode.run(q, cache, window_left=window)
+            return self.decode[window].run(q, cache, window_left=window)
         out = torch.empty_like(q)
         if nd:
             assert self.decode is not None  # planned for the decodes
-            self.decode.run(q[:nd], cache, out=out[:nd], window_left=window)
-        self.prefill.run(q[nd:], cache, out=out[nd:], window_left=window)
+            self.decode[window].run(q[:nd], cache, out=out[:nd], window_left=window)
+        self.prefill[window].run(q[nd:], cache, out=out[nd:], window_left=window)
         return out
 
 
@@ -131,17 +138,15 @@ class FlashInferBackend(AttentionBackend):
         # after another on one stream, never at once.
         self.workspace = torch.zeros(WORKSPACE_BYTES, dtype=torch.uint8, device=device)
         self.use_tensor_cores = shape.num_qo_heads // shape.num_kv_heads >= TENSOR_CORE_MIN_GROUP
-        self.decode = self.fi.BatchDecodeWithPagedKVCacheWrapper(
-            self.workspace, "NHD", use_tensor_cores=self.use_tensor_cores
-        )
-        self.prefill = self.fi.BatchPrefillWithPagedKVCacheWrapper(self.workspace, "NHD")
-        # Planned with the model's window (which picks the sliding-window
-        # kernels); each layer passes its own at run time (-1: full).
-        windows = [w for w in shape.sliding_windows if w is not None]
-        if windows and not shape.causal:
+        if any(w is not None for w in shape.sliding_windows) and not shape.causal:
             raise ValueError("a sliding window needs causal attention (the model is an encoder)")
-        self.plan_window = window_left(max(windows)) if windows else -1
-        self.graph_decodes: dict[int, PagedWrapper] = {}
+        # Every layer's window_left (-1: full attention), one wrapper pair each.
+        self.windows = sorted({window_left(w) for w in shape.sliding_windows}) or [-1]
+        self.decode: dict[int, PagedWrapper] = {w: self._decode_wrapper() for w in self.windows}
+        self.prefill: dict[int, PagedWrapper] = {
+            w: self.fi.BatchPrefillWithPagedKVCacheWrapper(self.workspace, "NHD") for w in self.windows
+        }
+        self.graph_decodes: dict[int, dict[int, PagedWrapper]] = {}
         # Set after each step's plans: their uploads read pinned staging
         # buffers that the next step's plans overwrite (see _before_planning).
         self._planned: torch.cuda.Event | None = None
@@ -182,14 +187,20 @@ class FlashInferBackend(AttentionBackend):
         view = (pool.num_pages, pool.page_size, pool.num_kv_heads, pool.head_dim)
         return pool.keys(layer).view(view), pool.values(layer).view(view)
 
-    def _plan_decode(self, wrapper: PagedWrapper, args: PagedKVArgs) -> None:
-        s = self.shape
-        wrapper.plan(
-            args.indptr, args.indices, args.last_page_len,
-            s.num_qo_heads, s.num_kv_heads, s.head_dim, self.pool.page_size,
-            window_left=self.plan_window, q_data_type=s.q_dtype, kv_data_type=self.pool.dtype,
-            sm_scale=self.sm_scale,
+    def _decode_wrapper(self, **graph_buffers: Any) -> PagedWrapper:
+        return self.fi.BatchDecodeWithPagedKVCacheWrapper(
+            self.workspace, "NHD", use_tensor_cores=self.use_tensor_cores, **graph_buffers
         )
+
+    def _plan_decode(self, wrappers: dict[int, PagedWrapper], args: PagedKVArgs) -> None:
+        s = self.shape
+        for window, wrapper in wrappers.items():
+            wrapper.plan(
+                args.indptr, args.indices, args.last_page_len,
+                s.num_qo_heads, s.num_kv_heads, s.head_dim, self.pool.page_size,
+                window_left=window, q_data_type=s.q_dtype, kv_data_type=self.pool.dtype,
+                sm_scale=self.sm_scale,
+            )
 
     def _plan_prefill(self, qo: torch.Tensor, args: PagedKVArgs, mask: torch.Tensor | None = None) -> None:
         """`mask`: a step with rows that attend both ways (Gemma 3's images):
@@ -198,12 +209,13 @@ class FlashInferBackend(AttentionBackend):
         applies at run time, as a lower bound on the keys)."""
         s = self.shape
         extra = {} if mask is None else {"custom_mask": mask}
-        self.prefill.plan(
-            qo, args.indptr, args.indices, args.last_page_len,
-            s.num_qo_heads, s.num_kv_heads, s.head_dim, self.pool.page_size,
-            causal=s.causal and mask is None, window_left=self.plan_window, q_data_type=s.q_dtype,
-            kv_data_type=self.pool.dtype, sm_scale=self.sm_scale, **extra,
-        )
+        for window, wrapper in self.prefill.items():
+            wrapper.plan(
+                qo, args.indptr, args.indices, args.last_page_len,
+                s.num_qo_heads, s.num_kv_heads, s.head_dim, self.pool.page_size,
+                causal=s.causal and mask is None, window_left=window, q_data_type=s.q_dtype,
+                kv_data_type=self.pool.dtype, sm_scale=self.sm_scale, **extra,
+            )
 
     def prepare(self, plan: BatchPlan, host_plan: BatchPlan) -> FlashInferMetadata:
         nd, batch = host_plan.num_decodes, host_plan.num_requests
@@ -235,20 +247,23 @@ class FlashInferBackend(AttentionBackend):
         self.graph_last_page_len = torch.zeros(max_bs, dtype=torch.int32, device=device)
 
     def graph_metadata(self, batch_size: int, out_cache_loc: torch.Tensor) -> FlashInferMetadata:
-        # A CUDA-graph wrapper's batch size is fixed for life: one per size,
-        # all over the same buffers (one size replays at a time).
-        wrapper = self.fi.BatchDecodeWithPagedKVCacheWrapper(
-            self.workspace, "NHD", use_cuda_graph=True, use_tensor_cores=self.use_tensor_cores,
-            paged_kv_indptr_buffer=self.graph_indptr[: batch_size + 1],
-            paged_kv_indices_buffer=self.graph_indices,
-            paged_kv_last_page_len_buffer=self.graph_last_page_len[:batch_size],
-        )
-        self.graph_decodes[batch_size] = wrapper
-        return FlashInferMetadata(self, out_cache_loc, batch_size, wrapper, None)
+        # A CUDA-graph wrapper's batch size is fixed for life: one per size
+        # and window, all over the same buffers (one size replays at a time).
+        wrappers = {
+            window: self._decode_wrapper(
+                use_cuda_graph=True,
+                paged_kv_indptr_buffer=self.graph_indptr[: batch_size + 1],
+                paged_kv_indices_buffer=self.graph_indices,
+                paged_kv_last_page_len_buffer=self.graph_last_page_len[:batch_size],
+            )
+            for window in self.windows
+        }
+        self.graph_decodes[batch_size] = wrappers
+        return FlashInferMetadata(self, out_cache_loc, batch_size, wrappers, None)
 
     def update_graph_buffers(self, host_plan: BatchPlan) -> None:
-        wrapper = self.graph_decodes[host_plan.num_requests]
+        wrappers = self.graph_decodes[host_plan.num_requests]
         self._before_planning()
         args = paged_kv_args(host_plan.page_table, host_plan.seq_lens, self.pool.page_size)
-        self._plan_decode(wrapper, self._upload(args))
+        self._plan_decode(wrappers, self._upload(args))
         self._after_planning()
