@@ -39,6 +39,7 @@ class Outcome:
     nodeid: str
     outcome: str  # passed | failed | error | skipped | timeout | crashed | not run (| X-then-passed-alone)
     seconds: float
+    why: str = ""  # a skip's reason
 
 
 def collect(files: list[str], mark: str | None) -> list[str]:
@@ -84,7 +85,7 @@ def read_lines(lines: Path) -> dict[str, Outcome]:
     if lines.exists():
         for line in lines.read_text().splitlines():
             record = json.loads(line)
-            found[record["nodeid"]] = Outcome(record["nodeid"], record["outcome"], record["seconds"])
+            found[record["nodeid"]] = Outcome(record["nodeid"], record["outcome"], record["seconds"], record.get("why", ""))
     lines.unlink(missing_ok=True)
     return found
 
@@ -146,7 +147,9 @@ def main() -> int:
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     outcomes = run_isolated(collect(args.files, args.mark), args.out, args.timeout, args.budget)
-    summary = "\n".join(f"{o.outcome:<22} {o.seconds:7.1f}s  {o.nodeid}" for o in outcomes)
+    summary = "\n".join(
+        f"{o.outcome:<22} {o.seconds:7.1f}s  {o.nodeid}" + (f"  ({o.why})" if o.why else "") for o in outcomes
+    )
     (args.out / "summary.txt").write_text(summary + "\n")
     print(summary)
     counts: dict[str, int] = {}

@@ -28,5 +28,7 @@ def pytest_runtest_logreport(report: pytest.TestReport) -> None:
     outcome = _outcome(report)
     if outcome is not None:
         record = {"nodeid": report.nodeid, "outcome": outcome, "seconds": round(_seconds[report.nodeid], 2)}
+        if report.skipped and isinstance(report.longrepr, tuple):  # (file, line, "Skipped: why")
+            record["why"] = str(report.longrepr[2]).removeprefix("Skipped: ")
         with open(os.environ["TEST_LINES_FILE"], "a") as out:
             out.write(json.dumps(record) + "\n")
