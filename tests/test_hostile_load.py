@@ -679,6 +679,34 @@ def test_a_compile_past_its_time_is_a_400_and_is_cached_for_the_next(stories_pat
         server.stop()
 
 
+def test_requests_whose_grammars_compile_do_not_fill_the_queue(stories_path: Path) -> None:
+    """While two requests' grammars compile (seconds each: 10k choices,
+    under a raised --max-grammar-chars) they do not count against
+    --max-waiting-requests 2: a plain completion sent meanwhile is served,
+    not told 429; both constrained requests are served after their compiles."""
+    server = start_server(stories_path, "--page-size", "4", "--max-waiting-requests", "2",
+                          "--max-grammar-chars", "2000000")
+    results: list[httpx.Response] = []
+    try:
+        def constrained(tag: str) -> None:
+            choices = [f"{tag} option number {i}" for i in range(10_000)]
+            results.append(post(server, "/v1/completions", {"prompt": "x", "max_tokens": 2, "guided_choice": choices}))
+
+        threads = [threading.Thread(target=constrained, args=(tag,)) for tag in ("first", "second")]
+        for thread in threads:
+            thread.start()
+        time.sleep(1.0)  # both are compiling now (each takes seconds; tokenizing "x" takes milliseconds)
+        compiling = len(results) == 0
+        plain = post(server, "/v1/completions", {"prompt": "hi", "max_tokens": 2})
+        for thread in threads:
+            thread.join()
+    finally:
+        server.stop()
+    assert compiling, "the compiles ended before the plain request was sent: the test proves nothing"
+    assert plain.status_code == 200, plain.text[:300]
+    assert [r.status_code for r in results] == [200, 200], [r.text[:200] for r in results]
+
+
 def test_the_grammar_cache_is_bounded_by_its_bytes(stories_path: Path) -> None:
     from aioserve import LLM
     from aioserve.grammar import GrammarCompiler

@@ -173,6 +173,21 @@ class ServingContext:
             self.admitting += new_requests
             scope[ADMITTING_KEY] = scope.get(ADMITTING_KEY, 0) + new_requests
 
+    def set_aside(self, scope: MutableMapping[str, Any]) -> int:
+        """The request's reservation leaves the waiting count while it waits
+        on something other than the queue (its grammar compiling, up to
+        --grammar-compile-timeout): eight slow compiles must not answer 429
+        to everyone while the scheduler sits idle. Returns what it held."""
+        held = scope.pop(ADMITTING_KEY, 0)
+        self.admitting -= held
+        return held
+
+    def take_back(self, held: int, scope: MutableMapping[str, Any]) -> None:
+        """The reservation set aside returns, checked against the bound as a
+        new arrival's would be (the queue may have filled meanwhile)."""
+        if held:
+            self.check_capacity(held, scope)
+
     def admitted(self, scope: MutableMapping[str, Any]) -> None:
         """The request's reservation ends: its requests are in the scheduler's
         queue now, or it failed (endpoints/app.py's ServingGate calls this when a request ends)."""

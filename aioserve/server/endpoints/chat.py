@@ -117,7 +117,7 @@ async def start_chat(
             raise APIError(f"tool_choice {tools.mode!r} forces the output; {constraint.param} cannot also", param=constraint.param)
         constraint = tools.grammar
     prompt_ids, images = await encode_messages(ctx, body, tools)
-    compiled = await compile_grammar(ctx, constraint)
+    compiled = await compile_grammar(ctx, constraint, request.scope)
     thinking = await thinks_first(ctx, body, prompt_ids)
     grammar: ConstraintFactory | None = compiled
     if compiled is not None and thinking:

@@ -60,7 +60,7 @@ async def create_completion(request: Request) -> Response:
         raise APIError("suffix is not supported", param="suffix")
     constraint = structured_request(body)
     prompts = await prompt_list(ctx, body.prompt)
-    grammar = await compile_grammar(ctx, constraint)
+    grammar = await compile_grammar(ctx, constraint, request.scope)
     echo_logprobs = body.logprobs if body.echo and body.logprobs is not None else None
     # The prompt is scored once, for the echo's logprobs and for vLLM's prompt_logprobs alike.
     wanted = [n for n in (echo_logprobs, body.prompt_logprobs) if n is not None]

@@ -115,7 +115,7 @@ async def generate(request: Request) -> Response:
     rids = _request_ids(body, len(prompts))
     adapters = _adapters(ctx, body, len(prompts))
     n = body.sampling_params.n
-    grammar = await compile_grammar(ctx, body.sampling_params.structured())
+    grammar = await compile_grammar(ctx, body.sampling_params.structured(), request.scope)
     generation = Generation(ctx, f"generate-{rids[0]}", arrival_time(request), incremental=body.stream)
     try:
         generation.start(prompts, body.to_sampling_params(ctx.generation_defaults), n, grammar, adapters, images)

@@ -16,6 +16,7 @@ compile is a 400 naming the field it came from.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from collections.abc import MutableMapping
 from typing import Any
 
 from aioserve.grammar import CompiledGrammar, GrammarBudget, GrammarError, compiler_for
@@ -80,11 +81,19 @@ def one_constraint(found: list[StructuredRequest], too_many: str) -> StructuredR
     return found[0]
 
 
-async def compile_grammar(ctx: ServingContext, request: StructuredRequest | None) -> CompiledGrammar | None:
+async def compile_grammar(
+    ctx: ServingContext, request: StructuredRequest | None, scope: MutableMapping[str, Any]
+) -> CompiledGrammar | None:
+    """The request's grammar, compiled on the grammar workers; while it
+    compiles the request does not count against --max-waiting-requests
+    (`scope` holds its reservation)."""
     if request is None:
         return None
+    held = ctx.set_aside(scope)
     try:
         budget = GrammarBudget(ctx.args.max_grammar_chars, ctx.args.grammar_compile_timeout)
-        return await compiler_for(ctx.tokenizer, ctx.vocab_size, budget).compile_async(request.spec)
+        compiled = await compiler_for(ctx.tokenizer, ctx.vocab_size, budget).compile_async(request.spec)
     except GrammarError as exc:
         raise APIError(str(exc), param=request.param) from None
+    ctx.take_back(held, scope)
+    return compiled
