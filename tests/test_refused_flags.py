@@ -8,6 +8,8 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from collections.abc import Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -34,15 +36,26 @@ def refusal(args: list[str]) -> subprocess.CompletedProcess[str]:
     return subprocess.run(command, capture_output=True, text=True, timeout=180)
 
 
+@pytest.fixture(scope="module")
+def refusals() -> Iterator[dict[str, Future[subprocess.CompletedProcess[str]]]]:
+    """Every case's `aioserve serve`, started at once: each spends its ~5 s
+    importing torch, mostly waiting on the disk, so four side by side take
+    about the time of two one after another."""
+    with ThreadPoolExecutor(4) as pool:
+        yield {case: pool.submit(refusal, ["--model", str(STORIES), *args]) for case, (args, _) in REFUSED.items()}
+
+
 @pytest.mark.parametrize("case", sorted(REFUSED))
-def test_each_refusal_is_one_line_and_a_usage_error(case: str) -> None:
+def test_each_refusal_is_one_line_and_a_usage_error(
+    case: str, refusals: dict[str, Future[subprocess.CompletedProcess[str]]]
+) -> None:
     args, expected = REFUSED[case]
     if case == "a CUDA device on a CPU machine":
         import torch
 
         if torch.cuda.is_available():
             pytest.skip("this machine has a CUDA device")
-    done = refusal(["--model", str(STORIES), *args])
+    done = refusals[case].result()
     assert done.returncode == 2, done.stderr[-2000:]
     assert "Traceback" not in done.stderr, done.stderr[-2000:]
     last = done.stderr.strip().splitlines()[-1]
