@@ -235,7 +235,13 @@ def _rmsnorm_math(x, weight, eps):
 
 def _rmsnorm(x, weight, eps=1e-6, out=None):
     _check_norm(x, weight)
-    return _rmsnorm_math(x, weight, eps)
+    if out is None:
+        return _rmsnorm_math(x, weight, eps)
+    # The kernel writes rows through out's own strides (3-D: stride(0) and stride(1)).
+    _need(out.shape == x.shape and out.dtype == x.dtype, "out has the input's shape and dtype")
+    _check_norm(out, weight)
+    out.copy_(_rmsnorm_math(x, weight, eps))
+    return out
 
 
 def _fused_add_rmsnorm(x, residual, weight, eps=1e-6):

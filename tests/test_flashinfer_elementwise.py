@@ -78,6 +78,23 @@ def test_fused_ops_match_the_torch_forms(monkeypatch: pytest.MonkeyPatch, fused_
         torch.testing.assert_close(got.float(), ref.float(), atol=0.05, rtol=0.02)
 
 
+def test_the_in_place_head_norm_writes_over_k_in_the_projection(fused_on_cpu: None) -> None:
+    """Qwen3's k-norm (in_place) writes through the strided view into the
+    fused projection, so k stays beside v; the values are the copying norm's."""
+    gen = torch.Generator().manual_seed(1)
+    qkv = torch.randn(5, (4 + 2 + 2) * 128, generator=gen).to(DTYPE)
+    k = qkv[:, 4 * 128 : 6 * 128].reshape(5, 2, 128)
+    weight = torch.rand(128, generator=gen).to(DTYPE) + 0.5
+    copying, in_place = RMSNorm(128, 1e-6).to(DTYPE), RMSNorm(128, 1e-6, in_place=True).to(DTYPE)
+    for norm in (copying, in_place):
+        norm.weight.data.copy_(weight)
+    expected = copying(k)
+    assert expected.data_ptr() != k.data_ptr()
+    got = in_place(k)
+    assert got.data_ptr() == k.data_ptr() and torch.equal(got, expected)
+    assert torch.equal(qkv[:, 4 * 128 : 6 * 128].reshape(5, 2, 128), expected)
+
+
 def test_float32_and_disabled_stay_in_torch(monkeypatch: pytest.MonkeyPatch, fused_on_cpu: None) -> None:
     weight = torch.ones(64, dtype=DTYPE)
     assert flashinfer_elementwise.RMSNORM.kernel(torch.zeros(2, 64), weight.float()) is None

@@ -15,9 +15,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 import kernel_census  # noqa: E402  (benchmarks/ is no package)
 
 # Qwen3-0.6B at batch 1, decode and a 64-token prefill chunk.
-PER_LAYER = 13  # input norm, qkv, q-norm, k-norm, RoPE, 2 KV writes, attention, o, post norm, gate_up, SiLU, down
+# (The k-norm writes over k inside the projection, so k and v go to the pool in one copy.)
+PER_LAYER = 12  # input norm, qkv, q-norm, k-norm, RoPE, KV write, attention, o, post norm, gate_up, SiLU, down
 LAYER_OPS = {
-    "flashinfer.norm.fused_add_rmsnorm": 2, "flashinfer.norm.rmsnorm": 2, "linear": 4, "index_copy": 2,
+    "flashinfer.norm.fused_add_rmsnorm": 2, "flashinfer.norm.rmsnorm": 2, "linear": 4, "index_copy": 1,
     "flashinfer.rope.apply_rope_with_cos_sin_cache_inplace": 1, "flashinfer.activation.silu_and_mul": 1,
 }
 SAMPLER = {"argmax": 1, "gather": 1, "isfinite": 1, "where": 2}  # greedy, no logprobs: no full-vocab passes but one

@@ -15,9 +15,13 @@ from aioserve.cpu.elementwise import elementwise_kernels
 
 
 class RMSNorm(nn.Module):
-    def __init__(self, size: int, eps: float) -> None:
+    def __init__(self, size: int, eps: float, in_place: bool = False) -> None:
+        """`in_place`: FlashInfer's kernel writes the norm over its input, a
+        view the caller goes on using (Qwen3's k inside the fused q|k|v
+        projection: left there, beside v, the KV store is one copy, not two)."""
         super().__init__()
         self.eps = eps
+        self.in_place = in_place
         self.weight = nn.Parameter(torch.ones(size), requires_grad=False)
 
     def load_weight(self, name: str, loaded: torch.Tensor, shard: object = None) -> None:
@@ -46,7 +50,7 @@ class RMSNorm(nn.Module):
         if residual is None:
             fused = RMSNORM.kernel(x, self.weight)
             if fused is not None:
-                return fused.norm.rmsnorm(x, self.weight, self.eps)
+                return fused.norm.rmsnorm(x, self.weight, self.eps, out=x if self.in_place else None)
         else:
             fused = FUSED_ADD_RMSNORM.kernel(x, residual, self.weight)
             if fused is not None:

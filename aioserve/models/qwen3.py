@@ -17,7 +17,10 @@ class Qwen3Attention(LlamaAttention):
     def __init__(self, config: ModelConfig, layer_id: int, rotary: RotaryEmbedding) -> None:
         super().__init__(config, layer_id, rotary)
         self.q_norm = self.norm_cls(config.head_dim, config.rms_norm_eps)
-        self.k_norm = self.norm_cls(config.head_dim, config.rms_norm_eps)
+        # k normed where it lies in the projection (on FlashInfer's kernel), so
+        # RoPE and the KV store find it beside v; q is not: attention wants
+        # q dense, and a normed copy is that already.
+        self.k_norm = self.norm_cls(config.head_dim, config.rms_norm_eps, in_place=True)
 
     def normalize_qk(self, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         return self.q_norm(q), self.k_norm(k)
