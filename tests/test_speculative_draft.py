@@ -9,6 +9,7 @@ cannot serve is refused with its reason."""
 from __future__ import annotations
 
 import json
+import re
 import shutil
 from pathlib import Path
 
@@ -133,6 +134,22 @@ def test_stop_tokens_and_preemption(tiny_checkpoints: dict[str, Path], small_dra
                 assert speculative[1][2] == "stop" and speculative[1][0][-1] == stop_at
 
 
+def test_the_draft_follows_steps_that_propose_nothing(tiny_checkpoints: dict[str, Path]) -> None:
+    """Above disable_by_batch_size nothing is proposed, yet the draft runs
+    over every step: once requests finish and the batch is small enough, the
+    target as its own draft proposes from a complete KV, so its proposals
+    still stand (a draft missing those positions would guess wrong)."""
+    model = tiny_checkpoints["qwen3"]
+    prompts = [hf_encode(model, t) for t in TEXTS]
+    params = [SamplingParams(max_tokens=m, temperature=0, ignore_eos=True, logprobs=1) for m in (6, 10, 36, 40)]
+    plain, _ = _run(model, prompts, params)
+    spec = {**_draft(model, k=4), "disable_by_batch_size": 2}
+    speculative, llm = _run(model, prompts, params, speculative_config=spec)
+    assert same_outputs(speculative, plain)
+    stats = llm.scheduler.speculator.stats
+    assert stats.drafts > 0 and stats.accepted_tokens >= 0.8 * stats.draft_tokens, stats
+
+
 def test_an_abort_mid_generation_gives_every_page_back(tiny_checkpoints: dict[str, Path]) -> None:
     model = tiny_checkpoints["qwen3"]
     prompts = [hf_encode(model, t) for t in TEXTS]
@@ -214,8 +231,15 @@ def test_over_http_streams_equal_plain_decoding(tiny_checkpoints: dict[str, Path
                 if line.startswith("data: ") and line != "data: [DONE]":
                     pieces += [c["text"] for c in json.loads(line[6:])["choices"]]
         assert "".join(pieces) == expected
+        # SGLang's /generate reports the request's speculation in meta_info, /metrics vLLM's counters.
+        body = {"text": text, "sampling_params": {"max_new_tokens": 24, "temperature": 0, "ignore_eos": True}}
+        meta = httpx.post(f"{server.url}/generate", json=body, timeout=60).json()["meta_info"]
+        assert meta["completion_tokens"] == 24 and 0 < meta["spec_verify_ct"] < 24
+        assert 0 < meta["spec_num_correct_drafts"] <= meta["spec_num_proposed_drafts"]
         info = server.wait_idle()
         assert info["kv_integrity"] == "ok"
         assert info["avg_spec_accept_length"] > 3.0  # the target as its own draft: 3 proposed, nearly all stand
+        metrics = httpx.get(f"{server.url}/metrics", timeout=10).text
+        assert re.search(r"aioserve:spec_decode_num_accepted_tokens_total\{[^}]*\} [1-9]", metrics)
     finally:
         server.stop()

@@ -57,31 +57,37 @@ class DraftRunner:
     def pool_bytes(self) -> int:
         return self.pool.buffer.numel() * self.pool.buffer.element_size()
 
+    def _upload(self, values: list[int]) -> torch.Tensor:
+        """Host indices on the device without waiting for the stream (through
+        pinned memory, as plans are moved: batch_plan._move)."""
+        host = torch.tensor(values, dtype=torch.long)
+        if self.device.type != "cuda":
+            return host
+        return host.pin_memory().to(self.device, non_blocking=True)
+
     def propose(self, plan: BatchPlan, host_plan: BatchPlan, input_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """The draft's proposals [D] (DraftBatch order) and `input_ids` with them in the placeholders' rows."""
+        """The draft's proposals [D] (DraftBatch order) and a copy of
+        `input_ids` with them in the placeholders' rows."""
         batch = host_plan.draft
         assert batch is not None
         proposals = torch.zeros(batch.num_tokens, dtype=torch.long, device=self.device)
         offsets = [sum(batch.lengths[:j]) for j in range(len(batch.lengths))]
         starts = [int(host_plan.seq_lens[r]) - int(host_plan.extend_lens[r]) for r in batch.requests]
-        newest = input_ids[torch.tensor(batch.first_rows, device=self.device)]
+        newest = input_ids[self._upload(batch.first_rows)]  # decode i's input: the newest token, then d_i
         for i in range(max(batch.lengths)):
             active = [j for j, length in enumerate(batch.lengths) if length > i]
-            chosen = torch.tensor(active, device=self.device) if len(active) < len(batch.lengths) else None
-            ids = newest if chosen is None else newest[chosen]
+            every = len(active) == len(batch.lengths)
+            chosen = None if every else self._upload(active)
             decode = self._decode_plan(host_plan, batch, active, starts, i)
             on_device = decode.to(self.device)
             meta = self.attention.prepare(on_device, decode)
-            hidden = self.model(ids, on_device.positions, meta)
-            tokens = self.model.compute_logits(hidden).argmax(dim=-1)
-            proposals[torch.tensor([offsets[j] + i for j in active], device=self.device)] = tokens
-            if chosen is None:
-                newest = tokens
-            else:
-                newest = newest.index_copy(0, chosen, tokens)
+            hidden = self.model(newest if chosen is None else newest[chosen], on_device.positions, meta)
+            tokens = self.model.compute_logits(hidden).argmax(dim=-1)  # greedy: a top-1 chain, as vLLM's and SGLang's
+            proposals[self._upload([offsets[j] + i for j in active])] = tokens
+            newest = tokens if chosen is None else newest.index_copy(0, chosen, tokens)
         rows = [first + 1 + i for first, length in zip(batch.first_rows, batch.lengths) for i in range(length)]
         filled = input_ids.clone()
-        filled[torch.tensor(rows, device=self.device)] = proposals
+        filled[self._upload(rows)] = proposals
         return proposals, filled
 
     @staticmethod
