@@ -65,9 +65,9 @@ class DraftRunner:
             return host
         return host.pin_memory().to(self.device, non_blocking=True)
 
-    def propose(self, plan: BatchPlan, host_plan: BatchPlan, input_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def propose(self, host_plan: BatchPlan, input_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The draft's proposals [D] (DraftBatch order) and a copy of
-        `input_ids` with them in the placeholders' rows."""
+        `input_ids` (the step's, on the device) with them in the placeholders' rows."""
         batch = host_plan.draft
         assert batch is not None
         proposals = torch.zeros(batch.num_tokens, dtype=torch.long, device=self.device)
@@ -82,7 +82,8 @@ class DraftRunner:
             on_device = decode.to(self.device)
             meta = self.attention.prepare(on_device, decode)
             hidden = self.model(newest if chosen is None else newest[chosen], on_device.positions, meta)
-            tokens = self.model.compute_logits(hidden).argmax(dim=-1)  # greedy: a top-1 chain, as vLLM's and SGLang's
+            # Greedy: a top-1 chain, as vLLM's and SGLang's drafts by default.
+            tokens = self.model.compute_logits(hidden).argmax(dim=-1)
             proposals[self._upload([offsets[j] + i for j in active])] = tokens
             newest = tokens if chosen is None else newest.index_copy(0, chosen, tokens)
         rows = [first + 1 + i for first, length in zip(batch.first_rows, batch.lengths) for i in range(length)]
@@ -91,7 +92,9 @@ class DraftRunner:
         return proposals, filled
 
     @staticmethod
-    def _decode_plan(host_plan: BatchPlan, batch: DraftBatch, active: list[int], starts: list[int], i: int) -> BatchPlan:
+    def _decode_plan(
+        host_plan: BatchPlan, batch: DraftBatch, active: list[int], starts: list[int], i: int
+    ) -> BatchPlan:
         """The i-th draft decode of the `active` entries: the token at
         position start + i of each, into the slot the plan gives that row."""
         requests = [batch.requests[j] for j in active]

@@ -113,7 +113,8 @@ class Engine:
         self.tp_layout = gather_layout(self)
         pool_mib = self.pool.buffer.numel() * self.pool.buffer.element_size() / 2**20
         if self.draft is not None:
-            logger.info("draft model's KV pool: the same %d pages (%.0f MiB)", self.num_pages, self.draft.pool_bytes / 2**20)
+            logger.info("draft model's KV pool: the same %d pages (%.0f MiB)", self.num_pages,
+                        self.draft.pool_bytes / 2**20)
         logger.info("%s; KV pool: %d pages x %d = %d tokens (%.0f MiB)", describe(loaded), self.num_pages,
                     self.page_size, self.kv_capacity_tokens, pool_mib)
         if self.tp.size > 1 and self.tp.is_leader:
@@ -185,7 +186,7 @@ class Engine:
         draft_tokens = None
         if self.draft is not None:
             if host_plan.draft is not None:  # the proposals fill their rows before the target verifies them
-                draft_tokens, input_ids = self.draft.propose(plan, host_plan, input_ids)
+                draft_tokens, input_ids = self.draft.propose(host_plan, input_ids)
             self.draft.follow(plan, host_plan, input_ids)
         routing = None
         if self.lora is not None and host_plan.lora is not None:

@@ -7,7 +7,9 @@ from dataclasses import dataclass, field
 
 import torch
 
-from aioserve.batch_plan import AdapterLoad, BatchPlan, DraftBatch, ImageBatch, LoraBatch, PoolingRequest, PromptLogprobRequest
+from aioserve.batch_plan import (
+    AdapterLoad, BatchPlan, DraftBatch, ImageBatch, LoraBatch, PoolingRequest, PromptLogprobRequest,
+)
 from aioserve.kvcache.page_table import PageTable
 from aioserve.kvcache.request_kv import RequestKV
 from aioserve.scheduler.encoder_cache import EncoderCacheTable
