@@ -150,6 +150,43 @@ def test_the_draft_follows_steps_that_propose_nothing(tiny_checkpoints: dict[str
     assert stats.drafts > 0 and stats.accepted_tokens >= 0.8 * stats.draft_tokens, stats
 
 
+def test_both_pools_share_the_budget(tiny_checkpoints: dict[str, Path], small_drafts: dict[str, Path]) -> None:
+    """--kv-cache-memory pays for a page of both pools: the page count is
+    the budget over the two pages' bytes, and the draft's pool has as many."""
+    from aioserve.kvcache.kv_pool import KVPool
+
+    model, draft = tiny_checkpoints["llama"], small_drafts["llama"]
+    budget = 64 * 1024
+    llm = LLM(str(model), page_size=4, kv_cache_memory=budget, speculative_config=_draft(draft))
+    try:
+        engine = llm.engine
+        pools = [engine.pool, engine.draft.pool]
+        per_page = sum(KVPool.bytes_per_page(p.buffer.shape[0], 4, p.num_kv_heads, p.head_dim, p.dtype) for p in pools)
+        assert engine.num_pages == budget // per_page
+        assert engine.draft.pool.num_pages == engine.pool.num_pages
+    finally:
+        llm.close()
+
+
+@pytest.mark.parametrize("kind", ["greedy", "seeded"])
+def test_constrained_requests_decode_plainly_beside_drafts(tiny_checkpoints: dict[str, Path], kind: str) -> None:
+    """A grammar's mask would read the proposals: such a request decodes
+    plainly while the others verify drafts; all give the plain outputs."""
+    from aioserve.sampling_params import StructuredOutputParams
+
+    model = tiny_checkpoints["llama"]
+    prompts = [hf_encode(model, t) for t in ["ab cd ab cd ab cd ab", "the cat sat on the mat", "cd cd cd cd"]]
+    extra = {"temperature": 0} if kind == "greedy" else {"temperature": 0.9, "seed": 5}
+    grammar = StructuredOutputParams(regex=r"(ab |cd ){3,12}(e|f)")
+    params = [SamplingParams(max_tokens=30, structured_outputs=grammar, **extra),
+              SamplingParams(max_tokens=30, ignore_eos=True, **extra),
+              SamplingParams(max_tokens=30, structured_outputs=grammar, **extra)]
+    plain, _ = _run(model, prompts, params)
+    speculative, llm = _run(model, prompts, params, speculative_config=_draft(model))
+    assert same_outputs(speculative, plain)
+    assert llm.scheduler.speculator.stats.drafts > 0
+
+
 def test_an_abort_mid_generation_gives_every_page_back(tiny_checkpoints: dict[str, Path]) -> None:
     model = tiny_checkpoints["qwen3"]
     prompts = [hf_encode(model, t) for t in TEXTS]
