@@ -222,6 +222,26 @@ class ImageBatch:
 
 
 @dataclass
+class DraftBatch:
+    """Verifications whose proposals a draft model makes inside the step
+    (speculative decoding's draft_model method). Entry j is the plan's
+    request `requests[j]`, an extend whose row `first_rows[j]` holds its
+    newest token and whose next `lengths[j]` rows are placeholders (0) for
+    the proposals: the engine decodes them with the draft and writes them
+    there before the target's forward verifies them. Plain host lists: the
+    engine plans the draft's decodes from them without a device sync."""
+
+    requests: list[int]
+    first_rows: list[int]
+    lengths: list[int]
+
+    @property
+    def num_tokens(self) -> int:
+        """Proposals in all; StepOutput.draft_tokens lists them entry by entry."""
+        return sum(self.lengths)
+
+
+@dataclass
 class BatchPlan:
     """One forward step over B requests and T new tokens.
 
@@ -244,6 +264,7 @@ class BatchPlan:
     pooling: PoolingRequest | None = None
     lora: LoraBatch | None = None  # with LoRA adapters served: each request's slot, the loads first
     images: ImageBatch | None = None  # steps with image tokens (a vision-language model)
+    draft: DraftBatch | None = None  # verifications whose proposals the engine's draft model makes
 
     @property
     def num_tokens(self) -> int:
@@ -307,6 +328,7 @@ class StepOutput:
     prompt_ranks: torch.Tensor | None = None  # [P] int64: each prompt token's rank (1: the likeliest)
     pooled: torch.Tensor | None = None  # [P, H] float32: each pooling segment's row (LAST, CLS) or sum (MEAN)
     scores: torch.Tensor | None = None  # [P, L] float32: the score head's logits of each segment
+    draft_tokens: torch.Tensor | None = None  # [D] int64: the draft model's proposals, in DraftBatch order
 
     def to(self, device: torch.device) -> "StepOutput":
         """Copies issued without waiting (D2H lands in pinned memory); the

@@ -238,16 +238,19 @@ class EngineConfig:
     speculative_config: dict[str, Any] | None = option(
         None, group="speculative decoding", parse=_json_object,
         help='vLLM\'s JSON object, e.g. \'{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4, '
-        '"prompt_lookup_min": 2, "disable_by_batch_size": 8}\': propose tokens and verify them in one forward '
-        "(lossless: the outputs are the model's own); see docs/speculative.md",
+        '"prompt_lookup_min": 2, "disable_by_batch_size": 8}\', or {"method": "draft_model", "model": PATH, '
+        '"num_speculative_tokens": 4}: propose tokens and verify them in one forward '
+        "(lossless: the outputs are the model's own); see docs/guide/speculative.md",
     )
     speculative_algorithm: str | None = option(
         None, group="speculative decoding",
-        help="SGLang's spelling of the method: NGRAM (prompt lookup); with --speculative-num-draft-tokens N "
+        help="SGLang's spelling of the method: NGRAM (prompt lookup) or STANDALONE (a draft model: "
+        "--speculative-draft-model-path); with --speculative-num-draft-tokens N "
         "(N - 1 tokens proposed a step) or --speculative-num-steps K (K proposed)",
     )
     speculative_draft_model_path: str | None = option(
-        None, group="speculative decoding", help="SGLang's draft model flag (STANDALONE, EAGLE3)"
+        None, group="speculative decoding",
+        help="SGLang's draft model flag: the draft's checkpoint for STANDALONE (same vocabulary as the target)",
     )
     speculative_num_draft_tokens: int | None = option(
         None, group="speculative decoding", help="SGLang's count: tokens verified a step, the proposed ones plus one"

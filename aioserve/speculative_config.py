@@ -7,6 +7,13 @@ NGRAM --speculative-num-draft-tokens 5` (SGLang counts the verified position
 as a draft token: N draft tokens are N - 1 proposed ones) or
 `--speculative-num-steps K`. Both resolve to one `SpeculativeConfig`.
 
+A draft model: vLLM's `{"method": "draft_model", "model": PATH,
+"num_speculative_tokens": k}` (or `{"model": PATH}` alone), SGLang's
+`--speculative-algorithm STANDALONE --speculative-draft-model-path PATH`.
+The draft runs inside the engine's step (engine/draft_runner.py); this
+version serves it at --tp 1 only, and the loader checks the draft shares
+the target's vocabulary.
+
 It imports only config.py (the flags are EngineConfig fields, so the CLI
 offers them): the loader checks them at start and the scheduler reads them.
 """
@@ -19,7 +26,7 @@ from typing import Any
 from aioserve.config import ConfigError, EngineConfig
 
 METHODS = ("ngram", "draft_model", "eagle3")
-IMPLEMENTED = ("ngram",)
+IMPLEMENTED = ("ngram", "draft_model")
 # SGLang's --speculative-algorithm names -> vLLM's methods.
 SGLANG_ALGORITHMS = {"NGRAM": "ngram", "STANDALONE": "draft_model", "EAGLE3": "eagle3", "EAGLE": "eagle3"}
 _KEYS = {"method", "model", "num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min", "disable_by_batch_size"}
@@ -66,6 +73,11 @@ def from_dict(spec: dict[str, Any]) -> SpeculativeConfig:
             f"speculative decoding method {method!r} is not available in this version of aioserve "
             f"(available: {', '.join(IMPLEMENTED)})"
         )
+    if method == "draft_model" and not spec.get("model"):
+        raise ConfigError(
+            'speculative decoding method "draft_model" needs the draft\'s checkpoint: "model": PATH in '
+            "--speculative-config, or SGLang's --speculative-draft-model-path"
+        )
     lookup_max = _positive("prompt_lookup_max", spec.get("prompt_lookup_max", DEFAULT_LOOKUP_MAX))
     lookup_min = _positive("prompt_lookup_min", spec.get("prompt_lookup_min", min(DEFAULT_LOOKUP_MIN, lookup_max)))
     if lookup_min > lookup_max:
@@ -89,7 +101,7 @@ def resolve_speculative(config: EngineConfig) -> SpeculativeConfig | None:
     if config.speculative_config is not None and sglang:
         raise ConfigError("give --speculative-config (vLLM's) or --speculative-algorithm (SGLang's), not both")
     if config.speculative_config is not None:
-        return from_dict(dict(config.speculative_config))
+        return _for_parallelism(from_dict(dict(config.speculative_config)), config)
     if not sglang:
         if config.speculative_num_draft_tokens is not None or config.speculative_num_steps is not None:
             raise ConfigError("--speculative-num-draft-tokens and --speculative-num-steps need --speculative-algorithm")
@@ -106,4 +118,15 @@ def resolve_speculative(config: EngineConfig) -> SpeculativeConfig | None:
         spec["num_speculative_tokens"] = _positive("--speculative-num-draft-tokens", config.speculative_num_draft_tokens - 1)
     elif config.speculative_num_steps is not None:
         spec["num_speculative_tokens"] = config.speculative_num_steps
-    return from_dict(spec)
+    return _for_parallelism(from_dict(spec), config)
+
+
+def _for_parallelism(spec: SpeculativeConfig, config: EngineConfig) -> SpeculativeConfig:
+    """A draft model runs beside rank 0's target only: this version has no
+    sharded draft, so draft_model is refused under tensor parallelism."""
+    if spec.method == "draft_model" and config.tp_size > 1:
+        raise ConfigError(
+            f"speculative decoding with a draft model runs at --tp 1 only in this version of aioserve "
+            f"(got --tp {config.tp_size}); use the ngram method, or serve at --tp 1"
+        )
+    return spec

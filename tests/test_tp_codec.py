@@ -17,7 +17,7 @@ from aioserve.config import EngineConfig
 from aioserve.tp import codec as tp_codec
 from aioserve.engine.engine import Engine
 from aioserve.engine.executor import ThreadExecutor
-from aioserve.batch_plan import ImageBatch, ImageRows, ImageToEncode
+from aioserve.batch_plan import DraftBatch, ImageBatch, ImageRows, ImageToEncode
 from aioserve.sampling_params import SamplingParams
 from aioserve.scheduler import Request, Scheduler
 from aioserve.launch.wiring import model_facts
@@ -43,6 +43,8 @@ def _filled(cls: type, seed: int) -> object:
             encode = [ImageToEncode(2**61 + 5, ["image_grid_thw", "pixel_values"], [torch.tensor([[1, 2, 4]]), pixels]),
                       ImageToEncode(3, ["pixel_values"], [pixels.to(torch.bfloat16)])]
             values[f.name] = ImageBatch([11, 2**62 - 1], encode, [ImageRows(4, 3, 0, 2), ImageRows(9, 2**61 + 5, 1, 3)])
+        elif "DraftBatch" in kind:  # a draft model's verifications: host lists
+            values[f.name] = DraftBatch([0, 2], [1, 9], [3, 2])
         elif "Tensor" in kind:
             shape = (3, 5) if f.name in ("page_table", "grammar_bitmask") else (7 + i,)
             dtype = {"page_table": torch.int32, "grammar_bitmask": torch.int32}.get(f.name)

@@ -29,6 +29,7 @@ from aioserve.config import EngineConfig
 from aioserve.tp.distributed import broadcast_from_leader, get_tp_group, min_over_ranks
 from aioserve.cpu_engine.fast_paths import CpuFastPaths
 from aioserve.engine.cuda_graph import Capture, CudaGraphCapture, DecodeGraphRunner
+from aioserve.engine.draft_runner import DraftRunner
 from aioserve.cpu_engine.greedy_screen import GreedyScreen
 from aioserve.engine.image_embeddings import ImageEmbeddings
 from aioserve.engine.loading import describe, load
@@ -71,6 +72,11 @@ class Engine:
             causal=not mc.is_encoder,
         )
         self.attention = create_backend(config.attention_backend, self.pool, self.attention_shape)
+        # Speculative decoding's draft model: its own pool, on the target's pages.
+        self.draft: DraftRunner | None = None
+        if loaded.draft is not None:
+            self.draft = DraftRunner(loaded.draft, self.num_pages, self.page_size, self.kv_dtype, self.dtype,
+                                     config.attention_backend, self.device)
         # LoRA adapters: every adaptable layer's slots (lora/adapter_slots.py).
         lora = resolve_lora(config)
         self.lora: AdapterSlots | None = None
@@ -106,6 +112,9 @@ class Engine:
         # What every rank holds (gathered from all of them; equal on every rank).
         self.tp_layout = gather_layout(self)
         pool_mib = self.pool.buffer.numel() * self.pool.buffer.element_size() / 2**20
+        if self.draft is not None:
+            logger.info("draft model's KV pool: the same %d pages (%.0f MiB)", self.num_pages,
+                        self.draft.pool_bytes / 2**20)
         logger.info("%s; KV pool: %d pages x %d = %d tokens (%.0f MiB)", describe(loaded), self.num_pages,
                     self.page_size, self.kv_capacity_tokens, pool_mib)
         if self.tp.size > 1 and self.tp.is_leader:
@@ -174,6 +183,11 @@ class Engine:
             self.graph_runner = self.cpu_paths.decode_runner
         host_plan, plan = plan, plan.to(self.device)
         input_ids = self.previous.resolve(plan.step, plan.input_ids, host_plan.input_ids)
+        draft_tokens = None
+        if self.draft is not None:
+            if host_plan.draft is not None:  # the proposals fill their rows before the target verifies them
+                draft_tokens, input_ids = self.draft.propose(host_plan, input_ids)
+            self.draft.follow(plan, host_plan, input_ids)
         routing = None
         if self.lora is not None and host_plan.lora is not None:
             self.lora.apply_loads(host_plan.lora.loads)
@@ -205,6 +219,7 @@ class Engine:
             if self.tp.is_leader:
                 prompt = prompt_logprobs(logits, plan.prompt_logprobs.target_ids, plan.prompt_logprobs.num_top)
         output = StepOutput(tokens.token_ids, tokens.logprobs, tokens.top_ids, tokens.top_logprobs, *prompt)
+        output.draft_tokens = draft_tokens
         if host_plan.pooling is not None:
             output.pooled, output.scores = pool_segments(hidden, host_plan.pooling, self.score_head, self.score_row)
         return output

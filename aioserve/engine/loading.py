@@ -16,6 +16,7 @@ from aioserve.config import DEFAULT_CPU_KV_BYTES, ConfigError, EngineConfig
 from aioserve.cpu.dispatch import CpuDispatch, choose_cpu_dispatch
 from aioserve.cpu.isa import cpu_flags
 from aioserve.cpu.native import enabled as native_kernels_enabled
+from aioserve.engine.draft_model import LoadedDraft, draft_bytes_per_page, load_draft
 from aioserve.engine.dtypes import kv_cache_dtype, resolve_dtype
 from aioserve.kvcache.kv_pool import FP8_KV, RESERVED_PAGES, KVPool
 from aioserve.layers.moe import FusedMoE
@@ -25,6 +26,7 @@ from aioserve.models.source import resolve_model_path
 from aioserve.models.weight_loader import build_model
 from aioserve.pooling_config import PoolerConfig, resolve_pooler
 from aioserve.cpu.native import cpu_kernels
+from aioserve.speculative_config import resolve_speculative
 
 logger = logging.getLogger(__name__)
 
@@ -51,6 +53,7 @@ class LoadedModel:
     num_pages: int  # what this rank's memory holds; ranks then take the smallest
     cpu_dispatch: CpuDispatch | None = None  # on a CPU: its paths for this model (cpu/dispatch.py)
     pooler: PoolerConfig | None = None  # a pooling model (embedder, reranker): how it pools; None: it generates
+    draft: LoadedDraft | None = None  # speculative decoding's draft model (the draft_model method)
 
 
 def kv_budget_bytes(total: int, free: int, mem_fraction_static: float) -> int:
@@ -126,6 +129,10 @@ def pool_pages(config: EngineConfig, loaded: LoadedModel, tp_size: int) -> int:
     page_bytes = KVPool.bytes_per_page(
         mc.num_layers, config.page_size, mc.kv_heads_per_rank(tp_size), mc.head_dim, loaded.kv_dtype
     )
+    if loaded.draft is not None:
+        # The draft's pool has as many pages as the target's (the same page
+        # ids): each page of the budget pays for both.
+        page_bytes += draft_bytes_per_page(loaded.draft.model_config, config.page_size, loaded.kv_dtype)
     if loaded.device.type == "cuda":
         free, total = torch.cuda.mem_get_info(loaded.device)
         budget = kv_budget_bytes(total, free, config.mem_fraction_static)
@@ -167,6 +174,11 @@ def load(config: EngineConfig, tp_size: int) -> LoadedModel:
         for module in model.modules():
             if isinstance(module, FusedMoE):
                 module.choose_kernel()
+    speculative = resolve_speculative(config)
+    draft = None
+    if speculative is not None and speculative.draft_model is not None and speculative.method == "draft_model":
+        # Loaded before the pool is sized: its weights come out of the memory the pool may take.
+        draft = load_draft(config, speculative.draft_model, model_config, dtype, weight_dtype, device)
     loaded = LoadedModel(
         device=device,
         model_path=model_path,
@@ -180,6 +192,7 @@ def load(config: EngineConfig, tp_size: int) -> LoadedModel:
         num_pages=0,
         cpu_dispatch=dispatch,
         pooler=pooler,
+        draft=draft,
     )
     if pooler is not None:
         logger.info("pooling model: %s pooling%s, %s (from %s)", pooler.pooling_type,

@@ -11,7 +11,8 @@
    prompt's metadata); then finish the request or just deliver.
 
 A verified draft (speculation.py) goes through the same phases once per
-token it gives: its tokens up to the first the target did not propose,
+token it gives (a draft model's proposal is read from the step's output
+first: it was made within the step): its tokens up to the first the target did not propose,
 which is the target's own; the KV of the rest is dropped (its pages freed)
 before anything is delivered.
 
@@ -49,6 +50,7 @@ class _HostOutput:
     logprobs: list[float]
     top_ids: list[list[int]] | None
     top_logprobs: list[list[float]] | None
+    draft_tokens: list[int]  # a draft model's proposals (StepOutput.draft_tokens)
 
     @classmethod
     def of(cls, output: StepOutput) -> "_HostOutput":
@@ -57,6 +59,7 @@ class _HostOutput:
             output.logprobs.tolist(),
             output.top_ids.tolist() if output.top_ids is not None else None,
             output.top_logprobs.tolist() if output.top_logprobs is not None else None,
+            output.draft_tokens.tolist() if output.draft_tokens is not None else [],
         )
 
     def sampled(self, row: int) -> bool:
@@ -117,6 +120,8 @@ class OutputProcessor:
         including the first that differs from the proposal."""
         assert entry.row is not None
         proposed = len(entry.draft)
+        if entry.draft_offset is not None:  # the engine's draft model proposed them within the step
+            entry.draft = host.draft_tokens[entry.draft_offset : entry.draft_offset + proposed]
         tokens: list[int] = []
         for i in range(proposed + 1):
             if not host.sampled(entry.row + i):

@@ -7,7 +7,9 @@ from dataclasses import dataclass, field
 
 import torch
 
-from aioserve.batch_plan import AdapterLoad, BatchPlan, ImageBatch, LoraBatch, PoolingRequest, PromptLogprobRequest
+from aioserve.batch_plan import (
+    AdapterLoad, BatchPlan, DraftBatch, ImageBatch, LoraBatch, PoolingRequest, PromptLogprobRequest,
+)
 from aioserve.kvcache.page_table import PageTable
 from aioserve.kvcache.request_kv import RequestKV
 from aioserve.scheduler.encoder_cache import EncoderCacheTable
@@ -28,6 +30,9 @@ class StepEntry:
     prefill: bool = False  # a prompt chunk, not a decode
     prompt_logprob_span: tuple[int, int] | None = None  # (first, count) in the step's prompt logprobs
     draft: list[int] = field(default_factory=list)  # verified proposal: rows row .. row + len(draft) are sampled
+    # A draft model's proposal: `draft` holds placeholders until the step's
+    # output is processed; its tokens are StepOutput.draft_tokens[offset:offset + len(draft)].
+    draft_offset: int | None = None
     pool_segment: int | None = None  # a pooling request's chunk: its index in the step's pooling segments
 
 
@@ -67,6 +72,10 @@ class PlanBuilder:
     # ([N] where the three axes agree, else [3, N]).
     position_shifts: dict[int, int] = field(default_factory=dict)
     explicit_positions: dict[int, torch.Tensor] = field(default_factory=dict)
+    # Verifications whose proposals the engine's draft model makes (DraftBatch's lists).
+    draft_requests: list[int] = field(default_factory=list)
+    draft_first_rows: list[int] = field(default_factory=list)
+    draft_lengths: list[int] = field(default_factory=list)
 
     def add(
         self,
@@ -118,15 +127,23 @@ class PlanBuilder:
         self.entries.append(entry)
         return entry
 
-    def add_verify(self, request: Request, draft: list[int], samples: list[SampleRow]) -> StepEntry:
+    def add_verify(
+        self, request: Request, draft: list[int], samples: list[SampleRow], in_engine: bool = False
+    ) -> StepEntry:
         """A decoding request's newest token and a proposal after it, as an
-        extend that samples every position (the first row is `entry.row`)."""
+        extend that samples every position (the first row is `entry.row`).
+        `in_engine`: `draft` is placeholders for the engine's draft model to fill."""
         start = request.kv_len
         entry = self.add(request, [request.all_ids[-1], *draft], start, None, decode=False)
         entry.prefill, entry.draft, entry.row = False, draft, len(self.sample_rows)
         first_row = len(self.ids) - len(samples)
         self.sample_rows += samples
         self.logits_indices += range(first_row, len(self.ids))
+        if in_engine:
+            entry.draft_offset = sum(self.draft_lengths)
+            self.draft_requests.append(len(self.entries) - 1)
+            self.draft_first_rows.append(first_row)
+            self.draft_lengths.append(len(draft))
         return entry
 
     @property
@@ -209,6 +226,8 @@ class PlanBuilder:
             lora=LoraBatch(torch.tensor(self.lora_slots, dtype=torch.long), lora_loads)
             if lora_loads is not None else None,
             images=images,
+            draft=DraftBatch(self.draft_requests, self.draft_first_rows, self.draft_lengths)
+            if self.draft_requests else None,
         )
         num_prefill = sum(length for entry, length in zip(self.entries, self.lengths) if entry.prefill)
         return ScheduledStep(plan, self.entries, num_prefill)

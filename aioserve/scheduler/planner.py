@@ -73,16 +73,21 @@ class StepPlanner:
             entry = builder.add(request, [token], request.kv_len, sample, decode=True)
             request.admitted_kv.scheduled(request.kv_len + 1)
             self._mark_sampled(request, entry, step_id)
+        in_engine = self.speculator is not None and self.speculator.proposes_in_engine
         for request, draft in drafts.items():
-            self._add_verify(builder, request, draft, step_id)
+            self._add_verify(builder, request, draft, step_id, in_engine)
 
     @staticmethod
-    def _add_verify(builder: PlanBuilder, request: Request, draft: list[int], step_id: int) -> None:
+    def _add_verify(builder: PlanBuilder, request: Request, draft: list[int], step_id: int, in_engine: bool) -> None:
         """Verify `draft`: every position is sampled as a decode would be,
-        penalties counting the proposed tokens before it."""
+        penalties counting the proposed tokens before it. `in_engine`: the
+        draft holds placeholders the engine's draft model fills (such
+        requests have no penalty or grammar reading them)."""
         first = request.num_generated
-        samples = [SampleRow(request, first + i, None, tuple(draft[:i])) for i in range(len(draft) + 1)]
-        entry = builder.add_verify(request, draft, samples)
+        samples = [
+            SampleRow(request, first + i, None, () if in_engine else tuple(draft[:i])) for i in range(len(draft) + 1)
+        ]
+        entry = builder.add_verify(request, draft, samples, in_engine)
         request.admitted_kv.scheduled(request.kv_len + len(draft) + 1)
         assert entry.row is not None
         request.pending.sampled(step_id, entry.row, nameable=False)

@@ -25,6 +25,11 @@ A verification costs more than a decode (k + 1 rows, and no overlap), so a
 request whose proposals keep failing backs off: after m verifications in a
 row that kept no proposed token it skips the next 2**m - 1 chances to
 propose (at most MAX_BACKOFF_STEPS), and any kept token resets it.
+
+Two proposers: prompt lookup (ngram_proposer.py), which names its tokens
+here, and a draft model (draft_model_proposer.py), which only reserves
+their rows: the engine's draft fills them within the step, and the step's
+output returns them to the output processor, which accepts as for ngram.
 """
 
 from __future__ import annotations
@@ -36,6 +41,7 @@ from typing import Protocol
 from aioserve.kvcache.manager import KVManager
 from aioserve.scheduler.constraint import TokenConstraint
 from aioserve.scheduler.request import Request
+from aioserve.scheduler.draft_model_proposer import DraftModelProposer
 from aioserve.scheduler.ngram_proposer import NgramProposer
 from aioserve.speculative_config import SpeculativeConfig
 
@@ -82,7 +88,11 @@ class Proposer(Protocol):
 class Speculator:
     def __init__(self, config: SpeculativeConfig) -> None:
         self.config = config
-        self.proposer: Proposer = NgramProposer(config.lookup_max, config.lookup_min)
+        # draft_model: the plan reserves the proposals' rows, the engine's draft fills them within the step.
+        self.proposes_in_engine = config.method == "draft_model"
+        self.proposer: Proposer = (
+            DraftModelProposer() if self.proposes_in_engine else NgramProposer(config.lookup_max, config.lookup_min)
+        )
         self.stats = SpeculationStats()
         self._backoff: weakref.WeakKeyDictionary[Request, _Backoff] = weakref.WeakKeyDictionary()
 

@@ -1,0 +1,120 @@
+"""Speculative decoding's draft model, run inside the engine's step.
+
+The draft has its own KV pool with the target's page geometry (as many
+pages, of the same size; its own layers, heads, head_dim): a page id names
+the same positions in both pools, so the scheduler's one KVManager
+allocates, caches, evicts and frees for both, and the draft reads a
+request's KV through the plan's own page table.
+
+Two things happen each step, both on the engine's thread:
+
+* `propose`: for the plan's DraftBatch (verifications planned with
+  placeholder rows), k batched greedy decodes of the draft, the newest
+  token giving d1, d1 giving d2, and so on; the proposals are written into
+  the step's input ids where the placeholders were.
+* `follow`: the draft runs over the whole plan (its input ids, positions,
+  slots), so that its KV holds every position the target's does: prompt
+  chunks, plain decodes, and a verification's k + 1 positions (the decodes
+  above stored all but the last proposal's; positions past what the target
+  accepts are overwritten later, as the target's are). Prefix-cache pages
+  were written by both models, since every step ran through both.
+
+The draft's decodes run eagerly (no CUDA graph) in this version; the
+target's graphs are untouched (a verification step is no decode-only step,
+so it never replays one).
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from aioserve.attention import AttentionShape, create_backend
+from aioserve.batch_plan import BatchPlan, DraftBatch
+from aioserve.engine.draft_model import LoadedDraft
+from aioserve.kvcache.kv_pool import KVPool
+
+logger = logging.getLogger(__name__)
+
+
+class DraftRunner:
+    def __init__(
+        self, draft: LoadedDraft, num_pages: int, page_size: int, kv_dtype: torch.dtype, q_dtype: torch.dtype,
+        attention_backend: str, device: torch.device,
+    ) -> None:
+        mc = draft.model_config
+        self.model = draft.model
+        self.device = device
+        self.pool = KVPool(mc.num_layers, num_pages, page_size, mc.num_kv_heads, mc.head_dim, kv_dtype, device)
+        shape = AttentionShape(
+            num_qo_heads=mc.num_heads, num_kv_heads=mc.num_kv_heads, head_dim=mc.head_dim,
+            sliding_windows=tuple(mc.sliding_windows), q_dtype=q_dtype, sm_scale=mc.attention_scale,
+        )
+        self.attention = create_backend(attention_backend, self.pool, shape)
+
+    @property
+    def pool_bytes(self) -> int:
+        return self.pool.buffer.numel() * self.pool.buffer.element_size()
+
+    def _upload(self, values: list[int]) -> torch.Tensor:
+        """Host indices on the device without waiting for the stream (through
+        pinned memory, as plans are moved: batch_plan._move)."""
+        host = torch.tensor(values, dtype=torch.long)
+        if self.device.type != "cuda":
+            return host
+        return host.pin_memory().to(self.device, non_blocking=True)
+
+    def propose(self, host_plan: BatchPlan, input_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The draft's proposals [D] (DraftBatch order) and a copy of
+        `input_ids` (the step's, on the device) with them in the placeholders' rows."""
+        batch = host_plan.draft
+        assert batch is not None
+        proposals = torch.zeros(batch.num_tokens, dtype=torch.long, device=self.device)
+        offsets = [sum(batch.lengths[:j]) for j in range(len(batch.lengths))]
+        starts = [int(host_plan.seq_lens[r]) - int(host_plan.extend_lens[r]) for r in batch.requests]
+        newest = input_ids[self._upload(batch.first_rows)]  # decode i's input: the newest token, then d_i
+        for i in range(max(batch.lengths)):
+            active = [j for j, length in enumerate(batch.lengths) if length > i]
+            every = len(active) == len(batch.lengths)
+            chosen = None if every else self._upload(active)
+            decode = self._decode_plan(host_plan, batch, active, starts, i)
+            on_device = decode.to(self.device)
+            meta = self.attention.prepare(on_device, decode)
+            hidden = self.model(newest if chosen is None else newest[chosen], on_device.positions, meta)
+            # Greedy: a top-1 chain, as vLLM's and SGLang's drafts by default.
+            tokens = self.model.compute_logits(hidden).argmax(dim=-1)
+            proposals[self._upload([offsets[j] + i for j in active])] = tokens
+            newest = tokens if chosen is None else newest.index_copy(0, chosen, tokens)
+        rows = [first + 1 + i for first, length in zip(batch.first_rows, batch.lengths) for i in range(length)]
+        filled = input_ids.clone()
+        filled[self._upload(rows)] = proposals
+        return proposals, filled
+
+    @staticmethod
+    def _decode_plan(
+        host_plan: BatchPlan, batch: DraftBatch, active: list[int], starts: list[int], i: int
+    ) -> BatchPlan:
+        """The i-th draft decode of the `active` entries: the token at
+        position start + i of each, into the slot the plan gives that row."""
+        requests = [batch.requests[j] for j in active]
+        rows = [batch.first_rows[j] + i for j in active]
+        positions = torch.tensor([starts[j] + i for j in active], dtype=torch.long)
+        n = len(active)
+        return BatchPlan(
+            step=host_plan.step,
+            input_ids=torch.zeros(n, dtype=torch.long),  # the tokens are on the device (`propose` passes them)
+            positions=positions,
+            out_cache_loc=host_plan.out_cache_loc[rows],
+            seq_lens=positions + 1,
+            extend_lens=torch.ones(n, dtype=torch.long),
+            page_table=host_plan.page_table[requests],
+            num_decodes=n,
+            logits_indices=torch.arange(n),
+            sampling=None,
+        )
+
+    def follow(self, plan: BatchPlan, host_plan: BatchPlan, input_ids: torch.Tensor) -> None:
+        """Run the draft over the whole step, for its KV (its logits are not needed)."""
+        meta = self.attention.prepare(plan, host_plan)
+        self.model(input_ids, plan.positions, meta)

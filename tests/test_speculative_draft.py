@@ -1,0 +1,311 @@
+"""Speculative decoding with a draft model (the draft_model method;
+engine/draft_runner.py): the outputs are plain decoding's, token for token
+with their logprobs, whether the draft is the target itself (nearly every
+proposal stands) or an unrelated small model (nearly none does), through
+chunked prefill, prefix-cache hits, limits inside a proposal, preemption and
+aborts; the flags of vLLM and SGLang turn it on, and what this version
+cannot serve is refused with its reason."""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+from pathlib import Path
+
+import pytest
+
+from aioserve import LLM, SamplingParams
+from aioserve.config import ConfigError, EngineConfig
+from aioserve.speculative_config import SpeculativeConfig, from_dict, resolve_speculative
+from hf_reference import hf_encode
+from test_speculative import TEXTS, _params, _run, same_outputs
+
+# Different lengths, so the batch's verifications start at different positions.
+PROMPTS = TEXTS + ["one two three four five six seven eight nine ten eleven twelve thirteen fourteen"]
+
+
+@pytest.fixture(scope="module")
+def small_drafts(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """Random drafts smaller than the tiny targets (other weights, one layer,
+    other head counts), with the same tokenizer: they rarely agree."""
+    from tiny_models import build_checkpoint
+
+    root = tmp_path_factory.mktemp("drafts")
+    shape = {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 1,
+             "num_attention_heads": 2, "num_key_value_heads": 1}
+    return {arch: build_checkpoint(arch, root / arch, seed=5, overrides=shape) for arch in ("llama", "qwen3")}
+
+
+def _draft(draft: Path, k: int = 3) -> dict:
+    return {"method": "draft_model", "model": str(draft), "num_speculative_tokens": k}
+
+
+def _tuples(outs: list) -> list:
+    return [(o.token_ids, o.logprobs, o.finish_reason) for o in outs]
+
+
+def _draft_path(which: str, model: Path, arch: str, small_drafts: dict[str, Path]) -> Path:
+    return model if which == "target" else small_drafts[arch]
+
+
+def _varied(kind: str) -> list[SamplingParams]:
+    """One setting per prompt: max_tokens landing inside a proposal, and a
+    penalised request (it decodes plainly beside the speculating ones)."""
+    base = _params(kind)
+    penalised = _params("penalised")
+    return [
+        SamplingParams(**{**_as_dict(base), "max_tokens": 5}),
+        base,
+        SamplingParams(**{**_as_dict(base), "max_tokens": 13}),
+        penalised,
+        SamplingParams(**{**_as_dict(base), "max_tokens": 22}),
+    ]
+
+
+def _as_dict(params: SamplingParams) -> dict:
+    return {name: getattr(params, name) for name in (
+        "max_tokens", "temperature", "top_p", "top_k", "seed", "ignore_eos", "logprobs")}
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+@pytest.mark.parametrize("which", ["target", "small"])
+@pytest.mark.parametrize("kind", ["greedy", "seeded"])
+def test_outputs_equal_plain_decoding(
+    tiny_checkpoints: dict[str, Path], small_drafts: dict[str, Path], arch: str, which: str, kind: str
+) -> None:
+    """A batch of prompts of different lengths, prefilled in chunks of 8,
+    then the same prompts again (prefix-cache hits, whose pages both models
+    wrote): the plain outputs, every page back. The target as its own draft
+    keeps nearly every proposal; the small random draft almost none."""
+    model = tiny_checkpoints[arch]
+    draft = _draft_path(which, model, arch, small_drafts)
+    prompts = [hf_encode(model, t) for t in PROMPTS]
+    params = _varied(kind)
+    options = {"max_prefill_tokens": 8}
+    plain, _ = _run(model, prompts, params, **options)
+    plain_again, _ = _run(model, prompts[:3], params[:3], **options)
+    llm = LLM(str(model), page_size=4, debug_integrity=True, speculative_config=_draft(draft), **options)
+    try:
+        first = llm.generate(prompts, params)
+        again = llm.generate(prompts[:3], params[:3])
+        llm.scheduler.check_integrity()
+        kv = llm.scheduler.kv
+        assert kv.allocator.num_free + kv.cache.num_pages == kv.num_usable_pages  # every page back
+        stats = llm.scheduler.speculator.stats
+    finally:
+        llm.close()
+    assert same_outputs(_tuples(first), plain)
+    assert same_outputs(_tuples(again), plain_again)
+    assert all(o.num_cached_tokens > 0 for o in again)
+    assert stats.drafts > 0
+    if which == "target" and kind == "greedy":  # the target proposes its own tokens: they stand
+        assert stats.accepted_tokens >= 0.8 * stats.draft_tokens, stats
+        assert stats.mean_acceptance_length > 3
+    if which == "small":
+        assert stats.accepted_tokens < stats.draft_tokens
+
+
+def test_stop_tokens_and_preemption(tiny_checkpoints: dict[str, Path], small_drafts: dict[str, Path]) -> None:
+    """A stop token inside a proposal, max_tokens inside one, and a pool so
+    small that requests are preempted and recomputed (through both models):
+    the plain outputs."""
+    model = tiny_checkpoints["llama"]
+    prompts = [hf_encode(model, t) for t in TEXTS]
+    greedy = [SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)] * len(prompts)
+    reference, _ = _run(model, prompts, greedy)
+    stop_at = reference[1][0][6]
+    params = [
+        SamplingParams(max_tokens=5, temperature=0, ignore_eos=True),
+        SamplingParams(max_tokens=40, temperature=0, ignore_eos=True, stop_token_ids=[stop_at]),
+        SamplingParams(max_tokens=13, temperature=0, ignore_eos=True),
+        SamplingParams(max_tokens=40, temperature=0, ignore_eos=True),
+    ]
+    # A pool of 16 pages: the two 40-token requests outgrow it together.
+    long = [params[0], greedy[1], params[2], greedy[3]]
+    for draft in (model, small_drafts["llama"]):
+        for options, chosen in (({}, params), ({"num_pages": 16, "decode_reserve_tokens": 4}, long)):
+            plain, _ = _run(model, prompts, chosen, **options)
+            speculative, llm = _run(model, prompts, chosen, speculative_config=_draft(draft, k=4), **options)
+            assert same_outputs(speculative, plain)
+            if options:
+                assert llm.scheduler.stats.preemptions > 0
+            else:
+                assert speculative[1][2] == "stop" and speculative[1][0][-1] == stop_at
+
+
+def test_the_draft_follows_steps_that_propose_nothing(tiny_checkpoints: dict[str, Path]) -> None:
+    """Above disable_by_batch_size nothing is proposed, yet the draft runs
+    over every step: once requests finish and the batch is small enough, the
+    target as its own draft proposes from a complete KV, so its proposals
+    still stand (a draft missing those positions would guess wrong)."""
+    model = tiny_checkpoints["qwen3"]
+    prompts = [hf_encode(model, t) for t in TEXTS]
+    params = [SamplingParams(max_tokens=m, temperature=0, ignore_eos=True, logprobs=1) for m in (6, 10, 36, 40)]
+    plain, _ = _run(model, prompts, params)
+    spec = {**_draft(model, k=4), "disable_by_batch_size": 2}
+    speculative, llm = _run(model, prompts, params, speculative_config=spec)
+    assert same_outputs(speculative, plain)
+    stats = llm.scheduler.speculator.stats
+    assert stats.drafts > 0 and stats.accepted_tokens >= 0.8 * stats.draft_tokens, stats
+
+
+def test_both_pools_share_the_budget(tiny_checkpoints: dict[str, Path], small_drafts: dict[str, Path]) -> None:
+    """--kv-cache-memory pays for a page of both pools: the page count is
+    the budget over the two pages' bytes, and the draft's pool has as many."""
+    from aioserve.kvcache.kv_pool import KVPool
+
+    model, draft = tiny_checkpoints["llama"], small_drafts["llama"]
+    budget = 64 * 1024
+    llm = LLM(str(model), page_size=4, kv_cache_memory=budget, speculative_config=_draft(draft))
+    try:
+        engine = llm.engine
+        pools = [engine.pool, engine.draft.pool]
+        per_page = sum(KVPool.bytes_per_page(p.buffer.shape[0], 4, p.num_kv_heads, p.head_dim, p.dtype) for p in pools)
+        assert engine.num_pages == budget // per_page
+        assert engine.draft.pool.num_pages == engine.pool.num_pages
+    finally:
+        llm.close()
+
+
+@pytest.mark.parametrize("kind", ["greedy", "seeded"])
+def test_constrained_requests_decode_plainly_beside_drafts(tiny_checkpoints: dict[str, Path], kind: str) -> None:
+    """A grammar's mask would read the proposals: such a request decodes
+    plainly while the others verify drafts; all give the plain outputs."""
+    from aioserve.sampling_params import StructuredOutputParams
+
+    model = tiny_checkpoints["llama"]
+    prompts = [hf_encode(model, t) for t in ["ab cd ab cd ab cd ab", "the cat sat on the mat", "cd cd cd cd"]]
+    extra = {"temperature": 0} if kind == "greedy" else {"temperature": 0.9, "seed": 5}
+    grammar = StructuredOutputParams(regex=r"(ab |cd ){3,12}(e|f)")
+    params = [SamplingParams(max_tokens=30, structured_outputs=grammar, **extra),
+              SamplingParams(max_tokens=30, ignore_eos=True, **extra),
+              SamplingParams(max_tokens=30, structured_outputs=grammar, **extra)]
+    plain, _ = _run(model, prompts, params)
+    speculative, llm = _run(model, prompts, params, speculative_config=_draft(model))
+    assert same_outputs(speculative, plain)
+    assert llm.scheduler.speculator.stats.drafts > 0
+
+
+def test_an_abort_mid_generation_gives_every_page_back(tiny_checkpoints: dict[str, Path]) -> None:
+    model = tiny_checkpoints["qwen3"]
+    prompts = [hf_encode(model, t) for t in TEXTS]
+    params = SamplingParams(max_tokens=30, temperature=0, ignore_eos=True)
+    llm = LLM(str(model), page_size=4, debug_integrity=True, speculative_config=_draft(model))
+    try:
+        scheduler = llm.scheduler
+        original = scheduler.outputs.process
+        aborted: list[str] = []
+
+        def process(step, output):
+            original(step, output)
+            if not aborted and scheduler.speculator.stats.drafts >= 3 and scheduler.running:
+                aborted.append(scheduler.running[0].rid)
+                scheduler.abort(aborted[0])
+
+        scheduler.outputs.process = process
+        outs = llm.generate(prompts, params)
+        scheduler.check_integrity()
+        kv = scheduler.kv
+        assert kv.allocator.num_free + kv.cache.num_pages == kv.num_usable_pages
+    finally:
+        llm.close()
+    assert aborted and sorted(o.finish_reason for o in outs) == ["abort", "length", "length", "length"]
+
+
+def test_the_flags_of_vllm_and_sglang(tmp_path: Path, tiny_checkpoints: dict[str, Path]) -> None:
+    assert from_dict({"method": "draft_model", "model": "d", "num_speculative_tokens": 3}) == SpeculativeConfig(
+        "draft_model", 3, draft_model="d")
+    only_model = from_dict({"model": "d"})  # vLLM: a model alone means a draft model
+    assert (only_model.method, only_model.draft_model, only_model.num_tokens) == ("draft_model", "d", 4)
+    sglang = resolve_speculative(EngineConfig(
+        speculative_algorithm="STANDALONE", speculative_draft_model_path="d", speculative_num_draft_tokens=4))
+    assert sglang is not None and (sglang.method, sglang.draft_model, sglang.num_tokens) == ("draft_model", "d", 3)
+    for bad, message in (
+        ({"speculative_config": {"method": "draft_model", "num_speculative_tokens": 3}}, "needs the draft's checkpoint"),
+        ({"speculative_algorithm": "STANDALONE"}, "needs the draft's checkpoint"),
+        ({"speculative_config": {"model": "d"}, "tp_size": 2}, "--tp 1 only"),
+        ({"speculative_algorithm": "STANDALONE", "speculative_draft_model_path": "d", "tp_size": 2}, "--tp 1 only"),
+    ):
+        with pytest.raises(ConfigError, match=message):
+            resolve_speculative(EngineConfig(**bad))
+    # A draft of another vocabulary is refused when the engine loads it.
+    model = tiny_checkpoints["llama"]
+    other = tmp_path / "other-vocab"
+    shutil.copytree(model, other)
+    config = json.loads((other / "config.json").read_text())
+    config["vocab_size"] += 16
+    (other / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ConfigError, match="share the target's tokenizer"):
+        LLM(str(model), page_size=4, speculative_config=_draft(other))
+
+
+def test_over_http_streams_equal_plain_decoding(tiny_checkpoints: dict[str, Path]) -> None:
+    """A server started with SGLang's flags streams the completion an offline
+    plain run gives, and /server_info reports the acceptance."""
+    import httpx
+
+    from server_harness import start_server
+
+    model = tiny_checkpoints["llama"]
+    text = "the cat sat on the mat and the cat sat on the"
+    llm = LLM(str(model), page_size=4)
+    try:
+        expected = llm.generate([text], SamplingParams(max_tokens=24, temperature=0, ignore_eos=True))[0].text
+    finally:
+        llm.close()
+    server = start_server(
+        model, "--page-size", "4", "--debug-integrity", "--speculative-algorithm", "STANDALONE",
+        "--speculative-draft-model-path", str(model), "--speculative-num-steps", "3",
+    )
+    try:
+        body = {"model": str(model), "prompt": text, "max_tokens": 24, "temperature": 0, "ignore_eos": True,
+                "stream": True}
+        pieces = []
+        with httpx.stream("POST", f"{server.v1}/completions", json=body, timeout=60) as response:
+            assert response.status_code == 200
+            for line in response.iter_lines():
+                if line.startswith("data: ") and line != "data: [DONE]":
+                    pieces += [c["text"] for c in json.loads(line[6:])["choices"]]
+        assert "".join(pieces) == expected
+        # SGLang's /generate reports the request's speculation in meta_info, /metrics vLLM's counters.
+        body = {"text": text, "sampling_params": {"max_new_tokens": 24, "temperature": 0, "ignore_eos": True}}
+        meta = httpx.post(f"{server.url}/generate", json=body, timeout=60).json()["meta_info"]
+        assert meta["completion_tokens"] == 24 and 0 < meta["spec_verify_ct"] < 24
+        assert 0 < meta["spec_num_correct_drafts"] <= meta["spec_num_proposed_drafts"]
+        info = server.wait_idle()
+        assert info["kv_integrity"] == "ok"
+        assert info["avg_spec_accept_length"] > 3.0  # the target as its own draft: 3 proposed, nearly all stand
+        metrics = httpx.get(f"{server.url}/metrics", timeout=10).text
+        assert re.search(r"aioserve:spec_decode_num_accepted_tokens_total\{[^}]*\} [1-9]", metrics)
+    finally:
+        server.stop()
+
+
+@pytest.mark.gpu
+def test_draft_model_on_cuda(tmp_path: Path) -> None:
+    """On a GPU in float32 on the torch backend: the draft's eager decodes
+    beside the target's CUDA-graph decodes give the plain outputs, and the
+    target as its own draft keeps nearly every proposal. (Written with the
+    CPU version; not yet run on a GPU.)"""
+    from tiny_models import build_checkpoint
+
+    model = build_checkpoint("qwen3", tmp_path / "qwen3", overrides={
+        "hidden_size": 256, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 128})
+    prompts = [hf_encode(model, t) for t in PROMPTS]
+    params = [_params("greedy")] * len(prompts)
+    options = {"device": "cuda", "dtype": "float32", "attention_backend": "torch_native", "page_size": 16}
+    llm = LLM(str(model), **options)
+    try:
+        plain = _tuples(llm.generate(prompts, params))
+    finally:
+        llm.close()
+    llm = LLM(str(model), debug_integrity=True, speculative_config=_draft(model), **options)
+    try:
+        outs = _tuples(llm.generate(prompts, params))
+        stats = llm.scheduler.speculator.stats
+        llm.scheduler.check_integrity()
+    finally:
+        llm.close()
+    assert same_outputs(outs, plain)
+    assert stats.accepted_tokens >= 0.8 * stats.draft_tokens, stats
