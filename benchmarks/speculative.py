@@ -6,24 +6,33 @@ repeat: prompt lookup (ngram) on prompts that quote themselves (a story
 retold, a list repeated), and an "oracle" that proposes the plain run's own
 tokens (the ceiling: every proposal stands, what a draft equal to the
 target would give) and one that proposes wrong tokens (the floor: the cost
-of verifying k + 1 positions for one token). Greedy outputs are checked equal
-to the plain run's on every repeat.
+of verifying k + 1 positions for one token). With --draft-models, the
+draft_model method too: the target as its own draft (the ceiling with a
+draft's cost: every proposal stands, and the draft runs the whole model
+k + 1 times a step) and a one-layer random-weight draft of the target's
+vocabulary (the floor: a cheap draft that is almost always wrong). Greedy
+outputs are checked equal to the plain run's on every repeat.
 
     python benchmarks/speculative.py                         # demo model, concurrency 1 4 16
     python benchmarks/speculative.py --tokens 64 --k 4 --png spec.png
+    python benchmarks/speculative.py --draft-models          # and the draft_model method
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import statistics
+import tempfile
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from tqdm import tqdm
 
 from aioserve import LLM, SamplingParams
+from aioserve.models.source import resolve_model_path
 from aioserve.scheduler.request import Request
 from aioserve.scheduler.speculation import SpeculationStats
 from aioserve.speculative_config import DEFAULT_DISABLE_BY_BATCH_SIZE, DEFAULT_LOOKUP_MAX, DEFAULT_LOOKUP_MIN
@@ -65,6 +74,41 @@ class Row:
         return self.output_tokens / statistics.median(self.seconds)
 
 
+def random_draft(target: str, folder: Path) -> Path:
+    """A one-layer Llama of random weights with the target's vocabulary and
+    tokenizer files: a draft as cheap as drafts get, and nearly always wrong."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    source = resolve_model_path(target)
+    config = json.loads((source / "config.json").read_text())
+    torch.manual_seed(0)
+    draft = LlamaForCausalLM(LlamaConfig(
+        vocab_size=config["vocab_size"], hidden_size=64, intermediate_size=128, num_hidden_layers=1,
+        num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=config.get("max_position_embeddings", 2048),
+        tie_word_embeddings=False,
+    ))
+    draft.save_pretrained(folder)
+    for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model"):
+        if (source / name).exists():
+            (folder / name).write_bytes((source / name).read_bytes())
+    return folder
+
+
+def draft_engines(args: argparse.Namespace, folder: Path) -> dict[str, LLM]:
+    """The draft_model method's engines, by row name (none without --draft-models)."""
+    if not args.draft_models:
+        return {}
+    drafts = {"draft = target": str(resolve_model_path(args.model)),
+              "draft 1-layer random": str(random_draft(args.model, folder))}
+    return {
+        name: LLM(args.model, num_threads=args.threads, speculative_config={
+            "method": "draft_model", "model": path, "num_speculative_tokens": args.k,
+            "disable_by_batch_size": args.disable_by_batch_size})
+        for name, path in drafts.items()
+    }
+
+
 def run_once(llm: LLM, prompts: list[list[int]], params: SamplingParams) -> tuple[float, list[list[int]]]:
     start = time.perf_counter()
     outs = llm.generate(prompts, params)
@@ -76,6 +120,8 @@ def measure(args: argparse.Namespace) -> list[Row]:
             "prompt_lookup_min": args.lookup_min, "disable_by_batch_size": args.disable_by_batch_size}
     plain = LLM(args.model, num_threads=args.threads)
     fast = LLM(args.model, num_threads=args.threads, speculative_config=spec)
+    folder = tempfile.TemporaryDirectory(prefix="aioserve-draft-")
+    drafted = draft_engines(args, Path(folder.name))
     params = SamplingParams(max_tokens=args.tokens, temperature=0, ignore_eos=True)
     rows: list[Row] = []
     ngram = fast.scheduler.speculator.proposer
@@ -87,7 +133,7 @@ def measure(args: argparse.Namespace) -> list[Row]:
             expected = {tuple(p): out for p, out in zip(prompts, reference)}
             proposers = {"ngram": ngram, "oracle (ceiling)": Oracle(expected, True),
                          "wrong (floor)": Oracle(expected, False)}
-            by_method = {name: Row(name, concurrency) for name in ["plain", *proposers]}
+            by_method = {name: Row(name, concurrency) for name in ["plain", *proposers, *drafted]}
             for _ in tqdm(range(args.repeats), desc=f"concurrency {concurrency}"):
                 seconds, outs = run_once(plain, prompts, params)
                 by_method["plain"].seconds.append(seconds)
@@ -99,21 +145,29 @@ def measure(args: argparse.Namespace) -> list[Row]:
                         raise AssertionError(f"{name} at concurrency {concurrency}: outputs differ from plain decoding")
                     by_method[name].seconds.append(seconds)
                     by_method[name].acceptance = stats.mean_acceptance_length
+                for name, llm in drafted.items():
+                    llm.scheduler.speculator.stats = stats = SpeculationStats()
+                    seconds, outs = run_once(llm, prompts, params)
+                    if outs != reference:
+                        raise AssertionError(f"{name} at concurrency {concurrency}: outputs differ from plain decoding")
+                    by_method[name].seconds.append(seconds)
+                    by_method[name].acceptance = stats.mean_acceptance_length
             for row in by_method.values():
                 row.output_tokens = concurrency * args.tokens
             rows += by_method.values()
     finally:
-        plain.close()
-        fast.close()
+        for llm in (plain, fast, *drafted.values()):
+            llm.close()
+        folder.cleanup()
     return rows
 
 
 def print_table(rows: list[Row]) -> None:
-    print(f"{'method':<17} {'conc':>4} {'tok/s':>8} {'vs plain':>8} {'accept len':>10}")
+    print(f"{'method':<21} {'conc':>4} {'tok/s':>8} {'vs plain':>8} {'accept len':>10}")
     plain = {r.concurrency: r.tok_s for r in rows if r.method == "plain"}
     for r in rows:
         accept = f"{r.acceptance:.2f}" if r.method != "plain" else "-"
-        print(f"{r.method:<17} {r.concurrency:>4} {r.tok_s:>8.1f} {r.tok_s / plain[r.concurrency]:>7.2f}x {accept:>10}")
+        print(f"{r.method:<21} {r.concurrency:>4} {r.tok_s:>8.1f} {r.tok_s / plain[r.concurrency]:>7.2f}x {accept:>10}")
 
 
 def write_plot(rows: list[Row], path: str) -> None:
@@ -146,6 +200,8 @@ def main() -> None:
     parser.add_argument("--lookup-min", type=int, default=DEFAULT_LOOKUP_MIN)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--threads", type=int, default=None)
+    parser.add_argument("--draft-models", action="store_true",
+                        help="also the draft_model method: the target as its own draft, and a 1-layer random draft")
     parser.add_argument("--png", help="also write a plot here")
     args = parser.parse_args()
     logging.basicConfig(level=logging.WARNING)
