@@ -609,10 +609,20 @@ def test_a_busy_server_passes_its_readiness_probe_and_refuses_the_impossible(sto
     server = start_server(stories_path, "--page-size", "4", "--max-running-requests", "4",
                           "--max-waiting-requests", "64")
     body = {"prompt": "Once upon a time", "max_tokens": 400, "ignore_eos": True, "temperature": 0}
+    done = threading.Event()
+
+    def stream_until_done(client: httpx.Client) -> None:
+        """A streamed request held open until the checks are over, then left
+        (the server aborts it): the queue stays deep without waiting for 40
+        requests of 400 tokens to run through 4 slots."""
+        with client.stream("POST", f"{server.v1}/completions", json={**body, "stream": True}) as response:
+            for _ in response.iter_lines():
+                if done.is_set():
+                    return
+
     try:
         with httpx.Client(timeout=120) as client:
-            threads = [threading.Thread(target=client.post, args=(f"{server.v1}/completions",),
-                                        kwargs={"json": body}) for _ in range(40)]
+            threads = [threading.Thread(target=stream_until_done, args=(client,)) for _ in range(40)]
             for thread in threads:
                 thread.start()
             deadline = time.monotonic() + 30
@@ -627,10 +637,13 @@ def test_a_busy_server_passes_its_readiness_probe_and_refuses_the_impossible(sto
             assert response.status_code == 400, response.text
             error = response.json()["error"]
             assert error["param"] == "n" and "--max-waiting-requests 64" in error["message"]
+            done.set()
             for thread in threads:
                 thread.join()
+            server.wait_idle(timeout=60)
             assert client.get(f"{server.url}/health_generate").status_code == 200  # idle: a generation of its own
     finally:
+        done.set()
         server.stop()
 
 
