@@ -115,6 +115,17 @@ def test_any_proposal_gives_the_plain_outputs(tiny_checkpoints: dict[str, Path],
         assert stats.accepted_tokens < stats.draft_tokens
 
 
+def limits_mid_draft(stop_at: int) -> list[SamplingParams]:
+    """Four requests' limits: max_tokens 5 and 13 (inside a proposal of 4),
+    a stop token, and 40 tokens."""
+    return [
+        SamplingParams(max_tokens=5, temperature=0, ignore_eos=True),
+        SamplingParams(max_tokens=40, temperature=0, ignore_eos=True, stop_token_ids=[stop_at]),
+        SamplingParams(max_tokens=13, temperature=0, ignore_eos=True),
+        SamplingParams(max_tokens=40, temperature=0, ignore_eos=True),
+    ]
+
+
 def test_limits_mid_draft_and_small_pools(tiny_checkpoints: dict[str, Path]) -> None:
     """max_tokens landing inside a proposal, a stop token inside one, and a
     pool so small that requests are preempted: still the plain outputs."""
@@ -123,12 +134,7 @@ def test_limits_mid_draft_and_small_pools(tiny_checkpoints: dict[str, Path]) -> 
     plain_greedy, _ = _run(model, prompts, [SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)] * 4)
     expected = {tuple(p): out[0] for p, out in zip(prompts, plain_greedy)}
     stop_at = plain_greedy[1][0][6]
-    params = [
-        SamplingParams(max_tokens=5, temperature=0, ignore_eos=True),
-        SamplingParams(max_tokens=40, temperature=0, ignore_eos=True, stop_token_ids=[stop_at]),
-        SamplingParams(max_tokens=13, temperature=0, ignore_eos=True),
-        SamplingParams(max_tokens=40, temperature=0, ignore_eos=True),
-    ]
+    params = limits_mid_draft(stop_at)
     for options in ({}, {"num_pages": 24}):
         plain, _ = _run(model, prompts, params, **options)
         llm = LLM(str(model), page_size=4, debug_integrity=True, speculative_config=NGRAM, **options)
@@ -286,15 +292,8 @@ def test_over_http_streams_equal_plain_decoding(stories_path: Path) -> None:
     server = start_server(stories_path, "--page-size", "4", "--debug-integrity", "--speculative-config", spec)
     try:
         for text, expected in zip(texts, plain):
-            body = {"model": str(stories_path), "prompt": text, "max_tokens": 32, "temperature": 0,
-                    "ignore_eos": True, "stream": True}
-            pieces = []
-            with httpx.stream("POST", f"{server.v1}/completions", json=body, timeout=60) as response:
-                assert response.status_code == 200
-                for line in response.iter_lines():
-                    if line.startswith("data: ") and line != "data: [DONE]":
-                        pieces += [c["text"] for c in json.loads(line[6:])["choices"]]
-            assert "".join(pieces) == expected
+            body = {"model": str(stories_path), "prompt": text, "max_tokens": 32, "temperature": 0, "ignore_eos": True}
+            assert server.streamed_completion_text(body) == expected
         # SGLang's /generate reports the request's speculation in meta_info.
         body = {"text": texts[0], "sampling_params": {"max_new_tokens": 32, "temperature": 0, "ignore_eos": True}}
         meta = httpx.post(f"{server.url}/generate", json=body, timeout=60).json()["meta_info"]

@@ -19,7 +19,7 @@ from aioserve import LLM, SamplingParams
 from aioserve.config import ConfigError, EngineConfig
 from aioserve.speculative_config import SpeculativeConfig, from_dict, resolve_speculative
 from hf_reference import hf_encode
-from test_speculative import TEXTS, _params, _run, same_outputs
+from test_speculative import TEXTS, _params, _run, limits_mid_draft, same_outputs
 
 # Different lengths, so the batch's verifications start at different positions.
 PROMPTS = TEXTS + ["one two three four five six seven eight nine ten eleven twelve thirteen fourteen"]
@@ -115,12 +115,7 @@ def test_stop_tokens_and_preemption(tiny_checkpoints: dict[str, Path], small_dra
     greedy = [SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)] * len(prompts)
     reference, _ = _run(model, prompts, greedy)
     stop_at = reference[1][0][6]
-    params = [
-        SamplingParams(max_tokens=5, temperature=0, ignore_eos=True),
-        SamplingParams(max_tokens=40, temperature=0, ignore_eos=True, stop_token_ids=[stop_at]),
-        SamplingParams(max_tokens=13, temperature=0, ignore_eos=True),
-        SamplingParams(max_tokens=40, temperature=0, ignore_eos=True),
-    ]
+    params = limits_mid_draft(stop_at)
     # A pool of 16 pages: the two 40-token requests outgrow it together.
     long = [params[0], greedy[1], params[2], greedy[3]]
     for draft in (model, small_drafts["llama"]):
@@ -259,15 +254,8 @@ def test_over_http_streams_equal_plain_decoding(tiny_checkpoints: dict[str, Path
         "--speculative-draft-model-path", str(model), "--speculative-num-steps", "3",
     )
     try:
-        body = {"model": str(model), "prompt": text, "max_tokens": 24, "temperature": 0, "ignore_eos": True,
-                "stream": True}
-        pieces = []
-        with httpx.stream("POST", f"{server.v1}/completions", json=body, timeout=60) as response:
-            assert response.status_code == 200
-            for line in response.iter_lines():
-                if line.startswith("data: ") and line != "data: [DONE]":
-                    pieces += [c["text"] for c in json.loads(line[6:])["choices"]]
-        assert "".join(pieces) == expected
+        body = {"model": str(model), "prompt": text, "max_tokens": 24, "temperature": 0, "ignore_eos": True}
+        assert server.streamed_completion_text(body) == expected
         # SGLang's /generate reports the request's speculation in meta_info, /metrics vLLM's counters.
         body = {"text": text, "sampling_params": {"max_new_tokens": 24, "temperature": 0, "ignore_eos": True}}
         meta = httpx.post(f"{server.url}/generate", json=body, timeout=60).json()["meta_info"]
