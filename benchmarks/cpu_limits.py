@@ -253,15 +253,18 @@ def matmul_rates(dtype: torch.dtype, shapes: list[tuple[int, int, int]], repeats
     """FLOP/s of x[M, K] @ W[K, N] per shape, by torch and by the native packed
     kernel with activations in the engine's math dtype for these weights
     (float32 where the CPU has no half units: half weights are widened in
-    registers), which is how the engine multiplies them."""
+    registers), which is how the engine multiplies them. Where the CPU has
+    no half units torch's half matmul is emulated (minutes at 2048^3 on 2
+    AVX2 cores, ten times slower than the native kernel): not timed."""
     math_dtype, _ = choose_math_dtype(flags, dtype)
     kernels = cpu_kernels(wait=True)
     results = []
     for m, k, n in shapes:
         x, w = torch.randn(m, k).to(dtype), torch.randn(k, n).to(dtype)
         flops = 2 * m * k * n
-        results.append({"dtype": _name(dtype), "shape": [m, k, n], "path": "torch",
-                        "flops": flops / best_seconds(lambda: x @ w, repeats)})
+        if math_dtype == dtype or kernels is None:
+            results.append({"dtype": _name(dtype), "shape": [m, k, n], "path": "torch",
+                            "flops": flops / best_seconds(lambda: x @ w, repeats)})
         if kernels is not None:
             packed = kernels.pack_linear_weight(w.t().contiguous())  # [N, K], as a Linear's weight
             xm = x.to(math_dtype)
