@@ -240,6 +240,19 @@ class DraftBatch:
         """Proposals in all; StepOutput.draft_tokens lists them entry by entry."""
         return sum(self.lengths)
 
+    @property
+    def offsets(self) -> list[int]:
+        """Where each entry's proposals start in StepOutput.draft_tokens."""
+        return [sum(self.lengths[:j]) for j in range(len(self.lengths))]
+
+    def add(self, request: int, first_row: int, length: int) -> int:
+        """One more verification; returns where its proposals start in StepOutput.draft_tokens."""
+        offset = self.num_tokens
+        self.requests.append(request)
+        self.first_rows.append(first_row)
+        self.lengths.append(length)
+        return offset
+
 
 @dataclass
 class BatchPlan:

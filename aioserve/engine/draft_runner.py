@@ -71,7 +71,7 @@ class DraftRunner:
         batch = host_plan.draft
         assert batch is not None
         proposals = torch.zeros(batch.num_tokens, dtype=torch.long, device=self.device)
-        offsets = [sum(batch.lengths[:j]) for j in range(len(batch.lengths))]
+        offsets = batch.offsets
         starts = [int(host_plan.seq_lens[r]) - int(host_plan.extend_lens[r]) for r in batch.requests]
         newest = input_ids[self._upload(batch.first_rows)]  # decode i's input: the newest token, then d_i
         for i in range(max(batch.lengths)):

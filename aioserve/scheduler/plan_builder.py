@@ -72,10 +72,8 @@ class PlanBuilder:
     # ([N] where the three axes agree, else [3, N]).
     position_shifts: dict[int, int] = field(default_factory=dict)
     explicit_positions: dict[int, torch.Tensor] = field(default_factory=dict)
-    # Verifications whose proposals the engine's draft model makes (DraftBatch's lists).
-    draft_requests: list[int] = field(default_factory=list)
-    draft_first_rows: list[int] = field(default_factory=list)
-    draft_lengths: list[int] = field(default_factory=list)
+    # Verifications whose proposals the engine's draft model makes.
+    draft_batch: DraftBatch = field(default_factory=lambda: DraftBatch([], [], []))
 
     def add(
         self,
@@ -140,10 +138,7 @@ class PlanBuilder:
         self.sample_rows += samples
         self.logits_indices += range(first_row, len(self.ids))
         if in_engine:
-            entry.draft_offset = sum(self.draft_lengths)
-            self.draft_requests.append(len(self.entries) - 1)
-            self.draft_first_rows.append(first_row)
-            self.draft_lengths.append(len(draft))
+            entry.draft_offset = self.draft_batch.add(len(self.entries) - 1, first_row, len(draft))
         return entry
 
     @property
@@ -226,8 +221,7 @@ class PlanBuilder:
             lora=LoraBatch(torch.tensor(self.lora_slots, dtype=torch.long), lora_loads)
             if lora_loads is not None else None,
             images=images,
-            draft=DraftBatch(self.draft_requests, self.draft_first_rows, self.draft_lengths)
-            if self.draft_requests else None,
+            draft=self.draft_batch if self.draft_batch.requests else None,
         )
         num_prefill = sum(length for entry, length in zip(self.entries, self.lengths) if entry.prefill)
         return ScheduledStep(plan, self.entries, num_prefill)
