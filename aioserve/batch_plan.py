@@ -278,6 +278,10 @@ class BatchPlan:
     lora: LoraBatch | None = None  # with LoRA adapters served: each request's slot, the loads first
     images: ImageBatch | None = None  # steps with image tokens (a vision-language model)
     draft: DraftBatch | None = None  # verifications whose proposals the engine's draft model makes
+    # [T] int64, an EAGLE-3 head's steps only: the token after each row where
+    # the host knows it (the prompt's next), else -1 (the target samples it
+    # this step: engine/eagle3_runner.py).
+    following_ids: torch.Tensor | None = None
 
     @property
     def num_tokens(self) -> int:

@@ -238,19 +238,20 @@ class EngineConfig:
     speculative_config: dict[str, Any] | None = option(
         None, group="speculative decoding", parse=_json_object,
         help='vLLM\'s JSON object, e.g. \'{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4, '
-        '"prompt_lookup_min": 2, "disable_by_batch_size": 8}\', or {"method": "draft_model", "model": PATH, '
-        '"num_speculative_tokens": 4}: propose tokens and verify them in one forward '
+        '"prompt_lookup_min": 2, "disable_by_batch_size": 8}\', {"method": "draft_model", "model": PATH, '
+        '"num_speculative_tokens": 4} or {"method": "eagle3", "model": HEAD_PATH}: propose tokens and verify them in one forward '
         "(lossless: the outputs are the model's own); see docs/guide/speculative.md",
     )
     speculative_algorithm: str | None = option(
         None, group="speculative decoding",
-        help="SGLang's spelling of the method: NGRAM (prompt lookup) or STANDALONE (a draft model: "
-        "--speculative-draft-model-path); with --speculative-num-draft-tokens N "
+        help="SGLang's spelling of the method: NGRAM (prompt lookup), STANDALONE (a draft model: "
+        "--speculative-draft-model-path) or EAGLE3 (an EAGLE-3 head: the same flag); with --speculative-num-draft-tokens N "
         "(N - 1 tokens proposed a step) or --speculative-num-steps K (K proposed)",
     )
     speculative_draft_model_path: str | None = option(
         None, group="speculative decoding",
-        help="SGLang's draft model flag: the draft's checkpoint for STANDALONE (same vocabulary as the target)",
+        help="SGLang's draft model flag: the draft's checkpoint for STANDALONE (same vocabulary as the target), "
+        "the EAGLE-3 head's for EAGLE3 (trained for this target)",
     )
     speculative_num_draft_tokens: int | None = option(
         None, group="speculative decoding", help="SGLang's count: tokens verified a step, the proposed ones plus one"

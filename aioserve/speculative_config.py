@@ -14,6 +14,11 @@ The draft runs inside the engine's step (engine/draft_runner.py); this
 version serves it at --tp 1 only, and the loader checks the draft shares
 the target's vocabulary.
 
+An EAGLE-3 head: vLLM's `{"method": "eagle3", "model": PATH,
+"num_speculative_tokens": k}`, SGLang's `--speculative-algorithm EAGLE3
+--speculative-draft-model-path PATH` (EAGLE too: the same heads). It runs
+inside the step as well (engine/eagle3_runner.py), at --tp 1.
+
 It imports only config.py (the flags are EngineConfig fields, so the CLI
 offers them): the loader checks them at start and the scheduler reads them.
 """
@@ -26,7 +31,8 @@ from typing import Any
 from aioserve.config import ConfigError, EngineConfig
 
 METHODS = ("ngram", "draft_model", "eagle3")
-IMPLEMENTED = ("ngram", "draft_model")
+# Methods whose proposals come from a second checkpoint ("model").
+WITH_MODEL = {"draft_model": "the draft's checkpoint", "eagle3": "the EAGLE-3 head's checkpoint"}
 # SGLang's --speculative-algorithm names -> vLLM's methods.
 SGLANG_ALGORITHMS = {"NGRAM": "ngram", "STANDALONE": "draft_model", "EAGLE3": "eagle3", "EAGLE": "eagle3"}
 _KEYS = {"method", "model", "num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min", "disable_by_batch_size"}
@@ -68,14 +74,9 @@ def from_dict(spec: dict[str, Any]) -> SpeculativeConfig:
     method = spec.get("method") or ("draft_model" if spec.get("model") else None)
     if method not in METHODS:
         raise ConfigError(f"--speculative-config: method must be one of {', '.join(METHODS)}, got {method!r}")
-    if method not in IMPLEMENTED:
+    if method in WITH_MODEL and not spec.get("model"):
         raise ConfigError(
-            f"speculative decoding method {method!r} is not available in this version of aioserve "
-            f"(available: {', '.join(IMPLEMENTED)})"
-        )
-    if method == "draft_model" and not spec.get("model"):
-        raise ConfigError(
-            'speculative decoding method "draft_model" needs the draft\'s checkpoint: "model": PATH in '
+            f'speculative decoding method "{method}" needs {WITH_MODEL[method]}: "model": PATH in '
             "--speculative-config, or SGLang's --speculative-draft-model-path"
         )
     lookup_max = _positive("prompt_lookup_max", spec.get("prompt_lookup_max", DEFAULT_LOOKUP_MAX))
@@ -122,11 +123,12 @@ def resolve_speculative(config: EngineConfig) -> SpeculativeConfig | None:
 
 
 def _for_parallelism(spec: SpeculativeConfig, config: EngineConfig) -> SpeculativeConfig:
-    """A draft model runs beside rank 0's target only: this version has no
-    sharded draft, so draft_model is refused under tensor parallelism."""
-    if spec.method == "draft_model" and config.tp_size > 1:
+    """A draft model or head runs beside rank 0's target only: this version
+    has no sharded draft, so both are refused under tensor parallelism."""
+    if spec.method in WITH_MODEL and config.tp_size > 1:
+        what = "a draft model" if spec.method == "draft_model" else "an EAGLE-3 head"
         raise ConfigError(
-            f"speculative decoding with a draft model runs at --tp 1 only in this version of aioserve "
+            f"speculative decoding with {what} runs at --tp 1 only in this version of aioserve "
             f"(got --tp {config.tp_size}); use the ngram method, or serve at --tp 1"
         )
     return spec

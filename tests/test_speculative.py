@@ -192,7 +192,7 @@ def test_the_flags_of_vllm_and_sglang() -> None:
         ({"speculative_config": {"method": "ngram", "num_speculative_tokens": 0}}, "positive integer"),
         ({"speculative_config": {"method": "ngram", "prompt_lookup_min": 5, "prompt_lookup_max": 2}}, "exceeds"),
         ({"speculative_config": {"method": "ngram", "lookahead": 2}}, "unknown keys"),
-        ({"speculative_config": {"method": "eagle3", "model": "x"}}, "not available"),
+        ({"speculative_config": {"method": "eagle3"}}, "EAGLE-3 head's checkpoint"),
         ({"speculative_algorithm": "NGRAM", "speculative_config": {"method": "ngram"}}, "not both"),
         ({"speculative_algorithm": "MEDUSA"}, "choose from"),
         ({"speculative_num_steps": 3}, "need --speculative-algorithm"),

@@ -256,3 +256,61 @@ def build_gemma3_multimodal(folder: Path, text_overrides: dict | None = None, vi
     for name in ("tokenizer.json", "tokenizer_config.json"):
         shutil.copy(text_folder / name, folder / name)
     return folder
+
+
+def build_eagle3_head(
+    folder: Path, target: Path, seed: int = 0, draft_vocab_size: int | None = None,
+    aux_layer_ids: list[int] | None = None, config_overrides: dict | None = None,
+) -> Path:
+    """A random EAGLE-3 head for the checkpoint at `target`, saved as the
+    published heads are (LlamaForCausalLMEagle3: `fc`, `midlayer.*`, `norm`,
+    `lm_head` over a draft vocabulary, `d2t` draft -> target offsets and the
+    `t2d` mask). `draft_vocab_size`: a random subset of the target's tokens
+    (default: all of them); `aux_layer_ids`: eagle_config's layer ids (the
+    default reads layers 2, L/2, L-3)."""
+    from safetensors.torch import save_file
+
+    target_config = json.loads((target / "config.json").read_text())
+    hidden = target_config["hidden_size"]
+    vocab = target_config["vocab_size"]
+    heads, kv_heads = target_config["num_attention_heads"], target_config["num_key_value_heads"]
+    head_dim = target_config.get("head_dim") or hidden // heads
+    inter = target_config["intermediate_size"]
+    draft_vocab = draft_vocab_size or vocab
+    generator = torch.Generator().manual_seed(seed)
+
+    def weight(*shape: int) -> torch.Tensor:
+        return torch.randn(*shape, generator=generator) * 0.08
+
+    chosen = torch.randperm(vocab, generator=generator)[:draft_vocab].sort().values
+    tensors = {
+        "fc.weight": weight(hidden, 3 * hidden),
+        "midlayer.input_layernorm.weight": 1 + 0.1 * torch.randn(hidden, generator=generator),
+        "midlayer.hidden_norm.weight": 1 + 0.1 * torch.randn(hidden, generator=generator),
+        "midlayer.self_attn.q_proj.weight": weight(heads * head_dim, 2 * hidden),
+        "midlayer.self_attn.k_proj.weight": weight(kv_heads * head_dim, 2 * hidden),
+        "midlayer.self_attn.v_proj.weight": weight(kv_heads * head_dim, 2 * hidden),
+        "midlayer.self_attn.o_proj.weight": weight(hidden, heads * head_dim),
+        "midlayer.post_attention_layernorm.weight": 1 + 0.1 * torch.randn(hidden, generator=generator),
+        "midlayer.mlp.gate_proj.weight": weight(inter, hidden),
+        "midlayer.mlp.up_proj.weight": weight(inter, hidden),
+        "midlayer.mlp.down_proj.weight": weight(hidden, inter),
+        "norm.weight": 1 + 0.1 * torch.randn(hidden, generator=generator),
+        "lm_head.weight": weight(draft_vocab, hidden),
+        "d2t": chosen - torch.arange(draft_vocab),
+        "t2d": torch.zeros(vocab, dtype=torch.bool).index_fill(0, chosen, True),
+    }
+    config = {
+        "architectures": ["LlamaForCausalLMEagle3"], "model_type": "llama", "hidden_size": hidden,
+        "intermediate_size": inter, "num_attention_heads": heads, "num_key_value_heads": kv_heads,
+        "head_dim": head_dim, "num_hidden_layers": 1, "vocab_size": vocab, "draft_vocab_size": draft_vocab,
+        "rms_norm_eps": target_config.get("rms_norm_eps", 1e-6), "rope_theta": target_config.get("rope_theta", 10000.0),
+        "max_position_embeddings": target_config.get("max_position_embeddings", 2048), "tie_word_embeddings": False,
+        "torch_dtype": "float32", **(config_overrides or {}),
+    }
+    if aux_layer_ids is not None:
+        config["eagle_config"] = {"eagle_aux_hidden_state_layer_ids": aux_layer_ids, "use_aux_hidden_state": True}
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "config.json").write_text(json.dumps(config, indent=1))
+    save_file({name: t.contiguous() for name, t in tensors.items()}, str(folder / "model.safetensors"))
+    return folder

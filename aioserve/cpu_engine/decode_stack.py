@@ -51,6 +51,8 @@ def unsupported_reason(model: CausalLM, device: torch.device) -> str | None:
         return "the native kernels are not in (building, or turned off)"
     if not isinstance(model, LlamaForCausalLM):
         return f"{type(model).__name__} is not a Llama-family model"
+    if model.model.aux_layers:
+        return "an EAGLE-3 head reads three layers' hidden states, which the native step does not return"
     for layer in model.model.decoder_layers():
         if type(layer.self_attn) not in SUPPORTED_ATTENTION:
             return f"{type(layer.self_attn).__name__} is not a supported attention"

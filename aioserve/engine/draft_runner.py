@@ -58,12 +58,7 @@ class DraftRunner:
         return self.pool.buffer.numel() * self.pool.buffer.element_size()
 
     def _upload(self, values: list[int]) -> torch.Tensor:
-        """Host indices on the device without waiting for the stream (through
-        pinned memory, as plans are moved: batch_plan._move)."""
-        host = torch.tensor(values, dtype=torch.long)
-        if self.device.type != "cuda":
-            return host
-        return host.pin_memory().to(self.device, non_blocking=True)
+        return upload(values, self.device)
 
     def propose(self, host_plan: BatchPlan, input_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The draft's proposals [D] (DraftBatch order) and a copy of
@@ -78,7 +73,7 @@ class DraftRunner:
             active = [j for j, length in enumerate(batch.lengths) if length > i]
             every = len(active) == len(batch.lengths)
             chosen = None if every else self._upload(active)
-            decode = self._decode_plan(host_plan, batch, active, starts, i)
+            decode = decode_plan(host_plan, batch, active, starts, i)
             on_device = decode.to(self.device)
             meta = self.attention.prepare(on_device, decode)
             hidden = self.model(newest if chosen is None else newest[chosen], on_device.positions, meta)
@@ -91,30 +86,38 @@ class DraftRunner:
         filled[self._upload(rows)] = proposals
         return proposals, filled
 
-    @staticmethod
-    def _decode_plan(
-        host_plan: BatchPlan, batch: DraftBatch, active: list[int], starts: list[int], i: int
-    ) -> BatchPlan:
-        """The i-th draft decode of the `active` entries: the token at
-        position start + i of each, into the slot the plan gives that row."""
-        requests = [batch.requests[j] for j in active]
-        rows = [batch.first_rows[j] + i for j in active]
-        positions = torch.tensor([starts[j] + i for j in active], dtype=torch.long)
-        n = len(active)
-        return BatchPlan(
-            step=host_plan.step,
-            input_ids=torch.zeros(n, dtype=torch.long),  # the tokens are on the device (`propose` passes them)
-            positions=positions,
-            out_cache_loc=host_plan.out_cache_loc[rows],
-            seq_lens=positions + 1,
-            extend_lens=torch.ones(n, dtype=torch.long),
-            page_table=host_plan.page_table[requests],
-            num_decodes=n,
-            logits_indices=torch.arange(n),
-            sampling=None,
-        )
-
     def follow(self, plan: BatchPlan, host_plan: BatchPlan, input_ids: torch.Tensor) -> None:
         """Run the draft over the whole step, for its KV (its logits are not needed)."""
         meta = self.attention.prepare(plan, host_plan)
         self.model(input_ids, plan.positions, meta)
+
+
+def upload(values: list[int], device: torch.device) -> torch.Tensor:
+    """Host indices on the device without waiting for the stream (through
+    pinned memory, as plans are moved: batch_plan._move)."""
+    host = torch.tensor(values, dtype=torch.long)
+    if device.type != "cuda":
+        return host
+    return host.pin_memory().to(device, non_blocking=True)
+
+
+def decode_plan(host_plan: BatchPlan, batch: DraftBatch, active: list[int], starts: list[int], i: int) -> BatchPlan:
+    """A draft's i-th decode of the `active` entries: the token at position
+    start + i of each, into the KV slot the plan gives that position's row
+    (the draft's pool shares the target's page ids)."""
+    requests = [batch.requests[j] for j in active]
+    rows = [batch.first_rows[j] + i for j in active]
+    positions = torch.tensor([starts[j] + i for j in active], dtype=torch.long)
+    n = len(active)
+    return BatchPlan(
+        step=host_plan.step,
+        input_ids=torch.zeros(n, dtype=torch.long),  # the tokens are on the device (`propose` passes them)
+        positions=positions,
+        out_cache_loc=host_plan.out_cache_loc[rows],
+        seq_lens=positions + 1,
+        extend_lens=torch.ones(n, dtype=torch.long),
+        page_table=host_plan.page_table[requests],
+        num_decodes=n,
+        logits_indices=torch.arange(n),
+        sampling=None,
+    )

@@ -30,6 +30,7 @@ from aioserve.tp.distributed import broadcast_from_leader, get_tp_group, min_ove
 from aioserve.cpu_engine.fast_paths import CpuFastPaths
 from aioserve.engine.cuda_graph import Capture, CudaGraphCapture, DecodeGraphRunner
 from aioserve.engine.draft_runner import DraftRunner
+from aioserve.engine.eagle3_runner import Eagle3Runner
 from aioserve.cpu_engine.greedy_screen import GreedyScreen
 from aioserve.engine.image_embeddings import ImageEmbeddings
 from aioserve.engine.loading import describe, load
@@ -77,6 +78,11 @@ class Engine:
         if loaded.draft is not None:
             self.draft = DraftRunner(loaded.draft, self.num_pages, self.page_size, self.kv_dtype, self.dtype,
                                      config.attention_backend, self.device)
+        # Or an EAGLE-3 head: the target's forward also returns the three hidden states it reads.
+        self.eagle3: Eagle3Runner | None = None
+        if loaded.eagle3 is not None:
+            self.eagle3 = Eagle3Runner(loaded.eagle3, self.model.embed_tokens, self.num_pages, self.page_size,
+                                       self.kv_dtype, self.dtype, config.attention_backend, self.device)
         # LoRA adapters: every adaptable layer's slots (lora/adapter_slots.py).
         lora = resolve_lora(config)
         self.lora: AdapterSlots | None = None
@@ -112,9 +118,10 @@ class Engine:
         # What every rank holds (gathered from all of them; equal on every rank).
         self.tp_layout = gather_layout(self)
         pool_mib = self.pool.buffer.numel() * self.pool.buffer.element_size() / 2**20
-        if self.draft is not None:
-            logger.info("draft model's KV pool: the same %d pages (%.0f MiB)", self.num_pages,
-                        self.draft.pool_bytes / 2**20)
+        if self.draft is not None or self.eagle3 is not None:
+            runner = self.draft or self.eagle3
+            assert runner is not None
+            logger.info("draft's KV pool: the same %d pages (%.0f MiB)", self.num_pages, runner.pool_bytes / 2**20)
         logger.info("%s; KV pool: %d pages x %d = %d tokens (%.0f MiB)", describe(loaded), self.num_pages,
                     self.page_size, self.kv_capacity_tokens, pool_mib)
         if self.tp.size > 1 and self.tp.is_leader:
@@ -144,10 +151,17 @@ class Engine:
         """Tokens the pool can hold (the reserved page excluded)."""
         return (self.num_pages - RESERVED_PAGES) * self.page_size
 
+    @property
+    def output_width(self) -> int:
+        """The model forward's row width: its hidden size, and with an
+        EAGLE-3 head the three states the head reads after it."""
+        aux = len(self.eagle3.aux_layers) if self.eagle3 is not None else 0
+        return self.model_config.hidden_size * (1 + aux)
+
     def capture_decode_graphs(self, capture: Capture) -> DecodeGraphRunner:
         """Capture the decode graphs (CUDA: after the pool exists, since they bake in its address)."""
         return DecodeGraphRunner(
-            self.model, self.attention, self.model_config.hidden_size, self.dtype, self.device,
+            self.model, self.attention, self.output_width, self.dtype, self.device,
             max_bs=min(self.config.cuda_graph_max_bs, self.config.max_running_requests),
             max_pages_per_request=-(-self.max_model_len // self.page_size), capture=capture,
             lora=(self.lora.state, self.lora.num_slots) if self.lora is not None else None,
@@ -184,9 +198,11 @@ class Engine:
         host_plan, plan = plan, plan.to(self.device)
         input_ids = self.previous.resolve(plan.step, plan.input_ids, host_plan.input_ids)
         draft_tokens = None
+        proposer = self.draft or self.eagle3
+        if proposer is not None and host_plan.draft is not None:
+            # The proposals fill their rows before the target verifies them.
+            draft_tokens, input_ids = proposer.propose(host_plan, input_ids)
         if self.draft is not None:
-            if host_plan.draft is not None:  # the proposals fill their rows before the target verifies them
-                draft_tokens, input_ids = self.draft.propose(host_plan, input_ids)
             self.draft.follow(plan, host_plan, input_ids)
         routing = None
         if self.lora is not None and host_plan.lora is not None:
@@ -208,11 +224,18 @@ class Engine:
                     hidden = cast(VisionLanguageModel, self.model)(input_ids, plan.positions, meta, image_embeds)
                 else:
                     hidden = self.model(input_ids, plan.positions, meta)
+        aux = None
+        if self.eagle3 is not None:  # [T, 4 x H]: the final states, then the head's three
+            width = self.model_config.hidden_size
+            hidden, aux = hidden[:, :width], hidden[:, width:]
         tokens = self._tokens(hidden[plan.logits_indices], plan, host_plan) if plan.sampling is not None else None
         if tokens is None:
             empty = torch.zeros(0, dtype=torch.long, device=self.device)
             tokens = SamplerOutput(empty, empty.float(), None, None)
         self.previous.record(plan.step, tokens.token_ids)
+        if self.eagle3 is not None:
+            assert aux is not None
+            self.eagle3.follow(plan, host_plan, aux, tokens.token_ids)
         prompt: tuple[torch.Tensor | None, ...] = (None, None, None, None)
         if plan.prompt_logprobs is not None:
             logits = self.model.compute_logits(hidden[plan.prompt_logprobs.token_indices])

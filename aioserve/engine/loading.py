@@ -18,9 +18,11 @@ from aioserve.cpu.isa import cpu_flags
 from aioserve.cpu.native import enabled as native_kernels_enabled
 from aioserve.engine.draft_model import LoadedDraft, draft_bytes_per_page, load_draft
 from aioserve.engine.dtypes import kv_cache_dtype, resolve_dtype
+from aioserve.engine.eagle3_draft import LoadedEagle3, eagle3_bytes_per_page, load_eagle3
 from aioserve.kvcache.kv_pool import FP8_KV, RESERVED_PAGES, KVPool
 from aioserve.layers.moe import FusedMoE
 from aioserve.models.causal_lm import CausalLM
+from aioserve.models.decoder_lm import DecoderLM
 from aioserve.models.model_config import ModelConfig
 from aioserve.models.source import resolve_model_path
 from aioserve.models.weight_loader import build_model
@@ -54,6 +56,7 @@ class LoadedModel:
     cpu_dispatch: CpuDispatch | None = None  # on a CPU: its paths for this model (cpu/dispatch.py)
     pooler: PoolerConfig | None = None  # a pooling model (embedder, reranker): how it pools; None: it generates
     draft: LoadedDraft | None = None  # speculative decoding's draft model (the draft_model method)
+    eagle3: LoadedEagle3 | None = None  # speculative decoding's EAGLE-3 head (the eagle3 method)
 
 
 def kv_budget_bytes(total: int, free: int, mem_fraction_static: float) -> int:
@@ -133,6 +136,8 @@ def pool_pages(config: EngineConfig, loaded: LoadedModel, tp_size: int) -> int:
         # The draft's pool has as many pages as the target's (the same page
         # ids): each page of the budget pays for both.
         page_bytes += draft_bytes_per_page(loaded.draft.model_config, config.page_size, loaded.kv_dtype)
+    if loaded.eagle3 is not None:  # likewise the head's pool and its per-slot state
+        page_bytes += eagle3_bytes_per_page(loaded.eagle3.config, config.page_size, loaded.kv_dtype, loaded.dtype)
     if loaded.device.type == "cuda":
         free, total = torch.cuda.mem_get_info(loaded.device)
         budget = kv_budget_bytes(total, free, config.mem_fraction_static)
@@ -179,6 +184,12 @@ def load(config: EngineConfig, tp_size: int) -> LoadedModel:
     if speculative is not None and speculative.draft_model is not None and speculative.method == "draft_model":
         # Loaded before the pool is sized: its weights come out of the memory the pool may take.
         draft = load_draft(config, speculative.draft_model, model_config, dtype, weight_dtype, device)
+    eagle3 = None
+    if speculative is not None and speculative.draft_model is not None and speculative.method == "eagle3":
+        eagle3 = load_eagle3(config, speculative.draft_model, model_config, dtype, weight_dtype, device)
+        if not isinstance(model, DecoderLM):
+            raise ConfigError(f"an EAGLE-3 head reads a decoder's hidden states; {model_config.architecture} is none")
+        model.capture_aux_hidden(eagle3.aux_layers)  # the forward hands the head the target's three states
     loaded = LoadedModel(
         device=device,
         model_path=model_path,
@@ -193,6 +204,7 @@ def load(config: EngineConfig, tp_size: int) -> LoadedModel:
         cpu_dispatch=dispatch,
         pooler=pooler,
         draft=draft,
+        eagle3=eagle3,
     )
     if pooler is not None:
         logger.info("pooling model: %s pooling%s, %s (from %s)", pooler.pooling_type,

@@ -32,6 +32,10 @@ class DecoderModel(nn.Module):
     embed_tokens: VocabParallelEmbedding
     layers: nn.ModuleList
     norm: RMSNorm
+    # Layers whose input (the residual stream entering them) the forward also
+    # returns, after the final hidden states: what an EAGLE-3 head reads
+    # (DecoderLM.capture_aux_hidden). Empty: the forward returns [T, hidden].
+    aux_layers: tuple[int, ...] = ()
 
     def new_step(self) -> None:
         """Called first in every forward: the rotary embeddings forget the
@@ -50,10 +54,16 @@ class DecoderModel(nn.Module):
             rows, values = image_embeds
             hidden[rows] = values.to(hidden.dtype)
         residual = None
-        for layer in self.layers:
+        captured: dict[int, torch.Tensor] = {}
+        for i, layer in enumerate(self.layers):
+            if i in self.aux_layers:
+                # (a copy: the layers' fused norms add into their residual in place)
+                captured[i] = hidden.clone() if residual is None else hidden + residual
             hidden, residual = layer(positions, hidden, residual, meta)
         hidden, _ = self.norm(hidden, residual)
-        return hidden
+        if not self.aux_layers:
+            return hidden
+        return torch.cat([hidden, *(captured[i] for i in self.aux_layers)], dim=-1)
 
 
 class DecoderLM(nn.Module):
@@ -89,6 +99,14 @@ class DecoderLM(nn.Module):
         (a vision-language model's steps with images): rows of the step and
         the input embeddings they take instead of their tokens'."""
         return self.model(input_ids, positions, meta, image_embeds)
+
+    def capture_aux_hidden(self, layers: tuple[int, ...]) -> None:
+        """From now on the forward returns [T, (1 + len(layers)) x hidden]:
+        the final hidden states, then the input of each of `layers` in that
+        order (speculative decoding's EAGLE-3 head reads them). One wide
+        tensor, not a tuple, so a captured CUDA graph's static output holds
+        them as well; the engine splits it."""
+        self.model.aux_layers = tuple(layers)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """float32 logits over the whole vocabulary for the given rows, valid

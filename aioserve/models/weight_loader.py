@@ -18,7 +18,7 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any, Protocol, cast
 
@@ -320,3 +320,21 @@ def build_model(
             if param.dtype != round_to and param.element_size() > 1 and not name.endswith("weight_scale"):
                 param.data.copy_(param.data.to(round_to))
     return model.eval()
+
+
+def build_module(
+    factory: Callable[[], nn.Module], config: ModelConfig, path: Path, dtype: torch.dtype, device: torch.device,
+    round_to: torch.dtype | None = None,
+) -> nn.Module:
+    """A module that is no registered family (an EAGLE-3 draft head), built
+    in `dtype` on `device` and loaded from the safetensors at `path` as
+    build_model loads a family: by its checkpoint names (the module's
+    `checkpoint_name` maps them), every parameter required; with `round_to`,
+    the values rounded to that narrower dtype."""
+    with _default_dtype(dtype), torch.device(device):
+        module = factory()
+    stored = load_safetensors(module, config, path)
+    if round_to is not None and round_to != dtype and stored != {round_to}:
+        for param in module.parameters():
+            param.data.copy_(param.data.to(round_to))
+    return module.eval()

@@ -74,6 +74,10 @@ class PlanBuilder:
     explicit_positions: dict[int, torch.Tensor] = field(default_factory=dict)
     # Verifications whose proposals the engine's draft model makes.
     draft_batch: DraftBatch = field(default_factory=lambda: DraftBatch([], [], []))
+    # An EAGLE-3 head follows the target: each row's next token where the host
+    # knows it, else -1 (BatchPlan.following_ids). Off: nothing is collected.
+    track_following: bool = False
+    following: list[int] = field(default_factory=list)
 
     def add(
         self,
@@ -93,6 +97,13 @@ class PlanBuilder:
             self.num_decodes += 1
         first_row = len(self.ids)
         self.ids += token_ids
+        if self.track_following:
+            # Within a prompt chunk the next row's token; after its last row
+            # the prompt's next one, unless the step samples it (-1).
+            known = request.all_ids
+            end = start + len(token_ids)
+            self.following += token_ids[1:] if not decode else []
+            self.following.append(known[end] if not decode and end < len(known) else -1)
         self.starts.append(start)
         self.lengths.append(len(token_ids))
         self.slots.append(kv.slot)
@@ -135,6 +146,8 @@ class PlanBuilder:
         entry = self.add(request, [request.all_ids[-1], *draft], start, None, decode=False)
         entry.prefill, entry.draft, entry.row = False, draft, len(self.sample_rows)
         first_row = len(self.ids) - len(samples)
+        if self.track_following:  # every verified row's next token is the target's sample there
+            self.following[first_row:] = [-1] * len(samples)
         self.sample_rows += samples
         self.logits_indices += range(first_row, len(self.ids))
         if in_engine:
@@ -197,9 +210,10 @@ class PlanBuilder:
         # The int64 fields as views of one tensor: one conversion, not six
         # (each a call into torch that the forward's thread may take the GIL
         # back in; see sampling_batch.py).
-        fields = (self.ids, positions, out_cache_loc, seq_lens, self.lengths, self.logits_indices, self.slots)
+        fields = (self.ids, positions, out_cache_loc, seq_lens, self.lengths, self.logits_indices, self.slots,
+                  self.following)
         flat = torch.tensor(list(itertools.chain.from_iterable(fields)), dtype=torch.long)
-        input_ids, positions_t, slots_t, seq_lens_t, extend_lens, logits_indices, table_slots = flat.split(
+        input_ids, positions_t, slots_t, seq_lens_t, extend_lens, logits_indices, table_slots, following = flat.split(
             [len(f) for f in fields]
         )
         plan = BatchPlan(
@@ -222,6 +236,7 @@ class PlanBuilder:
             if lora_loads is not None else None,
             images=images,
             draft=self.draft_batch if self.draft_batch.requests else None,
+            following_ids=following if self.track_following else None,
         )
         num_prefill = sum(length for entry, length in zip(self.entries, self.lengths) if entry.prefill)
         return ScheduledStep(plan, self.entries, num_prefill)

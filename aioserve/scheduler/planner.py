@@ -50,7 +50,8 @@ class StepPlanner:
         self.sampling = sampling
 
     def plan(self, step_id: int) -> ScheduledStep | None:
-        builder = PlanBuilder(step_id, self.kv.page_size, self.kv.table, self.sampling, images=self.table.images)
+        builder = PlanBuilder(step_id, self.kv.page_size, self.kv.table, self.sampling, images=self.table.images,
+                              track_following=self.speculator is not None and self.speculator.follows_target)
         self._plan_decodes(builder, step_id)
         budget = self._plan_running_chunks(builder, self.max_prefill_tokens, step_id)
         self._plan_admissions(builder, budget, step_id)

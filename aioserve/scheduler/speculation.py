@@ -27,9 +27,10 @@ row that kept no proposed token it skips the next 2**m - 1 chances to
 propose (at most MAX_BACKOFF_STEPS), and any kept token resets it.
 
 Two proposers: prompt lookup (ngram_proposer.py), which names its tokens
-here, and a draft model (draft_model_proposer.py), which only reserves
-their rows: the engine's draft fills them within the step, and the step's
-output returns them to the output processor, which accepts as for ngram.
+here, and a model in the engine (draft_model_proposer.py: a draft model or
+an EAGLE-3 head), which only reserves their rows: the engine fills them
+within the step, and the step's output returns them to the output
+processor, which accepts as for ngram.
 """
 
 from __future__ import annotations
@@ -88,8 +89,11 @@ class Proposer(Protocol):
 class Speculator:
     def __init__(self, config: SpeculativeConfig) -> None:
         self.config = config
-        # draft_model: the plan reserves the proposals' rows, the engine's draft fills them within the step.
-        self.proposes_in_engine = config.method == "draft_model"
+        # draft_model, eagle3: the plan reserves the proposals' rows, the
+        # engine's draft fills them within the step.
+        self.proposes_in_engine = config.method in ("draft_model", "eagle3")
+        # eagle3: the head reads each row's next token (BatchPlan.following_ids).
+        self.follows_target = config.method == "eagle3"
         self.proposer: Proposer = (
             DraftModelProposer() if self.proposes_in_engine else NgramProposer(config.lookup_max, config.lookup_min)
         )

@@ -1,0 +1,132 @@
+"""Speculative decoding's EAGLE-3 head, run inside the engine's step.
+
+The head's draft position i pairs the target's hidden states at position i
+with the token at position i + 1 (models/eagle3.py), so the head lags the
+target by one token. Two things happen each step, both on the engine's
+thread:
+
+* `follow`, after the target's forward and sampling: the head runs over
+  every row of the plan, row i fed the target's three hidden states there
+  and the token that follows it: the next prompt token where the prompt
+  names it (BatchPlan.following_ids), else the token the target just
+  sampled at that row (a decode, a prompt's last row, every row of a
+  verification: whichever of those the scheduler keeps, the token kept
+  after it is the target's sample there). This writes the head's KV; and at
+  each sampled row the head's proposal for the token after the sampled one
+  and its pre-norm hidden state are kept per KV slot (`next_token`,
+  `hidden`): the state a draft starts from.
+* `propose`, before the target's forward, for the plan's DraftBatch: entry
+  j's newest token sits at position p; the state at position p - 1's slot
+  (written by the follow of the step that sampled that token) gives the
+  first proposal d1 and the hidden state to feed back; k - 1 batched
+  decodes of the head at positions p .. p + k - 2 give d2 .. dk, each fed
+  its own previous pre-norm output (the target's states for those
+  positions do not exist yet). The proposals fill the placeholders' rows.
+  Their KV is overwritten by this step's follow with the target's states.
+
+Verified rows past what the scheduler accepts leave KV and slot state that
+nothing reads (the next draft starts at the last accepted row's slot) until
+later steps overwrite them, as the target's own KV there. A prefix-cache
+hit reuses the head's KV with the target's; the head's entry at a cached
+prefix's last position paired it with the token that followed it when it
+was computed, which may differ for the new request: only the proposals'
+quality can suffer, never the output (the target verifies every token).
+
+The head runs eagerly (no CUDA graph) in this version, at --tp 1.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from aioserve.attention import AttentionShape, create_backend
+from aioserve.batch_plan import BatchPlan
+from aioserve.engine.draft_runner import decode_plan, upload
+from aioserve.engine.eagle3_draft import LoadedEagle3
+from aioserve.kvcache.kv_pool import KVPool
+from aioserve.layers.embedding import VocabParallelEmbedding
+
+logger = logging.getLogger(__name__)
+
+
+class Eagle3Runner:
+    def __init__(
+        self, loaded: LoadedEagle3, embed: VocabParallelEmbedding, num_pages: int, page_size: int,
+        kv_dtype: torch.dtype, dtype: torch.dtype, attention_backend: str, device: torch.device,
+    ) -> None:
+        layer = loaded.config.layer
+        self.head = loaded.head
+        self.embed = embed  # the target's embedding table: the head has none of its own
+        self.aux_layers = loaded.aux_layers
+        self.page_size = page_size
+        self.device = device
+        self.pool = KVPool(1, num_pages, page_size, layer.num_kv_heads, layer.head_dim, kv_dtype, device)
+        self.attention_shape = AttentionShape(
+            num_qo_heads=layer.num_heads, num_kv_heads=layer.num_kv_heads, head_dim=layer.head_dim,
+            sliding_windows=(None,), q_dtype=dtype, sm_scale=layer.attention_scale,
+        )
+        self.attention = create_backend(attention_backend, self.pool, self.attention_shape)
+        slots = num_pages * page_size
+        self.next_token = torch.zeros(slots, dtype=torch.long, device=device)
+        self.hidden = torch.zeros(slots, layer.hidden_size, dtype=dtype, device=device)
+
+    @property
+    def pool_bytes(self) -> int:
+        tensors = (self.pool.buffer, self.next_token, self.hidden)
+        return sum(t.numel() * t.element_size() for t in tensors)
+
+    def propose(self, host_plan: BatchPlan, input_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The head's proposals [D] (DraftBatch order) and a copy of
+        `input_ids` (the step's, on the device) with them in the placeholders' rows."""
+        batch = host_plan.draft
+        assert batch is not None
+        ps = self.page_size
+        offsets = batch.offsets
+        starts = [int(host_plan.seq_lens[r]) - int(host_plan.extend_lens[r]) for r in batch.requests]
+        before = [int(host_plan.page_table[r, (p - 1) // ps]) * ps + (p - 1) % ps
+                  for r, p in zip(batch.requests, starts)]
+        state = upload(before, self.device)
+        tokens, hidden = self.next_token[state], self.hidden[state]
+        proposals = torch.zeros(batch.num_tokens, dtype=torch.long, device=self.device)
+        proposals[upload(offsets, self.device)] = tokens
+        for i in range(1, max(batch.lengths)):
+            active = [j for j, length in enumerate(batch.lengths) if length > i]
+            chosen = None if len(active) == len(batch.lengths) else upload(active, self.device)
+            decode = decode_plan(host_plan, batch, active, starts, i - 1)  # at position p + i - 1
+            on_device = decode.to(self.device)
+            meta = self.attention.prepare(on_device, decode)
+            fed_tokens = tokens if chosen is None else tokens[chosen]
+            fed_hidden = hidden if chosen is None else hidden[chosen]
+            normed, prenorm = self.head(self.embed(fed_tokens), on_device.positions, fed_hidden, meta)
+            drafted = self.head.propose(normed)
+            proposals[upload([offsets[j] + i for j in active], self.device)] = drafted
+            if chosen is None:
+                tokens, hidden = drafted, prenorm
+            else:
+                tokens, hidden = tokens.index_copy(0, chosen, drafted), hidden.index_copy(0, chosen, prenorm)
+        rows = [first + 1 + i for first, length in zip(batch.first_rows, batch.lengths) for i in range(length)]
+        filled = input_ids.clone()
+        filled[upload(rows, self.device)] = proposals
+        return proposals, filled
+
+    def follow(self, plan: BatchPlan, host_plan: BatchPlan, aux: torch.Tensor, sampled: torch.Tensor) -> None:
+        """The head over the whole step (`aux`: the target's three hidden
+        states of every row; `sampled`: its tokens at plan.logits_indices)."""
+        following = plan.following_ids
+        if following is None:
+            raise ValueError("an EAGLE-3 step's plan names no following tokens (BatchPlan.following_ids)")
+        samples = plan.logits_indices if sampled.numel() else None
+        if samples is not None:
+            at_rows = torch.zeros_like(following)
+            at_rows[samples] = sampled
+            following = torch.where(following >= 0, following, at_rows)
+        else:  # no row samples (prompt chunks only): every following token is the prompt's
+            following = following.clamp(min=0)
+        meta = self.attention.prepare(plan, host_plan)
+        normed, prenorm = self.head(self.embed(following), plan.positions, aux, meta)
+        if samples is not None:
+            slots = plan.out_cache_loc[samples]
+            self.next_token[slots] = self.head.propose(normed[samples])
+            self.hidden[slots] = prenorm[samples]
