@@ -148,24 +148,37 @@ class DecoderStack {
     auto add_lora = [&](const Lora& lora, const void* x, int64_t k, void* y, int type, int64_t n) {
       if (used.empty() || lora.a == nullptr) return;
       const int64_t bytes = element_size(type);
+      Buffer gathered = allocate(batch * k, type);
       Buffer h = allocate(batch * lora.band, type);
       Buffer update = allocate(batch * n, type);
+      std::vector<int64_t> rows;
       for (const int64_t slot : used) {
         AIOSERVE_CHECK(slot > 0 && slot < lora.slots, "DecoderStack: a row's LoRA slot is out of range");
-        packed_linear(x, type, batch, k, reinterpret_cast<const void*>(lora.a[slot]), lora.a_type, lora.a_pairs,
+        rows.clear();
+        for (int64_t r = 0; r < batch; ++r)
+          if (row_slots[r] == slot) rows.push_back(r);
+        const int64_t m = static_cast<int64_t>(rows.size());
+        // Only this slot's rows go through its A and B: a step of 16 rows
+        // over 16 adapters multiplied every row by every adapter before
+        // (16x the update's FLOPs; 0.68x the base model's throughput on
+        // Qwen3-0.6B, where a decode step of 16 is compute-bound on a CPU).
+        const char* input = static_cast<const char*>(x);
+        if (m != batch) {
+          for (int64_t i = 0; i < m; ++i)
+            std::memcpy(gathered.get() + i * k * bytes, input + rows[i] * k * bytes, k * bytes);
+          input = gathered.get();
+        }
+        packed_linear(input, type, m, k, reinterpret_cast<const void*>(lora.a[slot]), lora.a_type, lora.a_pairs,
                       lora.band, nullptr, h.get(), false);
-        for (int64_t r = 0; r < batch; ++r)  // the other slots' rows add nothing
-          if (row_slots[r] != slot) std::memset(h.get() + r * lora.band * bytes, 0, lora.band * bytes);
-        packed_linear(h.get(), type, batch, lora.band, reinterpret_cast<const void*>(lora.b[slot]), lora.b_type,
+        packed_linear(h.get(), type, m, lora.band, reinterpret_cast<const void*>(lora.b[slot]), lora.b_type,
                       lora.b_pairs, n, nullptr, update.get(), false);
         dispatch_float(type, "DecoderStack", [&](auto zero) {
           using T = decltype(zero);
-          for (int64_t r = 0; r < batch; ++r) {
-            if (row_slots[r] != slot) continue;
-            T* out_row = static_cast<T*>(y) + r * n;
-            const T* add = reinterpret_cast<const T*>(update.get()) + r * n;
-            for (int64_t i = 0; i < n; ++i)  // rounded to T as torch's add is
-              out_row[i] = from_float<T>(to_float(out_row[i]) + to_float(add[i]));
+          for (int64_t i = 0; i < m; ++i) {
+            T* out_row = static_cast<T*>(y) + rows[i] * n;
+            const T* add = reinterpret_cast<const T*>(update.get()) + i * n;
+            for (int64_t j = 0; j < n; ++j)  // rounded to T as torch's add is
+              out_row[j] = from_float<T>(to_float(out_row[j]) + to_float(add[j]));
           }
         });
       }
