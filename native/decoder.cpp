@@ -28,7 +28,6 @@
 
 #include "half.h"
 #include "kernels.h"
-#include "parallel.h"
 
 #include <algorithm>
 #include <cstdlib>
@@ -47,15 +46,6 @@ struct Packed {
   bool pairs;
 };
 
-// A projection's adapter slots: each slot's packed A and B (`slots` pointers each), `band` rank rows.
-struct Lora {
-  const int64_t* a = nullptr;  // addresses of the slots' packed A
-  const int64_t* b = nullptr;
-  int a_type = 0, b_type = 0;
-  bool a_pairs = false, b_pairs = false;
-  int64_t slots = 0, band = 0;
-};
-
 enum Projection { kQkv = 0, kO = 1, kGateUp = 2, kDown = 3 };
 
 struct Layer {
@@ -72,24 +62,11 @@ struct Layer {
   int64_t cache_limit;
   int64_t intermediate;
   int64_t window;  // sliding window, 0 for none
-  Lora lora[4] = {};  // by Projection; a.data null: no adapters
+  LoraSlots lora[4] = {};  // by Projection; a null: no adapters
 };
 
 // rms_norm's output type: x's when the weight has it, else float32 (torch's promotion).
 int norm_type(int x, int w) { return x == w ? x : kFloat32; }
-
-struct FreeDeleter {
-  void operator()(void* p) const { std::free(p); }
-};
-using Buffer = std::unique_ptr<char, FreeDeleter>;
-
-// An uninitialized buffer of `count` elements of `type`, 64-byte aligned (as torch's CPU allocator).
-Buffer allocate(int64_t count, int type) {
-  const size_t bytes = static_cast<size_t>(std::max<int64_t>(1, count * element_size(type)));
-  void* p = std::aligned_alloc(64, (bytes + 63) / 64 * 64);
-  if (p == nullptr) throw std::bad_alloc();
-  return Buffer(static_cast<char*>(p));
-}
 
 Rows contiguous_rows(int64_t count, int64_t dim) { return {count, 1, dim, 0}; }
 
@@ -105,7 +82,7 @@ class DecoderStack {
                    "DecoderStack: bad head counts");
   }
 
-  void set_lora(int64_t layer, int64_t projection, const Lora& lora) {
+  void set_lora(int64_t layer, int64_t projection, const LoraSlots& lora) {
     AIOSERVE_CHECK(layer >= 0 && layer < static_cast<int64_t>(layers_.size()) && projection >= 0 && projection < 4,
                    "DecoderStack: no such layer or projection");
     AIOSERVE_CHECK(lora.band > 0 && lora.slots > 0, "DecoderStack: bad LoRA slots");
@@ -142,60 +119,9 @@ class DecoderStack {
                size, eps);
     };
     // y [B, n] of type `type` += each row's update through its slot of `lora`
-    // (x [B, k] of the same type: the projection's input).
-    std::vector<int64_t> used;  // the slots this step's rows use, the base's (0) aside
-    std::vector<std::vector<int64_t>> rows_of;  // rows_of[u]: the rows of slot used[u]
-    for (int64_t r = 0; row_slots != nullptr && r < batch; ++r) {
-      if (row_slots[r] == 0) continue;
-      const auto found = std::find(used.begin(), used.end(), row_slots[r]);
-      if (found == used.end()) {
-        used.push_back(row_slots[r]);
-        rows_of.emplace_back();
-        rows_of.back().push_back(r);
-      } else {
-        rows_of[found - used.begin()].push_back(r);
-      }
-    }
-    auto add_lora = [&](const Lora& lora, const void* x, int64_t k, void* y, int type, int64_t n) {
-      if (used.empty() || lora.a == nullptr) return;
-      const int64_t bytes = element_size(type);
-      // Slots split among the threads, each slot's two products run on one
-      // (packed_linear runs inline inside a parallel region): a decode step
-      // of 16 rows over 16 adapters is 32 tiny products a projection, whose
-      // cost was each one's own fork and join across the team. Only a
-      // slot's own rows go through its A and B (gathered), and slots' rows
-      // are disjoint, so each output row has one writer.
-      parallel_pieces(static_cast<int64_t>(used.size()), 1, [&](int64_t first, int64_t last) {
-        for (int64_t u = first; u < last; ++u) {
-          const int64_t slot = used[u];
-          const std::vector<int64_t>& rows = rows_of[u];
-          AIOSERVE_CHECK(slot > 0 && slot < lora.slots, "DecoderStack: a row's LoRA slot is out of range");
-          const int64_t m = static_cast<int64_t>(rows.size());
-          const char* input = static_cast<const char*>(x);
-          Buffer gathered;
-          if (m != batch) {
-            gathered = allocate(m * k, type);
-            for (int64_t i = 0; i < m; ++i)
-              std::memcpy(gathered.get() + i * k * bytes, input + rows[i] * k * bytes, k * bytes);
-            input = gathered.get();
-          }
-          Buffer h = allocate(m * lora.band, type);
-          Buffer update = allocate(m * n, type);
-          packed_linear(input, type, m, k, reinterpret_cast<const void*>(lora.a[slot]), lora.a_type, lora.a_pairs,
-                        lora.band, nullptr, h.get(), false);
-          packed_linear(h.get(), type, m, lora.band, reinterpret_cast<const void*>(lora.b[slot]), lora.b_type,
-                        lora.b_pairs, n, nullptr, update.get(), false);
-          dispatch_float(type, "DecoderStack", [&](auto zero) {
-            using T = decltype(zero);
-            for (int64_t i = 0; i < m; ++i) {
-              T* out_row = static_cast<T*>(y) + rows[i] * n;
-              const T* add = reinterpret_cast<const T*>(update.get()) + i * n;
-              for (int64_t j = 0; j < n; ++j)  // rounded to T as torch's add is
-                out_row[j] = from_float<T>(to_float(out_row[j]) + to_float(add[j]));
-            }
-          });
-        }
-      }, 1);
+    // (x [B, k] of the same type: the projection's input; lora.cpp).
+    auto add_lora = [&](const LoraSlots& lora, const void* x, int64_t k, void* y, int type, int64_t n) {
+      if (row_slots != nullptr && lora.a != nullptr) lora_add_rows(x, type, batch, k, row_slots, lora, y, n);
     };
     for (size_t i = 0; i < layers_.size(); ++i) {
       const Layer& l = layers_[i];
@@ -332,7 +258,7 @@ static int decoder_set_lora_direct(void* stack, int64_t layer, int64_t projectio
                                    int a_pairs, const int64_t* b, int b_type, int b_pairs, int64_t slots, int64_t band) {
   return aioserve::guarded([&] {
     static_cast<aioserve::DecoderStack*>(stack)->set_lora(
-        layer, projection, aioserve::Lora{a, b, a_type, b_type, a_pairs != 0, b_pairs != 0, slots, band});
+        layer, projection, aioserve::LoraSlots{a, b, a_type, b_type, a_pairs != 0, b_pairs != 0, slots, band});
   });
 }
 

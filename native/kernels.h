@@ -8,7 +8,11 @@
 // decoder.cpp runs a whole decode step through the functions below.
 #pragma once
 
+#include <algorithm>
 #include <cstdint>
+#include <cstdlib>
+#include <memory>
+#include <new>
 #include <cstring>
 #include <sstream>
 #include <stdexcept>
@@ -22,6 +26,19 @@ namespace aioserve {
 enum DType : int { kFloat32 = 0, kBFloat16 = 1, kFloat16 = 2, kFloat64 = 3 };
 
 inline int64_t element_size(int type) { return type == kFloat64 ? 8 : type == kFloat32 ? 4 : 2; }
+
+struct FreeDeleter {
+  void operator()(void* p) const { std::free(p); }
+};
+using Buffer = std::unique_ptr<char, FreeDeleter>;
+
+// An uninitialized buffer of `count` elements of `type`, 64-byte aligned (as torch's CPU allocator).
+inline Buffer allocate(int64_t count, int type) {
+  const size_t bytes = static_cast<size_t>(std::max<int64_t>(1, count * element_size(type)));
+  void* p = std::aligned_alloc(64, (bytes + 63) / 64 * 64);
+  if (p == nullptr) throw std::bad_alloc();
+  return Buffer(static_cast<char*>(p));
+}
 
 // A failed check: thrown inside the library, turned into an error code and
 // a message at its C boundary (guarded), raised in Python as RuntimeError,
@@ -114,6 +131,20 @@ void check_indices(const int64_t* values, int64_t count, int64_t limit, const ch
 bool gemm_fuses_multiply_add();
 void packed_linear(const void* x, int x_type, int64_t m, int64_t k, const void* packed, int w_type, bool pairs,
                    int64_t n, const float* bias, void* y, bool float_out);
+
+// lora.cpp: a projection's LoRA adapter slots, each slot's A [band, in]
+// and B^T [out, band] packed by pack_linear_weight (slot 0: the base model).
+struct LoraSlots {
+  const int64_t* a = nullptr;  // addresses of the slots' packed A
+  const int64_t* b = nullptr;
+  int a_type = 0, b_type = 0;
+  bool a_pairs = false, b_pairs = false;
+  int64_t slots = 0, band = 0;
+};
+// y [batch, n] += each row's update (x A_s^T) B_s through its slot s =
+// row_slots[row] (0: none); x [batch, k] and y of one type.
+void lora_add_rows(const void* x, int type, int64_t batch, int64_t k, const int64_t* row_slots,
+                   const LoraSlots& lora, void* y, int64_t n);
 
 // attention.cpp: q [batch, heads, dim] contiguous; out like q.
 void paged_decode_attention(const void* q, int q_type, const void* k_cache, const void* v_cache, int kv_type,

@@ -9,27 +9,10 @@ import logging
 
 import torch
 
-from aioserve.cpu.native_gemm import gemm_block_width, packs_bf16_pairs
+from aioserve.cpu.native_gemm import LoraPointers, packed_fields as _packed
 from aioserve.cpu.native_lib import NativeLibrary, code, library
 
 logger = logging.getLogger(__name__)
-
-
-def _packed(weight: torch.Tensor, k: int, n: int, what: str) -> tuple[int, int, int]:
-    """(pointer, dtype code, pairs) of a weight packed by pack_linear_weight
-    for x [M, k] -> [M, n]; the checks packed_linear makes at each call."""
-    block = gemm_block_width()
-    pairs = weight.dim() == 4
-    if not ((weight.dim() == 3 or (pairs and packs_bf16_pairs() and weight.shape[3] == 2
-                                   and weight.dtype == torch.bfloat16))
-            and weight.shape[2] == block and weight.is_contiguous()):
-        raise RuntimeError(f"packed_linear: the weight must come from pack_linear_weight ({what})")
-    packed_k = 2 * weight.shape[1] if pairs else weight.shape[1]
-    if packed_k != k:
-        raise RuntimeError(f"packed_linear: x has {k} features, the weight {packed_k} ({what})")
-    if not (0 < n <= weight.shape[0] * block and n > (weight.shape[0] - 1) * block):
-        raise RuntimeError(f"packed_linear: bad N ({what})")
-    return weight.data_ptr(), code(weight, "packed_linear"), int(pairs)
 
 
 def _norm(weight: torch.Tensor, dim: int) -> tuple[int, int]:
@@ -51,7 +34,7 @@ class DecoderStack:
         self.hidden_size = final_norm.shape[0]
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
         self.final_norm = final_norm
-        self._kept: list[torch.Tensor | None] = [cos_cache, sin_cache, final_norm]  # alive while the library points at them
+        self._kept: list[object] = [cos_cache, sin_cache, final_norm]  # alive while the library points at them
         norm_ptr, norm_code = _norm(final_norm, self.hidden_size)
         self._handle = self._lib.decoder_new(
             num_heads, num_kv_heads, head_dim, self.hidden_size, eps, scale, cos_cache.data_ptr(),
@@ -100,23 +83,11 @@ class DecoderStack:
 
     PROJECTIONS = ("qkv", "o", "gate_up", "down")  # decoder.cpp's Projection
 
-    def set_lora(self, layer: int, projection: str, a: list[torch.Tensor], b: list[torch.Tensor], band: int,
-                 in_features: int, out_features: int) -> None:
-        """A projection's LoRA slots, each packed (layers/lora.py's
-        PackedSlots: slot s's A for x [M, in] -> [M, band], its B for
-        [M, band] -> [M, out]). The tensors must stay where they are: they
-        are repacked in place."""
-        a_fields = [_packed(w, in_features, band, "lora A") for w in a]
-        b_fields = [_packed(w, band, out_features, "lora B") for w in b]
-        if len({f[1:] for f in a_fields}) != 1 or len({f[1:] for f in b_fields}) != 1 or len(a) != len(b):
-            raise RuntimeError("DecoderStack: a projection's LoRA slots differ in dtype or layout")
-        a_ptrs = torch.tensor([f[0] for f in a_fields], dtype=torch.int64)
-        b_ptrs = torch.tensor([f[0] for f in b_fields], dtype=torch.int64)
-        self._kept += [*a, *b, a_ptrs, b_ptrs]
-        if self._lib.decoder_set_lora(
-            self._handle, layer, self.PROJECTIONS.index(projection), a_ptrs.data_ptr(), *a_fields[0][1:],
-            b_ptrs.data_ptr(), *b_fields[0][1:], len(a), band,
-        ):
+    def set_lora(self, layer: int, projection: str, slots: LoraPointers) -> None:
+        """A projection's LoRA slots (native_gemm.LoraPointers: each slot's
+        packed A and B, which must stay where they are: they are repacked in place)."""
+        self._kept.append(slots)
+        if self._lib.decoder_set_lora(self._handle, layer, self.PROJECTIONS.index(projection), *slots.fields):
             raise self._lib.fail()
 
     def forward(self, hidden: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, page_table: torch.Tensor,

@@ -5,6 +5,7 @@ RuntimeError messages), output allocation, pointers to the library."""
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass
 
 import torch
 
@@ -26,6 +27,65 @@ def gemm_fuses_multiply_add() -> bool:
 def packs_bf16_pairs() -> bool:
     """Whether bf16 weights are packed in k-pairs (AVX512-BF16)."""
     return library().packs_bf16_pairs
+
+
+def packed_fields(weight: torch.Tensor, k: int, n: int, what: str) -> tuple[int, int, int]:
+    """(pointer, dtype code, pairs) of a weight packed by pack_linear_weight
+    for x [M, k] -> [M, n]; the checks packed_linear makes at each call."""
+    block = gemm_block_width()
+    pairs = weight.dim() == 4
+    if not ((weight.dim() == 3 or (pairs and packs_bf16_pairs() and weight.shape[3] == 2
+                                   and weight.dtype == torch.bfloat16))
+            and weight.shape[2] == block and weight.is_contiguous()):
+        raise RuntimeError(f"packed_linear: the weight must come from pack_linear_weight ({what})")
+    packed_k = 2 * weight.shape[1] if pairs else weight.shape[1]
+    if packed_k != k:
+        raise RuntimeError(f"packed_linear: x has {k} features, the weight {packed_k} ({what})")
+    if not (0 < n <= weight.shape[0] * block and n > (weight.shape[0] - 1) * block):
+        raise RuntimeError(f"packed_linear: bad N ({what})")
+    return weight.data_ptr(), code(weight, "packed_linear"), int(pairs)
+
+
+@dataclass
+class LoraPointers:
+    """A projection's LoRA slots for the library (kernels.h's LoraSlots):
+    each slot's packed A (x [M, in] -> [M, band]) and B ([M, band] -> [M,
+    out]), checked once; the tensors must stay where they are (a slot is
+    repacked in place)."""
+
+    a: list[torch.Tensor]
+    b: list[torch.Tensor]
+    band: int
+    in_features: int
+    out_features: int
+
+    def __post_init__(self) -> None:
+        a_fields = [packed_fields(w, self.in_features, self.band, "lora A") for w in self.a]
+        b_fields = [packed_fields(w, self.band, self.out_features, "lora B") for w in self.b]
+        if len({f[1:] for f in a_fields}) != 1 or len({f[1:] for f in b_fields}) != 1 or len(self.a) != len(self.b):
+            raise RuntimeError("lora: a projection's slots differ in dtype or layout")
+        self.a_ptrs = torch.tensor([f[0] for f in a_fields], dtype=torch.int64)
+        self.b_ptrs = torch.tensor([f[0] for f in b_fields], dtype=torch.int64)
+        # (a, a_type, a_pairs, b, b_type, b_pairs, slots, band): the library's argument order
+        self.fields = (self.a_ptrs.data_ptr(), *a_fields[0][1:], self.b_ptrs.data_ptr(), *b_fields[0][1:],
+                       len(self.a), self.band)
+
+
+def lora_add_rows(x: torch.Tensor, y: torch.Tensor, row_slots: torch.Tensor, slots: LoraPointers) -> None:
+    """y [T, out] += each row's (x A_s^T) B_s, s = row_slots[row] (0: none),
+    in place; x [T, in] and y contiguous, of one dtype."""
+    if (x.dim() != 2 or y.dim() != 2 or x.shape[0] != y.shape[0] or x.shape[1] != slots.in_features
+            or y.shape[1] != slots.out_features or x.dtype != y.dtype):
+        raise RuntimeError("lora_add_rows: x [T, in] and y [T, out] of one dtype")
+    if not y.is_contiguous():
+        raise RuntimeError("lora_add_rows: y must be contiguous")
+    if row_slots.dtype != torch.int64 or row_slots.numel() != x.shape[0]:
+        raise RuntimeError("lora_add_rows: row_slots [T] int64")
+    lib = library()
+    x, row_slots = x.contiguous(), row_slots.contiguous()
+    if lib.lora_add_rows(x.data_ptr(), code(x, "lora_add_rows"), x.shape[0], x.shape[1], row_slots.data_ptr(),
+                         *slots.fields, y.data_ptr(), y.shape[1]):
+        raise lib.fail()
 
 
 def pack_linear_weight(weight: torch.Tensor) -> torch.Tensor:

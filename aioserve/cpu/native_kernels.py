@@ -9,8 +9,10 @@ from pathlib import Path
 
 from aioserve.cpu.native_decoder import DecoderStack
 from aioserve.cpu.native_gemm import (
+    LoraPointers,
     gemm_block_width,
     gemm_fuses_multiply_add,
+    lora_add_rows,
     pack_linear_weight,
     packed_linear,
     screened_argmax,
@@ -35,7 +37,7 @@ def library_path() -> Path:
 
 
 __all__ = [
-    "DecoderStack", "library_path", "gemm_block_width", "gemm_fuses_multiply_add", "pack_linear_weight", "packed_linear",
+    "DecoderStack", "LoraPointers", "library_path", "lora_add_rows", "gemm_block_width", "gemm_fuses_multiply_add", "pack_linear_weight", "packed_linear",
     "paged_decode_attention", "rms_norm", "rotary_embedding", "row_max_argmax", "screened_argmax", "silu_and_mul",
     "store_kv",
 ]

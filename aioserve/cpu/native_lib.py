@@ -54,6 +54,7 @@ PROTOTYPES: dict[str, list[Any]] = {
     "aioserve_decoder_add_layer": [_p, _p, _i32, _p, _i32, _i32, _p, _p, _i32, _p, _i32, _p, _i32, _i32, _p, _i32,
                                    _p, _i32, _i32, _i64, _p, _i32, _i32, _p, _p, _i32, _i64, _i64],
     "aioserve_decoder_set_lora": [_p, _i64, _i64, _p, _i32, _i32, _p, _i32, _i32, _i64, _i64],
+    "aioserve_lora_add_rows": [_p, _i32, _i64, _i64, _p, _p, _i32, _i32, _p, _i32, _i32, _i64, _i64, _p, _i64],
 }
 # Called through the GIL-releasing handle (see above).
 RELEASING_GIL: dict[str, list[Any]] = {

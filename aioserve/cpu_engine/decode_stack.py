@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import logging
 from types import ModuleType
-from typing import Protocol
+from typing import Any, Protocol
 
 import torch
 
@@ -73,8 +73,7 @@ class DecoderStack(Protocol):
                 page_table: torch.Tensor, seq_lens: torch.Tensor, row_slots: torch.Tensor | None = None
                 ) -> torch.Tensor: ...
 
-    def set_lora(self, layer: int, projection: str, a: list[torch.Tensor], b: list[torch.Tensor], band: int,
-                 in_features: int, out_features: int) -> None: ...
+    def set_lora(self, layer: int, projection: str, slots: Any) -> None: ...  # native_gemm.LoraPointers
 
 
 def build_decoder_stack(model: LlamaForCausalLM, pool: KVPool, kernels: ModuleType) -> DecoderStack:
@@ -144,8 +143,7 @@ class NativeDecodeRunner:
         for i, name, linear in bindings:
             slots = linear.lora
             assert slots is not None and slots.packed is not None
-            self.stack.set_lora(i, name, slots.packed.a, slots.packed.b, int(slots.a.shape[1]),
-                                linear.in_features, linear.out_features)
+            self.stack.set_lora(i, name, slots.packed.native)
         self.lora_bound = True
         return True
 

@@ -30,6 +30,7 @@ packed slots.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -48,6 +49,7 @@ class LoraRouting:
     groups: list[tuple[int, torch.Tensor]]  # (slot, its rows [n] int64) for each slot used, base excluded
     all_rows: int | None = None  # the slot every row of the step uses, when one adapter covers them all
     onehot: torch.Tensor | None = None  # [T, slots]: row t uses slot s (the masked form)
+    row_slots: torch.Tensor | None = None  # [T] int64 on a CPU: each row's slot (the native grouped form)
 
 
 def route_rows(
@@ -73,7 +75,8 @@ def route_rows(
         return LoraRouting([], onehot=onehot.to(device, non_blocking=True))
     groups = [(slot, torch.tensor(rows, dtype=torch.long).to(device, non_blocking=True))
               for slot, rows in sorted(rows_of.items())]
-    return LoraRouting(groups)
+    row_slots = torch.tensor(token_slots, dtype=torch.long) if device.type == "cpu" else None
+    return LoraRouting(groups, row_slots=row_slots)
 
 
 @dataclass
@@ -86,10 +89,13 @@ class LoraStepState:
 
 @dataclass
 class PackedSlots:
-    """The slots in the native packed matmul's layout: A_s [P * R, in] and B_s^T [out, P * R] of each slot."""
+    """The slots in the native packed matmul's layout: A_s [P * R, in] and
+    B_s^T [out, P * R] of each slot, and their addresses for the library
+    (the grouped form's one call, and the DecoderStack)."""
 
     a: list[torch.Tensor]
     b: list[torch.Tensor]
+    native: Any = None  # native_gemm.LoraPointers over a and b
 
 
 @dataclass(eq=False)
@@ -120,6 +126,8 @@ class LoraSlots:
         slots = range(self.a.shape[0])
         packed = PackedSlots([pack(self.a[s]) for s in slots], [pack(self.b[s].T) for s in slots])
         if self.packed is None:
+            packed.native = kernels.LoraPointers(packed.a, packed.b, int(self.a.shape[1]), int(self.a.shape[2]),
+                                                 int(self.b.shape[2]))
             self.packed = packed
         else:
             for mine, new in zip([*self.packed.a, *self.packed.b], [*packed.a, *packed.b]):
@@ -152,6 +160,10 @@ class LoraSlots:
             return y + self._product(x, routing.all_rows).to(y.dtype)
         if routing.onehot is not None:
             return y + self._masked(x, routing.onehot).to(y.dtype)
+        if self.packed is not None and routing.row_slots is not None and x.dtype == y.dtype and y.is_contiguous():
+            # One native call: the slots split among the threads, each slot's rows gathered there.
+            cpu_kernels(wait=False).lora_add_rows(x, y, routing.row_slots, self.packed.native)  # type: ignore[union-attr]
+            return y
         for slot, rows in routing.groups:
             y.index_add_(0, rows, self._product(x.index_select(0, rows), slot).to(y.dtype))
         return y
