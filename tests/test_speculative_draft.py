@@ -68,24 +68,15 @@ def _as_dict(params: SamplingParams) -> dict:
         "max_tokens", "temperature", "top_p", "top_k", "seed", "ignore_eos", "logprobs")}
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen3"])
-@pytest.mark.parametrize("which", ["target", "small"])
-@pytest.mark.parametrize("kind", ["greedy", "seeded"])
-def test_outputs_equal_plain_decoding(
-    tiny_checkpoints: dict[str, Path], small_drafts: dict[str, Path], arch: str, which: str, kind: str
-) -> None:
-    """A batch of prompts of different lengths, prefilled in chunks of 8,
-    then the same prompts again (prefix-cache hits, whose pages both models
-    wrote): the plain outputs, every page back. The target as its own draft
-    keeps nearly every proposal; the small random draft almost none."""
-    model = tiny_checkpoints[arch]
-    draft = _draft_path(which, model, arch, small_drafts)
+def equal_twice_with_prefix_hits(model: Path, params: list[SamplingParams], speculative_config: dict):
+    """PROMPTS prefilled in chunks of 8, then the first three again
+    (prefix-cache hits): the plain outputs, every page back. Returns the
+    speculation's counters."""
     prompts = [hf_encode(model, t) for t in PROMPTS]
-    params = _varied(kind)
     options = {"max_prefill_tokens": 8}
     plain, _ = _run(model, prompts, params, **options)
     plain_again, _ = _run(model, prompts[:3], params[:3], **options)
-    llm = LLM(str(model), page_size=4, debug_integrity=True, speculative_config=_draft(draft), **options)
+    llm = LLM(str(model), page_size=4, debug_integrity=True, speculative_config=speculative_config, **options)
     try:
         first = llm.generate(prompts, params)
         again = llm.generate(prompts[:3], params[:3])
@@ -98,6 +89,22 @@ def test_outputs_equal_plain_decoding(
     assert same_outputs(_tuples(first), plain)
     assert same_outputs(_tuples(again), plain_again)
     assert all(o.num_cached_tokens > 0 for o in again)
+    return stats
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+@pytest.mark.parametrize("which", ["target", "small"])
+@pytest.mark.parametrize("kind", ["greedy", "seeded"])
+def test_outputs_equal_plain_decoding(
+    tiny_checkpoints: dict[str, Path], small_drafts: dict[str, Path], arch: str, which: str, kind: str
+) -> None:
+    """A batch of prompts of different lengths, prefilled in chunks of 8,
+    then the same prompts again (prefix-cache hits, whose pages both models
+    wrote): the plain outputs, every page back. The target as its own draft
+    keeps nearly every proposal; the small random draft almost none."""
+    model = tiny_checkpoints[arch]
+    draft = _draft_path(which, model, arch, small_drafts)
+    stats = equal_twice_with_prefix_hits(model, _varied(kind), _draft(draft))
     assert stats.drafts > 0
     if which == "target" and kind == "greedy":  # the target proposes its own tokens: they stand
         assert stats.accepted_tokens >= 0.8 * stats.draft_tokens, stats
@@ -111,22 +118,27 @@ def test_stop_tokens_and_preemption(tiny_checkpoints: dict[str, Path], small_dra
     small that requests are preempted and recomputed (through both models):
     the plain outputs."""
     model = tiny_checkpoints["llama"]
+    for draft in (model, small_drafts["llama"]):
+        stops_and_preemptions_equal_plain(model, _draft(draft, k=4))
+
+
+def stops_and_preemptions_equal_plain(model: Path, speculative_config: dict) -> None:
+    """TEXTS with limits_mid_draft's limits, then in a pool of 16 pages (the
+    two 40-token requests outgrow it together): the plain outputs."""
     prompts = [hf_encode(model, t) for t in TEXTS]
     greedy = [SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)] * len(prompts)
     reference, _ = _run(model, prompts, greedy)
     stop_at = reference[1][0][6]
     params = limits_mid_draft(stop_at)
-    # A pool of 16 pages: the two 40-token requests outgrow it together.
     long = [params[0], greedy[1], params[2], greedy[3]]
-    for draft in (model, small_drafts["llama"]):
-        for options, chosen in (({}, params), ({"num_pages": 16, "decode_reserve_tokens": 4}, long)):
-            plain, _ = _run(model, prompts, chosen, **options)
-            speculative, llm = _run(model, prompts, chosen, speculative_config=_draft(draft, k=4), **options)
-            assert same_outputs(speculative, plain)
-            if options:
-                assert llm.scheduler.stats.preemptions > 0
-            else:
-                assert speculative[1][2] == "stop" and speculative[1][0][-1] == stop_at
+    for options, chosen in (({}, params), ({"num_pages": 16, "decode_reserve_tokens": 4}, long)):
+        plain, _ = _run(model, prompts, chosen, **options)
+        speculative, llm = _run(model, prompts, chosen, speculative_config=speculative_config, **options)
+        assert same_outputs(speculative, plain)
+        if options:
+            assert llm.scheduler.stats.preemptions > 0
+        else:
+            assert speculative[1][2] == "stop" and speculative[1][0][-1] == stop_at
 
 
 def test_the_draft_follows_steps_that_propose_nothing(tiny_checkpoints: dict[str, Path]) -> None:
@@ -182,11 +194,12 @@ def test_constrained_requests_decode_plainly_beside_drafts(tiny_checkpoints: dic
     assert llm.scheduler.speculator.stats.drafts > 0
 
 
-def test_an_abort_mid_generation_gives_every_page_back(tiny_checkpoints: dict[str, Path]) -> None:
-    model = tiny_checkpoints["qwen3"]
+def abort_mid_generation(model: Path, speculative_config: dict) -> None:
+    """Abort one of four requests once three verifications ran: it ends as
+    an abort, the others finish, and every page is back."""
     prompts = [hf_encode(model, t) for t in TEXTS]
     params = SamplingParams(max_tokens=30, temperature=0, ignore_eos=True)
-    llm = LLM(str(model), page_size=4, debug_integrity=True, speculative_config=_draft(model))
+    llm = LLM(str(model), page_size=4, debug_integrity=True, speculative_config=speculative_config)
     try:
         scheduler = llm.scheduler
         original = scheduler.outputs.process
@@ -206,6 +219,10 @@ def test_an_abort_mid_generation_gives_every_page_back(tiny_checkpoints: dict[st
     finally:
         llm.close()
     assert aborted and sorted(o.finish_reason for o in outs) == ["abort", "length", "length", "length"]
+
+
+def test_an_abort_mid_generation_gives_every_page_back(tiny_checkpoints: dict[str, Path]) -> None:
+    abort_mid_generation(tiny_checkpoints["qwen3"], _draft(tiny_checkpoints["qwen3"]))
 
 
 def test_the_flags_of_vllm_and_sglang(tmp_path: Path, tiny_checkpoints: dict[str, Path]) -> None:
@@ -235,39 +252,66 @@ def test_the_flags_of_vllm_and_sglang(tmp_path: Path, tiny_checkpoints: dict[str
         LLM(str(model), page_size=4, speculative_config=_draft(other))
 
 
-def test_over_http_streams_equal_plain_decoding(tiny_checkpoints: dict[str, Path]) -> None:
-    """A server started with SGLang's flags streams the completion an offline
-    plain run gives, and /server_info reports the acceptance."""
+def http_run_equals_plain(model: Path, *flags: str) -> tuple[dict, dict, str]:
+    """A server started with `flags` streams the completion an offline plain
+    run gives; returns what /generate's meta_info reports for the same
+    request, /server_info once idle (its KV bookkeeping checked) and /metrics."""
     import httpx
 
     from server_harness import start_server
 
-    model = tiny_checkpoints["llama"]
     text = "the cat sat on the mat and the cat sat on the"
     llm = LLM(str(model), page_size=4)
     try:
         expected = llm.generate([text], SamplingParams(max_tokens=24, temperature=0, ignore_eos=True))[0].text
     finally:
         llm.close()
-    server = start_server(
-        model, "--page-size", "4", "--debug-integrity", "--speculative-algorithm", "STANDALONE",
-        "--speculative-draft-model-path", str(model), "--speculative-num-steps", "3",
-    )
+    server = start_server(model, "--page-size", "4", "--debug-integrity", *flags)
     try:
         body = {"model": str(model), "prompt": text, "max_tokens": 24, "temperature": 0, "ignore_eos": True}
         assert server.streamed_completion_text(body) == expected
-        # SGLang's /generate reports the request's speculation in meta_info, /metrics vLLM's counters.
         body = {"text": text, "sampling_params": {"max_new_tokens": 24, "temperature": 0, "ignore_eos": True}}
         meta = httpx.post(f"{server.url}/generate", json=body, timeout=60).json()["meta_info"]
-        assert meta["completion_tokens"] == 24 and 0 < meta["spec_verify_ct"] < 24
-        assert 0 < meta["spec_num_correct_drafts"] <= meta["spec_num_proposed_drafts"]
         info = server.wait_idle()
         assert info["kv_integrity"] == "ok"
-        assert info["avg_spec_accept_length"] > 3.0  # the target as its own draft: 3 proposed, nearly all stand
-        metrics = httpx.get(f"{server.url}/metrics", timeout=10).text
-        assert re.search(r"aioserve:spec_decode_num_accepted_tokens_total\{[^}]*\} [1-9]", metrics)
+        return meta, info, httpx.get(f"{server.url}/metrics", timeout=10).text
     finally:
         server.stop()
+
+
+def test_over_http_streams_equal_plain_decoding(tiny_checkpoints: dict[str, Path]) -> None:
+    """A server started with SGLang's flags streams the completion an offline
+    plain run gives, and /server_info reports the acceptance."""
+    model = tiny_checkpoints["llama"]
+    meta, info, metrics = http_run_equals_plain(
+        model, "--speculative-algorithm", "STANDALONE", "--speculative-draft-model-path", str(model),
+        "--speculative-num-steps", "3",
+    )
+    # SGLang's /generate reports the request's speculation in meta_info, /metrics vLLM's counters.
+    assert meta["completion_tokens"] == 24 and 0 < meta["spec_verify_ct"] < 24
+    assert 0 < meta["spec_num_correct_drafts"] <= meta["spec_num_proposed_drafts"]
+    assert info["avg_spec_accept_length"] > 3.0  # the target as its own draft: 3 proposed, nearly all stand
+    assert re.search(r"aioserve:spec_decode_num_accepted_tokens_total\{[^}]*\} [1-9]", metrics)
+
+
+def plain_and_speculative(model: Path, speculative_config: dict, options: dict) -> tuple[list, list, object]:
+    """PROMPTS, greedy, plainly and speculating: (plain outputs, speculative
+    outputs, the speculation's counters), the KV bookkeeping checked."""
+    prompts = [hf_encode(model, t) for t in PROMPTS]
+    params = [_params("greedy")] * len(prompts)
+    llm = LLM(str(model), **options)
+    try:
+        plain = _tuples(llm.generate(prompts, params))
+    finally:
+        llm.close()
+    llm = LLM(str(model), debug_integrity=True, speculative_config=speculative_config, **options)
+    try:
+        outs = _tuples(llm.generate(prompts, params))
+        stats = llm.scheduler.speculator.stats
+        llm.scheduler.check_integrity()
+    finally:
+        llm.close()
+    return plain, outs, stats
 
 
 @pytest.mark.gpu
@@ -280,20 +324,7 @@ def test_draft_model_on_cuda(tmp_path: Path) -> None:
 
     model = build_checkpoint("qwen3", tmp_path / "qwen3", overrides={
         "hidden_size": 256, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 128})
-    prompts = [hf_encode(model, t) for t in PROMPTS]
-    params = [_params("greedy")] * len(prompts)
     options = {"device": "cuda", "dtype": "float32", "attention_backend": "torch_native", "page_size": 16}
-    llm = LLM(str(model), **options)
-    try:
-        plain = _tuples(llm.generate(prompts, params))
-    finally:
-        llm.close()
-    llm = LLM(str(model), debug_integrity=True, speculative_config=_draft(model), **options)
-    try:
-        outs = _tuples(llm.generate(prompts, params))
-        stats = llm.scheduler.speculator.stats
-        llm.scheduler.check_integrity()
-    finally:
-        llm.close()
+    plain, outs, stats = plain_and_speculative(model, _draft(model), options)
     assert same_outputs(outs, plain)
     assert stats.accepted_tokens >= 0.8 * stats.draft_tokens, stats

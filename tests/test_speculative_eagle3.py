@@ -22,8 +22,11 @@ from aioserve import LLM, SamplingParams
 from aioserve.config import ConfigError, EngineConfig
 from aioserve.speculative_config import resolve_speculative
 from hf_reference import hf_encode
-from test_speculative import TEXTS, _params, _run, limits_mid_draft, same_outputs
-from test_speculative_draft import PROMPTS, _tuples, _varied
+from test_speculative import TEXTS, _params, _run, same_outputs
+from test_speculative_draft import (
+    _tuples, _varied, abort_mid_generation, equal_twice_with_prefix_hits, http_run_equals_plain,
+    plain_and_speculative, stops_and_preemptions_equal_plain,
+)
 
 
 @pytest.fixture(scope="module")
@@ -63,24 +66,7 @@ def test_outputs_equal_plain_decoding(eagle_targets: dict[str, tuple[Path, Path]
     every page back, and proposals verified; dense, Gemma 3 (sliding
     windows, scaled embeddings) and mixture-of-experts targets."""
     model, head = eagle_targets[arch]
-    prompts = [hf_encode(model, t) for t in PROMPTS]
-    params = _varied(kind)
-    options = {"max_prefill_tokens": 8}
-    plain, _ = _run(model, prompts, params, **options)
-    plain_again, _ = _run(model, prompts[:3], params[:3], **options)
-    llm = LLM(str(model), page_size=4, debug_integrity=True, speculative_config=_eagle(head), **options)
-    try:
-        first = llm.generate(prompts, params)
-        again = llm.generate(prompts[:3], params[:3])
-        llm.scheduler.check_integrity()
-        kv = llm.scheduler.kv
-        assert kv.allocator.num_free + kv.cache.num_pages == kv.num_usable_pages  # every page back
-        stats = llm.scheduler.speculator.stats
-    finally:
-        llm.close()
-    assert same_outputs(_tuples(first), plain)
-    assert same_outputs(_tuples(again), plain_again)
-    assert all(o.num_cached_tokens > 0 for o in again)
+    stats = equal_twice_with_prefix_hits(model, _varied(kind), _eagle(head))
     assert stats.drafts > 0 and stats.draft_tokens > stats.drafts
 
 
@@ -198,20 +184,7 @@ def test_stop_tokens_and_preemption(eagle_targets: dict[str, tuple[Path, Path]])
     small that requests are preempted and recomputed (the head's state
     recomputed with them): the plain outputs."""
     model, head = eagle_targets["llama"]
-    prompts = [hf_encode(model, t) for t in TEXTS]
-    greedy = [SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)] * len(prompts)
-    reference, _ = _run(model, prompts, greedy)
-    stop_at = reference[1][0][6]
-    params = limits_mid_draft(stop_at)
-    long = [params[0], greedy[1], params[2], greedy[3]]
-    for options, chosen in (({}, params), ({"num_pages": 16, "decode_reserve_tokens": 4}, long)):
-        plain, _ = _run(model, prompts, chosen, **options)
-        speculative, llm = _run(model, prompts, chosen, speculative_config=_eagle(head, k=4), **options)
-        assert same_outputs(speculative, plain)
-        if options:
-            assert llm.scheduler.stats.preemptions > 0
-        else:
-            assert speculative[1][2] == "stop" and speculative[1][0][-1] == stop_at
+    stops_and_preemptions_equal_plain(model, _eagle(head, k=4))
 
 
 def test_penalised_and_constrained_requests_decode_plainly_beside_proposals(
@@ -233,28 +206,7 @@ def test_penalised_and_constrained_requests_decode_plainly_beside_proposals(
 
 def test_an_abort_mid_generation_gives_every_page_back(eagle_targets: dict[str, tuple[Path, Path]]) -> None:
     model, head = eagle_targets["qwen3"]
-    prompts = [hf_encode(model, t) for t in TEXTS]
-    params = SamplingParams(max_tokens=30, temperature=0, ignore_eos=True)
-    llm = LLM(str(model), page_size=4, debug_integrity=True, speculative_config=_eagle(head))
-    try:
-        scheduler = llm.scheduler
-        original = scheduler.outputs.process
-        aborted: list[str] = []
-
-        def process(step, output):
-            original(step, output)
-            if not aborted and scheduler.speculator.stats.drafts >= 3 and scheduler.running:
-                aborted.append(scheduler.running[0].rid)
-                scheduler.abort(aborted[0])
-
-        scheduler.outputs.process = process
-        outs = llm.generate(prompts, params)
-        scheduler.check_integrity()
-        kv = scheduler.kv
-        assert kv.allocator.num_free + kv.cache.num_pages == kv.num_usable_pages
-    finally:
-        llm.close()
-    assert aborted and sorted(o.finish_reason for o in outs) == ["abort", "length", "length", "length"]
+    abort_mid_generation(model, _eagle(head))
 
 
 def test_the_flags_and_heads_that_do_not_fit(tmp_path: Path, eagle_targets: dict[str, tuple[Path, Path]]) -> None:
@@ -306,34 +258,15 @@ def test_over_http_with_sglangs_flags(eagle_targets: dict[str, tuple[Path, Path]
     """A server started with `--speculative-algorithm EAGLE3` streams the
     completion an offline plain run gives, reports the request's speculation
     in /generate's meta_info and the counters in /metrics."""
-    import httpx
-
-    from server_harness import start_server
-
     model, head = eagle_targets["llama"]
-    text = "the cat sat on the mat and the cat sat on the"
-    llm = LLM(str(model), page_size=4)
-    try:
-        expected = llm.generate([text], SamplingParams(max_tokens=24, temperature=0, ignore_eos=True))[0].text
-    finally:
-        llm.close()
-    server = start_server(
-        model, "--page-size", "4", "--debug-integrity", "--speculative-algorithm", "EAGLE3",
-        "--speculative-draft-model-path", str(head), "--speculative-num-steps", "3",
+    meta, info, metrics = http_run_equals_plain(
+        model, "--speculative-algorithm", "EAGLE3", "--speculative-draft-model-path", str(head),
+        "--speculative-num-steps", "3",
     )
-    try:
-        body = {"model": str(model), "prompt": text, "max_tokens": 24, "temperature": 0, "ignore_eos": True}
-        assert server.streamed_completion_text(body) == expected
-        body = {"text": text, "sampling_params": {"max_new_tokens": 24, "temperature": 0, "ignore_eos": True}}
-        meta = httpx.post(f"{server.url}/generate", json=body, timeout=60).json()["meta_info"]
-        assert meta["completion_tokens"] == 24 and meta["spec_verify_ct"] > 0
-        assert meta["spec_num_proposed_drafts"] > 0
-        info = server.wait_idle()
-        assert info["kv_integrity"] == "ok" and info["avg_spec_accept_length"] >= 1.0
-        metrics = httpx.get(f"{server.url}/metrics", timeout=10).text
-        assert re.search(r"aioserve:spec_decode_num_draft_tokens_total\{[^}]*\} [1-9]", metrics)
-    finally:
-        server.stop()
+    assert meta["completion_tokens"] == 24 and meta["spec_verify_ct"] > 0
+    assert meta["spec_num_proposed_drafts"] > 0
+    assert info["avg_spec_accept_length"] >= 1.0
+    assert re.search(r"aioserve:spec_decode_num_draft_tokens_total\{[^}]*\} [1-9]", metrics)
 
 
 def test_flashinfer_fake_and_decode_graphs(tmp_path: Path) -> None:
@@ -385,22 +318,9 @@ def test_eagle3_on_cuda(tmp_path: Path, backend: str) -> None:
     model = build_checkpoint("llama", tmp_path / "llama", overrides={
         "hidden_size": 256, "num_attention_heads": 2, "num_key_value_heads": 1, "num_hidden_layers": 4})
     head = build_eagle3_head(tmp_path / "head", model, seed=7)
-    prompts = [hf_encode(model, t) for t in PROMPTS]
-    params = [_params("greedy")] * len(prompts)
     dtype = "float32" if backend == "torch_native" else "bfloat16"
     options = {"device": "cuda", "dtype": dtype, "attention_backend": backend, "page_size": 16}
-    llm = LLM(str(model), **options)
-    try:
-        plain = _tuples(llm.generate(prompts, params))
-    finally:
-        llm.close()
-    llm = LLM(str(model), debug_integrity=True, speculative_config=_eagle(head), **options)
-    try:
-        outs = _tuples(llm.generate(prompts, params))
-        stats = llm.scheduler.speculator.stats
-        llm.scheduler.check_integrity()
-    finally:
-        llm.close()
+    plain, outs, stats = plain_and_speculative(model, _eagle(head), options)
     assert stats.drafts > 0
     if dtype == "float32":
         assert same_outputs(outs, plain)
