@@ -208,3 +208,33 @@ def test_a_start_before_the_kernels_are_built_packs_once_they_are(tiny_checkpoin
     assert [o.token_ids for o in llm.generate(prompts, params)] == blas
     assert is_packed(head.weight) and head.matmul_choice.packed_features is not None
     llm.close()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_lora_add_rows_adds_each_rows_own_slot(dtype: torch.dtype) -> None:
+    """native/lora.cpp: every row gets (x A_s^T) B_s of its own slot s
+    (slot 0 nothing), whatever the mix: rows of one slot scattered among
+    others, a slot covering all rows, all base; y of the rows' own type."""
+    kernels = cpu_kernels()
+    torch.manual_seed(0)
+    slots, band, k, n = 4, 8, 96, 200
+    a = torch.randn(slots, band, k) * 0.1
+    b = torch.randn(slots, band, n) * 0.1
+    a[0], b[0] = 0, 0
+    packed_a = [kernels.pack_linear_weight(a[s].to(dtype).contiguous()) for s in range(slots)]
+    packed_b = [kernels.pack_linear_weight(b[s].T.to(dtype).contiguous()) for s in range(slots)]
+    pointers = kernels.LoraPointers(packed_a, packed_b, band, k, n)
+    for row_slots in ([1, 0, 3, 1, 2, 0, 3, 3, 1], [2] * 5, [0, 0, 0]):
+        x = torch.randn(len(row_slots), k).to(dtype)
+        y = torch.randn(len(row_slots), n).to(dtype)
+        expected = y.float().clone()
+        for row, slot in enumerate(row_slots):
+            wa, wb = a[slot].to(dtype).float(), b[slot].to(dtype).float()
+            h = (x[row].float() @ wa.T).to(dtype).float()  # the update's rank rows are rounded to the type too
+            expected[row] += (h @ wb).to(dtype).float()
+        kernels.lora_add_rows(x, y, torch.tensor(row_slots, dtype=torch.long), pointers)
+        tolerance = 1e-5 if dtype == torch.float32 else 2e-2
+        torch.testing.assert_close(y.float(), expected, atol=tolerance, rtol=tolerance)
+    with pytest.raises(RuntimeError, match="out of range"):
+        kernels.lora_add_rows(torch.zeros(1, k, dtype=dtype), torch.zeros(1, n, dtype=dtype),
+                              torch.tensor([slots], dtype=torch.long), pointers)
