@@ -111,10 +111,12 @@ class LoraSlots:
     # bound by the bytes it reads).
     packed_dtype: torch.dtype | None = None
 
-    def pack(self) -> bool:
-        """(Re)pack every slot for the native kernel, in place after the
-        first time (the native DecoderStack keeps their addresses); False
-        where there is none (a GPU, no build)."""
+    def pack(self, slots: list[int] | None = None) -> bool:
+        """Pack every slot for the native kernel the first time; later only
+        `slots` (None: all), in place (the native DecoderStack keeps their
+        addresses). A load repacks its own slot, not all of them: 16 loads
+        into 17 slots were 272 slot packs a layer. False where there is no
+        native kernel (a GPU, no build)."""
         kernels = cpu_kernels(wait=False) if self.a.device.type == "cpu" else None
         if kernels is None:
             return False
@@ -123,15 +125,16 @@ class LoraSlots:
         def pack(weight: torch.Tensor) -> torch.Tensor:
             return kernels.pack_linear_weight(weight.to(dtype).contiguous())
 
-        slots = range(self.a.shape[0])
-        packed = PackedSlots([pack(self.a[s]) for s in slots], [pack(self.b[s].T) for s in slots])
         if self.packed is None:
+            every = range(self.a.shape[0])
+            packed = PackedSlots([pack(self.a[s]) for s in every], [pack(self.b[s].T) for s in every])
             packed.native = kernels.LoraPointers(packed.a, packed.b, int(self.a.shape[1]), int(self.a.shape[2]),
                                                  int(self.b.shape[2]))
             self.packed = packed
-        else:
-            for mine, new in zip([*self.packed.a, *self.packed.b], [*packed.a, *packed.b]):
-                mine.copy_(new)
+            return True
+        for s in range(self.a.shape[0]) if slots is None else slots:
+            self.packed.a[s].copy_(pack(self.a[s]))
+            self.packed.b[s].copy_(pack(self.b[s].T))
         return True
 
     def _product(self, x: torch.Tensor, slot: int) -> torch.Tensor:

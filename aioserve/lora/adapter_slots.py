@@ -113,7 +113,7 @@ class AdapterSlots:
             self._copy_loads(loads)
         finally:
             if loads and self.packed:
-                self._pack()
+                self._pack([load.slot for load in loads])
 
     def _copy_loads(self, loads: list[AdapterLoad]) -> None:
         for load in loads:
@@ -138,12 +138,13 @@ class AdapterSlots:
             self.slot_adapter[load.slot] = load.adapter_id
             self.slot_loads += 1
 
-    def _pack(self) -> None:
-        """Pack the slots for the native matmul (again after loads); once the
-        kernels are built (a server may start before its background build lands)."""
+    def _pack(self, slots: list[int] | None = None) -> None:
+        """Pack the slots for the native matmul (`slots` again after loads,
+        None: all); once the kernels are built (a server may start before
+        its background build lands)."""
         if cpu_kernels(wait=False) is None:
             return
-        self.packed = all([layer.lora.pack() for layer in self.layers.values() if layer.lora is not None])
+        self.packed = all([layer.lora.pack(slots) for layer in self.layers.values() if layer.lora is not None])
 
     @contextmanager
     def routed(self, routing: LoraRouting | None) -> Iterator[None]:
