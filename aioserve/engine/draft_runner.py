@@ -57,9 +57,6 @@ class DraftRunner:
     def pool_bytes(self) -> int:
         return self.pool.buffer.numel() * self.pool.buffer.element_size()
 
-    def _upload(self, values: list[int]) -> torch.Tensor:
-        return upload(values, self.device)
-
     def propose(self, host_plan: BatchPlan, input_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The draft's proposals [D] (DraftBatch order) and a copy of
         `input_ids` (the step's, on the device) with them in the placeholders' rows."""
@@ -67,24 +64,21 @@ class DraftRunner:
         assert batch is not None
         proposals = torch.zeros(batch.num_tokens, dtype=torch.long, device=self.device)
         offsets = batch.offsets
-        starts = [int(host_plan.seq_lens[r]) - int(host_plan.extend_lens[r]) for r in batch.requests]
-        newest = input_ids[self._upload(batch.first_rows)]  # decode i's input: the newest token, then d_i
+        starts = newest_positions(host_plan, batch)
+        newest = input_ids[upload(batch.first_rows, self.device)]  # decode i's input: the newest token, then d_i
         for i in range(max(batch.lengths)):
             active = [j for j, length in enumerate(batch.lengths) if length > i]
             every = len(active) == len(batch.lengths)
-            chosen = None if every else self._upload(active)
+            chosen = None if every else upload(active, self.device)
             decode = decode_plan(host_plan, batch, active, starts, i)
             on_device = decode.to(self.device)
             meta = self.attention.prepare(on_device, decode)
             hidden = self.model(newest if chosen is None else newest[chosen], on_device.positions, meta)
             # Greedy: a top-1 chain, as vLLM's and SGLang's drafts by default.
             tokens = self.model.compute_logits(hidden).argmax(dim=-1)
-            proposals[self._upload([offsets[j] + i for j in active])] = tokens
+            proposals[upload([offsets[j] + i for j in active], self.device)] = tokens
             newest = tokens if chosen is None else newest.index_copy(0, chosen, tokens)
-        rows = [first + 1 + i for first, length in zip(batch.first_rows, batch.lengths) for i in range(length)]
-        filled = input_ids.clone()
-        filled[self._upload(rows)] = proposals
-        return proposals, filled
+        return proposals, with_proposals(batch, input_ids, proposals)
 
     def follow(self, plan: BatchPlan, host_plan: BatchPlan, input_ids: torch.Tensor) -> None:
         """Run the draft over the whole step, for its KV (its logits are not needed)."""
@@ -99,6 +93,20 @@ def upload(values: list[int], device: torch.device) -> torch.Tensor:
     if device.type != "cuda":
         return host
     return host.pin_memory().to(device, non_blocking=True)
+
+
+def newest_positions(host_plan: BatchPlan, batch: DraftBatch) -> list[int]:
+    """Each verification's first position: where its newest token sits."""
+    return [int(host_plan.seq_lens[r]) - int(host_plan.extend_lens[r]) for r in batch.requests]
+
+
+def with_proposals(batch: DraftBatch, input_ids: torch.Tensor, proposals: torch.Tensor) -> torch.Tensor:
+    """A copy of the step's `input_ids` with `proposals` (DraftBatch order)
+    in the placeholders' rows, the rows after each entry's newest token."""
+    rows = [first + 1 + i for first, length in zip(batch.first_rows, batch.lengths) for i in range(length)]
+    filled = input_ids.clone()
+    filled[upload(rows, input_ids.device)] = proposals
+    return filled
 
 
 def decode_plan(host_plan: BatchPlan, batch: DraftBatch, active: list[int], starts: list[int], i: int) -> BatchPlan:

@@ -120,6 +120,6 @@ def eagle3_bytes_per_page(config: Eagle3Config, page_size: int, kv_dtype: torch.
     a hidden state)."""
     layer = config.layer
     kv = KVPool.bytes_per_page(1, page_size, layer.num_kv_heads, layer.head_dim, kv_dtype)
-    per_slot = 8 + layer.hidden_size * torch.empty(0, dtype=dtype).element_size()
+    per_slot = 8 + layer.hidden_size * dtype.itemsize
     return kv + page_size * per_slot
 

@@ -43,7 +43,7 @@ import torch
 
 from aioserve.attention import AttentionShape, create_backend
 from aioserve.batch_plan import BatchPlan
-from aioserve.engine.draft_runner import decode_plan, upload
+from aioserve.engine.draft_runner import decode_plan, newest_positions, upload, with_proposals
 from aioserve.engine.eagle3_draft import LoadedEagle3
 from aioserve.kvcache.kv_pool import KVPool
 from aioserve.layers.embedding import VocabParallelEmbedding
@@ -84,7 +84,7 @@ class Eagle3Runner:
         assert batch is not None
         ps = self.page_size
         offsets = batch.offsets
-        starts = [int(host_plan.seq_lens[r]) - int(host_plan.extend_lens[r]) for r in batch.requests]
+        starts = newest_positions(host_plan, batch)
         before = [int(host_plan.page_table[r, (p - 1) // ps]) * ps + (p - 1) % ps
                   for r, p in zip(batch.requests, starts)]
         state = upload(before, self.device)
@@ -106,10 +106,7 @@ class Eagle3Runner:
                 tokens, hidden = drafted, prenorm
             else:
                 tokens, hidden = tokens.index_copy(0, chosen, drafted), hidden.index_copy(0, chosen, prenorm)
-        rows = [first + 1 + i for first, length in zip(batch.first_rows, batch.lengths) for i in range(length)]
-        filled = input_ids.clone()
-        filled[upload(rows, self.device)] = proposals
-        return proposals, filled
+        return proposals, with_proposals(batch, input_ids, proposals)
 
     def follow(self, plan: BatchPlan, host_plan: BatchPlan, aux: torch.Tensor, sampled: torch.Tensor) -> None:
         """The head over the whole step (`aux`: the target's three hidden

@@ -118,10 +118,9 @@ class Engine:
         # What every rank holds (gathered from all of them; equal on every rank).
         self.tp_layout = gather_layout(self)
         pool_mib = self.pool.buffer.numel() * self.pool.buffer.element_size() / 2**20
-        if self.draft is not None or self.eagle3 is not None:
-            runner = self.draft or self.eagle3
-            assert runner is not None
-            logger.info("draft's KV pool: the same %d pages (%.0f MiB)", self.num_pages, runner.pool_bytes / 2**20)
+        proposer = self.draft or self.eagle3
+        if proposer is not None:
+            logger.info("draft's KV pool: the same %d pages (%.0f MiB)", self.num_pages, proposer.pool_bytes / 2**20)
         logger.info("%s; KV pool: %d pages x %d = %d tokens (%.0f MiB)", describe(loaded), self.num_pages,
                     self.page_size, self.kv_capacity_tokens, pool_mib)
         if self.tp.size > 1 and self.tp.is_leader:
