@@ -139,7 +139,8 @@ install_wheels() {
 # FlashInfer looks for prebuilt modules (flashinfer/data/aot/<name>/<name>.so,
 # loaded with no build step), so the jit step finds them built. Only for the
 # same FlashInfer version and arch: a module's name does not encode either.
-KERNELS_TAR=.gpu_jit/flashinfer-kernels.tar.gz
+# Exported: the steps run these functions in a child `bash -c`, which sees only exports.
+export KERNELS_TAR=.gpu_jit/flashinfer-kernels.tar.gz
 install_kernels() {
     [ -f "$KERNELS_TAR" ] || { echo "no $KERNELS_TAR: every kernel is compiled here"; return 0; }
     local aot want have
@@ -173,9 +174,14 @@ harvest_kernels() {
 }
 
 unpack_models() {
-    local gz
+    local gz from
     for gz in .gpu_models/*/tokenizer.json.gz; do
         [ -f "${gz%.gz}" ] || gunzip -k "$gz" || return 1
+    done
+    # a variant's tokenizer is its base's (tools/gpu/prepare_models.py)
+    for from in .gpu_models/*/tokenizer.json.from; do
+        [ -f "$from" ] || continue
+        cp ".gpu_models/$(cat "$from")/tokenizer.json" "$(dirname "$from")/tokenizer.json" || return 1
     done
     du -sh .gpu_models/*
 }
@@ -292,6 +298,18 @@ phase_tests() {
         --budget 280 tests/test_greedy_matches_hf.py tests/test_batching_invariance.py \
         tests/test_plan_seam.py tests/test_sampler.py
     cp "$WORK/cuda-tests/summary.txt" "$OUT/tests/cuda-summary.txt" 2>/dev/null
+}
+
+# Named tests again (GPU_RETEST="tests/a.py::t tests/b.py"), each isolated, as the
+# proof runs them: a fix made on CPU after a proof call, checked with what is left of a lease.
+phase_retest() {
+    ensure_ready
+    mkdir -p "$OUT/tests"
+    # shellcheck disable=SC2086  # the variable is a list of test ids
+    step pytest-retest "$(left)" "$PY" tools/gpu/isolated_tests.py --out "$WORK/retest" --timeout 240 \
+        --budget "$(($(left) - 10))" ${GPU_RETEST:?GPU_RETEST names the tests}
+    cp "$WORK/retest/summary.txt" "$OUT/tests/retest-summary.txt" 2>/dev/null
+    cat "$WORK"/retest/rerun-*.log "$WORK"/retest/timeout-*.log > "$OUT/tests/retest-reruns.log" 2>/dev/null
 }
 
 # Issue 37's one call on a fresh machine: install, the JIT the tests need,
@@ -481,6 +499,7 @@ if [ "${GPU_CHECK_SOURCE_ONLY:-0}" = 1 ]; then return 0 2>/dev/null || exit 0; f
 case "$PHASE" in
     setup) run_phase setup setup phase_setup ;;
     tests) run_phase tests tests phase_tests ;;
+    retest) run_phase retest tests phase_retest ;;
     proof) run_phase proof proof phase_proof ;;
     figures) run_phase figures bench phase_figures ;;
     bench) run_phase bench bench phase_bench ;;
@@ -494,7 +513,7 @@ case "$PHASE" in
         run_phase bench-8b bench phase_bench_8b
         ;;
     *)
-        echo "usage: $0 setup|tests|bench|bench-8b|tests-families|bench-families|all" >&2
+        echo "usage: $0 setup|tests|retest|proof|figures|bench|bench-8b|tests-families|bench-families|all" >&2
         exit 2
         ;;
 esac

@@ -77,11 +77,13 @@ FAKE_FLASHINFER = {  # what install_kernels and harvest_kernels ask of FlashInfe
 
 
 def gpu_check_function(repo: Path, site: Path, work: Path, out: Path, call: str) -> subprocess.CompletedProcess:
-    """One of gpu_check.sh's step functions, run in `repo` with a fake FlashInfer in `site`."""
+    """One of gpu_check.sh's step functions, run in `repo` with a fake FlashInfer in `site`,
+    in a child `bash -c` as its steps run them: it sees only what the script exports
+    (an unexported variable once left every carried kernel unused on the GPU)."""
     env = {**os.environ, "GPU_CHECK_SOURCE_ONLY": "1", "GPU_CHECK_SITE": str(site), "GPU_CHECK_WORK": str(work),
            "OUT": str(out), "PYTHON": sys.executable}
     script = REPO / "benchmarks" / "gpu_check.sh"
-    return subprocess.run(["bash", "-c", f"source {script} && {call}"], cwd=repo, env=env,
+    return subprocess.run(["bash", "-c", f"source {script} && bash -c {call}"], cwd=repo, env=env,
                           capture_output=True, text=True)
 
 
@@ -128,3 +130,22 @@ def test_keep_kernels_refuses_what_no_harvest_wrote(tmp_path: Path) -> None:
         tar.add(__file__, arcname="x.so")
     with pytest.raises(ValueError, match="KERNELS_OF"):
         stage.keep_kernels(bogus, tmp_path / "repo")
+
+
+def test_a_variant_carries_no_tokenizer_copy_and_unpacks_its_bases(tmp_path: Path) -> None:
+    """prepare_models packs a variant's tokenizer as a pointer to its base;
+    unpack_models on the GPU machine gives every folder a whole tokenizer.json."""
+    import prepare_models
+
+    source = tmp_path / "tokenizer-source"
+    source.mkdir()
+    (source / "tokenizer.json").write_text('{"model": {"vocab": {"a": 0}}}' * 1000)
+    (source / "config.json").write_text('{"model_type": "qwen3"}')
+    repo = tmp_path / "repo"
+    base_size = prepare_models.pack_model(source, repo / ".gpu_models" / "base")
+    variant_size = prepare_models.pack_model(source, repo / ".gpu_models" / "variant", tokenizer_from="base")
+    assert variant_size < 100 < base_size
+    done = gpu_check_function(repo, tmp_path / "site", tmp_path / "work", tmp_path / "out", "unpack_models")
+    assert done.returncode == 0, done.stdout + done.stderr
+    for name in ("base", "variant"):
+        assert (repo / ".gpu_models" / name / "tokenizer.json").read_text() == (source / "tokenizer.json").read_text()

@@ -283,6 +283,10 @@ KEPT_CSRC_SOURCES: tuple[str, ...] = (
     # flashinfer.page (append_paged_kv_cache)
     "page.cu",
     "flashinfer_page_binding.cu",
+    # flashinfer.quantization.segment_packbits: the prefill wrapper's plan()
+    # packs a custom mask with it (Gemma 3's bidirectional image spans)
+    "quantization.cu",
+    "flashinfer_quantization_binding.cu",
 )
 
 PKG_PREFIX = "flashinfer/"
@@ -688,6 +692,9 @@ def record_jit_specs() -> list[Any]:
     from flashinfer import activation, decode, norm, page, prefill, rope, sampling
     from flashinfer.jit import core
 
+    # the module, not the function `flashinfer.quantization` re-exports under its name
+    packbits = importlib.import_module("flashinfer.quantization.packbits")
+
     def fake_build_and_load(self: Any) -> Any:
         return unittest.mock.MagicMock(name=self.name)
 
@@ -705,6 +712,7 @@ def record_jit_specs() -> list[Any]:
     rope.get_rope_module()
     activation.get_act_and_mul_module("silu")
     page.get_page_module()
+    packbits.get_quantization_module()
     return list(core.jit_spec_registry.get_all_specs().values())
 
 

@@ -4,8 +4,9 @@ repository root (run on the CPU machine, before the session).
 The GPU machine gets only the repository's working tree (64 MiB in all);
 `../shared` does not travel. The benchmarks there use dummy weights, so a
 model is its config.json plus its tokenizer files, with tokenizer.json
-gzipped (about a fifth of its size; `benchmarks/gpu_check.sh setup` unpacks
-it). stories260K needs no copy: the tests find it in the package
+gzipped (about a fifth of its size; `benchmarks/gpu_check.sh` unpacks
+it); a variant (a base's files with config.json changed) names its base's
+tokenizer instead of carrying a copy. stories260K needs no copy: the tests find it in the package
 (aioserve/demo_model, tests/conftest.py's STORIES).
 
     python tools/gpu/prepare_models.py            # then: du -sh .gpu_models
@@ -54,17 +55,26 @@ VARIANTS: dict[str, tuple[str, dict]] = {
 SMALL_FILES = ("config.json", "generation_config.json", "tokenizer_config.json", "special_tokens_map.json")
 
 
-def pack_model(source: Path, target: Path) -> int:
+# A variant's tokenizer.json is its base's: the folder names the base in this
+# file instead of carrying a second 2 MiB copy (gpu_check.sh's unpack_models copies it).
+TOKENIZER_FROM = "tokenizer.json.from"
+
+
+def pack_model(source: Path, target: Path, tokenizer_from: str | None = None) -> int:
     """Copy `source`'s config and tokenizer files into `target`, tokenizer.json
-    gzipped; returns the bytes written."""
+    gzipped (or, with `tokenizer_from`, named as that packed folder's);
+    returns the bytes written."""
     if target.exists():
         shutil.rmtree(target)
     target.mkdir(parents=True)
     for name in SMALL_FILES:
         if (source / name).is_file():
             shutil.copyfile(source / name, target / name)
-    with (source / "tokenizer.json").open("rb") as raw, gzip.open(target / "tokenizer.json.gz", "wb", 9) as packed:
-        shutil.copyfileobj(raw, packed)
+    if tokenizer_from is not None:
+        (target / TOKENIZER_FROM).write_text(tokenizer_from + "\n")
+    else:
+        with (source / "tokenizer.json").open("rb") as raw, gzip.open(target / "tokenizer.json.gz", "wb", 9) as packed:
+            shutil.copyfileobj(raw, packed)
     return sum(f.stat().st_size for f in target.iterdir())
 
 
@@ -81,7 +91,7 @@ def main() -> None:
         total += size
         print(f"{args.out / name}: {size / 2**20:.2f} MiB")
     for name, (base, changes) in VARIANTS.items():
-        size = pack_model(args.shared / "tokenizers" / MODELS[base], args.out / name)
+        size = pack_model(args.shared / "tokenizers" / MODELS[base], args.out / name, tokenizer_from=base)
         config = json.loads((args.out / name / "config.json").read_text())
         (args.out / name / "config.json").write_text(json.dumps({**config, **changes}, indent=2))
         total += size
