@@ -315,7 +315,7 @@ phase_retest() {
 # Issue 37's one call on a fresh machine: install, the JIT the tests need,
 # then every gpu-marked test, each isolated, failures rerun alone with
 # CUDA_LAUNCH_BLOCKING=1; the Qwen3-0.6B figures only if time is left.
-# (What has not passed on a GPU yet goes first: the 2026-11-27 run's two failures, fixed on CPU, and the draft model.)
+# (What has not passed on a GPU yet goes first: Gemma 3 with images, test_gpu_vision.py, failed 2026-11-27 on a trimmed-away source.)
 GPU_TEST_FILES=(tests/test_gpu.py tests/test_gpu_vision.py tests/test_speculative.py tests/test_speculative_draft.py
     tests/test_speculative_eagle3.py
     tests/test_gpu_fast_path.py tests/test_fp8_kv_cache.py tests/test_fp8_block_gemm.py tests/test_fp8_checkpoints.py
