@@ -10,14 +10,14 @@ as a draft token: N draft tokens are N - 1 proposed ones) or
 A draft model: vLLM's `{"method": "draft_model", "model": PATH,
 "num_speculative_tokens": k}` (or `{"model": PATH}` alone), SGLang's
 `--speculative-algorithm STANDALONE --speculative-draft-model-path PATH`.
-The draft runs inside the engine's step (engine/draft_runner.py); this
-version serves it at --tp 1 only, and the loader checks the draft shares
-the target's vocabulary.
+The draft runs inside the engine's step (engine/draft_runner.py), on every
+rank under tensor parallelism, sharded as the target is; the loader checks
+the draft shares the target's vocabulary.
 
 An EAGLE-3 head: vLLM's `{"method": "eagle3", "model": PATH,
 "num_speculative_tokens": k}`, SGLang's `--speculative-algorithm EAGLE3
 --speculative-draft-model-path PATH` (EAGLE too: the same heads). It runs
-inside the step as well (engine/eagle3_runner.py), at --tp 1.
+inside the step as well (engine/eagle3_runner.py), sharded likewise.
 
 It imports only config.py (the flags are EngineConfig fields, so the CLI
 offers them): the loader checks them at start and the scheduler reads them.
@@ -102,7 +102,7 @@ def resolve_speculative(config: EngineConfig) -> SpeculativeConfig | None:
     if config.speculative_config is not None and sglang:
         raise ConfigError("give --speculative-config (vLLM's) or --speculative-algorithm (SGLang's), not both")
     if config.speculative_config is not None:
-        return _for_parallelism(from_dict(dict(config.speculative_config)), config)
+        return from_dict(dict(config.speculative_config))
     if not sglang:
         if config.speculative_num_draft_tokens is not None or config.speculative_num_steps is not None:
             raise ConfigError("--speculative-num-draft-tokens and --speculative-num-steps need --speculative-algorithm")
@@ -119,16 +119,4 @@ def resolve_speculative(config: EngineConfig) -> SpeculativeConfig | None:
         spec["num_speculative_tokens"] = _positive("--speculative-num-draft-tokens", config.speculative_num_draft_tokens - 1)
     elif config.speculative_num_steps is not None:
         spec["num_speculative_tokens"] = config.speculative_num_steps
-    return _for_parallelism(from_dict(spec), config)
-
-
-def _for_parallelism(spec: SpeculativeConfig, config: EngineConfig) -> SpeculativeConfig:
-    """A draft model or head runs beside rank 0's target only: this version
-    has no sharded draft, so both are refused under tensor parallelism."""
-    if spec.method in WITH_MODEL and config.tp_size > 1:
-        what = "a draft model" if spec.method == "draft_model" else "an EAGLE-3 head"
-        raise ConfigError(
-            f"speculative decoding with {what} runs at --tp 1 only in this version of aioserve "
-            f"(got --tp {config.tp_size}); use the ngram method, or serve at --tp 1"
-        )
-    return spec
+    return from_dict(spec)

@@ -25,7 +25,7 @@ from hf_reference import hf_encode
 from test_speculative import TEXTS, _params, _run, same_outputs
 from test_speculative_draft import (
     _tuples, _varied, abort_mid_generation, equal_twice_with_prefix_hits, http_run_equals_plain,
-    plain_and_speculative, stops_and_preemptions_equal_plain,
+    plain_and_speculative, sharded_equals_single, stops_and_preemptions_equal_plain,
 )
 
 
@@ -209,6 +209,16 @@ def test_an_abort_mid_generation_gives_every_page_back(eagle_targets: dict[str, 
     abort_mid_generation(model, _eagle(head))
 
 
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+def test_tensor_parallel_shards_the_head_like_the_target(eagle_targets: dict[str, tuple[Path, Path]], arch: str) -> None:
+    """At --tp 2 the head's layer, its KV pool and its LM head over the draft
+    vocabulary are split over the ranks as the target's are, while each rank
+    keeps every slot's whole hidden state: the plain outputs, and what one
+    rank proposes; the default layers and a head naming its own, with d2t."""
+    model, head = eagle_targets[arch]
+    assert sharded_equals_single(model, _eagle(head)).draft_tokens > 0
+
+
 def test_the_flags_and_heads_that_do_not_fit(tmp_path: Path, eagle_targets: dict[str, tuple[Path, Path]]) -> None:
     sglang = resolve_speculative(EngineConfig(
         speculative_algorithm="EAGLE3", speculative_draft_model_path="h", speculative_num_draft_tokens=4))
@@ -217,7 +227,6 @@ def test_the_flags_and_heads_that_do_not_fit(tmp_path: Path, eagle_targets: dict
     assert eagle is not None and eagle.method == "eagle3"
     for bad, message in (
         ({"speculative_algorithm": "EAGLE3"}, "needs the EAGLE-3 head's checkpoint"),
-        ({"speculative_config": {"method": "eagle3", "model": "h"}, "tp_size": 2}, "--tp 1 only"),
     ):
         with pytest.raises(ConfigError, match=message):
             resolve_speculative(EngineConfig(**bad))
@@ -252,6 +261,10 @@ def test_the_flags_and_heads_that_do_not_fit(tmp_path: Path, eagle_targets: dict
     for target, head, message in cases:
         with pytest.raises(ConfigError, match=message):
             LLM(str(target), page_size=4, speculative_config=_eagle(head))
+    # Under tensor parallelism the head's heads must split as the target's do: refused before any rank starts.
+    odd = edited(llama_head, "odd-heads", {"num_attention_heads": 3, "num_key_value_heads": 1})
+    with pytest.raises(ConfigError, match="the EAGLE-3 head's 3 attention heads do not divide over 2 ranks"):
+        LLM(str(llama), page_size=4, tp=2, speculative_config=_eagle(odd))
 
 
 def test_over_http_with_sglangs_flags(eagle_targets: dict[str, tuple[Path, Path]]) -> None:

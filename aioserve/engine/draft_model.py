@@ -64,6 +64,6 @@ def load_draft(
     return LoadedDraft(path, model_config, model)
 
 
-def draft_bytes_per_page(draft: ModelConfig, page_size: int, kv_dtype: torch.dtype) -> int:
-    """What one page of the draft's KV pool takes (the same pages as the target's)."""
-    return KVPool.bytes_per_page(draft.num_layers, page_size, draft.num_kv_heads, draft.head_dim, kv_dtype)
+def draft_bytes_per_page(draft: ModelConfig, page_size: int, kv_dtype: torch.dtype, tp_size: int = 1) -> int:
+    """What one page of the draft's KV pool takes on a rank (the same pages as the target's)."""
+    return KVPool.bytes_per_page(draft.num_layers, page_size, draft.kv_heads_per_rank(tp_size), draft.head_dim, kv_dtype)

@@ -41,14 +41,17 @@ logger = logging.getLogger(__name__)
 class DraftRunner:
     def __init__(
         self, draft: LoadedDraft, num_pages: int, page_size: int, kv_dtype: torch.dtype, q_dtype: torch.dtype,
-        attention_backend: str, device: torch.device,
+        attention_backend: str, device: torch.device, tp_size: int = 1,
     ) -> None:
         mc = draft.model_config
         self.model = draft.model
         self.device = device
-        self.pool = KVPool(mc.num_layers, num_pages, page_size, mc.num_kv_heads, mc.head_dim, kv_dtype, device)
+        # Under tensor parallelism the draft is sharded like the target (its
+        # layers read the same group): each rank holds its share of the heads.
+        kv_heads = mc.kv_heads_per_rank(tp_size)
+        self.pool = KVPool(mc.num_layers, num_pages, page_size, kv_heads, mc.head_dim, kv_dtype, device)
         shape = AttentionShape(
-            num_qo_heads=mc.num_heads, num_kv_heads=mc.num_kv_heads, head_dim=mc.head_dim,
+            num_qo_heads=mc.num_heads // tp_size, num_kv_heads=kv_heads, head_dim=mc.head_dim,
             sliding_windows=tuple(mc.sliding_windows), q_dtype=q_dtype, sm_scale=mc.attention_scale,
         )
         self.attention = create_backend(attention_backend, self.pool, shape)

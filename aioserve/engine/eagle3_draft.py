@@ -115,11 +115,14 @@ def load_eagle3(
     return LoadedEagle3(path, eagle, head, layers)
 
 
-def eagle3_bytes_per_page(config: Eagle3Config, page_size: int, kv_dtype: torch.dtype, dtype: torch.dtype) -> int:
-    """One page of the head's KV pool and of its per-slot state (a token id,
-    a hidden state)."""
+def eagle3_bytes_per_page(
+    config: Eagle3Config, page_size: int, kv_dtype: torch.dtype, dtype: torch.dtype, tp_size: int = 1
+) -> int:
+    """One page of the head's KV pool on a rank (its share of the KV heads)
+    and of its per-slot state (a token id, a whole hidden state: every rank
+    holds it)."""
     layer = config.layer
-    kv = KVPool.bytes_per_page(1, page_size, layer.num_kv_heads, layer.head_dim, kv_dtype)
+    kv = KVPool.bytes_per_page(1, page_size, layer.kv_heads_per_rank(tp_size), layer.head_dim, kv_dtype)
     per_slot = 8 + layer.hidden_size * dtype.itemsize
     return kv + page_size * per_slot
 

@@ -32,7 +32,8 @@ prefix's last position paired it with the token that followed it when it
 was computed, which may differ for the new request: only the proposals'
 quality can suffer, never the output (the target verifies every token).
 
-The head runs eagerly (no CUDA graph) in this version, at --tp 1.
+The head runs eagerly (no CUDA graph) in this version; under tensor
+parallelism its layer is sharded like the target's.
 """
 
 from __future__ import annotations
@@ -55,6 +56,7 @@ class Eagle3Runner:
     def __init__(
         self, loaded: LoadedEagle3, embed: VocabParallelEmbedding, num_pages: int, page_size: int,
         kv_dtype: torch.dtype, dtype: torch.dtype, attention_backend: str, device: torch.device,
+        tp_size: int = 1,
     ) -> None:
         layer = loaded.config.layer
         self.head = loaded.head
@@ -62,9 +64,12 @@ class Eagle3Runner:
         self.aux_layers = loaded.aux_layers
         self.page_size = page_size
         self.device = device
-        self.pool = KVPool(1, num_pages, page_size, layer.num_kv_heads, layer.head_dim, kv_dtype, device)
+        # Under tensor parallelism the head's layer is split like the target's
+        # (its parallel linears read the same group): this rank's KV heads.
+        kv_heads = layer.kv_heads_per_rank(tp_size)
+        self.pool = KVPool(1, num_pages, page_size, kv_heads, layer.head_dim, kv_dtype, device)
         self.attention_shape = AttentionShape(
-            num_qo_heads=layer.num_heads, num_kv_heads=layer.num_kv_heads, head_dim=layer.head_dim,
+            num_qo_heads=layer.num_heads // tp_size, num_kv_heads=kv_heads, head_dim=layer.head_dim,
             sliding_windows=(None,), q_dtype=dtype, sm_scale=layer.attention_scale,
         )
         self.attention = create_backend(attention_backend, self.pool, self.attention_shape)

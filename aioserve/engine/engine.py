@@ -77,12 +77,13 @@ class Engine:
         self.draft: DraftRunner | None = None
         if loaded.draft is not None:
             self.draft = DraftRunner(loaded.draft, self.num_pages, self.page_size, self.kv_dtype, self.dtype,
-                                     config.attention_backend, self.device)
+                                     config.attention_backend, self.device, self.tp.size)
         # Or an EAGLE-3 head: the target's forward also returns the three hidden states it reads.
         self.eagle3: Eagle3Runner | None = None
         if loaded.eagle3 is not None:
             self.eagle3 = Eagle3Runner(loaded.eagle3, self.model.embed_tokens, self.num_pages, self.page_size,
-                                       self.kv_dtype, self.dtype, config.attention_backend, self.device)
+                                       self.kv_dtype, self.dtype, config.attention_backend, self.device,
+                                       self.tp.size)
         # LoRA adapters: every adaptable layer's slots (lora/adapter_slots.py).
         lora = resolve_lora(config)
         self.lora: AdapterSlots | None = None

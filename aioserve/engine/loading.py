@@ -135,9 +135,11 @@ def pool_pages(config: EngineConfig, loaded: LoadedModel, tp_size: int) -> int:
     if loaded.draft is not None:
         # The draft's pool has as many pages as the target's (the same page
         # ids): each page of the budget pays for both.
-        page_bytes += draft_bytes_per_page(loaded.draft.model_config, config.page_size, loaded.kv_dtype)
+        page_bytes += draft_bytes_per_page(loaded.draft.model_config, config.page_size, loaded.kv_dtype, tp_size)
     if loaded.eagle3 is not None:  # likewise the head's pool and its per-slot state
-        page_bytes += eagle3_bytes_per_page(loaded.eagle3.config, config.page_size, loaded.kv_dtype, loaded.dtype)
+        page_bytes += eagle3_bytes_per_page(
+            loaded.eagle3.config, config.page_size, loaded.kv_dtype, loaded.dtype, tp_size
+        )
     if loaded.device.type == "cuda":
         free, total = torch.cuda.mem_get_info(loaded.device)
         budget = kv_budget_bytes(total, free, config.mem_fraction_static)

@@ -22,8 +22,10 @@ import torch
 from aioserve.config import ConfigError, EngineConfig
 from aioserve.tp.distributed import destroy_tensor_parallel, init_tensor_parallel
 from aioserve.engine.loading import resolve_device
+from aioserve.models.eagle3 import Eagle3Config
 from aioserve.models.model_config import ModelConfig
 from aioserve.models.source import resolve_model_path
+from aioserve.speculative_config import resolve_speculative
 from aioserve.tp.channel import PlanChannel
 from aioserve.tp.lifeline import LeaderLifeline
 from aioserve.launch.world import (
@@ -60,12 +62,29 @@ FailureHandler = Callable[[str], None]
 
 
 def check_heads_split(config: EngineConfig) -> None:
-    """The model's attention heads divide over --tp: refused here, before any
-    rank starts, not by every rank's layers once they load."""
-    heads = ModelConfig.from_path(resolve_model_path(config.model, config.revision)).num_heads
-    if heads % config.tp_size:
-        raise ConfigError(f"--tp {config.tp_size}: the model's {heads} attention heads do not divide over "
-                          f"{config.tp_size} ranks")
+    """The model's attention heads divide over --tp, and a draft model's or
+    an EAGLE-3 head's (sharded like the target): refused here, before any rank starts, not by
+    every rank's layers once they load."""
+    models = {"the model": ModelConfig.from_path(resolve_model_path(config.model, config.revision))}
+    speculative = resolve_speculative(config)
+    if speculative is not None and speculative.draft_model is not None:
+        path = resolve_model_path(speculative.draft_model, None)
+        if speculative.method == "eagle3":
+            try:
+                models["the EAGLE-3 head"] = Eagle3Config.from_path(path).layer
+            except ValueError as exc:  # not a head: the loader says so with its reason
+                logger.debug("no head split to check: %s", exc)
+        else:
+            models["the draft model"] = ModelConfig.from_path(path)
+    for what, model_config in models.items():
+        heads = model_config.num_heads
+        if heads % config.tp_size:
+            raise ConfigError(f"--tp {config.tp_size}: {what}'s {heads} attention heads do not divide over "
+                              f"{config.tp_size} ranks")
+        try:
+            model_config.kv_heads_per_rank(config.tp_size)
+        except ValueError as exc:
+            raise ConfigError(f"--tp {config.tp_size}: {what}'s KV heads: {exc}") from exc
 
 
 class TPLeader:
