@@ -166,6 +166,12 @@ class EngineConfig:
         '"normalize": true}\' (pooling_type LAST | MEAN | CLS); implies --runner pooling',
     )
 
+    cpu_matmul: str = option(
+        "auto", group="model", choices=("auto", "native", "onednn", "blas"),
+        help="how CPU weights are multiplied: native (packed once for aioserve's kernels), onednn (reordered once "
+        "into oneDNN's layout, its inner product: where AMX tiles are), blas (torch's matmul, forms timed per "
+        "shape); auto: oneDNN for half math on AMX, else native",
+    )
     cpu_matmul_tuning: bool = option(
         True, group="model",
         help="on CPU, time each weight shape's matmul forms and storage orders at load and use the fastest "

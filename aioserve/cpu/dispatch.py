@@ -2,8 +2,8 @@
 
 The CPU code chooses among several paths by what the machine has: the math's
 dtype (half where the CPU has half-precision matrix units, float32
-elsewhere), the matmul (the native packed kernel, or BLAS/oneDNN with a form
-timed per shape), the decode step (one native DecoderStack call, or the
+elsewhere), the matmul (the native packed kernel, oneDNN's inner product on
+weights reordered once (AMX), or BLAS/oneDNN with a form timed per shape), the decode step (one native DecoderStack call, or the
 modules) and the greedy screen's copy of a float32 LM head (bfloat16 where
 the kernels dot bf16 pairs, float16 elsewhere). `choose_cpu_dispatch` makes
 all four from the CPU's flags and the options alone, so every machine's
@@ -54,10 +54,13 @@ class CpuDispatch:
     decode_reason: str
     screen_dtype: torch.dtype | None  # the greedy screen's LM-head copy; None: no screen
     screen_reason: str
+    # Weights reordered once into oneDNN's blocked layout (cpu/onednn_weights.py),
+    # multiplied by its inner product: no per-call reorder (AMX tiles want one).
+    onednn_weights: bool = False
 
     def lines(self) -> list[str]:
         """One log line per choice."""
-        matmul = "native packed" if self.packed_matmul else "BLAS/oneDNN"
+        matmul = "native packed" if self.packed_matmul else "oneDNN prepacked" if self.onednn_weights else "BLAS/oneDNN"
         decode = "native DecoderStack" if self.native_decode else "modules"
         screen = _name(self.screen_dtype) + " copy" if self.screen_dtype else "off"
         return [
@@ -97,17 +100,27 @@ def choose_cpu_dispatch(
     matmul_tuning: bool = True,
     decode_graphs: bool = True,
     tp_size: int = 1,
+    matmul: str = "auto",
 ) -> CpuDispatch:
     """The CPU paths for weights of `weight_dtype` on a CPU with `flags`.
     `native_kernels`: the native kernels are allowed (AIOSERVE_NATIVE; built
     or building); `decode_graphs`: captured decode steps are allowed
-    (--disable-cuda-graph turns them off on every device)."""
+    (--disable-cuda-graph turns them off on every device); `matmul`
+    (--cpu-matmul): auto (the family's), native, onednn or blas."""
     math, math_reason = choose_math_dtype(flags, weight_dtype, cpu_half_compute)
     blas = "forms timed per weight shape at load" if matmul_tuning else "one fixed form (--disable-cpu-matmul-tuning)"
-    if not native_kernels:
+    onednn = False
+    if matmul == "blas":
+        packed, matmul_reason = False, f"BLAS asked for (--cpu-matmul blas); {blas}"
+    elif matmul == "onednn":
+        packed, onednn = False, True
+        matmul_reason = "oneDNN asked for (--cpu-matmul onednn): weights reordered once into its layout"
+    elif not native_kernels:
         packed, matmul_reason = False, f"the native kernels are off (AIOSERVE_NATIVE=0); {blas}"
-    elif math != torch.float32 and AMX_HALF & flags:
-        packed, matmul_reason = False, f"half math on AMX tiles: oneDNN's kernels beat the packed ones; {blas}"
+    elif matmul == "auto" and math != torch.float32 and AMX_HALF & flags:
+        packed, onednn = False, True
+        matmul_reason = ("half math on AMX tiles: oneDNN's kernels beat the packed ones, its weights reordered "
+                         "once at load into the tiles' layout (not at every call)")
     else:
         packed, matmul_reason = True, "weights packed once in column blocks, read at the checkpoint's width"
     if not packed:
@@ -120,7 +133,8 @@ def choose_cpu_dispatch(
         native_decode, decode_reason = True, "one native call per decode-only step, where the model's layers allow it"
     screen, screen_reason = _choose_screen(flags, weight_dtype, packed, tp_size)
     return CpuDispatch(
-        math, math_reason, packed, matmul_reason, matmul_tuning, native_decode, decode_reason, screen, screen_reason
+        math, math_reason, packed, matmul_reason, matmul_tuning, native_decode, decode_reason, screen, screen_reason,
+        onednn,
     )
 
 

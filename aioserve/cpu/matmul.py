@@ -78,6 +78,7 @@ class MatmulChoice:
     column_major: bool  # store W^T contiguous (W itself is then a transposed view)
     forms: dict[int, str] = field(default_factory=dict)  # row bucket -> form name
     packed_features: int | None = None  # packed for the native kernel: W's true row count
+    onednn_weight: torch.Tensor | None = None  # W reordered once for oneDNN (cpu/onednn_weights.py)
 
     def form_for(self, rows: int) -> str | None:
         if rows > MAX_TUNED_ROWS:
@@ -115,6 +116,8 @@ def cpu_matmul(
         kernels = cpu_kernels()
         assert kernels is not None  # a weight is packed only once the kernels are built
         return kernels.packed_linear(x, weight, bias, choice.packed_features, float_out, out)
+    if choice is not None and choice.onednn_weight is not None:
+        return torch.ops.mkldnn._linear_pointwise(x.contiguous(), choice.onednn_weight, bias, "none", [], "")
     out = _unpacked_matmul(x, weight, choice)
     return out + bias if bias is not None else out
 

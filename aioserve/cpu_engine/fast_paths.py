@@ -1,6 +1,7 @@
 """The CPU's fast paths, behind one object: the native packed matmul's
-weights, the decode-only step as one native DecoderStack call, and the
-greedy screen over the LM head.
+weights (or, for half math on AMX, weights reordered once for oneDNN), the
+decode-only step as one native DecoderStack call, and the greedy screen
+over the LM head.
 
 Which of them apply on this CPU is decided once, with the reasons, in
 cpu/dispatch.py; the model's own limits are checked here. All three need
@@ -17,6 +18,7 @@ import logging
 from typing import cast
 
 import torch
+from torch import nn
 
 from aioserve.cpu.dispatch import CpuDispatch
 from aioserve.cpu_engine.greedy_screen import GreedyScreen
@@ -26,6 +28,7 @@ from aioserve.layers.moe import FusedMoE
 from aioserve.models.causal_lm import CausalLM
 from aioserve.cpu.matmul import MatmulModule, pack_cpu_weights, tune_cpu_matmuls
 from aioserve.cpu.native import cpu_kernels
+from aioserve.cpu.onednn_weights import pack_for_onednn, shared_parameters
 
 logger = logging.getLogger(__name__)
 
@@ -49,11 +52,16 @@ class CpuFastPaths:
         if dispatch.packed_matmul and pack_cpu_weights(matmuls, weight_dtype):
             self._pack_experts()
         else:
-            for module in matmuls:  # BLAS multiplies at the math's width
+            for module in matmuls:  # BLAS and oneDNN multiply at the math's width
                 module.weight.data = module.weight.data.to(self.dtype)
+            refused = None
+            if dispatch.onednn_weights:
+                refused = pack_for_onednn(matmuls, shared_parameters(cast(nn.Module, model), matmuls))
+            if refused is not None:
+                logger.warning("CPU path: oneDNN's weight layout refused, BLAS forms instead: %s", refused)
             if dispatch.packed_matmul:  # the kernels are building: packed once they are in
                 self._unpacked = matmuls
-            if dispatch.blas_tuning:
+            if dispatch.blas_tuning and (not dispatch.onednn_weights or refused is not None):
                 tune_cpu_matmuls(matmuls)
         self._start_native_paths()
 

@@ -115,7 +115,7 @@ def cpu_dispatch(config: EngineConfig, weight_dtype: torch.dtype, tp_size: int) 
     dispatch = choose_cpu_dispatch(
         cpu_flags(), weight_dtype, cpu_half_compute=config.cpu_half_compute,
         native_kernels=native_kernels_enabled(), matmul_tuning=config.cpu_matmul_tuning,
-        decode_graphs=config.cuda_graph, tp_size=tp_size,
+        decode_graphs=config.cuda_graph, tp_size=tp_size, matmul=config.cpu_matmul,
     )
     for line in dispatch.lines():
         logger.info("CPU path: %s", line)
