@@ -345,6 +345,7 @@ phase_figures() {
     offline qwen3-graphs-overlap "$QWEN"
     roofline qwen3-graphs "$QWEN"
     step serving-qwen3 240 bash -c serving_run
+    speculative qwen3 "$QWEN"
     mkdir -p "$OUT/tests"
     step pytest-cuda $(($(left) - 20)) "$PY" tools/gpu/isolated_tests.py --out "$WORK/cuda-tests" --timeout 200 \
         --budget $(($(left) - 40)) tests/test_greedy_matches_hf.py tests/test_batching_invariance.py \
@@ -366,6 +367,15 @@ roofline() {  # roofline NAME MODEL [extra options]
     shift 2
     step "roofline-$name" 240 "$PY" benchmarks/roofline.py --model "$model" "${ROOF_ARGS[@]}" "$@" \
         --json "$RESULTS/roofline-$name.json"
+}
+
+# Speculative decoding at batch 1 (issue 40): plain, ngram, the oracle's
+# ceiling and floor, the target as its own draft and a 1-layer random draft.
+speculative() {  # speculative NAME MODEL
+    local name="$1" model="$2"
+    step "speculative-$name" 150 "$PY" benchmarks/speculative.py --model "$model" --load-format dummy \
+        --dtype bfloat16 --concurrency 1 --tokens 128 --repeats 2 --draft-models --cuda-graph-max-bs 8 \
+        --json "$RESULTS/speculative-$name.json"
 }
 
 # What users see: the server over HTTP (Qwen3-0.6B-shaped dummy, defaults:
@@ -474,6 +484,12 @@ for name, rows in runs.items():
             lines.append(f"| {name[9:]} | {r['batch']} | {r['bound_ms']:.2f} | {r['measured_ms']:.2f} | {fmt(host)} "
                          f"| {fmt(gpu)} | {below} | {r['of_bound']:.2f} | {r['batch'] / r['measured_ms'] * 1e3:.0f} "
                          f"| {r['batch'] / r['bound_ms'] * 1e3:.0f} |")
+lines += ["", "## Speculative decoding at batch 1 (greedy, 128 tokens; outputs equal to plain)", "",
+          "| run | method | tok/s | vs plain | acceptance length |", "|---|---|---|---|---|"]
+for name, rows in runs.items():
+    if name.startswith("speculative-"):
+        for r in rows:
+            lines.append(f"| {name[12:]} | {r['method']} | {r['tok_s']:.0f} | {r['vs_plain']:.2f}x | {r['acceptance']:.2f} |")
 lines += ["", "## Serving over HTTP (streamed completions, 256 in / 256 out; benchmarks/serving.py's tables)", ""]
 for name, r in runs.items():
     if name.startswith("serving-"):

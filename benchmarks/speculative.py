@@ -16,6 +16,8 @@ outputs are checked equal to the plain run's on every repeat.
     python benchmarks/speculative.py                         # demo model, concurrency 1 4 16
     python benchmarks/speculative.py --tokens 64 --k 4 --png spec.png
     python benchmarks/speculative.py --draft-models          # and the draft_model method
+    python benchmarks/speculative.py --model .gpu_models/qwen3 --load-format dummy --dtype bfloat16 \
+        --concurrency 1 --draft-models --json spec.json       # a GPU's figure (gpu_check.sh figures)
 """
 
 from __future__ import annotations
@@ -95,6 +97,15 @@ def random_draft(target: str, folder: Path) -> Path:
     return folder
 
 
+def engine_options(args: argparse.Namespace) -> dict:
+    """What every engine of the run is given (a GPU run: dummy bf16 weights)."""
+    options: dict = {"num_threads": args.threads, "load_format": args.load_format, "dtype": args.dtype,
+                     "device": args.device}
+    if args.cuda_graph_max_bs is not None:
+        options["cuda_graph_max_bs"] = args.cuda_graph_max_bs
+    return options
+
+
 def draft_engines(args: argparse.Namespace, folder: Path) -> dict[str, LLM]:
     """The draft_model method's engines, by row name (none without --draft-models)."""
     if not args.draft_models:
@@ -102,7 +113,7 @@ def draft_engines(args: argparse.Namespace, folder: Path) -> dict[str, LLM]:
     drafts = {"draft = target": str(resolve_model_path(args.model)),
               "draft 1-layer random": str(random_draft(args.model, folder))}
     return {
-        name: LLM(args.model, num_threads=args.threads, speculative_config={
+        name: LLM(args.model, **engine_options(args), speculative_config={
             "method": "draft_model", "model": path, "num_speculative_tokens": args.k,
             "disable_by_batch_size": args.disable_by_batch_size})
         for name, path in drafts.items()
@@ -118,8 +129,8 @@ def run_once(llm: LLM, prompts: list[list[int]], params: SamplingParams) -> tupl
 def measure(args: argparse.Namespace) -> list[Row]:
     spec = {"method": "ngram", "num_speculative_tokens": args.k, "prompt_lookup_max": args.lookup_max,
             "prompt_lookup_min": args.lookup_min, "disable_by_batch_size": args.disable_by_batch_size}
-    plain = LLM(args.model, num_threads=args.threads)
-    fast = LLM(args.model, num_threads=args.threads, speculative_config=spec)
+    plain = LLM(args.model, **engine_options(args))
+    fast = LLM(args.model, **engine_options(args), speculative_config=spec)
     folder = tempfile.TemporaryDirectory(prefix="aioserve-draft-")
     drafted = draft_engines(args, Path(folder.name))
     params = SamplingParams(max_tokens=args.tokens, temperature=0, ignore_eos=True)
@@ -199,13 +210,25 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=None)
     parser.add_argument("--draft-models", action="store_true",
                         help="also the draft_model method: the target as its own draft, and a 1-layer random draft")
+    parser.add_argument("--load-format", default="auto", choices=("auto", "safetensors", "dummy"),
+                        help="dummy: random weights of the config's shapes (a GPU run carries no weights)")
+    parser.add_argument("--dtype", default="auto")
+    parser.add_argument("--device", default="auto")
+    parser.add_argument("--cuda-graph-max-bs", type=int, default=None, help="fewer graphs to capture per engine")
     parser.add_argument("--png", help="also write a plot here")
+    parser.add_argument("--json", help="also write the rows here")
     args = parser.parse_args()
     logging.basicConfig(level=logging.WARNING)
     rows = measure(args)
     print_table(rows)
     if args.png:
         write_plot(rows, args.png)
+    if args.json:
+        plain = {r.concurrency: r.tok_s for r in rows if r.method == "plain"}
+        Path(args.json).write_text(json.dumps([
+            {"model": args.model, "method": r.method, "concurrency": r.concurrency, "tok_s": r.tok_s,
+             "vs_plain": r.tok_s / plain[r.concurrency], "acceptance": r.acceptance} for r in rows
+        ], indent=1))
 
 
 if __name__ == "__main__":
