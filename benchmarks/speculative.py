@@ -9,8 +9,9 @@ target would give) and one that proposes wrong tokens (the floor: the cost
 of verifying k + 1 positions for one token). With --draft-models, the
 draft_model method too: the target as its own draft (the ceiling with a
 draft's cost: every proposal stands, and the draft runs the whole model
-k + 1 times a step) and a one-layer random-weight draft of the target's
-vocabulary (the floor: a cheap draft that is almost always wrong). Greedy
+k + 1 times a step), a one-layer random-weight draft of the target's
+vocabulary (the floor: a cheap draft that is almost always wrong), and a
+random EAGLE-3 head (the eagle3 method's floor: its cost, nothing gained). Greedy
 outputs are checked equal to the plain run's on every repeat.
 
     python benchmarks/speculative.py                         # demo model, concurrency 1 4 16
@@ -26,6 +27,7 @@ import argparse
 import json
 import logging
 import statistics
+import sys
 import tempfile
 import time
 from dataclasses import dataclass, field
@@ -33,11 +35,14 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from aioserve import LLM, SamplingParams
-from aioserve.models.source import resolve_model_path
-from aioserve.scheduler.request import Request
-from aioserve.scheduler.speculation import SpeculationStats
-from aioserve.speculative_config import DEFAULT_DISABLE_BY_BATCH_SIZE, DEFAULT_LOOKUP_MAX, DEFAULT_LOOKUP_MIN
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))  # the tests' EAGLE-3 head writer
+from tiny_models import build_eagle3_head  # noqa: E402
+
+from aioserve import LLM, SamplingParams  # noqa: E402
+from aioserve.models.source import resolve_model_path  # noqa: E402
+from aioserve.scheduler.request import Request  # noqa: E402
+from aioserve.scheduler.speculation import SpeculationStats  # noqa: E402
+from aioserve.speculative_config import DEFAULT_DISABLE_BY_BATCH_SIZE, DEFAULT_LOOKUP_MAX, DEFAULT_LOOKUP_MIN  # noqa: E402
 
 logger = logging.getLogger("benchmarks.speculative")
 
@@ -110,13 +115,15 @@ def draft_engines(args: argparse.Namespace, folder: Path) -> dict[str, LLM]:
     """The draft_model method's engines, by row name (none without --draft-models)."""
     if not args.draft_models:
         return {}
-    drafts = {"draft = target": str(resolve_model_path(args.model)),
-              "draft 1-layer random": str(random_draft(args.model, folder))}
+    target = resolve_model_path(args.model)
+    drafts = {"draft = target": ("draft_model", str(target)),
+              "draft 1-layer random": ("draft_model", str(random_draft(args.model, folder / "draft"))),
+              "eagle3 random head": ("eagle3", str(build_eagle3_head(folder / "eagle3", target, seed=0)))}
     return {
         name: LLM(args.model, **engine_options(args), speculative_config={
-            "method": "draft_model", "model": path, "num_speculative_tokens": args.k,
+            "method": method, "model": path, "num_speculative_tokens": args.k,
             "disable_by_batch_size": args.disable_by_batch_size})
-        for name, path in drafts.items()
+        for name, (method, path) in drafts.items()
     }
 
 
@@ -209,7 +216,8 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--threads", type=int, default=None)
     parser.add_argument("--draft-models", action="store_true",
-                        help="also the draft_model method: the target as its own draft, and a 1-layer random draft")
+                        help="also the draft_model method (the target as its own draft, a 1-layer random draft) and the "
+                        "eagle3 method (a random head)")
     parser.add_argument("--load-format", default="auto", choices=("auto", "safetensors", "dummy"),
                         help="dummy: random weights of the config's shapes (a GPU run carries no weights)")
     parser.add_argument("--dtype", default="auto")
