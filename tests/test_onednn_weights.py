@@ -1,10 +1,12 @@
-"""Weights reordered once for oneDNN (cpu/onednn_weights.py; --cpu-matmul
-onednn, the default for half math on AMX): forced on any CPU, float32 greedy
-equals transformers through the reordered weights (a tied embedding keeps
-its plain copy beside the head's reordered one); half weights take the path
-where oneDNN can reorder them here (AMX and AVX-512 machines) and otherwise
-fall back to BLAS forms, logged, with the same tokens; a layout whose
-products disagree with torch's is refused before any weight changes."""
+"""Weights reordered once for oneDNN (cpu/onednn_weights.py): forced
+(--cpu-matmul onednn) on any CPU, float32 greedy equals transformers through
+the reordered weights (a tied embedding keeps its plain copy beside the
+head's reordered one); half weights take the path where oneDNN can reorder
+them here (AMX and AVX-512 machines) and otherwise fall back to BLAS forms,
+logged, with the same tokens; timed beside the BLAS forms (the default for
+half math on AMX), the layout is kept for the weight shapes it wins; a
+layout whose products disagree with torch's is refused before any weight
+changes."""
 
 from __future__ import annotations
 
@@ -43,7 +45,7 @@ def test_float32_through_reordered_weights_equals_transformers(
     path = tiny_checkpoints[arch]
     llm = LLM(str(path), page_size=4, device="cpu", cpu_matmul="onednn")
     try:
-        assert llm.engine.cpu_dispatch.onednn_weights and not llm.engine.cpu_dispatch.packed_matmul
+        assert llm.engine.cpu_dispatch.onednn == "always" and not llm.engine.cpu_dispatch.packed_matmul
         for module in _linears(llm):  # each projection reads its reordered weight; no plain copy is left
             assert module.matmul_choice is not None and module.matmul_choice.onednn_weight is module.weight
             assert module.weight.is_mkldnn and "weight" not in module._parameters
@@ -117,24 +119,76 @@ def test_a_layout_that_disagrees_with_torch_is_refused_whole(
         llm.close()
 
 
+def test_timed_beside_blas_the_layout_is_kept_where_it_wins(
+    tiny_checkpoints: dict[str, Path], monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """The dispatch AMX's half math gets ("timed"), here in float32: the
+    tuner times oneDNN's layout beside the BLAS forms per weight shape; made
+    to win for the LM head's shape only, the head multiplies a reordered
+    weight, the projections keep their BLAS forms and plain weights, and
+    greedy equals transformers."""
+    import dataclasses
+
+    import aioserve.cpu.matmul as matmul
+    import aioserve.engine.loading as loading
+
+    monkeypatch.setenv("AIOSERVE_MATMUL_CACHE", str(tmp_path / "choices.json"))
+    real_dispatch, real_seconds = loading.choose_cpu_dispatch, matmul._seconds
+    monkeypatch.setattr(loading, "choose_cpu_dispatch", lambda *a, **k: dataclasses.replace(
+        real_dispatch(*a, **{**k, "matmul": "blas"}), onednn="timed"))
+    path = tiny_checkpoints["llama"]
+    vocab = 0
+
+    def seconds(fn, x, weight, to_beat):  # type: ignore[no-untyped-def]
+        if fn is matmul.onednn_packed_linear:
+            return 1e-9 if weight.shape[0] == vocab else float("inf")
+        return real_seconds(fn, x, weight, to_beat)
+
+    import json
+
+    vocab = json.loads((path / "config.json").read_text())["vocab_size"]
+    monkeypatch.setattr(matmul, "_seconds", seconds)
+    llm = LLM(str(path), page_size=4, device="cpu")
+    try:
+        head = llm.engine.model.lm_head
+        assert head.matmul_choice is not None and head.matmul_choice.onednn_weight is not None
+        assert head.weight.is_mkldnn
+        for module in _linears(llm):
+            assert module.matmul_choice is not None and module.matmul_choice.onednn_weight is None
+            assert not module.matmul_choice.onednn and "weight" in module._parameters
+        check_against_hf(path, llm, [hf_encode(path, p) for p in PROMPTS[:2]])
+    finally:
+        llm.close()
+    # Its reorder refused at the check: the head keeps the row-major BLAS forms the tuner chose beside it.
+    monkeypatch.setattr(onednn_weights, "reorder", lambda weight: onednn_weights.onednn_reorder(weight * 2))
+    llm = LLM(str(path), page_size=4, device="cpu")
+    try:
+        head = llm.engine.model.lm_head
+        assert head.matmul_choice is not None and not head.matmul_choice.onednn and head.matmul_choice.forms
+        assert head.matmul_choice.onednn_weight is None and not head.weight.is_mkldnn
+        check_against_hf(path, llm, [hf_encode(path, p) for p in PROMPTS[:2]])
+    finally:
+        llm.close()
+
+
 def test_the_dispatch_reorders_for_half_math_on_amx_only() -> None:
-    """auto: AMX with half weights reorders for oneDNN; float32 there, and
-    every other family, keep the native packed kernel; the option forces
-    each path on any family."""
+    """auto: AMX with half weights times oneDNN's layout beside the BLAS
+    forms; float32 there, and every other family, keep the native packed
+    kernel; the option forces each path on any family."""
     amx = PERSONALITIES["amx"]
-    assert choose_cpu_dispatch(amx, torch.bfloat16).onednn_weights
-    assert choose_cpu_dispatch(amx, torch.float16).onednn_weights
-    assert not choose_cpu_dispatch(amx, torch.float32).onednn_weights
+    assert choose_cpu_dispatch(amx, torch.bfloat16).onednn == "timed"
+    assert choose_cpu_dispatch(amx, torch.float16).onednn == "timed"
+    assert choose_cpu_dispatch(amx, torch.float32).onednn == "off"
     for family in ("avx512_bf16", "avx512", "avx2"):
         for dtype in (torch.float32, torch.bfloat16):
             chosen = choose_cpu_dispatch(PERSONALITIES[family], dtype)
-            assert chosen.packed_matmul and not chosen.onednn_weights
+            assert chosen.packed_matmul and chosen.onednn == "off"
     for family, flags in PERSONALITIES.items():
         forced = choose_cpu_dispatch(flags, torch.float32, matmul="onednn")
-        assert forced.onednn_weights and not forced.packed_matmul and not forced.native_decode, family
+        assert forced.onednn == "always" and not forced.packed_matmul and not forced.native_decode, family
         blas = choose_cpu_dispatch(flags, torch.bfloat16, matmul="blas")
-        assert not blas.onednn_weights and not blas.packed_matmul and "--cpu-matmul blas" in blas.matmul_reason
+        assert blas.onednn == "off" and not blas.packed_matmul and "--cpu-matmul blas" in blas.matmul_reason
         native = choose_cpu_dispatch(flags, torch.bfloat16, matmul="native")
-        assert native.packed_matmul and not native.onednn_weights
+        assert native.packed_matmul and native.onednn == "off"
     assert any("oneDNN prepacked" in line for line in choose_cpu_dispatch(amx, torch.bfloat16).lines())
     assert MatmulChoice(False).onednn_weight is None

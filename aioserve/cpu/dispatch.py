@@ -55,12 +55,15 @@ class CpuDispatch:
     screen_dtype: torch.dtype | None  # the greedy screen's LM-head copy; None: no screen
     screen_reason: str
     # Weights reordered once into oneDNN's blocked layout (cpu/onednn_weights.py),
-    # multiplied by its inner product: no per-call reorder (AMX tiles want one).
-    onednn_weights: bool = False
+    # multiplied by its inner product with no per-call reorder: "always"
+    # (--cpu-matmul onednn), "timed" (a candidate beside the BLAS forms, kept
+    # per weight shape where it is faster: half math on AMX), or "off".
+    onednn: str = "off"
 
     def lines(self) -> list[str]:
         """One log line per choice."""
-        matmul = "native packed" if self.packed_matmul else "oneDNN prepacked" if self.onednn_weights else "BLAS/oneDNN"
+        matmul = ("native packed" if self.packed_matmul else "oneDNN prepacked" if self.onednn == "always"
+                  else "BLAS/oneDNN or oneDNN prepacked" if self.onednn == "timed" else "BLAS/oneDNN")
         decode = "native DecoderStack" if self.native_decode else "modules"
         screen = _name(self.screen_dtype) + " copy" if self.screen_dtype else "off"
         return [
@@ -109,18 +112,18 @@ def choose_cpu_dispatch(
     (--cpu-matmul): auto (the family's), native, onednn or blas."""
     math, math_reason = choose_math_dtype(flags, weight_dtype, cpu_half_compute)
     blas = "forms timed per weight shape at load" if matmul_tuning else "one fixed form (--disable-cpu-matmul-tuning)"
-    onednn = False
+    onednn = "off"
     if matmul == "blas":
         packed, matmul_reason = False, f"BLAS asked for (--cpu-matmul blas); {blas}"
     elif matmul == "onednn":
-        packed, onednn = False, True
+        packed, onednn = False, "always"
         matmul_reason = "oneDNN asked for (--cpu-matmul onednn): weights reordered once into its layout"
     elif not native_kernels:
         packed, matmul_reason = False, f"the native kernels are off (AIOSERVE_NATIVE=0); {blas}"
     elif matmul == "auto" and math != torch.float32 and AMX_HALF & flags:
-        packed, onednn = False, True
-        matmul_reason = ("half math on AMX tiles: oneDNN's kernels beat the packed ones, its weights reordered "
-                         "once at load into the tiles' layout (not at every call)")
+        packed, onednn = False, "timed"
+        matmul_reason = ("half math on AMX tiles: oneDNN's kernels beat the packed ones; per weight shape, the "
+                         f"layout reordered once for them (not at every call) or a BLAS form, whichever is faster; {blas}")
     else:
         packed, matmul_reason = True, "weights packed once in column blocks, read at the checkpoint's width"
     if not packed:

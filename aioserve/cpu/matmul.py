@@ -66,6 +66,17 @@ def onednn_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     return torch.ops.mkldnn._linear_pointwise(x, weight, None, "none", [], "")
 
 
+def onednn_reorder(weight: torch.Tensor) -> torch.Tensor:
+    """W [out, in] in oneDNN's blocked layout for its inner product (no row-count
+    hint: one layout serves decode and prefill); an opaque `_mkldnn` tensor."""
+    return torch.ops.mkldnn._reorder_linear_weight(weight.contiguous(), None)
+
+
+def onednn_packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x W^T (+ b) from a weight in oneDNN's layout: no reorder in the call."""
+    return torch.ops.mkldnn._linear_pointwise(x.contiguous(), packed, bias, "none", [], "")
+
+
 FORMS = {"x_wt": times_weight_t, "w_xt": weight_times_x_t}
 if torch.backends.mkldnn.is_available():
     FORMS["onednn"] = onednn_linear
@@ -78,6 +89,9 @@ class MatmulChoice:
     column_major: bool  # store W^T contiguous (W itself is then a transposed view)
     forms: dict[int, str] = field(default_factory=dict)  # row bucket -> form name
     packed_features: int | None = None  # packed for the native kernel: W's true row count
+    # Timed faster in oneDNN's layout (column_major and forms then describe
+    # the row-major fallback, should the reorder be refused).
+    onednn: bool = False
     onednn_weight: torch.Tensor | None = None  # W reordered once for oneDNN (cpu/onednn_weights.py)
 
     def form_for(self, rows: int) -> str | None:
@@ -117,7 +131,7 @@ def cpu_matmul(
         assert kernels is not None  # a weight is packed only once the kernels are built
         return kernels.packed_linear(x, weight, bias, choice.packed_features, float_out, out)
     if choice is not None and choice.onednn_weight is not None:
-        return torch.ops.mkldnn._linear_pointwise(x.contiguous(), choice.onednn_weight, bias, "none", [], "")
+        return onednn_packed_linear(x, choice.onednn_weight, bias)
     out = _unpacked_matmul(x, weight, choice)
     return out + bias if bias is not None else out
 
@@ -149,35 +163,48 @@ def _seconds(fn, x: torch.Tensor, weight: torch.Tensor, to_beat: float) -> float
     return best  # the least disturbed run: the machine's other load only adds
 
 
-def choose(weight: torch.Tensor) -> MatmulChoice:
-    """Time every (storage order, form, row bucket) for this weight. A very
-    large one (an LM head over a big vocabulary) is read at memory speed
-    whichever order it has (Qwen3's [151936, 1024]: 19-21 ms a row in every
-    form), so only its stored order is timed: the other would cost a copy of
-    it and seconds of a first start for nothing."""
-    storages = {False: weight.contiguous()}
+ONEDNN = "onednn"  # the storage (and form) of a weight reordered for oneDNN
+
+
+def choose(weight: torch.Tensor, onednn: bool = False) -> MatmulChoice:
+    """Time every (storage, form, row bucket) for this weight: row-major and
+    column-major storage under each BLAS form, and with `onednn` the weight
+    reordered for oneDNN under its inner product. A very large one (an LM
+    head over a big vocabulary) is read at memory speed whichever order it
+    has (Qwen3's [151936, 1024]: 19-21 ms a row in every form), so only its
+    stored order is timed: the other would cost a copy of it and seconds of
+    a first start for nothing."""
+    storages: dict[bool | str, torch.Tensor] = {False: weight.contiguous()}
     if weight.numel() * weight.element_size() <= LARGE_WEIGHT_BYTES:
         storages[True] = weight.t().contiguous().t()
-    results: dict[bool, dict[int, tuple[float, str]]] = {}
-    for column_major, stored in storages.items():
+    if onednn:
+        try:
+            storages[ONEDNN] = onednn_reorder(weight)
+        except RuntimeError:  # this CPU's oneDNN has no such layout (bf16 without AVX-512): never chosen
+            pass
+    results: dict[bool | str, dict[int, tuple[float, str]]] = {}
+    for storage, stored in storages.items():
+        forms = {ONEDNN: onednn_packed_linear} if storage == ONEDNN else FORMS
         per_bucket = {}
         for rows in ROW_BUCKETS:
             x = torch.randn(rows, weight.shape[1], dtype=weight.dtype)
             best = (float("inf"), "")
-            for name, fn in FORMS.items():
+            for name, fn in forms.items():
                 best = min(best, (_seconds(fn, x, stored, best[0]), name))
             per_bucket[rows] = best
-        results[column_major] = per_bucket
+        results[storage] = per_bucket
     # Decode batches spread over the buckets; each counts alike, as its time
-    # relative to the better order (absolute sums would let 64 rows decide).
-    def slowdown(column_major: bool) -> float:
+    # relative to the better storage (absolute sums would let 64 rows decide).
+    def slowdown(storage: bool | str) -> float:
         return sum(
-            results[column_major][rows][0] / min(timed[rows][0] for timed in results.values())
+            results[storage][rows][0] / min(timed[rows][0] for timed in results.values())
             for rows in ROW_BUCKETS
         )
 
-    column_major = min(results, key=slowdown)
-    return MatmulChoice(column_major, {rows: name for rows, (_, name) in results[column_major].items()})
+    winner = min(results, key=slowdown)
+    if winner == ONEDNN:  # the row-major forms stay as the fallback
+        return MatmulChoice(False, {rows: name for rows, (_, name) in results[False].items()}, onednn=True)
+    return MatmulChoice(winner is True, {rows: name for rows, (_, name) in results[winner].items()})
 
 
 def cache_path() -> Path:
@@ -205,21 +232,24 @@ class ChoiceCache:
             self.entries = {}
         self.changed = False
 
-    def _key(self, shape: tuple[int, ...]) -> str:
-        return f"{self.machine}:{'x'.join(map(str, shape))}"
+    def _key(self, shape: tuple[int, ...], onednn: bool) -> str:
+        # Timed with oneDNN's layout as a candidate or without: two choices.
+        return f"{self.machine}:{'x'.join(map(str, shape))}{':onednn' if onednn else ''}"
 
-    def get(self, shape: tuple[int, ...]) -> MatmulChoice | None:
-        entry: Any = self.entries.get(self._key(shape))
+    def get(self, shape: tuple[int, ...], onednn: bool = False) -> MatmulChoice | None:
+        entry: Any = self.entries.get(self._key(shape, onednn))
         try:
             forms = {int(rows): name for rows, name in entry["forms"].items()}
             if set(forms) == set(ROW_BUCKETS) and set(forms.values()) <= set(FORMS):
-                return MatmulChoice(bool(entry["column_major"]), forms)
+                return MatmulChoice(bool(entry["column_major"]), forms, onednn=onednn and bool(entry.get("onednn")))
         except (TypeError, KeyError, ValueError, AttributeError):
             pass
         return None
 
-    def put(self, shape: tuple[int, ...], choice: MatmulChoice) -> None:
-        self.entries[self._key(shape)] = {"column_major": choice.column_major, "forms": choice.forms}
+    def put(self, shape: tuple[int, ...], choice: MatmulChoice, onednn: bool = False) -> None:
+        self.entries[self._key(shape, onednn)] = {
+            "column_major": choice.column_major, "forms": choice.forms, "onednn": choice.onednn,
+        }
         self.changed = True
 
     def save(self) -> None:
@@ -268,11 +298,13 @@ def pack_cpu_weights(modules: Iterable[MatmulModule], storage_dtype: torch.dtype
     return True
 
 
-def tune_cpu_matmuls(modules: Iterable[MatmulModule]) -> dict[tuple[int, ...], MatmulChoice]:
+def tune_cpu_matmuls(modules: Iterable[MatmulModule], onednn: bool = False) -> dict[tuple[int, ...], MatmulChoice]:
     """Choose for every distinct weight shape among `modules` (each has a
     2-D `weight` and a `matmul_choice` attribute), then store each weight in
     its chosen order and set its choice. A weight shared by two modules (tied
-    embeddings) is reordered once."""
+    embeddings) is reordered once. `onednn`: oneDNN's layout is a candidate;
+    a weight it wins stays row-major here, and its choice says `onednn`
+    (cpu/onednn_weights.py's pack_for_onednn reorders it)."""
     started = time.perf_counter()
     cache = ChoiceCache(cache_path())
     choices: dict[tuple[int, ...], MatmulChoice] = {}
@@ -283,10 +315,10 @@ def tune_cpu_matmuls(modules: Iterable[MatmulModule]) -> dict[tuple[int, ...], M
             weight = module.weight
             key = (*weight.shape, weight.dtype.itemsize)
             if key not in choices:
-                cached = cache.get(key)
+                cached = cache.get(key, onednn)
                 if cached is None:
-                    cached = choose(weight.data)
-                    cache.put(key, cached)
+                    cached = choose(weight.data, onednn)
+                    cache.put(key, cached, onednn)
                     timed += 1
                 choices[key] = cached
             choice = choices[key]
@@ -295,7 +327,7 @@ def tune_cpu_matmuls(modules: Iterable[MatmulModule]) -> dict[tuple[int, ...], M
                 weight.data = weight.data.t().contiguous().t()
             reordered.add(id(weight))
     for (rows, cols, _), choice in choices.items():
-        order = "column-major" if choice.column_major else "row-major"
+        order = "oneDNN's layout" if choice.onednn else "column-major" if choice.column_major else "row-major"
         logger.debug("matmul [%d, %d]: %s, forms %s", rows, cols, order, choice.forms)
     cache.save()
     logger.info(

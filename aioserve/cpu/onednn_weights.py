@@ -1,5 +1,6 @@
-"""Weights reordered once into oneDNN's blocked layout (--cpu-matmul onednn;
-the default for half math on AMX, cpu/dispatch.py).
+"""Weights reordered once into oneDNN's blocked layout (--cpu-matmul onednn
+for every weight; for half math on AMX, each weight shape whose timing at
+load it wins beside the BLAS forms, cpu/matmul.py's `choose`).
 
 oneDNN's kernels read a weight in a blocked layout of their own (on AMX, the
 tiles' pairs of bf16 rows). Given a plain [out, in] weight, as torch's matmul
@@ -22,11 +23,12 @@ oneDNN cannot reorder half weights on every CPU (bf16 needs AVX512-BW/VL/DQ
 or AVX-NE-CONVERT; float32 works on any x86), and a layout whose products
 disagreed with torch's would be a silent error: every weight is reordered
 and checked against `F.linear` before any module changes, and one refusal
-leaves them all as they were (the caller then tunes BLAS forms, saying why).
+leaves them all as they were (the caller then uses BLAS forms, saying why).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from collections.abc import Iterable
@@ -35,7 +37,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from aioserve.cpu.matmul import MatmulChoice, MatmulModule, cpu_matmul
+from aioserve.cpu.matmul import MatmulChoice, MatmulModule, cpu_matmul, onednn_reorder
 
 logger = logging.getLogger(__name__)
 
@@ -46,9 +48,8 @@ TOLERANCE = {torch.float32: 1e-4, torch.bfloat16: 2e-2, torch.float16: 4e-3}
 
 
 def reorder(weight: torch.Tensor) -> torch.Tensor:
-    """W [out, in] in oneDNN's layout for its inner product (no row-count hint:
-    one layout serves decode and prefill)."""
-    return torch.ops.mkldnn._reorder_linear_weight(weight.contiguous(), None)
+    """W [out, in] in oneDNN's layout (what pack_for_onednn checks and keeps)."""
+    return onednn_reorder(weight)
 
 
 def _disagreement(weight: torch.Tensor, packed: torch.Tensor) -> str | None:
@@ -98,7 +99,9 @@ def pack_for_onednn(modules: Iterable[MatmulModule], shared: set[int]) -> str | 
     for module in modules:
         key = id(module.weight)
         packed = reordered[key]
-        module.matmul_choice = MatmulChoice(False, onednn_weight=packed)
+        # Per module (a tuned choice is shared by every weight of its shape),
+        # keeping the BLAS forms the tuner chose, if any.
+        module.matmul_choice = dataclasses.replace(module.matmul_choice or MatmulChoice(False), onednn_weight=packed)
         if key in shared:
             kept_bytes += module.weight.numel() * module.weight.element_size()
         elif isinstance(module, nn.Module) and "weight" in module._parameters:

@@ -14,6 +14,7 @@ weights and starts the native paths once the kernels are in.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from typing import cast
 
@@ -54,16 +55,27 @@ class CpuFastPaths:
         else:
             for module in matmuls:  # BLAS and oneDNN multiply at the math's width
                 module.weight.data = module.weight.data.to(self.dtype)
-            refused = None
-            if dispatch.onednn_weights:
-                refused = pack_for_onednn(matmuls, shared_parameters(cast(nn.Module, model), matmuls))
-            if refused is not None:
-                logger.warning("CPU path: oneDNN's weight layout refused, BLAS forms instead: %s", refused)
+            shared = shared_parameters(cast(nn.Module, model), matmuls)
+            reordered = dispatch.onednn == "always" and self._reorder_for_onednn(matmuls, shared)
             if dispatch.packed_matmul:  # the kernels are building: packed once they are in
                 self._unpacked = matmuls
-            if dispatch.blas_tuning and (not dispatch.onednn_weights or refused is not None):
-                tune_cpu_matmuls(matmuls)
+            if dispatch.blas_tuning and not reordered:
+                tune_cpu_matmuls(matmuls, onednn=dispatch.onednn == "timed")
+                # The weight shapes oneDNN's layout was timed faster for.
+                won = [m for m in matmuls if m.matmul_choice is not None and m.matmul_choice.onednn]
+                if won and not self._reorder_for_onednn(won, shared):
+                    for module in won:  # the row-major BLAS forms the tuner kept for this
+                        assert module.matmul_choice is not None
+                        module.matmul_choice = dataclasses.replace(module.matmul_choice, onednn=False)
         self._start_native_paths()
+
+    @staticmethod
+    def _reorder_for_onednn(modules: list[MatmulModule], shared: set[int]) -> bool:
+        """Reorder the modules' weights for oneDNN (all or none); False, logged, when refused."""
+        refused = pack_for_onednn(modules, shared)
+        if refused is not None:
+            logger.warning("CPU path: oneDNN's weight layout refused, BLAS forms instead: %s", refused)
+        return refused is None
 
     def upgrade(self) -> bool:
         """Between steps: once the kernels are built, pack the weights and
