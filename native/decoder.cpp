@@ -99,9 +99,12 @@ class DecoderStack {
   // [B, P] int32 and seq_lens [B] int64 (each includes its new token).
   // Writes the final norm of the last layer's output into out [B, H].
   // row_slots [B] int64: each row's LoRA slot (null: no adapters this step).
+  // aux [B, aux_count * H] of hidden_type (null: none): the residual stream
+  // entering each layer aux_layers[j] (0: the embeddings) in its j-th block
+  // of H, what an EAGLE-3 head reads (models/decoder_lm.py's capture).
   void forward(void* hidden, int hidden_type, int64_t batch, const int64_t* positions, const int64_t* slots,
                const int32_t* page_table, int64_t pages_per_row, const int64_t* seq_lens, void* out,
-               int out_type, const int64_t* row_slots) const {
+               int out_type, const int64_t* row_slots, void* aux, int64_t aux_count, const int64_t* aux_layers) const {
     const int64_t size = hidden_, q_size = num_heads_ * head_dim_, kv_size = num_kv_heads_ * head_dim_;
     const int64_t qkv_size = q_size + 2 * kv_size, dim = head_dim_;
     const float eps = static_cast<float>(eps_);
@@ -123,15 +126,31 @@ class DecoderStack {
     auto add_lora = [&](const LoraSlots& lora, const void* x, int64_t k, void* y, int type, int64_t n) {
       if (row_slots != nullptr && lora.a != nullptr) lora_add_rows(x, type, batch, k, row_slots, lora, y, n);
     };
+    AIOSERVE_CHECK(aux == nullptr || (aux_count > 0 && aux_layers != nullptr), "DecoderStack: aux layers missing");
+    for (int64_t j = 0; aux != nullptr && j < aux_count; ++j)
+      AIOSERVE_CHECK(aux_layers[j] >= 0 && aux_layers[j] < static_cast<int64_t>(layers_.size()),
+                     "DecoderStack: an aux layer the stack does not have");
+    // The residual stream as it enters layer i, into each aux block that names it.
+    auto capture = [&](size_t i) {
+      const int64_t bytes = element_size(hidden_type) * size;
+      for (int64_t j = 0; aux != nullptr && j < aux_count; ++j) {
+        if (aux_layers[j] != static_cast<int64_t>(i)) continue;
+        for (int64_t b = 0; b < batch; ++b)
+          std::memcpy(static_cast<char*>(aux) + (b * aux_count + j) * bytes,
+                      static_cast<const char*>(residual) + b * bytes, bytes);
+      }
+    };
     for (size_t i = 0; i < layers_.size(); ++i) {
       const Layer& l = layers_[i];
       const int a_type = norm_type(x_type, l.input_norm_type);
       Buffer a = allocate(batch * size, a_type);
       if (i == 0) {
+        capture(i);  // the embeddings
         rms_norm(hidden, contiguous_rows(batch, size), nullptr, Rows{0, 1, 0, 0}, hidden_type, l.input_norm,
                  l.input_norm_type, a.get(), size, eps);
       } else {
-        norm(l.input_norm, l.input_norm_type, a.get());
+        norm(l.input_norm, l.input_norm_type, a.get());  // writes x + residual into residual
+        capture(i);
       }
       Buffer qkv = allocate(batch * qkv_size, a_type);
       packed_linear(a.get(), a_type, batch, size, l.qkv.data, l.qkv.type, l.qkv.pairs, qkv_size, l.qkv_bias,
@@ -246,11 +265,12 @@ static int decoder_add_layer_direct(void* stack, const void* input_norm, int inp
 
 static int decoder_forward_direct(const void* stack, void* hidden, int hidden_type, int64_t batch, const int64_t* positions,
                              const int64_t* slots, const int32_t* page_table, int64_t pages_per_row,
-                             const int64_t* seq_lens, void* out, int out_type, const int64_t* row_slots) {
+                             const int64_t* seq_lens, void* out, int out_type, const int64_t* row_slots, void* aux,
+                             int64_t aux_count, const int64_t* aux_layers) {
   return aioserve::guarded([&] {
     static_cast<const aioserve::DecoderStack*>(stack)->forward(hidden, hidden_type, batch, positions, slots,
                                                                page_table, pages_per_row, seq_lens, out, out_type,
-                                                               row_slots);
+                                                               row_slots, aux, aux_count, aux_layers);
   });
 }
 

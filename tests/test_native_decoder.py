@@ -77,7 +77,8 @@ def test_native_decode_matches_the_modules(
 
 
 def test_native_decode_hidden_states_are_bit_identical(tiny_checkpoints: dict[str, Path]) -> None:
-    """One decode step's final hidden states, through both paths, on one engine."""
+    """One decode step's final hidden states, through both paths, on one
+    engine; and with an EAGLE-3 head's intermediate states after them."""
     llm = LLM(str(tiny_checkpoints["qwen3"]), page_size=4)
     try:
         engine = llm.engine
@@ -103,6 +104,16 @@ def test_native_decode_hidden_states_are_bit_identical(tiny_checkpoints: dict[st
             modules = engine.model(plan.input_ids, plan.positions, engine.attention.prepare(plan, plan))
             native = runner.run(plan.input_ids, plan, plan)
         assert native.shape == modules.shape and torch.equal(native, modules)
+        # With an EAGLE-3 head's states asked for (the embeddings, layer 1's
+        # input twice): the same wide rows [3, 4 x hidden] from both paths.
+        engine.model.capture_aux_hidden((0, 1, 1))
+        with torch.inference_mode():
+            modules = engine.model(plan.input_ids, plan.positions, engine.attention.prepare(plan, plan))
+            native = runner.run(plan.input_ids, plan, plan)
+        hidden = engine.model.config.hidden_size
+        assert modules.shape == (3, 4 * hidden) and native.shape == modules.shape and torch.equal(native, modules)
+        assert not torch.equal(native[:, hidden:2 * hidden], native[:, 2 * hidden:3 * hidden])
+        assert torch.equal(native[:, 2 * hidden:3 * hidden], native[:, 3 * hidden:])
     finally:
         llm.close()
 

@@ -209,6 +209,30 @@ def test_an_abort_mid_generation_gives_every_page_back(eagle_targets: dict[str, 
     abort_mid_generation(model, _eagle(head))
 
 
+def test_the_targets_decode_steps_take_the_native_step_on_a_cpu(eagle_targets: dict[str, tuple[Path, Path]]) -> None:
+    """On a CPU the target's decode steps (and verifications run as decodes)
+    go through the native DecoderStack, which returns the head's three states
+    after the final ones: the plain outputs, proposals verified."""
+    from aioserve.cpu.native import cpu_kernels
+    from aioserve.cpu_engine.decode_stack import NativeDecodeRunner
+
+    if cpu_kernels() is None:
+        pytest.skip("native kernels could not be built here")
+    model, head = eagle_targets["qwen3"]
+    prompts = [hf_encode(model, t) for t in TEXTS]
+    params = [_params("greedy")] * len(prompts)
+    plain, _ = _run(model, prompts, params)
+    llm = LLM(str(model), page_size=4, speculative_config=_eagle(head))
+    try:
+        runner = llm.engine.graph_runner
+        assert isinstance(runner, NativeDecodeRunner)
+        outs = llm.generate(prompts, params)
+        assert runner.replays > 0 and llm.scheduler.speculator.stats.drafts > 0
+    finally:
+        llm.close()
+    assert same_outputs(_tuples(outs), plain)
+
+
 @pytest.mark.parametrize("arch", ["llama", "qwen3"])
 def test_tensor_parallel_shards_the_head_like_the_target(eagle_targets: dict[str, tuple[Path, Path]], arch: str) -> None:
     """At --tp 2 the head's layer, its KV pool and its LM head over the draft

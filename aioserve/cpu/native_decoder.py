@@ -91,11 +91,15 @@ class DecoderStack:
             raise self._lib.fail()
 
     def forward(self, hidden: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, page_table: torch.Tensor,
-                seq_lens: torch.Tensor, row_slots: torch.Tensor | None = None) -> torch.Tensor:
+                seq_lens: torch.Tensor, row_slots: torch.Tensor | None = None,
+                aux_layers: tuple[int, ...] = ()) -> torch.Tensor:
         """hidden [B, H] (updated in place as the residual stream); positions,
         slots [B] int64; page_table [B, P] int32, seq_lens [B] int64 (each
         with its new token); row_slots [B] int64, each row's LoRA slot (None:
-        no adapters). Returns the final norm of the last layer's output."""
+        no adapters). Returns the final norm of the last layer's output, and
+        with `aux_layers` after it the residual stream entering each of those
+        layers (0: the embeddings), [B, (1 + len(aux_layers)) * H] in the
+        final norm's dtype (models/decoder_lm.py's capture for an EAGLE-3 head)."""
         if hidden.dim() != 2 or hidden.shape[1] != self.hidden_size or not hidden.is_contiguous():
             raise RuntimeError("DecoderStack: hidden must be contiguous [B, hidden]")
         batch = hidden.shape[0]
@@ -118,10 +122,14 @@ class DecoderStack:
         torch.get_num_threads()
         out_dtype = hidden.dtype if self.final_norm.dtype == hidden.dtype else torch.float32
         out = torch.empty((batch, self.hidden_size), dtype=out_dtype)
+        # The aux states are the residual stream's rows, in its dtype.
+        aux = torch.empty((batch, len(aux_layers) * self.hidden_size), dtype=hidden.dtype) if aux_layers else None
+        layers = torch.tensor(aux_layers, dtype=torch.int64) if aux_layers else None
         if self._lib.decoder_forward(
             self._handle, hidden.data_ptr(), code(hidden, "DecoderStack"), batch, positions.data_ptr(),
             slots.data_ptr(), page_table.data_ptr(), page_table.shape[1], seq_lens.data_ptr(), out.data_ptr(),
             code(out, "DecoderStack"), row_slots.data_ptr() if row_slots is not None else 0,
+            aux.data_ptr() if aux is not None else 0, len(aux_layers), layers.data_ptr() if layers is not None else 0,
         ):
             raise self._lib.fail()
-        return out
+        return out if aux is None else torch.cat([out, aux.to(out_dtype)], dim=1)

@@ -58,7 +58,7 @@ PROTOTYPES: dict[str, list[Any]] = {
 }
 # Called through the GIL-releasing handle (see above).
 RELEASING_GIL: dict[str, list[Any]] = {
-    "aioserve_decoder_forward": [_p, _p, _i32, _i64, _p, _p, _p, _i64, _p, _p, _i32, _p],
+    "aioserve_decoder_forward": [_p, _p, _i32, _i64, _p, _p, _p, _i64, _p, _p, _i32, _p, _p, _i64, _p],
 }
 
 

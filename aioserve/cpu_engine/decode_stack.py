@@ -51,8 +51,6 @@ def unsupported_reason(model: CausalLM, device: torch.device) -> str | None:
         return "the native kernels are not in (building, or turned off)"
     if not isinstance(model, LlamaForCausalLM):
         return f"{type(model).__name__} is not a Llama-family model"
-    if model.model.aux_layers:
-        return "an EAGLE-3 head reads three layers' hidden states, which the native step does not return"
     for layer in model.model.decoder_layers():
         if type(layer.self_attn) not in SUPPORTED_ATTENTION:
             return f"{type(layer.self_attn).__name__} is not a supported attention"
@@ -70,8 +68,8 @@ class DecoderStack(Protocol):
     """What the engine calls on native/decoder.cpp's DecoderStack."""
 
     def forward(self, hidden: torch.Tensor, positions: torch.Tensor, out_cache_loc: torch.Tensor,
-                page_table: torch.Tensor, seq_lens: torch.Tensor, row_slots: torch.Tensor | None = None
-                ) -> torch.Tensor: ...
+                page_table: torch.Tensor, seq_lens: torch.Tensor, row_slots: torch.Tensor | None = None,
+                aux_layers: tuple[int, ...] = ()) -> torch.Tensor: ...
 
     def set_lora(self, layer: int, projection: str, slots: Any) -> None: ...  # native_gemm.LoraPointers
 
@@ -160,18 +158,21 @@ class NativeDecodeRunner:
         )
 
     def run(self, input_ids: torch.Tensor, plan: BatchPlan, host_plan: BatchPlan) -> torch.Tensor:
-        """Final hidden states [T, hidden] of the step's tokens."""
+        """Final hidden states [T, hidden] of the step's tokens ([T, 4 x hidden]
+        with an EAGLE-3 head's three states after them)."""
         n = host_plan.num_requests
         hidden = self.model.model.embed_tokens(input_ids).contiguous()
         self.replays += 1
         lora = host_plan.lora
         request_slots = lora.request_slots if lora is not None and lora.uses_adapters else None
+        # An EAGLE-3 head's states come after the final ones, as the modules return them.
+        aux = self.model.model.aux_layers
         if host_plan.is_decode_only:
             return self.stack.forward(hidden, plan.positions, plan.out_cache_loc, plan.page_table[:n],
-                                      plan.seq_lens[:n], request_slots)
+                                      plan.seq_lens[:n], request_slots, aux)
         owners, lengths = token_rows(host_plan.seq_lens.tolist(), host_plan.extend_lens.tolist())
         rows = torch.tensor(owners, dtype=torch.long)
         page_table = plan.page_table[rows]
         seq_lens = torch.tensor(lengths, dtype=plan.seq_lens.dtype)
         row_slots = request_slots[rows] if request_slots is not None else None
-        return self.stack.forward(hidden, plan.positions, plan.out_cache_loc, page_table, seq_lens, row_slots)
+        return self.stack.forward(hidden, plan.positions, plan.out_cache_loc, page_table, seq_lens, row_slots, aux)
