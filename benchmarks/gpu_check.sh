@@ -375,7 +375,7 @@ roofline() {  # roofline NAME MODEL [extra options]
 speculative() {  # speculative NAME MODEL
     local name="$1" model="$2"
     step "speculative-$name" 150 "$PY" benchmarks/speculative.py --model "$model" --load-format dummy \
-        --dtype bfloat16 --concurrency 1 --tokens 128 --repeats 2 --draft-models --cuda-graph-max-bs 8 \
+        --dtype bfloat16 --concurrency 1 --tokens 128 --repeats 2 --draft-models --cuda-graph-max-bs 8 --num-pages 512 \
         --json "$RESULTS/speculative-$name.json"
 }
 

@@ -108,6 +108,8 @@ def engine_options(args: argparse.Namespace) -> dict:
                      "device": args.device}
     if args.cuda_graph_max_bs is not None:
         options["cuda_graph_max_bs"] = args.cuda_graph_max_bs
+    if args.num_pages is not None:  # several engines on one GPU: each a fixed pool, not a memory share
+        options["num_pages"] = args.num_pages
     return options
 
 
@@ -223,6 +225,9 @@ def main() -> None:
     parser.add_argument("--dtype", default="auto")
     parser.add_argument("--device", default="auto")
     parser.add_argument("--cuda-graph-max-bs", type=int, default=None, help="fewer graphs to capture per engine")
+    parser.add_argument("--num-pages", type=int, default=None,
+                        help="each engine's KV pool in pages (on a GPU the engines share: a memory share would go "
+                        "to the first)")
     parser.add_argument("--png", help="also write a plot here")
     parser.add_argument("--json", help="also write the rows here")
     args = parser.parse_args()
