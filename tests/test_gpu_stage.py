@@ -59,6 +59,18 @@ def test_every_phase_is_wired(phase: str) -> None:
         assert names.index("pytest-gpu") < names.index("harvest") < names.index("offline-qwen3-graphs-overlap")
 
 
+def test_the_retest_phase_runs_the_named_tests(monkeypatch: pytest.MonkeyPatch) -> None:
+    """`retest` (a fix checked with what is left of a lease) needs GPU_RETEST
+    and is wired like the proof's test step."""
+    monkeypatch.setenv("GPU_RETEST", "tests/test_gpu_vision.py")
+    code, steps = stage.dry_run("retest")
+    assert code == 0, steps
+    assert [line.split()[1] for line in steps.splitlines()] == ["install", "kernels", "models", "pytest-retest"]
+    monkeypatch.delenv("GPU_RETEST")  # nothing named: no test step runs (the shell says why on stderr)
+    code, steps = stage.dry_run("retest")
+    assert "pytest-retest" not in steps and "models" in steps
+
+
 def test_a_dry_run_fails_on_a_missing_script(tmp_path: Path) -> None:
     script = (REPO / "benchmarks" / "gpu_check.sh").read_text()
     broken = tmp_path / "gpu_check.sh"
