@@ -370,8 +370,9 @@ roofline() {  # roofline NAME MODEL [extra options]
         --json "$RESULTS/roofline-$name.json"
 }
 
-# Speculative decoding at batch 1 (issue 40): plain, ngram, the oracle's
-# ceiling and floor, the target as its own draft and a 1-layer random draft.
+# Speculative decoding at batch 1 (issue 40): plain (with and without
+# overlap), ngram, the oracle's ceiling and floor, the target as its own
+# draft, a 1-layer random draft and a random EAGLE-3 head.
 speculative() {  # speculative NAME MODEL
     local name="$1" model="$2"
     step "speculative-$name" 150 "$PY" benchmarks/speculative.py --model "$model" --load-format dummy \

@@ -10,13 +10,13 @@ of verifying k + 1 positions for one token). Plain decoding is timed twice
 on one engine: as served (overlap: the next step planned while one runs)
 and stepping as a speculating engine does (no overlap: a proposal is made
 from the newest token), so that the proposers' gain is not confused with
-overlap's (on 2 cores overlap can cost more than it hides). With --draft-models, the
-draft_model method too: the target as its own draft (the ceiling with a
-draft's cost: every proposal stands, and the draft runs the whole model
-k + 1 times a step), a one-layer random-weight draft of the target's
-vocabulary (the floor: a cheap draft that is almost always wrong), and a
-random EAGLE-3 head (the eagle3 method's floor: its cost, nothing gained). Greedy
-outputs are checked equal to the plain run's on every repeat.
+overlap's (on 2 cores overlap can cost more than it hides). With
+--draft-models, the draft_model method too: the target as its own draft
+(the ceiling with a draft's cost: every proposal stands, and the draft runs
+the whole model k + 1 times a step), a one-layer random-weight draft of the
+target's vocabulary (the floor: a cheap draft that is almost always wrong),
+and a random EAGLE-3 head (the eagle3 method's floor: its cost, nothing
+gained). Greedy outputs are checked equal to the plain run's on every repeat.
 
     python benchmarks/speculative.py                         # demo model, concurrency 1 4 16
     python benchmarks/speculative.py --tokens 64 --k 4 --png spec.png
@@ -171,8 +171,10 @@ def measure(args: argparse.Namespace) -> list[Row]:
                 # step lands before the next is planned): what the proposers'
                 # rows gain or lose against, overlap apart.
                 plain.scheduler.config.overlap = False
-                seconds, outs = run_once(plain, prompts, params)
-                plain.scheduler.config.overlap = True
+                try:
+                    seconds, outs = run_once(plain, prompts, params)
+                finally:
+                    plain.scheduler.config.overlap = True
                 by_method[PLAIN_SERIAL].seconds.append(seconds)
                 for name, llm, proposer in runs:
                     if proposer is not None:

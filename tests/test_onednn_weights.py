@@ -28,7 +28,7 @@ from test_greedy_matches_hf import PROMPTS, check_against_hf
 def onednn_reorders(dtype: torch.dtype) -> bool:
     """Whether this CPU's oneDNN reorders weights of `dtype` (bf16 needs AVX-512 or AVX-NE-CONVERT)."""
     try:
-        onednn_weights.reorder(torch.ones(8, 8, dtype=dtype))
+        onednn_weights.onednn_reorder(torch.ones(8, 8, dtype=dtype))
         return True
     except RuntimeError:
         return False
@@ -92,7 +92,7 @@ def test_a_layout_that_disagrees_with_torch_is_refused_whole(
     """One weight whose reordered products are wrong: no module is changed
     (every weight still a plain parameter), the BLAS forms are tuned, and the
     outputs are the plain path's."""
-    real = onednn_weights.reorder
+    real = onednn_weights.onednn_reorder
     calls = []
 
     def wrong_once(weight: torch.Tensor) -> torch.Tensor:
@@ -106,7 +106,7 @@ def test_a_layout_that_disagrees_with_torch_is_refused_whole(
         expected = plain.generate(["Once upon a time"], params)[0].token_ids
     finally:
         plain.close()
-    monkeypatch.setattr(onednn_weights, "reorder", wrong_once)
+    monkeypatch.setattr(onednn_weights, "onednn_reorder", wrong_once)
     with caplog.at_level(logging.WARNING, logger="aioserve.cpu_engine.fast_paths"):
         llm = LLM(str(path), page_size=4, device="cpu", cpu_matmul="onednn")
     try:
@@ -160,7 +160,8 @@ def test_timed_beside_blas_the_layout_is_kept_where_it_wins(
     finally:
         llm.close()
     # Its reorder refused at the check: the head keeps the row-major BLAS forms the tuner chose beside it.
-    monkeypatch.setattr(onednn_weights, "reorder", lambda weight: onednn_weights.onednn_reorder(weight * 2))
+    real_reorder = onednn_weights.onednn_reorder
+    monkeypatch.setattr(onednn_weights, "onednn_reorder", lambda weight: real_reorder(weight * 2))
     llm = LLM(str(path), page_size=4, device="cpu")
     try:
         head = llm.engine.model.lm_head

@@ -3,9 +3,10 @@
 The CPU code chooses among several paths by what the machine has: the math's
 dtype (half where the CPU has half-precision matrix units, float32
 elsewhere), the matmul (the native packed kernel, oneDNN's inner product on
-weights reordered once (AMX), or BLAS/oneDNN with a form timed per shape), the decode step (one native DecoderStack call, or the
-modules) and the greedy screen's copy of a float32 LM head (bfloat16 where
-the kernels dot bf16 pairs, float16 elsewhere). `choose_cpu_dispatch` makes
+weights reordered once (AMX), or BLAS/oneDNN with a form timed per shape),
+the decode step (one native DecoderStack call, or the modules) and the
+greedy screen's copy of a float32 LM head (bfloat16 where the kernels dot
+bf16 pairs, float16 elsewhere). `choose_cpu_dispatch` makes
 all four from the CPU's flags and the options alone, so every machine's
 choice can be checked on any machine (tests feed it `PERSONALITIES`), and it
 returns the reason for each, which the engine logs at start.

@@ -37,7 +37,8 @@ def library_path() -> Path:
 
 
 __all__ = [
-    "DecoderStack", "LoraPointers", "library_path", "lora_add_rows", "gemm_block_width", "gemm_fuses_multiply_add", "pack_linear_weight", "packed_linear",
+    "DecoderStack", "LoraPointers", "library_path", "lora_add_rows", "gemm_block_width", "gemm_fuses_multiply_add",
+    "pack_linear_weight", "packed_linear",
     "paged_decode_attention", "rms_norm", "rotary_embedding", "row_max_argmax", "screened_argmax", "silu_and_mul",
     "store_kv",
 ]

@@ -37,7 +37,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from aioserve.cpu.matmul import MatmulChoice, MatmulModule, cpu_matmul, onednn_reorder
+from aioserve.cpu.matmul import MatmulChoice, MatmulModule, onednn_packed_linear, onednn_reorder
 
 logger = logging.getLogger(__name__)
 
@@ -47,18 +47,13 @@ CHECK_ROWS = (1, 5)  # a decode row, and a few (oneDNN may pick another kernel p
 TOLERANCE = {torch.float32: 1e-4, torch.bfloat16: 2e-2, torch.float16: 4e-3}
 
 
-def reorder(weight: torch.Tensor) -> torch.Tensor:
-    """W [out, in] in oneDNN's layout (what pack_for_onednn checks and keeps)."""
-    return onednn_reorder(weight)
-
-
 def _disagreement(weight: torch.Tensor, packed: torch.Tensor) -> str | None:
     """Why the reordered weight's products are not torch's, or None."""
     generator = torch.Generator().manual_seed(0)
     tolerance = TOLERANCE.get(weight.dtype, 2e-2)
     for rows in CHECK_ROWS:
         x = torch.randn(rows, weight.shape[1], generator=generator).to(weight.dtype)
-        got = cpu_matmul(x, packed, MatmulChoice(False, onednn_weight=packed)).float()
+        got = onednn_packed_linear(x, packed).float()
         want = F.linear(x.float(), weight.float())
         error = float((got - want).abs().max()) / max(float(want.abs().max()), 1e-30)
         if not error <= tolerance:  # NaN fails too
@@ -88,7 +83,7 @@ def pack_for_onednn(modules: Iterable[MatmulModule], shared: set[int]) -> str | 
             if id(module.weight) in reordered:
                 continue
             try:
-                packed = reorder(weight)
+                packed = onednn_reorder(weight)
             except RuntimeError as exc:
                 return f"oneDNN cannot reorder a {weight.dtype} weight on this CPU ({str(exc).splitlines()[0]})"
             why = _disagreement(weight, packed)

@@ -55,7 +55,8 @@ class CpuFastPaths:
         else:
             for module in matmuls:  # BLAS and oneDNN multiply at the math's width
                 module.weight.data = module.weight.data.to(self.dtype)
-            shared = shared_parameters(cast(nn.Module, model), matmuls)
+            # Weights a tied embedding also reads (a oneDNN reorder keeps their plain copy).
+            shared = shared_parameters(cast(nn.Module, model), matmuls) if dispatch.onednn != "off" else set()
             reordered = dispatch.onednn == "always" and self._reorder_for_onednn(matmuls, shared)
             if dispatch.packed_matmul:  # the kernels are building: packed once they are in
                 self._unpacked = matmuls

@@ -30,9 +30,10 @@ import logging
 
 import torch
 
-from aioserve.attention import AttentionShape, create_backend
+from aioserve.attention import create_backend
 from aioserve.batch_plan import BatchPlan, DraftBatch
 from aioserve.engine.draft_model import LoadedDraft
+from aioserve.engine.rank_attention import rank_attention_shape
 from aioserve.kvcache.kv_pool import KVPool
 
 logger = logging.getLogger(__name__)
@@ -48,12 +49,8 @@ class DraftRunner:
         self.device = device
         # Under tensor parallelism the draft is sharded like the target (its
         # layers read the same group): each rank holds its share of the heads.
-        kv_heads = mc.kv_heads_per_rank(tp_size)
-        self.pool = KVPool(mc.num_layers, num_pages, page_size, kv_heads, mc.head_dim, kv_dtype, device)
-        shape = AttentionShape(
-            num_qo_heads=mc.num_heads // tp_size, num_kv_heads=kv_heads, head_dim=mc.head_dim,
-            sliding_windows=tuple(mc.sliding_windows), q_dtype=q_dtype, sm_scale=mc.attention_scale,
-        )
+        shape = rank_attention_shape(mc, tp_size, q_dtype)
+        self.pool = KVPool(mc.num_layers, num_pages, page_size, shape.num_kv_heads, shape.head_dim, kv_dtype, device)
         self.attention = create_backend(attention_backend, self.pool, shape)
 
     @property

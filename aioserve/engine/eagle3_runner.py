@@ -42,10 +42,11 @@ import logging
 
 import torch
 
-from aioserve.attention import AttentionShape, create_backend
+from aioserve.attention import create_backend
 from aioserve.batch_plan import BatchPlan
 from aioserve.engine.draft_runner import decode_plan, newest_positions, upload, with_proposals
 from aioserve.engine.eagle3_draft import LoadedEagle3
+from aioserve.engine.rank_attention import rank_attention_shape
 from aioserve.kvcache.kv_pool import KVPool
 from aioserve.layers.embedding import VocabParallelEmbedding
 
@@ -66,12 +67,8 @@ class Eagle3Runner:
         self.device = device
         # Under tensor parallelism the head's layer is split like the target's
         # (its parallel linears read the same group): this rank's KV heads.
-        kv_heads = layer.kv_heads_per_rank(tp_size)
-        self.pool = KVPool(1, num_pages, page_size, kv_heads, layer.head_dim, kv_dtype, device)
-        self.attention_shape = AttentionShape(
-            num_qo_heads=layer.num_heads // tp_size, num_kv_heads=kv_heads, head_dim=layer.head_dim,
-            sliding_windows=(None,), q_dtype=dtype, sm_scale=layer.attention_scale,
-        )
+        self.attention_shape = rank_attention_shape(layer, tp_size, dtype, sliding_windows=(None,))
+        self.pool = KVPool(1, num_pages, page_size, self.attention_shape.num_kv_heads, layer.head_dim, kv_dtype, device)
         self.attention = create_backend(attention_backend, self.pool, self.attention_shape)
         slots = num_pages * page_size
         self.next_token = torch.zeros(slots, dtype=torch.long, device=device)

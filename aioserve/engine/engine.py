@@ -23,7 +23,7 @@ from typing import cast
 import torch
 from torch import nn
 
-from aioserve.attention import AttentionShape, create_backend
+from aioserve.attention import create_backend
 from aioserve.batch_plan import BatchPlan, SamplingTensors, StepOutput
 from aioserve.config import EngineConfig
 from aioserve.tp.distributed import broadcast_from_leader, get_tp_group, min_over_ranks
@@ -35,6 +35,7 @@ from aioserve.cpu_engine.greedy_screen import GreedyScreen
 from aioserve.engine.image_embeddings import ImageEmbeddings
 from aioserve.engine.loading import describe, load
 from aioserve.engine.pooler import pool_segments, score_head_of
+from aioserve.engine.rank_attention import rank_attention_shape
 from aioserve.cpu_engine.decode_stack import NativeDecodeRunner
 from aioserve.engine.sampler import SamplerOutput, prompt_logprobs, sample
 from aioserve.engine.tp_layout import gather_layout, layout_lines
@@ -65,13 +66,10 @@ class Engine:
         # pool any of them can hold, so one page id means one page everywhere.
         self.num_pages = min_over_ranks(loaded.num_pages)
         mc = self.model_config
-        kv_heads = mc.kv_heads_per_rank(self.tp.size)
-        self.pool = KVPool(mc.num_layers, self.num_pages, self.page_size, kv_heads, mc.head_dim, self.kv_dtype, self.device)
-        self.attention_shape = AttentionShape(
-            num_qo_heads=mc.num_heads // self.tp.size, num_kv_heads=kv_heads, head_dim=mc.head_dim,
-            sliding_windows=tuple(mc.sliding_windows), q_dtype=self.dtype, sm_scale=mc.attention_scale,
-            causal=not mc.is_encoder,
-        )
+        self.attention_shape = rank_attention_shape(mc, self.tp.size, self.dtype, causal=not mc.is_encoder)
+        shape = self.attention_shape
+        self.pool = KVPool(mc.num_layers, self.num_pages, self.page_size, shape.num_kv_heads, shape.head_dim,
+                           self.kv_dtype, self.device)
         self.attention = create_backend(config.attention_backend, self.pool, self.attention_shape)
         # Speculative decoding's draft model: its own pool, on the target's pages.
         self.draft: DraftRunner | None = None
