@@ -339,6 +339,13 @@ phase_proof() {
     return 0
 }
 
+# The speculative figure alone (what is left of a lease after the proof and figures).
+phase_speculative() {
+    ensure_ready
+    speculative qwen3 "$QWEN"
+    return 0
+}
+
 # The second call on the still-warm machine: figures first, then the
 # CPU-side suites on CUDA.
 phase_figures() {
@@ -486,12 +493,13 @@ for name, rows in runs.items():
             lines.append(f"| {name[9:]} | {r['batch']} | {r['bound_ms']:.2f} | {r['measured_ms']:.2f} | {fmt(host)} "
                          f"| {fmt(gpu)} | {below} | {r['of_bound']:.2f} | {r['batch'] / r['measured_ms'] * 1e3:.0f} "
                          f"| {r['batch'] / r['bound_ms'] * 1e3:.0f} |")
-lines += ["", "## Speculative decoding at batch 1 (greedy, 128 tokens; outputs equal to plain)", "",
-          "| run | method | tok/s | vs plain | acceptance length |", "|---|---|---|---|---|"]
+lines += ["", "## Speculative decoding at batch 1 (greedy, 128 tokens; agree: share equal to plain before a difference)", "",
+          "| run | method | tok/s | vs plain | acceptance length | agree |", "|---|---|---|---|---|---|"]
 for name, rows in runs.items():
     if name.startswith("speculative-"):
         for r in rows:
-            lines.append(f"| {name[12:]} | {r['method']} | {r['tok_s']:.0f} | {r['vs_plain']:.2f}x | {r['acceptance']:.2f} |")
+            lines.append(f"| {name[12:]} | {r['method']} | {r['tok_s']:.0f} | {r['vs_plain']:.2f}x | {r['acceptance']:.2f} "
+                             f"| {r.get('agreement', 1.0):.2f} |")
 lines += ["", "## Serving over HTTP (streamed completions, 256 in / 256 out; benchmarks/serving.py's tables)", ""]
 for name, r in runs.items():
     if name.startswith("serving-"):
@@ -520,6 +528,7 @@ case "$PHASE" in
     retest) run_phase retest tests phase_retest ;;
     proof) run_phase proof proof phase_proof ;;
     figures) run_phase figures bench phase_figures ;;
+    speculative) run_phase speculative bench phase_speculative ;;
     bench) run_phase bench bench phase_bench ;;
     bench-8b) run_phase bench-8b bench phase_bench_8b ;;
     tests-families) run_phase tests-families tests phase_tests_families ;;
@@ -531,11 +540,11 @@ case "$PHASE" in
         run_phase bench-8b bench phase_bench_8b
         ;;
     *)
-        echo "usage: $0 setup|tests|retest|proof|figures|bench|bench-8b|tests-families|bench-families|all" >&2
+        echo "usage: $0 setup|tests|retest|proof|figures|speculative|bench|bench-8b|tests-families|bench-families|all" >&2
         exit 2
         ;;
 esac
-case "$PHASE" in proof | figures | bench | bench-8b | bench-families | all) summarize 2>&1 | tee -a "$OUT/bench.log" ;; esac
+case "$PHASE" in proof | figures | speculative | bench | bench-8b | bench-families | all) summarize 2>&1 | tee -a "$OUT/bench.log" ;; esac
 echo "#### steps of this call:"
 cat "$OUT/steps.txt"
 if [ "$DRY_RUN" = 1 ] && grep -q UNWIRED "$OUT/steps.txt"; then exit 1; fi

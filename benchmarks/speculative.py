@@ -16,7 +16,12 @@ overlap's (on 2 cores overlap can cost more than it hides). With
 the whole model k + 1 times a step), a one-layer random-weight draft of the
 target's vocabulary (the floor: a cheap draft that is almost always wrong),
 and a random EAGLE-3 head (the eagle3 method's floor: its cost, nothing
-gained). Greedy outputs are checked equal to the plain run's on every repeat.
+gained). Greedy outputs are checked equal to the plain run's on every repeat
+in float32. In half precision they are compared, not required equal: the
+verification scores k + 1 positions with the prefill kernel and plain
+decoding one with the decode kernel, which round differently, and random
+weights leave near-ties that a rounding flips; the "agree" column gives the
+share of each output that matches plain's up to its first difference.
 
     python benchmarks/speculative.py                         # demo model, concurrency 1 4 16
     python benchmarks/speculative.py --tokens 64 --k 4 --png spec.png
@@ -37,6 +42,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import torch
 from tqdm import tqdm
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))  # the tests' EAGLE-3 head writer
@@ -82,6 +88,7 @@ class Row:
     seconds: list[float] = field(default_factory=list)
     output_tokens: int = 0
     acceptance: float = 0.0  # mean tokens a verification gives (1 = plain)
+    agreement: float = 1.0  # share of output equal to plain's before the first difference (lowest repeat)
 
     @property
     def tok_s(self) -> float:
@@ -136,6 +143,15 @@ def draft_engines(args: argparse.Namespace, folder: Path) -> dict[str, LLM]:
     }
 
 
+def agreement(outs: list[list[int]], reference: list[list[int]]) -> float:
+    """Mean share of each output that equals the reference up to its first difference."""
+    shares = []
+    for out, ref in zip(outs, reference):
+        same = next((i for i, (a, b) in enumerate(zip(out, ref)) if a != b), min(len(out), len(ref)))
+        shares.append(same / max(len(ref), 1))
+    return sum(shares) / max(len(shares), 1)
+
+
 def run_once(llm: LLM, prompts: list[list[int]], params: SamplingParams) -> tuple[float, list[list[int]]]:
     start = time.perf_counter()
     outs = llm.generate(prompts, params)
@@ -152,6 +168,7 @@ def measure(args: argparse.Namespace) -> list[Row]:
     params = SamplingParams(max_tokens=args.tokens, temperature=0, ignore_eos=True)
     rows: list[Row] = []
     ngram = fast.scheduler.speculator.proposer
+    exact = plain.engine.dtype == torch.float32  # half precision: compared, not required equal (docstring)
     try:
         for concurrency in args.concurrency:
             texts = [QUOTING[i % len(QUOTING)] for i in range(concurrency)]
@@ -181,8 +198,9 @@ def measure(args: argparse.Namespace) -> list[Row]:
                         llm.scheduler.speculator.proposer = proposer
                     llm.scheduler.speculator.stats = stats = SpeculationStats()
                     seconds, outs = run_once(llm, prompts, params)
-                    if outs != reference:
+                    if outs != reference and exact:
                         raise AssertionError(f"{name} at concurrency {concurrency}: outputs differ from plain decoding")
+                    by_method[name].agreement = min(by_method[name].agreement, agreement(outs, reference))
                     by_method[name].seconds.append(seconds)
                     by_method[name].acceptance = stats.mean_acceptance_length
             for row in by_method.values():
@@ -196,11 +214,11 @@ def measure(args: argparse.Namespace) -> list[Row]:
 
 
 def print_table(rows: list[Row]) -> None:
-    print(f"{'method':<21} {'conc':>4} {'tok/s':>8} {'vs plain':>8} {'accept len':>10}")
+    print(f"{'method':<21} {'conc':>4} {'tok/s':>8} {'vs plain':>8} {'accept len':>10} {'agree':>6}")
     plain = {r.concurrency: r.tok_s for r in rows if r.method == "plain"}
     for r in rows:
         accept = f"{r.acceptance:.2f}" if r.method not in ("plain", PLAIN_SERIAL) else "-"
-        print(f"{r.method:<21} {r.concurrency:>4} {r.tok_s:>8.1f} {r.tok_s / plain[r.concurrency]:>7.2f}x {accept:>10}")
+        print(f"{r.method:<21} {r.concurrency:>4} {r.tok_s:>8.1f} {r.tok_s / plain[r.concurrency]:>7.2f}x {accept:>10} {r.agreement:>6.2f}")
 
 
 def write_plot(rows: list[Row], path: str) -> None:
@@ -256,7 +274,8 @@ def main() -> None:
         plain = {r.concurrency: r.tok_s for r in rows if r.method == "plain"}
         Path(args.json).write_text(json.dumps([
             {"model": args.model, "method": r.method, "concurrency": r.concurrency, "tok_s": r.tok_s,
-             "vs_plain": r.tok_s / plain[r.concurrency], "acceptance": r.acceptance} for r in rows
+             "vs_plain": r.tok_s / plain[r.concurrency], "acceptance": r.acceptance,
+             "agreement": r.agreement} for r in rows
         ], indent=1))
 
 
