@@ -178,11 +178,28 @@ class BatchDecodeWithPagedKVCacheWrapper(_Wrapper):
 
 
 class BatchPrefillWithPagedKVCacheWrapper(_Wrapper):
+    def __init__(self, workspace, kv_layout="NHD", use_cuda_graph=False, qo_indptr_buf=None, paged_kv_indptr_buf=None,
+                 paged_kv_indices_buf=None, paged_kv_last_page_len_buf=None):
+        super().__init__(workspace, kv_layout, use_cuda_graph, qo_indptr=qo_indptr_buf, indptr=paged_kv_indptr_buf,
+                         indices=paged_kv_indices_buf, last_page_len=paged_kv_last_page_len_buf)
+        if use_cuda_graph:  # FlashInfer's own checks at construction (prefill.py)
+            assert all(torch.is_tensor(b) for b in self.buffers.values()), "graph mode needs every buffer"
+            batch = qo_indptr_buf.shape[0] - 1
+            assert paged_kv_indptr_buf.shape[0] == batch + 1 and paged_kv_last_page_len_buf.shape[0] == batch
+        self.max_total_rows = None  # graph mode: the first plan's rows (the capture's), never exceeded
+
     def plan(self, qo_indptr, paged_kv_indptr, paged_kv_indices, paged_kv_last_page_len, num_qo_heads,
              num_kv_heads, head_dim_qk, page_size, *, causal=False, window_left=-1, q_data_type=torch.float16,
              kv_data_type=None, sm_scale=None, custom_mask=None):
         assert qo_indptr.device.type == "cpu", "plan takes host arrays"
         self._check_plan(head_dim_qk, qo_indptr, paged_kv_indptr, paged_kv_indices, paged_kv_last_page_len)
+        if self.graph:  # FlashInfer's graph-mode rules (prefill.py's plan)
+            rows = int(qo_indptr[-1])
+            self.max_total_rows = rows if self.max_total_rows is None else self.max_total_rows
+            _need(rows <= self.max_total_rows, f"{rows} rows exceed the {self.max_total_rows} a graph was planned with")
+            _need(qo_indptr.shape[0] == self.buffers["qo_indptr"].shape[0], "a graph wrapper's batch size is fixed")
+            _need(paged_kv_indices.shape[0] <= self.buffers["indices"].shape[0], "paged_kv_indices exceed the buffer")
+            _need(custom_mask is None, "aioserve plans no custom mask in graph mode")
         if custom_mask is not None:  # FlashInfer packs it into bits per request: a flat bool of every [qo, kv]
             _need(custom_mask.dtype == torch.bool and custom_mask.dim() == 1, "custom_mask is a flat bool tensor")
             qo_lens = (qo_indptr[1:] - qo_indptr[:-1]).tolist()
@@ -193,16 +210,25 @@ class BatchPrefillWithPagedKVCacheWrapper(_Wrapper):
             _need(not causal, "a custom mask replaces the causal one")
         self.plans += 1
         self.planned = SimpleNamespace(
-            qo_indptr=qo_indptr, indptr=paged_kv_indptr, indices=paged_kv_indices,
-            last_page_len=paged_kv_last_page_len, num_qo_heads=num_qo_heads, num_kv_heads=num_kv_heads,
+            qo_indptr=self._store("qo_indptr", qo_indptr), indptr=self._store("indptr", paged_kv_indptr),
+            indices=self._store("indices", paged_kv_indices),
+            last_page_len=self._store("last_page_len", paged_kv_last_page_len), num_qo_heads=num_qo_heads, num_kv_heads=num_kv_heads,
             head_dim=head_dim_qk, page_size=page_size, window_left=window_left, q_data_type=q_data_type,
             kv_data_type=kv_data_type or q_data_type, sm_scale=sm_scale or head_dim_qk**-0.5, causal=causal,
             custom_mask=custom_mask,
         )
 
     def run(self, q, paged_kv_cache, *, out=None, window_left=None):
-        assert q.shape[0] == int(self.planned.qo_indptr[-1]), "one query per planned token"
-        return self._run(q, paged_kv_cache, out, window_left, self.planned.qo_indptr)
+        planned_rows = int(self.planned.qo_indptr[-1])
+        if not self.graph:
+            assert q.shape[0] == planned_rows, "one query per planned token"
+            return self._run(q, paged_kv_cache, out, window_left, self.planned.qo_indptr)
+        # A replay runs the capture's rows; a plan naming fewer leaves the
+        # rest unwritten (garbage on a GPU, NaN here, so that a use shows).
+        _need(q.shape[0] == self.max_total_rows, "a graph replays the rows it was captured with")
+        out = self._run(q, paged_kv_cache, out, window_left, self.planned.qo_indptr)
+        out[planned_rows:] = float("nan")
+        return out
 
 
 fake_flashinfer = SimpleNamespace(

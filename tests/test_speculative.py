@@ -387,8 +387,8 @@ def test_chunked_prefill_and_prefix_hits(tiny_checkpoints: dict[str, Path]) -> N
 @pytest.mark.parametrize("backend,dtype", [("torch_native", "float32"), ("auto", "bfloat16")])
 def test_verification_on_cuda(tmp_path: Path, backend: str, dtype: str) -> None:
     """On a GPU the verified drafts run through the attention backend's
-    extend path (FlashInfer's prefill wrapper under auto) while plain
-    decodes replay CUDA graphs. float32 on the torch backend: the plain
+    extend path (FlashInfer's prefill wrapper under auto, in verify graphs)
+    while plain decodes replay decode graphs. float32 on the torch backend: the plain
     outputs exactly; bf16 on FlashInfer: the same outputs up to where two
     kernels' roundings split a near-tie, and there the speculative token is
     one of the plain run's top two, with the logprob the plain run gave it.
@@ -414,6 +414,9 @@ def test_verification_on_cuda(tmp_path: Path, backend: str, dtype: str) -> None:
         outs = [(o.token_ids, o.logprobs, o.finish_reason) for o in llm.generate(prompts, params)]
         assert llm.scheduler.speculator.stats.accepted_tokens > 0
         llm.scheduler.check_integrity()
+        # FlashInfer's verifications replay verify graphs (engine/verify_graph.py); the torch backend's run eagerly.
+        verify = llm.engine.verify_graph_runner
+        assert (verify is not None and verify.replays > 0) if backend == "auto" else verify is None
     finally:
         llm.close()
     if dtype == "float32":

@@ -309,8 +309,9 @@ def test_over_http_with_sglangs_flags(eagle_targets: dict[str, tuple[Path, Path]
 def test_flashinfer_fake_and_decode_graphs(tmp_path: Path) -> None:
     """The GPU path's code on CPU: FlashInfer's wrappers (the enforcing
     fake, head dim 64) for the target and the head, and decode graphs whose
-    static output carries the head's three states (replayed eagerly): the
-    plain outputs, with graphs replayed between verifications."""
+    static output carries the head's three states (replayed eagerly), and
+    verify graphs that carry them from the verifications: the plain
+    outputs, with both kinds of graph replayed."""
     from aioserve.attention.flashinfer import FlashInferBackend
     from aioserve.engine.cuda_graph import EagerCapture
     from fake_flashinfer import fake_flashinfer
@@ -332,13 +333,15 @@ def test_flashinfer_fake_and_decode_graphs(tmp_path: Path) -> None:
         runner = engine.eagle3
         runner.attention = FlashInferBackend(runner.pool, runner.attention_shape, fake_flashinfer)
         engine.graph_runner = engine.capture_decode_graphs(EagerCapture())
+        verify = engine.verify_graph_runner = engine.capture_verify_graphs(EagerCapture())
+        assert verify is not None and verify.hidden.shape[1] == 4 * engine.model_config.hidden_size
         outs = _tuples(llm.generate(prompts, params))
         llm.scheduler.check_integrity()
         replays, stats = engine.graph_runner.replays, llm.scheduler.speculator.stats
     finally:
         llm.close()
     assert same_outputs(outs, plain)
-    assert replays > 0 and stats.drafts > 0
+    assert replays > 0 and stats.drafts > 0 and verify.replays > 0
 
 
 @pytest.mark.gpu

@@ -10,6 +10,9 @@ A backend whose decode kernel reads every length from device tensors can
 also serve CUDA-graph replay (engine/cuda_graph.py): it then keeps static
 buffers for up to `max_bs` decodes, hands out metadata built on them for
 capture, and refills them from each padded decode plan before a replay.
+One whose extend kernel reads its query offsets from device buffers as well
+can serve verify graphs (engine/verify_graph.py): steps whose requests each
+add a few tokens (a speculative verification, decodes beside it).
 """
 
 from __future__ import annotations
@@ -66,6 +69,29 @@ class AttentionBackend(ABC):
         """Fill the static buffers from a decode-only plan already padded to a
         captured size (on the host: no device sync), before its replay."""
         raise NotImplementedError(f"{type(self).__name__} has no CUDA-graph support")
+
+    # -- verify graphs: only for backends with `supports_verify_graphs` -----------------
+
+    @property
+    def supports_verify_graphs(self) -> bool:
+        """Whether an extend step reads its query offsets and KV lengths from
+        device buffers, so a graph captured once replays any step of at most
+        the captured requests and rows."""
+        return False
+
+    def init_verify_graph_buffers(self, max_requests: int, max_pages: int) -> None:
+        """Allocate the static buffers every verify graph slices (`max_pages`: all requests' together)."""
+        raise NotImplementedError(f"{type(self).__name__} has no verify-graph support")
+
+    def verify_graph_metadata(self, num_requests: int, out_cache_loc: torch.Tensor) -> AttentionMetadata:
+        """Metadata over the static buffers for an extend step of `num_requests`
+        (padding requests included) over `out_cache_loc`'s rows, every request causal."""
+        raise NotImplementedError(f"{type(self).__name__} has no verify-graph support")
+
+    def update_verify_graph_buffers(self, host_plan: BatchPlan) -> None:
+        """Fill the static buffers from a plan padded to a captured verify
+        graph (every request an extend of the captured rows in all)."""
+        raise NotImplementedError(f"{type(self).__name__} has no verify-graph support")
 
 
 @dataclass(frozen=True)

@@ -20,7 +20,12 @@ every step, and a layer runs the pair of its own window.
 For CUDA graphs (engine/cuda_graph.py) the backend keeps one decode wrapper
 per captured batch size and window in FlashInfer's CUDA-graph mode; they
 share fixed index buffers, which each `plan` rewrites in place (with the
-same values) before a replay.
+same values) before a replay. Verify graphs (engine/verify_graph.py) keep
+one prefill wrapper per captured size and window in the same mode: FlashInfer's
+graph-mode prefill plan lets the query lengths vary from replay to replay
+under a fixed request count and no more rows than the capture's (the runner
+always plans exactly the capture's rows, so that the kernels' work lists
+keep the sizes the graph baked in).
 
 `flashinfer` is imported on first use (flashinfer/loader.py's
 `load_flashinfer`, shared with the fused elementwise ops): without the extra
@@ -147,6 +152,7 @@ class FlashInferBackend(AttentionBackend):
             w: self.fi.BatchPrefillWithPagedKVCacheWrapper(self.workspace, "NHD") for w in self.windows
         }
         self.graph_decodes: dict[int, dict[int, PagedWrapper]] = {}
+        self.graph_prefills: dict[int, dict[int, PagedWrapper]] = {}
         # Set after each step's plans: their uploads read pinned staging
         # buffers that the next step's plans overwrite (see _before_planning).
         self._planned: torch.cuda.Event | None = None
@@ -202,14 +208,15 @@ class FlashInferBackend(AttentionBackend):
                 sm_scale=self.sm_scale,
             )
 
-    def _plan_prefill(self, qo: torch.Tensor, args: PagedKVArgs, mask: torch.Tensor | None = None) -> None:
+    def _plan_prefill(self, wrappers: dict[int, PagedWrapper], qo: torch.Tensor, args: PagedKVArgs,
+                      mask: torch.Tensor | None = None) -> None:
         """`mask`: a step with rows that attend both ways (Gemma 3's images):
         each extend's [new tokens, KV length] bool mask, flattened and
         concatenated, in place of the causal one (a layer's window still
         applies at run time, as a lower bound on the keys)."""
         s = self.shape
         extra = {} if mask is None else {"custom_mask": mask}
-        for window, wrapper in self.prefill.items():
+        for window, wrapper in wrappers.items():
             wrapper.plan(
                 qo, args.indptr, args.indices, args.last_page_len,
                 s.num_qo_heads, s.num_kv_heads, s.head_dim, self.pool.page_size,
@@ -232,7 +239,7 @@ class FlashInferBackend(AttentionBackend):
             mask = both_ways_mask(host_plan) if host_plan.images is not None else None
             if mask is not None and self.on_cuda:
                 mask = mask.pin_memory().to(self.pool.buffer.device, non_blocking=True)
-            self._plan_prefill(qo.pin_memory() if self.on_cuda else qo, self._upload(args), mask)
+            self._plan_prefill(self.prefill, qo.pin_memory() if self.on_cuda else qo, self._upload(args), mask)
         self._after_planning()
         return FlashInferMetadata(
             self, plan.out_cache_loc, nd, self.decode if nd else None, self.prefill if batch > nd else None
@@ -266,4 +273,39 @@ class FlashInferBackend(AttentionBackend):
         self._before_planning()
         args = paged_kv_args(host_plan.page_table, host_plan.seq_lens, self.pool.page_size)
         self._plan_decode(wrappers, self._upload(args))
+        self._after_planning()
+
+    # -- verify graphs ------------------------------------------------------------------
+
+    @property
+    def supports_verify_graphs(self) -> bool:
+        return self.shape.causal
+
+    def init_verify_graph_buffers(self, max_requests: int, max_pages: int) -> None:
+        device = self.pool.buffer.device
+        self.verify_qo_indptr = torch.zeros(max_requests + 1, dtype=torch.int32, device=device)
+        self.verify_indptr = torch.zeros(max_requests + 1, dtype=torch.int32, device=device)
+        self.verify_indices = torch.zeros(max_pages, dtype=torch.int32, device=device)
+        self.verify_last_page_len = torch.zeros(max_requests, dtype=torch.int32, device=device)
+
+    def verify_graph_metadata(self, num_requests: int, out_cache_loc: torch.Tensor) -> FlashInferMetadata:
+        wrappers: dict[int, PagedWrapper] = {
+            window: self.fi.BatchPrefillWithPagedKVCacheWrapper(
+                self.workspace, "NHD", use_cuda_graph=True,
+                qo_indptr_buf=self.verify_qo_indptr[: num_requests + 1],
+                paged_kv_indptr_buf=self.verify_indptr[: num_requests + 1],
+                paged_kv_indices_buf=self.verify_indices,
+                paged_kv_last_page_len_buf=self.verify_last_page_len[:num_requests],
+            )
+            for window in self.windows
+        }
+        self.graph_prefills[num_requests] = wrappers
+        return FlashInferMetadata(self, out_cache_loc, 0, None, wrappers)
+
+    def update_verify_graph_buffers(self, host_plan: BatchPlan) -> None:
+        wrappers = self.graph_prefills[host_plan.num_requests]
+        self._before_planning()
+        args = paged_kv_args(host_plan.page_table, host_plan.seq_lens, self.pool.page_size)
+        qo = qo_indptr(host_plan.extend_lens)
+        self._plan_prefill(wrappers, qo.pin_memory() if self.on_cuda else qo, self._upload(args))
         self._after_planning()

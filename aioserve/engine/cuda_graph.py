@@ -36,13 +36,14 @@ from __future__ import annotations
 import bisect
 import logging
 import time
+from abc import ABC, abstractmethod
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import Any, Protocol
 
 import torch
 
-from aioserve.attention.backend import AttentionBackend
+from aioserve.attention.backend import AttentionBackend, AttentionMetadata
 from aioserve.batch_plan import BatchPlan
 from aioserve.layers.lora import LoraRouting, LoraStepState
 from aioserve.models.causal_lm import CausalLM
@@ -135,7 +136,14 @@ class CudaGraphCapture:
         return graph
 
 
-class DecodeGraphRunner:
+class StepGraphRunner(ABC):
+    """What the decode graphs and the verify graphs (engine/verify_graph.py)
+    share: static row buffers for the largest captured batch, one graph per
+    batch size, and a step served by padding it to the next captured size,
+    writing its rows into the buffers in place and replaying."""
+
+    kind = "step"  # for the log line
+
     def __init__(
         self,
         model: CausalLM,
@@ -153,18 +161,20 @@ class DecodeGraphRunner:
         self.attention = attention
         self.batch_sizes = graph_batch_sizes(max_bs)
         self.max_bs = self.batch_sizes[-1]
+        self.max_pages_per_request = max_pages_per_request
+        rows = self.rows(self.max_bs)
         long: dict[str, Any] = dict(dtype=torch.long, device=device)
-        self.input_ids = torch.zeros(self.max_bs, **long)
-        self.positions = torch.zeros(self.max_bs, **long)
-        self.out_cache_loc = torch.full((self.max_bs,), SCRATCH_SLOT, **long)
-        self.hidden = torch.zeros(self.max_bs, hidden_size, dtype=dtype, device=device)
-        attention.init_graph_buffers(self.max_bs, max_pages_per_request)
+        self.input_ids = torch.zeros(rows, **long)
+        self.positions = torch.zeros(rows, **long)
+        self.out_cache_loc = torch.full((rows,), SCRATCH_SLOT, **long)
+        self.hidden = torch.zeros(rows, hidden_size, dtype=dtype, device=device)
+        self._init_attention_buffers()
         self.lora_state = lora[0] if lora is not None else None
         # Each row's adapter slot, one-hot (see the module doc); padded rows all zero.
-        self.lora_onehot = torch.zeros(self.max_bs, lora[1] if lora else 0, dtype=dtype, device=device)
+        self.lora_onehot = torch.zeros(rows, lora[1] if lora else 0, dtype=dtype, device=device)
         self.steps: dict[int, CapturedStep] = {}
         self.lora_steps: dict[int, CapturedStep] = {}
-        self.replays = 0  # decode steps served by a graph
+        self.replays = 0  # steps served by a graph
         on_cuda = device.type == "cuda"
         free_before = torch.cuda.mem_get_info(device)[0] if on_cuda else 0
         start = time.perf_counter()
@@ -176,9 +186,35 @@ class DecodeGraphRunner:
         self.capture_seconds = time.perf_counter() - start
         used = (free_before - torch.cuda.mem_get_info(device)[0]) if on_cuda else 0
         logger.info(
-            "captured decode graphs for batch sizes %d..%d (%d graphs) in %.1f s, %.0f MiB",
-            self.batch_sizes[0], self.max_bs, len(self.batch_sizes), self.capture_seconds, used / 2**20,
+            "captured %s graphs for batch sizes %d..%d (%d graphs) in %.1f s, %.0f MiB",
+            self.kind, self.batch_sizes[0], self.max_bs, len(self.batch_sizes), self.capture_seconds, used / 2**20,
         )
+
+    # -- what a kind of step decides --------------------------------------------------
+
+    @abstractmethod
+    def rows(self, batch_size: int) -> int:
+        """Token rows of the graph captured for `batch_size` requests."""
+
+    @abstractmethod
+    def _init_attention_buffers(self) -> None: ...
+
+    @abstractmethod
+    def _attention_metadata(self, batch_size: int) -> AttentionMetadata:
+        """The attention backend's metadata over its static buffers (captured once per size)."""
+
+    @abstractmethod
+    def _padded(self, host_plan: BatchPlan, batch_size: int) -> BatchPlan:
+        """The host plan padded to the graph of `batch_size`."""
+
+    @abstractmethod
+    def _update_attention(self, padded: BatchPlan) -> None:
+        """Refill the backend's static buffers from a padded plan, before its replay."""
+
+    @abstractmethod
+    def can_run(self, host_plan: BatchPlan) -> bool: ...
+
+    # -- shared -------------------------------------------------------------------------
 
     def _dummy_plan(self, batch_size: int) -> BatchPlan:
         """Every row padding: what the graphs are captured over."""
@@ -187,13 +223,14 @@ class DecodeGraphRunner:
             step=-1, input_ids=empty, positions=empty, out_cache_loc=empty, seq_lens=empty, extend_lens=empty,
             page_table=torch.zeros(0, 1, dtype=torch.int32), num_decodes=0, logits_indices=empty, sampling=None,
         )
-        return pad_decode_plan(plan, batch_size)
+        return self._padded(plan, batch_size)
 
     def _capture(self, bs: int, capture: Capture, with_lora: bool = False) -> CapturedStep:
-        meta = self.attention.graph_metadata(bs, self.out_cache_loc[:bs])
-        self.attention.update_graph_buffers(self._dummy_plan(bs))
-        ids, positions, hidden = self.input_ids[:bs], self.positions[:bs], self.hidden[:bs]
-        state, routing = self.lora_state, LoraRouting([], onehot=self.lora_onehot[:bs])
+        rows = self.rows(bs)
+        meta = self._attention_metadata(bs)
+        self._update_attention(self._dummy_plan(bs))
+        ids, positions, hidden = self.input_ids[:rows], self.positions[:rows], self.hidden[:rows]
+        state, routing = self.lora_state, LoraRouting([], onehot=self.lora_onehot[:rows])
 
         def step() -> None:
             if state is None or not with_lora:
@@ -208,6 +245,54 @@ class DecodeGraphRunner:
         step()  # warm-up outside the graph: lazy inits and autotuning must not be captured
         return capture(step)
 
+    def run(self, input_ids: torch.Tensor, plan: BatchPlan, host_plan: BatchPlan) -> torch.Tensor:
+        """Hidden states [T, hidden] of a step `can_run` accepted: `input_ids`
+        and `plan` on the device (placeholders resolved), `host_plan` its host copy."""
+        n, t = host_plan.num_requests, host_plan.num_tokens
+        bs = padded_size(n, self.batch_sizes)
+        assert bs is not None and self.can_run(host_plan)
+        rows = self.rows(bs)
+        self.input_ids[:t].copy_(input_ids, non_blocking=True)
+        self.positions[:t].copy_(plan.positions, non_blocking=True)
+        self.out_cache_loc[:t].copy_(plan.out_cache_loc, non_blocking=True)
+        if rows > t:
+            self.input_ids[t:rows].zero_()
+            self.positions[t:rows].zero_()
+            self.out_cache_loc[t:rows].fill_(SCRATCH_SLOT)
+        self._update_attention(self._padded(host_plan, bs))
+        if host_plan.lora is not None and host_plan.lora.uses_adapters:
+            # A row per request (decodes): the request's slot, one-hot.
+            onehot = torch.zeros(rows, self.lora_onehot.shape[1], dtype=self.lora_onehot.dtype)
+            onehot[torch.arange(n), host_plan.lora.request_slots] = 1
+            self.lora_onehot[:rows].copy_(onehot, non_blocking=True)
+            self.lora_steps[bs].replay()
+            self.replays += 1
+            return self.hidden[:t]
+        self.steps[bs].replay()
+        self.replays += 1
+        return self.hidden[:t]
+
+
+class DecodeGraphRunner(StepGraphRunner):
+    """Decode-only steps: a row per request."""
+
+    kind = "decode"
+
+    def rows(self, batch_size: int) -> int:
+        return batch_size
+
+    def _init_attention_buffers(self) -> None:
+        self.attention.init_graph_buffers(self.max_bs, self.max_pages_per_request)
+
+    def _attention_metadata(self, batch_size: int) -> AttentionMetadata:
+        return self.attention.graph_metadata(batch_size, self.out_cache_loc[:batch_size])
+
+    def _padded(self, host_plan: BatchPlan, batch_size: int) -> BatchPlan:
+        return pad_decode_plan(host_plan, batch_size)
+
+    def _update_attention(self, padded: BatchPlan) -> None:
+        self.attention.update_graph_buffers(padded)
+
     def can_run(self, host_plan: BatchPlan) -> bool:
         return (
             host_plan.is_decode_only
@@ -216,28 +301,3 @@ class DecodeGraphRunner:
             and host_plan.prompt_logprobs is None
             and (host_plan.lora is None or not host_plan.lora.uses_adapters or bool(self.lora_steps))
         )
-
-    def run(self, input_ids: torch.Tensor, plan: BatchPlan, host_plan: BatchPlan) -> torch.Tensor:
-        """Hidden states [n, hidden] of a decode-only step: `input_ids` and
-        `plan` on the device (placeholders resolved), `host_plan` its host copy."""
-        n = host_plan.num_requests
-        bs = padded_size(n, self.batch_sizes)
-        assert bs is not None and self.can_run(host_plan)
-        self.input_ids[:n].copy_(input_ids, non_blocking=True)
-        self.positions[:n].copy_(plan.positions, non_blocking=True)
-        self.out_cache_loc[:n].copy_(plan.out_cache_loc, non_blocking=True)
-        if bs > n:
-            self.input_ids[n:bs].zero_()
-            self.positions[n:bs].zero_()
-            self.out_cache_loc[n:bs].fill_(SCRATCH_SLOT)
-        self.attention.update_graph_buffers(pad_decode_plan(host_plan, bs))
-        if host_plan.lora is not None and host_plan.lora.uses_adapters:
-            onehot = torch.zeros(bs, self.lora_onehot.shape[1], dtype=self.lora_onehot.dtype)
-            onehot[torch.arange(n), host_plan.lora.request_slots] = 1
-            self.lora_onehot[:bs].copy_(onehot, non_blocking=True)
-            self.lora_steps[bs].replay()
-            self.replays += 1
-            return self.hidden[:n]
-        self.steps[bs].replay()
-        self.replays += 1
-        return self.hidden[:n]

@@ -39,11 +39,13 @@ from aioserve.engine.rank_attention import rank_attention_shape
 from aioserve.cpu_engine.decode_stack import NativeDecodeRunner
 from aioserve.engine.sampler import SamplerOutput, prompt_logprobs, sample
 from aioserve.engine.tp_layout import gather_layout, layout_lines
+from aioserve.engine.verify_graph import VerifyGraphRunner
 from aioserve.kvcache.kv_pool import RESERVED_PAGES, KVPool
 from aioserve.lora.adapter_slots import AdapterSlots
 from aioserve.lora_config import resolve_lora
 from aioserve.models.causal_lm import VisionLanguageModel, vision_language
 from aioserve.placeholders import PreviousStepTokens
+from aioserve.speculative_config import resolve_speculative
 
 logger = logging.getLogger(__name__)
 
@@ -102,6 +104,8 @@ class Engine:
         # Decode-only steps run as one captured unit where they can: CUDA
         # graphs on a GPU, the native DecoderStack on a CPU.
         self.graph_runner: DecodeGraphRunner | NativeDecodeRunner | None = None
+        # Speculating steps (a verification beside decodes) as one unit too: CUDA graphs only.
+        self.verify_graph_runner: VerifyGraphRunner | None = None
         self.cpu_paths: CpuFastPaths | None = None
         self.cpu_dispatch = loaded.cpu_dispatch  # on a CPU, which paths it takes and why (cpu/dispatch.py)
         # A pooling model never decodes nor samples: no decode runner, no greedy screen.
@@ -110,7 +114,9 @@ class Engine:
             self.cpu_paths = CpuFastPaths(self.model, self.pool, loaded.cpu_dispatch, self.weight_dtype, generates)
             self.graph_runner = self.cpu_paths.decode_runner
         elif config.cuda_graph and self.attention.supports_graphs and generates:
-            self.graph_runner = self.capture_decode_graphs(CudaGraphCapture())
+            capture = CudaGraphCapture()
+            self.graph_runner = self.capture_decode_graphs(capture)
+            self.verify_graph_runner = self.capture_verify_graphs(capture)  # one memory pool for both
         elif config.cuda_graph:
             logger.info("CUDA graphs off: the %s attention backend cannot replay", self.attention.name)
         self.previous = PreviousStepTokens(self.device)  # fills the next plan's placeholders
@@ -165,6 +171,20 @@ class Engine:
             lora=(self.lora.state, self.lora.num_slots) if self.lora is not None else None,
         )
 
+    def capture_verify_graphs(self, capture: Capture) -> VerifyGraphRunner | None:
+        """With speculative decoding: graphs for its verification steps, up to
+        the batch size where speculation turns off (None without speculation,
+        or where the attention backend cannot replay an extend)."""
+        speculative = resolve_speculative(self.config)
+        if speculative is None or not self.attention.supports_verify_graphs:
+            return None
+        max_bs = min(speculative.disable_by_batch_size, self.config.cuda_graph_max_bs, self.config.max_running_requests)
+        return VerifyGraphRunner(
+            self.model, self.attention, self.output_width, self.dtype, self.device, max_bs=max_bs,
+            max_pages_per_request=-(-self.max_model_len // self.page_size), capture=capture,
+            tokens_per_request=speculative.num_tokens + 1, page_size=self.page_size,
+        )
+
     def forward(self, plan: BatchPlan) -> StepOutput:
         """Run one step and wait for it: the output is on the CPU."""
         output = self.launch(plan)
@@ -215,6 +235,8 @@ class Engine:
         # adapters from the plan itself; the modules read the routing.
         if self.graph_runner is not None and self.graph_runner.can_run(host_plan):
             hidden = self.graph_runner.run(input_ids, plan, host_plan)
+        elif self.verify_graph_runner is not None and self.verify_graph_runner.can_run(host_plan):
+            hidden = self.verify_graph_runner.run(input_ids, plan, host_plan)
         else:
             meta = self.attention.prepare(plan, host_plan)
             with self.lora.routed(routing) if self.lora is not None else nullcontext():
