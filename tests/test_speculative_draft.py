@@ -342,6 +342,51 @@ def test_over_http_streams_equal_plain_decoding(tiny_checkpoints: dict[str, Path
     assert re.search(r"aioserve:spec_decode_num_accepted_tokens_total\{[^}]*\} [1-9]", metrics)
 
 
+@pytest.mark.parametrize("which", ["target", "small"])
+def test_flashinfer_fake_and_graphs(tmp_path: Path, which: str) -> None:
+    """The GPU path's code on CPU: FlashInfer's wrappers (the enforcing fake,
+    head dim 64) for the target and the draft, and CUDA graphs replayed
+    eagerly (EagerCapture) for both: the target's decode and verify graphs,
+    the draft's decode graphs (its proposals, and following decode-only
+    steps) and verify graphs (following verifications). The plain outputs,
+    with every kind of graph replayed."""
+    from aioserve.attention.flashinfer import FlashInferBackend
+    from aioserve.engine.cuda_graph import EagerCapture
+    from fake_flashinfer import fake_flashinfer
+    from tiny_models import build_checkpoint
+
+    model = build_checkpoint("qwen3", tmp_path / "qwen3", overrides={"head_dim": 64})
+    draft = model if which == "target" else build_checkpoint("llama", tmp_path / "draft", seed=5, overrides={
+        "head_dim": 64, "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 1,
+        "num_attention_heads": 2, "num_key_value_heads": 1})
+    prompts = [hf_encode(model, t) for t in PROMPTS]
+    # Different lengths: the running requests go 5, 4, ..., 1 (graphs up to 3; speculation at 3 or fewer).
+    params = [SamplingParams(max_tokens=m, temperature=0, ignore_eos=True, logprobs=1) for m in (6, 12, 18, 24, 30)]
+    options = {"dtype": "float32", "page_size": 4, "cuda_graph_max_bs": 3, "cuda_graph": False}
+    plain, _ = _run(model, prompts, params, **options)
+    spec = {**_draft(draft), "disable_by_batch_size": 3}
+    llm = LLM(str(model), debug_integrity=True, speculative_config=spec, **options)
+    try:
+        engine = llm.engine
+        runner = engine.draft
+        engine.attention = FlashInferBackend(engine.pool, engine.attention_shape, fake_flashinfer)
+        runner.attention = FlashInferBackend(runner.pool, runner.attention_shape, fake_flashinfer)
+        engine.graph_runner = engine.capture_decode_graphs(EagerCapture())
+        engine.verify_graph_runner = engine.capture_verify_graphs(EagerCapture())
+        engine.capture_draft_graphs(EagerCapture())
+        outs = _tuples(llm.generate(prompts, params))
+        llm.scheduler.check_integrity()
+        stats = llm.scheduler.speculator.stats
+    finally:
+        llm.close()
+    assert same_outputs(outs, plain)
+    assert stats.drafts > 0 and engine.verify_graph_runner.replays > 0
+    assert runner.decode_graphs is not None and runner.decode_graphs.replays > 0
+    assert runner.verify_graphs is not None and runner.verify_graphs.replays > 0
+    if which == "target":
+        assert stats.accepted_tokens >= 0.8 * stats.draft_tokens, stats
+
+
 def plain_and_speculative(model: Path, speculative_config: dict, options: dict) -> tuple[list, list, object]:
     """PROMPTS, greedy, plainly and speculating: (plain outputs, speculative
     outputs, the speculation's counters), the KV bookkeeping checked."""
@@ -363,16 +408,34 @@ def plain_and_speculative(model: Path, speculative_config: dict, options: dict) 
 
 
 @pytest.mark.gpu
-def test_draft_model_on_cuda(tmp_path: Path) -> None:
-    """On a GPU in float32 on the torch backend: the draft's eager decodes
-    beside the target's CUDA-graph decodes give the plain outputs, and the
-    target as its own draft keeps nearly every proposal. (Written with the
-    CPU version; not yet run on a GPU.)"""
+@pytest.mark.parametrize("backend,dtype", [("torch_native", "float32"), ("auto", "bfloat16")])
+def test_draft_model_on_cuda(tmp_path: Path, backend: str, dtype: str) -> None:
+    """On a GPU, the target as its own draft. float32 on the torch backend
+    (the draft eager, the target's decodes in graphs): the plain outputs.
+    bf16 under auto (FlashInfer): the draft's decodes and the target's
+    verifications replay their graphs and nearly every proposal stands (the
+    outputs may split from plain decoding's at a near-tie, as
+    test_speculative.py's GPU test explains, so they are not compared)."""
     from tiny_models import build_checkpoint
 
     model = build_checkpoint("qwen3", tmp_path / "qwen3", overrides={
         "hidden_size": 256, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 128})
-    options = {"device": "cuda", "dtype": "float32", "attention_backend": "torch_native", "page_size": 16}
-    plain, outs, stats = plain_and_speculative(model, _draft(model), options)
-    assert same_outputs(outs, plain)
-    assert stats.accepted_tokens >= 0.8 * stats.draft_tokens, stats
+    options = {"device": "cuda", "dtype": dtype, "attention_backend": backend, "page_size": 16}
+    if dtype == "float32":
+        plain, outs, stats = plain_and_speculative(model, _draft(model), options)
+        assert same_outputs(outs, plain)
+        assert stats.accepted_tokens >= 0.8 * stats.draft_tokens, stats
+        return
+    prompts = [hf_encode(model, t) for t in PROMPTS]
+    llm = LLM(str(model), debug_integrity=True, speculative_config=_draft(model), **options)
+    try:
+        outs = llm.generate(prompts, [_params("greedy")] * len(prompts))
+        llm.scheduler.check_integrity()
+        stats, engine = llm.scheduler.speculator.stats, llm.engine
+    finally:
+        llm.close()
+    assert all(len(o.token_ids) == 24 for o in outs)
+    assert stats.accepted_tokens >= 0.6 * stats.draft_tokens, stats
+    draft = engine.draft
+    assert draft is not None and draft.decode_graphs is not None and draft.decode_graphs.replays > 0
+    assert engine.verify_graph_runner is not None and engine.verify_graph_runner.replays > 0

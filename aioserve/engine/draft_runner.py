@@ -19,9 +19,12 @@ Two things happen each step, both on the engine's thread:
   accepts are overwritten later, as the target's are). Prefix-cache pages
   were written by both models, since every step ran through both.
 
-The draft's decodes run eagerly (no CUDA graph) in this version; the
-target's graphs are untouched (a verification step is no decode-only step,
-so it never replays one).
+With CUDA graphs (`capture_graphs`, FlashInfer) the draft replays graphs
+of its own, over its own pool and attention buffers: decode graphs for its
+proposals' decodes and for following decode-only steps, verify graphs
+(engine/verify_graph.py) for following speculating steps; anything else
+(prompt chunks) runs eagerly. Eager, the model as its own draft ran at
+0.14x of plain decoding on an H200: k + 1 eager forwards a step.
 """
 
 from __future__ import annotations
@@ -32,8 +35,10 @@ import torch
 
 from aioserve.attention import create_backend
 from aioserve.batch_plan import BatchPlan, DraftBatch
+from aioserve.engine.cuda_graph import Capture, DecodeGraphRunner
 from aioserve.engine.draft_model import LoadedDraft
 from aioserve.engine.rank_attention import rank_attention_shape
+from aioserve.engine.verify_graph import VerifyGraphRunner
 from aioserve.kvcache.kv_pool import KVPool
 
 logger = logging.getLogger(__name__)
@@ -47,15 +52,40 @@ class DraftRunner:
         mc = draft.model_config
         self.model = draft.model
         self.device = device
+        self.dtype = q_dtype
+        self.hidden_size = mc.hidden_size
+        self.decode_graphs: DecodeGraphRunner | None = None
+        self.verify_graphs: VerifyGraphRunner | None = None
         # Under tensor parallelism the draft is sharded like the target (its
         # layers read the same group): each rank holds its share of the heads.
-        shape = rank_attention_shape(mc, tp_size, q_dtype)
+        self.attention_shape = shape = rank_attention_shape(mc, tp_size, q_dtype)
         self.pool = KVPool(mc.num_layers, num_pages, page_size, shape.num_kv_heads, shape.head_dim, kv_dtype, device)
         self.attention = create_backend(attention_backend, self.pool, shape)
 
     @property
     def pool_bytes(self) -> int:
         return self.pool.buffer.numel() * self.pool.buffer.element_size()
+
+    def capture_graphs(
+        self, capture: Capture, max_bs: int, max_pages_per_request: int, verify_max_bs: int, tokens_per_request: int,
+    ) -> None:
+        """The draft's CUDA graphs, where its attention backend can replay
+        (the target's sizes: `max_bs` decodes, verify graphs of
+        `verify_max_bs` requests of `tokens_per_request` rows)."""
+        if not self.attention.supports_graphs:
+            return
+        shape = (self.model, self.attention, self.hidden_size, self.dtype, self.device)
+        self.decode_graphs = DecodeGraphRunner(*shape, max_bs, max_pages_per_request, capture)
+        if self.attention.supports_verify_graphs:
+            self.verify_graphs = VerifyGraphRunner(*shape, verify_max_bs, max_pages_per_request, capture,
+                                                   tokens_per_request, self.pool.page_size)
+
+    def _forward(self, input_ids: torch.Tensor, plan: BatchPlan, host_plan: BatchPlan) -> torch.Tensor:
+        """The draft's hidden states for a step: a graph's replay where one serves it, else eagerly."""
+        for runner in (self.decode_graphs, self.verify_graphs):
+            if runner is not None and runner.can_run(host_plan):
+                return runner.run(input_ids, plan, host_plan)
+        return self.model(input_ids, plan.positions, self.attention.prepare(plan, host_plan))
 
     def propose(self, host_plan: BatchPlan, input_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The draft's proposals [D] (DraftBatch order) and a copy of
@@ -71,9 +101,7 @@ class DraftRunner:
             every = len(active) == len(batch.lengths)
             chosen = None if every else upload(active, self.device)
             decode = decode_plan(host_plan, batch, active, starts, i)
-            on_device = decode.to(self.device)
-            meta = self.attention.prepare(on_device, decode)
-            hidden = self.model(newest if chosen is None else newest[chosen], on_device.positions, meta)
+            hidden = self._forward(newest if chosen is None else newest[chosen], decode.to(self.device), decode)
             # Greedy: a top-1 chain, as vLLM's and SGLang's drafts by default.
             tokens = self.model.compute_logits(hidden).argmax(dim=-1)
             proposals[upload([offsets[j] + i for j in active], self.device)] = tokens
@@ -82,8 +110,7 @@ class DraftRunner:
 
     def follow(self, plan: BatchPlan, host_plan: BatchPlan, input_ids: torch.Tensor) -> None:
         """Run the draft over the whole step, for its KV (its logits are not needed)."""
-        meta = self.attention.prepare(plan, host_plan)
-        self.model(input_ids, plan.positions, meta)
+        self._forward(input_ids, plan, host_plan)
 
 
 def upload(values: list[int], device: torch.device) -> torch.Tensor:

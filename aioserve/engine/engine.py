@@ -116,7 +116,8 @@ class Engine:
         elif config.cuda_graph and self.attention.supports_graphs and generates:
             capture = CudaGraphCapture()
             self.graph_runner = self.capture_decode_graphs(capture)
-            self.verify_graph_runner = self.capture_verify_graphs(capture)  # one memory pool for both
+            self.verify_graph_runner = self.capture_verify_graphs(capture)  # one memory pool for all
+            self.capture_draft_graphs(capture)
         elif config.cuda_graph:
             logger.info("CUDA graphs off: the %s attention backend cannot replay", self.attention.name)
         self.previous = PreviousStepTokens(self.device)  # fills the next plan's placeholders
@@ -183,6 +184,17 @@ class Engine:
             self.model, self.attention, self.output_width, self.dtype, self.device, max_bs=max_bs,
             max_pages_per_request=-(-self.max_model_len // self.page_size), capture=capture,
             tokens_per_request=speculative.num_tokens + 1, page_size=self.page_size,
+        )
+
+    def capture_draft_graphs(self, capture: Capture) -> None:
+        """A draft model's graphs, at the target's sizes (nothing without a draft model)."""
+        speculative = resolve_speculative(self.config)
+        if self.draft is None or speculative is None:
+            return
+        max_bs = min(self.config.cuda_graph_max_bs, self.config.max_running_requests)
+        self.draft.capture_graphs(
+            capture, max_bs=max_bs, max_pages_per_request=-(-self.max_model_len // self.page_size),
+            verify_max_bs=min(speculative.disable_by_batch_size, max_bs), tokens_per_request=speculative.num_tokens + 1,
         )
 
     def forward(self, plan: BatchPlan) -> StepOutput:
