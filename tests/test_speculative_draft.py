@@ -387,9 +387,12 @@ def test_flashinfer_fake_and_graphs(tmp_path: Path, which: str) -> None:
         assert stats.accepted_tokens >= 0.8 * stats.draft_tokens, stats
 
 
-def plain_and_speculative(model: Path, speculative_config: dict, options: dict) -> tuple[list, list, object]:
+def plain_and_speculative(
+    model: Path, speculative_config: dict, options: dict, engines: list | None = None
+) -> tuple[list, list, object]:
     """PROMPTS, greedy, plainly and speculating: (plain outputs, speculative
-    outputs, the speculation's counters), the KV bookkeeping checked."""
+    outputs, the speculation's counters), the KV bookkeeping checked; the
+    speculating engine appended to `engines` where given."""
     prompts = [hf_encode(model, t) for t in PROMPTS]
     params = [_params("greedy")] * len(prompts)
     llm = LLM(str(model), **options)
@@ -401,6 +404,8 @@ def plain_and_speculative(model: Path, speculative_config: dict, options: dict) 
     try:
         outs = _tuples(llm.generate(prompts, params))
         stats = llm.scheduler.speculator.stats
+        if engines is not None:
+            engines.append(llm.engine)
         llm.scheduler.check_integrity()
     finally:
         llm.close()

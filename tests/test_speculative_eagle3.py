@@ -306,12 +306,14 @@ def test_over_http_with_sglangs_flags(eagle_targets: dict[str, tuple[Path, Path]
     assert re.search(r"aioserve:spec_decode_num_draft_tokens_total\{[^}]*\} [1-9]", metrics)
 
 
-def test_flashinfer_fake_and_decode_graphs(tmp_path: Path) -> None:
+def test_flashinfer_fake_and_graphs(tmp_path: Path) -> None:
     """The GPU path's code on CPU: FlashInfer's wrappers (the enforcing
-    fake, head dim 64) for the target and the head, and decode graphs whose
-    static output carries the head's three states (replayed eagerly), and
-    verify graphs that carry them from the verifications: the plain
-    outputs, with both kinds of graph replayed."""
+    fake, head dim 64) for the target and the head, the target's decode
+    graphs (their static output carries the head's three states) and verify
+    graphs, and the head's own decode and verify graphs, all replayed
+    eagerly (EagerCapture): the plain outputs, with every kind replayed, and
+    the head's proposals, step by step, those of the same head run without
+    graphs of its own."""
     from aioserve.attention.flashinfer import FlashInferBackend
     from aioserve.engine.cuda_graph import EagerCapture
     from fake_flashinfer import fake_flashinfer
@@ -326,33 +328,53 @@ def test_flashinfer_fake_and_decode_graphs(tmp_path: Path) -> None:
     plain, _ = _run(model, prompts, params, **options)
     # Speculation only at 2 decoders or fewer: the steps before are decode-only, and replay.
     spec = {**_eagle(head), "disable_by_batch_size": 2}
-    llm = LLM(str(model), debug_integrity=True, speculative_config=spec, **options)
-    try:
-        engine = llm.engine
-        engine.attention = FlashInferBackend(engine.pool, engine.attention_shape, fake_flashinfer)
-        runner = engine.eagle3
-        runner.attention = FlashInferBackend(runner.pool, runner.attention_shape, fake_flashinfer)
-        engine.graph_runner = engine.capture_decode_graphs(EagerCapture())
-        verify = engine.verify_graph_runner = engine.capture_verify_graphs(EagerCapture())
-        assert verify is not None and verify.hidden.shape[1] == 4 * engine.model_config.hidden_size
-        outs = _tuples(llm.generate(prompts, params))
-        llm.scheduler.check_integrity()
-        replays, stats = engine.graph_runner.replays, llm.scheduler.speculator.stats
-    finally:
-        llm.close()
-    assert same_outputs(outs, plain)
-    assert replays > 0 and stats.drafts > 0 and verify.replays > 0
+
+    def run(head_graphs: bool) -> tuple:
+        llm = LLM(str(model), debug_integrity=True, speculative_config=spec, **options)
+        try:
+            engine = llm.engine
+            engine.attention = FlashInferBackend(engine.pool, engine.attention_shape, fake_flashinfer)
+            runner = engine.eagle3
+            runner.attention = FlashInferBackend(runner.pool, runner.attention_shape, fake_flashinfer)
+            engine.graph_runner = engine.capture_decode_graphs(EagerCapture())
+            verify = engine.verify_graph_runner = engine.capture_verify_graphs(EagerCapture())
+            assert verify is not None and verify.hidden.shape[1] == 4 * engine.model_config.hidden_size
+            if head_graphs:
+                engine.capture_draft_graphs(EagerCapture())
+            proposed: list[list[int]] = []
+            propose = runner.propose
+
+            def recording(host_plan, input_ids):
+                proposals, filled = propose(host_plan, input_ids)
+                proposed.append(proposals.tolist())
+                return proposals, filled
+
+            runner.propose = recording
+            outs = _tuples(llm.generate(prompts, params))
+            llm.scheduler.check_integrity()
+            assert engine.graph_runner.replays > 0 and verify.replays > 0
+            assert llm.scheduler.speculator.stats.drafts > 0
+        finally:
+            llm.close()
+        return outs, proposed, runner
+
+    eager_outs, eager_proposed, _ = run(head_graphs=False)
+    outs, proposed, runner = run(head_graphs=True)
+    assert same_outputs(eager_outs, plain) and same_outputs(outs, plain)
+    assert proposed == eager_proposed and len(proposed) > 3
+    assert runner.decode_graphs is not None and runner.decode_graphs.replays > 0
+    assert runner.verify_graphs is not None and runner.verify_graphs.replays > 0
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("backend", ["torch_native", "flashinfer"])
 def test_eagle3_on_cuda(tmp_path: Path, backend: str) -> None:
-    """On a GPU: the head's eager decodes and its follow beside the target's
-    CUDA-graph decodes (whose static output now carries the head's three
-    states) give the plain outputs; float32 on the torch backend, bf16 with
-    FlashInfer (head dim 128) where the plain run is the reference for the
-    tokens up to the first near-tie split. (Written with the CPU version;
-    not yet run on a GPU.)"""
+    """On a GPU: the head beside the target's CUDA-graph decodes (whose
+    static output carries the head's three states) gives the plain outputs;
+    float32 on the torch backend (the head eager), bf16 with FlashInfer
+    (head dim 128; the target's verifications and the head's decodes and
+    follows in graphs of their own) where the plain run is the reference
+    for the tokens up to the first near-tie split."""
     from tiny_models import build_checkpoint, build_eagle3_head
 
     model = build_checkpoint("llama", tmp_path / "llama", overrides={
@@ -360,9 +382,14 @@ def test_eagle3_on_cuda(tmp_path: Path, backend: str) -> None:
     head = build_eagle3_head(tmp_path / "head", model, seed=7)
     dtype = "float32" if backend == "torch_native" else "bfloat16"
     options = {"device": "cuda", "dtype": dtype, "attention_backend": backend, "page_size": 16}
-    plain, outs, stats = plain_and_speculative(model, _eagle(head), options)
+    engines: list = []
+    plain, outs, stats = plain_and_speculative(model, _eagle(head), options, engines)
     assert stats.drafts > 0
     if dtype == "float32":
         assert same_outputs(outs, plain)
-    else:  # two kernels' roundings may split a near-tie: equal at least over the first tokens
-        assert all(a[0][:4] == b[0][:4] for a, b in zip(outs, plain))
+        return
+    runner = engines[0].eagle3
+    assert runner.decode_graphs is not None and runner.decode_graphs.replays > 0
+    assert engines[0].verify_graph_runner is not None and engines[0].verify_graph_runner.replays > 0
+    # bf16: two kernels' roundings may split a near-tie: equal at least over the first tokens
+    assert all(a[0][:4] == b[0][:4] for a, b in zip(outs, plain))

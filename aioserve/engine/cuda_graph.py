@@ -46,7 +46,6 @@ import torch
 from aioserve.attention.backend import AttentionBackend, AttentionMetadata
 from aioserve.batch_plan import BatchPlan
 from aioserve.layers.lora import LoraRouting, LoraStepState
-from aioserve.models.causal_lm import CausalLM
 
 logger = logging.getLogger(__name__)
 
@@ -98,6 +97,13 @@ def pad_decode_plan(plan: BatchPlan, batch_size: int) -> BatchPlan:
     )
 
 
+class StepForward(Protocol):
+    """What a graph captures: a forward over a step's rows (a CausalLM, or
+    an adapter around a head that reads more than token ids)."""
+
+    def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor: ...
+
+
 class CapturedStep(Protocol):
     def replay(self) -> None: ...
 
@@ -146,7 +152,7 @@ class StepGraphRunner(ABC):
 
     def __init__(
         self,
-        model: CausalLM,
+        model: StepForward,
         attention: AttentionBackend,
         hidden_size: int,
         dtype: torch.dtype,

@@ -32,8 +32,14 @@ prefix's last position paired it with the token that followed it when it
 was computed, which may differ for the new request: only the proposals'
 quality can suffer, never the output (the target verifies every token).
 
-The head runs eagerly (no CUDA graph) in this version; under tensor
-parallelism its layer is sharded like the target's.
+With CUDA graphs (`capture_graphs`, FlashInfer) the head replays graphs of
+its own over its pool: decode graphs for the proposal decodes and for
+following decode-only steps, verify graphs for following verifications. A
+graph reads token ids, so the state each row is fed comes through a static
+buffer (`HeadForward`), one width for both uses: a follow applies the
+head's `fc` to the target's three states first, eagerly, which the head
+would otherwise do itself. Under tensor parallelism its layer is sharded
+like the target's.
 """
 
 from __future__ import annotations
@@ -43,14 +49,31 @@ import logging
 import torch
 
 from aioserve.attention import create_backend
+from aioserve.attention.backend import AttentionMetadata
 from aioserve.batch_plan import BatchPlan
+from aioserve.engine.cuda_graph import Capture, DecodeGraphRunner
 from aioserve.engine.draft_runner import decode_plan, newest_positions, upload, with_proposals
 from aioserve.engine.eagle3_draft import LoadedEagle3
 from aioserve.engine.rank_attention import rank_attention_shape
 from aioserve.kvcache.kv_pool import KVPool
+from aioserve.engine.verify_graph import VerifyGraphRunner, verify_rows
 from aioserve.layers.embedding import VocabParallelEmbedding
+from aioserve.models.eagle3 import Eagle3Head
 
 logger = logging.getLogger(__name__)
+
+
+class HeadForward:
+    """The head as a graph captures a forward: token ids in, its two outputs
+    side by side out ([T, 2H]: normed, pre-norm), the state each row is fed
+    read from `fed` [rows, H], which the caller fills before a replay."""
+
+    def __init__(self, head: Eagle3Head, embed: VocabParallelEmbedding, fed: torch.Tensor) -> None:
+        self.head, self.embed, self.fed = head, embed, fed
+
+    def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        normed, prenorm = self.head(self.embed(input_ids), positions, self.fed[: input_ids.shape[0]], meta)
+        return torch.cat([normed, prenorm], dim=-1)
 
 
 class Eagle3Runner:
@@ -73,6 +96,41 @@ class Eagle3Runner:
         slots = num_pages * page_size
         self.next_token = torch.zeros(slots, dtype=torch.long, device=device)
         self.hidden = torch.zeros(slots, layer.hidden_size, dtype=dtype, device=device)
+        self.dtype = dtype
+        self.decode_graphs: DecodeGraphRunner | None = None
+        self.verify_graphs: VerifyGraphRunner | None = None
+        self.fed = torch.zeros(0, layer.hidden_size, dtype=dtype, device=device)  # the graphs' fed states
+
+    def capture_graphs(
+        self, capture: Capture, max_bs: int, max_pages_per_request: int, verify_max_bs: int, tokens_per_request: int,
+    ) -> None:
+        """The head's CUDA graphs, where its attention backend can replay
+        (the target's sizes, as a draft model's)."""
+        if not self.attention.supports_graphs:
+            return
+        width = self.hidden.shape[1]
+        rows = max(max_bs, verify_rows(verify_max_bs, tokens_per_request))
+        self.fed = torch.zeros(rows, width, dtype=self.dtype, device=self.device)
+        forward = HeadForward(self.head, self.embed, self.fed)
+        shape = (forward, self.attention, 2 * width, self.dtype, self.device)
+        self.decode_graphs = DecodeGraphRunner(*shape, max_bs, max_pages_per_request, capture)
+        if self.attention.supports_verify_graphs:
+            self.verify_graphs = VerifyGraphRunner(*shape, verify_max_bs, max_pages_per_request, capture,
+                                                   tokens_per_request, self.page_size)
+
+    def _head_step(
+        self, ids: torch.Tensor, fed: torch.Tensor, plan: BatchPlan, host_plan: BatchPlan
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The head over a step's rows, fed `fed` [T, H]: (normed, pre-norm),
+        by a graph's replay where one serves the step (views into its output:
+        read them before the next replay), else eagerly."""
+        for runner in (self.decode_graphs, self.verify_graphs):
+            if runner is not None and runner.can_run(host_plan):
+                self.fed[: fed.shape[0]].copy_(fed)
+                out = runner.run(ids, plan, host_plan)
+                width = self.fed.shape[1]
+                return out[:, :width], out[:, width:]
+        return self.head(self.embed(ids), plan.positions, fed, self.attention.prepare(plan, host_plan))
 
     @property
     def pool_bytes(self) -> int:
@@ -97,11 +155,9 @@ class Eagle3Runner:
             active = [j for j, length in enumerate(batch.lengths) if length > i]
             chosen = None if len(active) == len(batch.lengths) else upload(active, self.device)
             decode = decode_plan(host_plan, batch, active, starts, i - 1)  # at position p + i - 1
-            on_device = decode.to(self.device)
-            meta = self.attention.prepare(on_device, decode)
             fed_tokens = tokens if chosen is None else tokens[chosen]
             fed_hidden = hidden if chosen is None else hidden[chosen]
-            normed, prenorm = self.head(self.embed(fed_tokens), on_device.positions, fed_hidden, meta)
+            normed, prenorm = self._head_step(fed_tokens, fed_hidden, decode.to(self.device), decode)
             drafted = self.head.propose(normed)
             proposals[upload([offsets[j] + i for j in active], self.device)] = drafted
             if chosen is None:
@@ -123,8 +179,8 @@ class Eagle3Runner:
             following = torch.where(following >= 0, following, at_rows)
         else:  # no row samples (prompt chunks only): every following token is the prompt's
             following = following.clamp(min=0)
-        meta = self.attention.prepare(plan, host_plan)
-        normed, prenorm = self.head(self.embed(following), plan.positions, aux, meta)
+        # fc here, so that the head is fed one width however it runs (the graphs' buffer).
+        normed, prenorm = self._head_step(following, self.head.fc(aux), plan, host_plan)
         if samples is not None:
             slots = plan.out_cache_loc[samples]
             self.next_token[slots] = self.head.propose(normed[samples])

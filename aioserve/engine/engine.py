@@ -187,12 +187,13 @@ class Engine:
         )
 
     def capture_draft_graphs(self, capture: Capture) -> None:
-        """A draft model's graphs, at the target's sizes (nothing without a draft model)."""
+        """A draft model's or an EAGLE-3 head's graphs, at the target's sizes (nothing without either)."""
         speculative = resolve_speculative(self.config)
-        if self.draft is None or speculative is None:
+        proposer = self.draft or self.eagle3
+        if proposer is None or speculative is None:
             return
         max_bs = min(self.config.cuda_graph_max_bs, self.config.max_running_requests)
-        self.draft.capture_graphs(
+        proposer.capture_graphs(
             capture, max_bs=max_bs, max_pages_per_request=-(-self.max_model_len // self.page_size),
             verify_max_bs=min(speculative.disable_by_batch_size, max_bs), tokens_per_request=speculative.num_tokens + 1,
         )

@@ -33,8 +33,7 @@ import torch
 
 from aioserve.attention.backend import AttentionBackend, AttentionMetadata
 from aioserve.batch_plan import BatchPlan
-from aioserve.engine.cuda_graph import SCRATCH_SLOT, Capture, StepGraphRunner
-from aioserve.models.causal_lm import CausalLM
+from aioserve.engine.cuda_graph import SCRATCH_SLOT, Capture, StepForward, StepGraphRunner
 
 
 def verify_rows(batch_size: int, tokens_per_request: int) -> int:
@@ -82,7 +81,7 @@ class VerifyGraphRunner(StepGraphRunner):
 
     def __init__(
         self,
-        model: CausalLM,
+        model: StepForward,
         attention: AttentionBackend,
         hidden_size: int,
         dtype: torch.dtype,
