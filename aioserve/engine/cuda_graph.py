@@ -142,6 +142,20 @@ class CudaGraphCapture:
         return graph
 
 
+@dataclass(frozen=True)
+class GraphTarget:
+    """What a runner captures over: a forward, the attention backend whose
+    buffers it reads, and the static output's shape and place."""
+
+    forward: StepForward
+    attention: AttentionBackend
+    width: int  # the forward's row width (its hidden size, or wider: engine.output_width)
+    dtype: torch.dtype
+    device: torch.device
+    max_pages_per_request: int
+    capture: Capture
+
+
 class StepGraphRunner(ABC):
     """What the decode graphs and the verify graphs (engine/verify_graph.py)
     share: static row buffers for the largest captured batch, one graph per
@@ -150,30 +164,20 @@ class StepGraphRunner(ABC):
 
     kind = "step"  # for the log line
 
-    def __init__(
-        self,
-        model: StepForward,
-        attention: AttentionBackend,
-        hidden_size: int,
-        dtype: torch.dtype,
-        device: torch.device,
-        max_bs: int,
-        max_pages_per_request: int,
-        capture: Capture,
-        lora: tuple[LoraStepState, int] | None = None,
-    ) -> None:
+    def __init__(self, target: GraphTarget, max_bs: int, lora: tuple[LoraStepState, int] | None = None) -> None:
         """`lora`: the model's LoRA step state and its slot count, when adapters are served."""
-        self.model = model
-        self.attention = attention
+        self.model = target.forward
+        self.attention = target.attention
         self.batch_sizes = graph_batch_sizes(max_bs)
         self.max_bs = self.batch_sizes[-1]
-        self.max_pages_per_request = max_pages_per_request
+        self.max_pages_per_request = target.max_pages_per_request
+        device, dtype, capture = target.device, target.dtype, target.capture
         rows = self.rows(self.max_bs)
         long: dict[str, Any] = dict(dtype=torch.long, device=device)
         self.input_ids = torch.zeros(rows, **long)
         self.positions = torch.zeros(rows, **long)
         self.out_cache_loc = torch.full((rows,), SCRATCH_SLOT, **long)
-        self.hidden = torch.zeros(rows, hidden_size, dtype=dtype, device=device)
+        self.hidden = torch.zeros(rows, target.width, dtype=dtype, device=device)
         self._init_attention_buffers()
         self.lora_state = lora[0] if lora is not None else None
         # Each row's adapter slot, one-hot (see the module doc); padded rows all zero.

@@ -35,7 +35,7 @@ import torch
 
 from aioserve.attention import create_backend
 from aioserve.batch_plan import BatchPlan, DraftBatch
-from aioserve.engine.cuda_graph import Capture, DecodeGraphRunner
+from aioserve.engine.cuda_graph import Capture, DecodeGraphRunner, GraphTarget
 from aioserve.engine.draft_model import LoadedDraft
 from aioserve.engine.rank_attention import rank_attention_shape
 from aioserve.engine.verify_graph import VerifyGraphRunner
@@ -74,11 +74,11 @@ class DraftRunner:
         `verify_max_bs` requests of `tokens_per_request` rows)."""
         if not self.attention.supports_graphs:
             return
-        shape = (self.model, self.attention, self.hidden_size, self.dtype, self.device)
-        self.decode_graphs = DecodeGraphRunner(*shape, max_bs, max_pages_per_request, capture)
+        target = GraphTarget(self.model, self.attention, self.hidden_size, self.dtype, self.device, max_pages_per_request,
+                             capture)
+        self.decode_graphs = DecodeGraphRunner(target, max_bs)
         if self.attention.supports_verify_graphs:
-            self.verify_graphs = VerifyGraphRunner(*shape, verify_max_bs, max_pages_per_request, capture,
-                                                   tokens_per_request, self.pool.page_size)
+            self.verify_graphs = VerifyGraphRunner(target, verify_max_bs, tokens_per_request, self.pool.page_size)
 
     def _forward(self, input_ids: torch.Tensor, plan: BatchPlan, host_plan: BatchPlan) -> torch.Tensor:
         """The draft's hidden states for a step: a graph's replay where one serves it, else eagerly."""

@@ -51,7 +51,7 @@ import torch
 from aioserve.attention import create_backend
 from aioserve.attention.backend import AttentionMetadata
 from aioserve.batch_plan import BatchPlan
-from aioserve.engine.cuda_graph import Capture, DecodeGraphRunner
+from aioserve.engine.cuda_graph import Capture, DecodeGraphRunner, GraphTarget
 from aioserve.engine.draft_runner import decode_plan, newest_positions, upload, with_proposals
 from aioserve.engine.eagle3_draft import LoadedEagle3
 from aioserve.engine.rank_attention import rank_attention_shape
@@ -112,11 +112,11 @@ class Eagle3Runner:
         rows = max(max_bs, verify_rows(verify_max_bs, tokens_per_request))
         self.fed = torch.zeros(rows, width, dtype=self.dtype, device=self.device)
         forward = HeadForward(self.head, self.embed, self.fed)
-        shape = (forward, self.attention, 2 * width, self.dtype, self.device)
-        self.decode_graphs = DecodeGraphRunner(*shape, max_bs, max_pages_per_request, capture)
+        target = GraphTarget(forward, self.attention, 2 * width, self.dtype, self.device, max_pages_per_request,
+                             capture)
+        self.decode_graphs = DecodeGraphRunner(target, max_bs)
         if self.attention.supports_verify_graphs:
-            self.verify_graphs = VerifyGraphRunner(*shape, verify_max_bs, max_pages_per_request, capture,
-                                                   tokens_per_request, self.page_size)
+            self.verify_graphs = VerifyGraphRunner(target, verify_max_bs, tokens_per_request, self.page_size)
 
     def _head_step(
         self, ids: torch.Tensor, fed: torch.Tensor, plan: BatchPlan, host_plan: BatchPlan

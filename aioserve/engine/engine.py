@@ -28,7 +28,7 @@ from aioserve.batch_plan import BatchPlan, SamplingTensors, StepOutput
 from aioserve.config import EngineConfig
 from aioserve.tp.distributed import broadcast_from_leader, get_tp_group, min_over_ranks
 from aioserve.cpu_engine.fast_paths import CpuFastPaths
-from aioserve.engine.cuda_graph import Capture, CudaGraphCapture, DecodeGraphRunner
+from aioserve.engine.cuda_graph import Capture, CudaGraphCapture, DecodeGraphRunner, GraphTarget
 from aioserve.engine.draft_runner import DraftRunner
 from aioserve.engine.eagle3_runner import Eagle3Runner
 from aioserve.cpu_engine.greedy_screen import GreedyScreen
@@ -163,14 +163,22 @@ class Engine:
         aux = len(self.eagle3.aux_layers) if self.eagle3 is not None else 0
         return self.model_config.hidden_size * (1 + aux)
 
+    def _graph_target(self, capture: Capture) -> GraphTarget:
+        return GraphTarget(self.model, self.attention, self.output_width, self.dtype, self.device,
+                           self._max_pages_per_request, capture)
+
+    @property
+    def _max_pages_per_request(self) -> int:
+        return -(-self.max_model_len // self.page_size)
+
+    @property
+    def _graph_max_bs(self) -> int:
+        return min(self.config.cuda_graph_max_bs, self.config.max_running_requests)
+
     def capture_decode_graphs(self, capture: Capture) -> DecodeGraphRunner:
         """Capture the decode graphs (CUDA: after the pool exists, since they bake in its address)."""
-        return DecodeGraphRunner(
-            self.model, self.attention, self.output_width, self.dtype, self.device,
-            max_bs=min(self.config.cuda_graph_max_bs, self.config.max_running_requests),
-            max_pages_per_request=-(-self.max_model_len // self.page_size), capture=capture,
-            lora=(self.lora.state, self.lora.num_slots) if self.lora is not None else None,
-        )
+        lora = (self.lora.state, self.lora.num_slots) if self.lora is not None else None
+        return DecodeGraphRunner(self._graph_target(capture), self._graph_max_bs, lora)
 
     def capture_verify_graphs(self, capture: Capture) -> VerifyGraphRunner | None:
         """With speculative decoding: graphs for its verification steps, up to
@@ -179,12 +187,8 @@ class Engine:
         speculative = resolve_speculative(self.config)
         if speculative is None or not self.attention.supports_verify_graphs:
             return None
-        max_bs = min(speculative.disable_by_batch_size, self.config.cuda_graph_max_bs, self.config.max_running_requests)
-        return VerifyGraphRunner(
-            self.model, self.attention, self.output_width, self.dtype, self.device, max_bs=max_bs,
-            max_pages_per_request=-(-self.max_model_len // self.page_size), capture=capture,
-            tokens_per_request=speculative.num_tokens + 1, page_size=self.page_size,
-        )
+        max_bs = min(speculative.disable_by_batch_size, self._graph_max_bs)
+        return VerifyGraphRunner(self._graph_target(capture), max_bs, speculative.num_tokens + 1, self.page_size)
 
     def capture_draft_graphs(self, capture: Capture) -> None:
         """A draft model's or an EAGLE-3 head's graphs, at the target's sizes (nothing without either)."""
@@ -192,10 +196,10 @@ class Engine:
         proposer = self.draft or self.eagle3
         if proposer is None or speculative is None:
             return
-        max_bs = min(self.config.cuda_graph_max_bs, self.config.max_running_requests)
         proposer.capture_graphs(
-            capture, max_bs=max_bs, max_pages_per_request=-(-self.max_model_len // self.page_size),
-            verify_max_bs=min(speculative.disable_by_batch_size, max_bs), tokens_per_request=speculative.num_tokens + 1,
+            capture, max_bs=self._graph_max_bs, max_pages_per_request=self._max_pages_per_request,
+            verify_max_bs=min(speculative.disable_by_batch_size, self._graph_max_bs),
+            tokens_per_request=speculative.num_tokens + 1,
         )
 
     def forward(self, plan: BatchPlan) -> StepOutput:

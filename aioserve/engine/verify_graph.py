@@ -31,9 +31,9 @@ from __future__ import annotations
 
 import torch
 
-from aioserve.attention.backend import AttentionBackend, AttentionMetadata
+from aioserve.attention.backend import AttentionMetadata
 from aioserve.batch_plan import BatchPlan
-from aioserve.engine.cuda_graph import SCRATCH_SLOT, Capture, StepForward, StepGraphRunner
+from aioserve.engine.cuda_graph import SCRATCH_SLOT, GraphTarget, StepGraphRunner
 
 
 def verify_rows(batch_size: int, tokens_per_request: int) -> int:
@@ -79,24 +79,12 @@ class VerifyGraphRunner(StepGraphRunner):
 
     kind = "verify"
 
-    def __init__(
-        self,
-        model: StepForward,
-        attention: AttentionBackend,
-        hidden_size: int,
-        dtype: torch.dtype,
-        device: torch.device,
-        max_bs: int,
-        max_pages_per_request: int,
-        capture: Capture,
-        tokens_per_request: int,
-        page_size: int,
-    ) -> None:
+    def __init__(self, target: GraphTarget, max_bs: int, tokens_per_request: int, page_size: int) -> None:
         if tokens_per_request < 2:
             raise ValueError("a verify graph holds at least two tokens a request (one proposed)")
         self.tokens_per_request = tokens_per_request
         self.page_size = page_size
-        super().__init__(model, attention, hidden_size, dtype, device, max_bs, max_pages_per_request, capture)
+        super().__init__(target, max_bs)
 
     def rows(self, batch_size: int) -> int:
         return verify_rows(batch_size, self.tokens_per_request)
