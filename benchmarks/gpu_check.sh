@@ -315,9 +315,10 @@ phase_retest() {
 # Issue 37's one call on a fresh machine: install, the JIT the tests need,
 # then every gpu-marked test, each isolated, failures rerun alone with
 # CUDA_LAUNCH_BLOCKING=1; the Qwen3-0.6B figures only if time is left.
-# (What has not passed on a GPU yet goes first: Gemma 3 with images, test_gpu_vision.py, failed 2026-11-27 on a trimmed-away source.)
-GPU_TEST_FILES=(tests/test_gpu.py tests/test_gpu_vision.py tests/test_speculative.py tests/test_speculative_draft.py
-    tests/test_speculative_eagle3.py
+# (What has not passed on a GPU yet goes first: the fused q/k norm + RoPE + KV write kernel, test_qk_rope_store.py,
+# written 2026-11-27; verify graphs and the draft's and head's graphs in the speculative files.)
+GPU_TEST_FILES=(tests/test_qk_rope_store.py tests/test_gpu.py tests/test_gpu_vision.py tests/test_speculative.py
+    tests/test_speculative_draft.py tests/test_speculative_eagle3.py
     tests/test_gpu_fast_path.py tests/test_fp8_kv_cache.py tests/test_fp8_block_gemm.py tests/test_fp8_checkpoints.py
     tests/test_compressed_tensors.py tests/test_flashinfer_moe.py tests/test_gpu_pooling.py tests/test_gpu_lora.py)
 phase_proof() {
@@ -352,6 +353,7 @@ phase_figures() {
     ensure_ready
     offline qwen3-graphs-overlap "$QWEN"
     roofline qwen3-graphs "$QWEN"
+    AIOSERVE_QK_ROPE_STORE=0 roofline qwen3-graphs-separate-qk "$QWEN"   # the fused q/k kernel's gain
     step serving-qwen3 240 bash -c serving_run
     speculative qwen3 "$QWEN"
     mkdir -p "$OUT/tests"

@@ -38,6 +38,7 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field, fields, is_dataclass
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import torch  # noqa: E402
@@ -48,7 +49,7 @@ from torch.utils._pytree import tree_flatten  # noqa: E402
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "tests"))  # the enforcing FlashInfer fake lives with the tests
 
-from fake_flashinfer import fake_flashinfer  # noqa: E402
+from fake_flashinfer import fake_flashinfer, fake_qk_rope_store  # noqa: E402
 from roofline import decode_plan  # noqa: E402  (a sibling script: the same decode-only plan)
 
 from aioserve.attention.flashinfer import FlashInferBackend  # noqa: E402
@@ -60,6 +61,7 @@ from aioserve.engine import engine as engine_module  # noqa: E402
 from aioserve.engine.engine import Engine  # noqa: E402
 from aioserve.flashinfer import elementwise as flashinfer_elementwise  # noqa: E402
 from aioserve.flashinfer import loader as flashinfer_loader  # noqa: E402
+from aioserve.flashinfer import qk_rope_store  # noqa: E402
 from aioserve.layers import linear as linear_module  # noqa: E402
 from aioserve.sampling_params import SamplingParams  # noqa: E402
 from aioserve.scheduler.request import Request  # noqa: E402
@@ -202,9 +204,13 @@ class KernelCounter(TorchDispatchMode):
             self.scope.pop()
 
     def flashinfer_call(self, name: str, call: Callable[..., Any]) -> Callable[..., Any]:
+        return self.kernel_call(f"flashinfer.{name}", call)
+
+    def kernel_call(self, name: str, call: Callable[..., Any]) -> Callable[..., Any]:
+        """`call` counted as one kernel named `name` (what it runs on CPU is not counted)."""
         def counted(*args: Any, **kwargs: Any) -> Any:
             if self.active and not self.inside_flashinfer:
-                self.section().kernels[f"flashinfer.{name}"] += 1
+                self.section().kernels[name] += 1
             self.inside_flashinfer += 1
             try:
                 return call(*args, **kwargs)
@@ -252,11 +258,15 @@ def cuda_code_path(counter: KernelCounter) -> Iterator[Any]:
     through the counted fake, plain F.linear for every matmul, no native kernels."""
     fake = counted_flashinfer(counter)
     saved = (native_elementwise.ENABLED, flashinfer_elementwise.DEVICE_TYPES, flashinfer_loader._flashinfer,
-             flashinfer_loader._tried, linear_module.cpu_matmul)
+             flashinfer_loader._tried, linear_module.cpu_matmul, qk_rope_store._module, qk_rope_store._tried)
     native_elementwise.ENABLED = False
     flashinfer_elementwise.DEVICE_TYPES = ("cuda", "cpu")
     flashinfer_loader._flashinfer = fake
     flashinfer_loader._tried = True
+    # aioserve's own Triton kernel: its stand-in, counted as one kernel.
+    qk_rope_store._module = SimpleNamespace(
+        qk_rope_store=counter.kernel_call("aioserve.qk_rope_store", fake_qk_rope_store.qk_rope_store))
+    qk_rope_store._tried = True
     linear_module.cpu_matmul = lambda x, w, choice, bias=None, float_out=False, out=None: F.linear(x, w, bias)
     flashinfer_elementwise.forget_decisions()
     try:
@@ -264,7 +274,7 @@ def cuda_code_path(counter: KernelCounter) -> Iterator[Any]:
     finally:
         flashinfer_elementwise.forget_decisions()  # decided for CPU tensors: nobody else's
         (native_elementwise.ENABLED, flashinfer_elementwise.DEVICE_TYPES, flashinfer_loader._flashinfer,
-         flashinfer_loader._tried, linear_module.cpu_matmul) = saved
+         flashinfer_loader._tried, linear_module.cpu_matmul, qk_rope_store._module, qk_rope_store._tried) = saved
 
 
 # -- the engine and its steps ------------------------------------------------------------------

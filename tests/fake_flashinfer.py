@@ -373,3 +373,31 @@ def _cutlass_fused_moe(input, token_selected_experts, token_final_scales, fc1_ex
 
 
 fake_flashinfer.fused_moe = SimpleNamespace(cutlass_fused_moe=_cutlass_fused_moe)
+
+
+# -- aioserve's own fused kernel (aioserve/flashinfer/qk_rope_store.py, Triton on CUDA) ----------
+
+def _qk_rope_store(q, k, v, positions, cos_sin, q_weight, k_weight, eps, k_cache, v_cache, out_cache_loc):
+    """What the Triton kernel reads and writes, checked as its pointer
+    arithmetic needs: the last dim of q, k, v dense (heads and tokens by
+    stride), a dense pool of their dtype, halves of a power-of-two size, int64
+    slots; then the torch form."""
+    from aioserve.flashinfer.qk_rope_store import qk_rope_store_reference
+
+    _half_only(q, k, v, k_cache, v_cache, *(w for w in (q_weight, k_weight) if w is not None))
+    d = q.shape[-1]
+    _need(d in (32, 64, 128, 256), f"head_dim {d}: the kernel's halves are power-of-two blocks of 16 to 128")
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        _need(t.dim() == 3 and t.stride(-1) == 1, f"{name} is read as [tokens, heads, dim] with a dense last dim")
+    _need(k_cache.is_contiguous() and v_cache.is_contiguous() and k_cache.shape[1:] == k.shape[1:],
+          "the pool is written at slot * Hk * D + head * D")
+    _need(out_cache_loc.dtype == torch.int64 and positions.is_contiguous() and out_cache_loc.is_contiguous(),
+          "slots are read as dense int64")
+    _need(cos_sin.dtype == torch.float32 and cos_sin.is_contiguous() and cos_sin.shape[1] == d,
+          "the cos|sin cache is read as dense float32 rows of head_dim")
+    _need((q_weight is None) == (k_weight is None), "both norm weights or neither")
+    return qk_rope_store_reference(q, k, v, positions, cos_sin, q_weight, k_weight, eps, k_cache, v_cache,
+                                   out_cache_loc)
+
+
+fake_qk_rope_store = SimpleNamespace(qk_rope_store=_qk_rope_store)

@@ -25,6 +25,16 @@ import torch
 from aioserve.batch_plan import BatchPlan
 
 
+@dataclass(frozen=True)
+class KVDestination:
+    """Where a step's new keys and values of one layer go: the pool's
+    [slots, Hk, D] keys and values, and each token's slot."""
+
+    keys: torch.Tensor
+    values: torch.Tensor
+    slots: torch.Tensor  # [T] int64
+
+
 class AttentionMetadata(ABC):
     @abstractmethod
     def attend(
@@ -35,8 +45,15 @@ class AttentionMetadata(ABC):
         v: torch.Tensor,  # [T, Hk, D]
         scale: float,
         sliding_window: int | None,
+        stored: bool = False,  # the layer wrote k and v to kv_destination(layer) itself
     ) -> torch.Tensor:  # [T, Hq, D]
         ...
+
+    def kv_destination(self, layer: int) -> KVDestination | None:
+        """Where `layer`'s keys and values go this step, for a layer that
+        writes them itself (fused with RoPE: flashinfer/qk_rope_store.py) and
+        then calls `attend(..., stored=True)`; None: `attend` stores them."""
+        return None
 
 
 class AttentionBackend(ABC):

@@ -41,10 +41,12 @@ from typing import Any, Protocol
 
 import torch
 
-from aioserve.attention.backend import AttentionBackend, AttentionMetadata, AttentionShape, check_non_causal_plan
+from aioserve.attention.backend import (
+    AttentionBackend, AttentionMetadata, AttentionShape, KVDestination, check_non_causal_plan,
+)
 from aioserve.attention.torch_native import both_ways_by_request, causal_mask
 from aioserve.batch_plan import BatchPlan
-from aioserve.flashinfer import loader
+from aioserve.flashinfer import contracts, loader
 from aioserve.flashinfer.paged_args import PagedKVArgs, paged_kv_args, qo_indptr, window_left
 from aioserve.kvcache.kv_pool import KVPool
 
@@ -88,12 +90,14 @@ class FlashInferMetadata(AttentionMetadata):
         v: torch.Tensor,
         scale: float,
         sliding_window: int | None,
+        stored: bool = False,
     ) -> torch.Tensor:
         backend = self.backend
         if abs(scale - backend.sm_scale) > 1e-6 * backend.sm_scale:
             raise ValueError(f"layer {layer} asks for softmax scale {scale}, the plan used {backend.sm_scale}")
         pool = backend.pool
-        pool.store(layer, self.out_cache_loc, k, v)
+        if not stored:
+            pool.store(layer, self.out_cache_loc, k, v)
         cache = backend.paged_cache(layer)
         window = window_left(sliding_window)
         # q is a view into the fused q|k|v projection's rows (RoPE rotated it
@@ -109,6 +113,13 @@ class FlashInferMetadata(AttentionMetadata):
             self.decode[window].run(q[:nd], cache, out=out[:nd], window_left=window)
         self.prefill[window].run(q[nd:], cache, out=out[nd:], window_left=window)
         return out
+
+
+    def kv_destination(self, layer: int) -> KVDestination | None:
+        pool = self.backend.pool
+        if pool.dtype not in contracts.HALF:  # an FP8 cache: pool.store quantises
+            return None
+        return KVDestination(pool.keys(layer), pool.values(layer), self.out_cache_loc)
 
 
 def both_ways_mask(plan: BatchPlan) -> torch.Tensor | None:

@@ -208,11 +208,13 @@ class TorchNativeMetadata(AttentionMetadata):
         v: torch.Tensor,
         scale: float,
         sliding_window: int | None,
+        stored: bool = False,
     ) -> torch.Tensor:
         if not self.causal and sliding_window is not None:
             raise ValueError(f"layer {layer}: a sliding window needs causal attention")
         keys, values = self.pool.keys(layer), self.pool.values(layer)
-        self.pool.store(layer, self.out_cache_loc, k, v)
+        if not stored:
+            self.pool.store(layer, self.out_cache_loc, k, v)
         if keys.dtype != q.dtype and self.extends:
             # A narrower cache: attend to the new tokens as later steps will
             # read them back (decodes read them from the cache already).
@@ -313,9 +315,11 @@ class GraphDecodeMetadata(AttentionMetadata):
         self.out_cache_loc, self.pages, self.lens = out_cache_loc, pages, lens
 
     def attend(
-        self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, sliding_window: int | None
+        self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, sliding_window: int | None,
+        stored: bool = False,
     ) -> torch.Tensor:
-        self.pool.store(layer, self.out_cache_loc, k, v)
+        if not stored:
+            self.pool.store(layer, self.out_cache_loc, k, v)
         return self.kernels.paged_decode_attention(
             q, self.pool.keys(layer), self.pool.values(layer), self.pages, self.lens, self.pool.page_size, scale,
             sliding_window or 0,

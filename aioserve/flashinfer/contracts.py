@@ -19,7 +19,9 @@ their bindings (csrc/*.cu):
 | Batch{Decode,Prefill}WithPagedKVCacheWrapper | q: float16/bfloat16; cache: the same or float8_e4m3fn | q [T, Hq, D] contiguous; cache NHD [pages, page_size, Hk, D] | data 16 | head_dim in 64/128/256; plan arrays int32; a prefill's custom_mask (rows that attend both ways) flat bool of every request's [qo_len, kv_len], with causal off |
 | fused_moe.cutlass_fused_moe | x, fc1, fc2: one half type; expert ids int32; routing weights float32 | all contiguous: x [T, H], ids and weights [T, k], fc1 [E, 2I, H] ([up, gate] rows), fc2 [E, H, I] | data 16 (rows 16 follow from the shapes) | H and I multiples of 128 (stricter than the 16-byte rows the kernel needs: its tile shapes cannot be checked here); compute capability 9.x on CUDA (the bundle's sm_90) |
 
-KV append and sampling are torch ops in aioserve (kvcache/kv_pool.py,
+| qk_rope_store (aioserve's own, Triton: flashinfer/qk_rope_store.py) | q, k, v, KV pool, norm weights: one half type; cache float32; positions int32/int64; slots int64 | q, k, v 3-D, last dim contiguous; pool [slots, Hk, D] contiguous; cache, positions, slots contiguous | none (Triton specialises on alignment) | head_dim in 32/64/128/256; norm weights [D] or none |
+
+KV append (where qk_rope_store is not taken) and sampling are torch ops in aioserve (kvcache/kv_pool.py,
 engine/sampler.py), not FlashInfer calls, so they have no contract here.
 tests/fake_flashinfer.py models what the real kernels would do with a
 violation (it raises), independently of these functions, so a contract
@@ -148,6 +150,43 @@ def rope(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos_sin_cach
     if q.stride(-1) != 1 or k.stride(-1) != 1:
         return "the last dim of q and k must be contiguous"
     return _misaligned("q", q, ALIGNMENT, (0, 1)) or _misaligned("k", k, ALIGNMENT, (0, 1))
+
+
+QK_ROPE_STORE_HEAD_DIMS = (32, 64, 128, 256)  # its halves are one Triton block each: powers of two
+
+
+def qk_rope_store(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor,
+    k_cache: torch.Tensor, v_cache: torch.Tensor, out_cache_loc: torch.Tensor, *weights: torch.Tensor,
+) -> str | None:
+    """aioserve's own qk_rope_store (flashinfer/qk_rope_store.py): q [T, Hq, D]
+    and k, v [T, Hk, D] with a contiguous last dim (views into the projection
+    are fine); a KV pool [slots, Hk, D] of q's dtype; FlashInfer's float32
+    cos|sin cache; optionally the q and k norm weights [D]."""
+    if q.dim() != 3 or k.dim() != 3 or v.shape != k.shape or q.shape[0] != k.shape[0] or q.shape[2] != k.shape[2]:
+        return f"q {tuple(q.shape)}, k {tuple(k.shape)} and v {tuple(v.shape)} must be [tokens, heads, head_dim] alike"
+    head_dim = q.shape[2]
+    if head_dim not in QK_ROPE_STORE_HEAD_DIMS:
+        return f"head_dim {head_dim} is not one of {QK_ROPE_STORE_HEAD_DIMS}"
+    why = (_half(("q", q), ("k", k), ("v", v), ("k_cache", k_cache), ("v_cache", v_cache), *(("norm weight", w) for w in weights))
+           or _same_device(q, k, v, positions, cos_sin, k_cache, v_cache, out_cache_loc, *weights))
+    if why:
+        return why
+    if any(t.stride(-1) != 1 for t in (q, k, v)):
+        return "the last dim of q, k and v must be contiguous"
+    if k_cache.shape[1:] != k.shape[1:] or v_cache.shape != k_cache.shape or not (k_cache.is_contiguous() and v_cache.is_contiguous()):
+        return f"the KV pool must be contiguous [slots, {k.shape[1]}, {head_dim}]"
+    if positions.dtype not in POSITION_DTYPES or positions.dim() != 1 or positions.shape[0] != q.shape[0]:
+        return f"positions must be int32/int64 [tokens], not {positions.dtype} {tuple(positions.shape)}"
+    if out_cache_loc.dtype != torch.int64 or out_cache_loc.shape != positions.shape:
+        return "the KV slots must be int64 [tokens]"
+    if cos_sin.dtype != torch.float32 or cos_sin.dim() != 2 or cos_sin.shape[1] != head_dim:
+        return f"the cos/sin cache must be float32 [positions, {head_dim}]"
+    if not (cos_sin.is_contiguous() and positions.is_contiguous() and out_cache_loc.is_contiguous()):
+        return "the cos/sin cache, positions and KV slots must be contiguous"
+    if any(w.shape != (head_dim,) or not w.is_contiguous() for w in weights):
+        return f"the norm weights must be contiguous [{head_dim}]"
+    return None
 
 
 def paged_attention(head_dim: int, q_dtype: torch.dtype, kv_dtype: torch.dtype) -> str | None:

@@ -51,17 +51,20 @@ class FusedOp:
         self.decisions: dict[tuple[LayoutKey, ...], str | None] = {}  # layout -> why not fused (None: fused)
         self._logged: set[str] = set()
 
-    @staticmethod
-    def may_take(first: torch.Tensor) -> bool:
-        """The cheap part, read at every call: enabled, a device FlashInfer
-        runs on, half precision, FlashInfer imported."""
+    def load(self) -> ModuleType | None:
+        """The kernels' module: FlashInfer (an op of aioserve's own overrides this)."""
+        return load_flashinfer()
+
+    def may_take(self, first: torch.Tensor) -> bool:
+        """The cheap part, read at every call: enabled, a device the kernel
+        runs on, half precision, its module imported."""
         if not (ENABLED and first.device.type in DEVICE_TYPES and first.dtype in HALF):
             return False
-        return load_flashinfer() is not None
+        return self.load() is not None
 
     def kernel(self, *tensors: torch.Tensor) -> ModuleType | None:
-        """FlashInfer when these inputs may go to the fused kernel, else None
-        (the caller runs the torch form). `tensors` are the contract's arguments."""
+        """The kernels' module when these inputs may go to the fused kernel,
+        else None (the caller runs the torch form). `tensors` are the contract's arguments."""
         if not self.may_take(tensors[0]):
             return None
         key = tuple(_layout(t) for t in tensors)
@@ -71,7 +74,7 @@ class FusedOp:
             if why is not None and why not in self._logged:
                 self._logged.add(why)
                 logger.info("%s: the torch form, not FlashInfer's kernel, because %s", self.name, why)
-        return load_flashinfer() if self.decisions[key] is None else None
+        return self.load() if self.decisions[key] is None else None
 
     def fell_back(self) -> set[str]:
         return {why for why in self.decisions.values() if why is not None}

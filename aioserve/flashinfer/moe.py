@@ -63,9 +63,8 @@ class FusedMoeOp(FusedOp):
         super().__init__("fused_moe", contracts.fused_moe)
         self.verdicts: dict[ShapeKey, str | None] = {}
 
-    @staticmethod
-    def may_take(first: torch.Tensor) -> bool:
-        return ENABLED and FusedOp.may_take(first)
+    def may_take(self, first: torch.Tensor) -> bool:
+        return ENABLED and super().may_take(first)
 
     def verdict(self, fi: ModuleType, w13: torch.Tensor, w2: torch.Tensor, torch_form: TorchForm) -> str | None:
         """Why the kernel may not serve these weights' shape, from its self-check, run once per shape."""

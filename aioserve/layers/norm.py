@@ -6,12 +6,23 @@ LayerNorm with a bias, for the encoders (BERT, XLM-R)."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from aioserve.flashinfer.elementwise import FUSED_ADD_RMSNORM, RMSNORM
 from aioserve.cpu.elementwise import elementwise_kernels
+
+
+@dataclass(frozen=True)
+class QkNorm:
+    """An attention layer's per-head q and k RMSNorms (Qwen3's), as a fused kernel applies them."""
+
+    q_weight: torch.Tensor  # [head_dim]
+    k_weight: torch.Tensor
+    eps: float
 
 
 class RMSNorm(nn.Module):

@@ -143,16 +143,16 @@ class RotaryEmbedding(nn.Module):
                 kernels.rotary_embedding(positions, q, k, self.cos_cache, self.sin_cache)
                 return q, k
             # (FlashInfer's cos/sin cache is built only where the kernel may be taken.)
-            fused = ROPE.kernel(q, k, positions, self._cos_sin_halves()) if ROPE.may_take(q) else None
+            fused = ROPE.kernel(q, k, positions, self.cos_sin_halves()) if ROPE.may_take(q) else None
             if fused is not None:
                 fused.rope.apply_rope_with_cos_sin_cache_inplace(
-                    positions, q, k, q.shape[-1], self._cos_sin_halves(), is_neox=True
+                    positions, q, k, q.shape[-1], self.cos_sin_halves(), is_neox=True
                 )
                 return q, k
         cos, sin = self._cos_sin(positions, q.dtype)
         return q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin
 
-    def _cos_sin_halves(self) -> torch.Tensor:
+    def cos_sin_halves(self) -> torch.Tensor:
         """FlashInfer's cache: [max_positions, head_dim] float32, the first half
         cos and the second sin (ours repeat each half twice, for rotate_half)."""
         if self._halves is None or self._halves.device != self.cos_cache.device:

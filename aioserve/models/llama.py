@@ -17,7 +17,8 @@ from aioserve.attention.backend import AttentionMetadata
 from aioserve.layers.activation import silu_and_mul
 from aioserve.layers.embedding import VocabParallelEmbedding
 from aioserve.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
-from aioserve.layers.norm import RMSNorm
+from aioserve.flashinfer.qk_rope_store import QK_ROPE_STORE
+from aioserve.layers.norm import QkNorm, RMSNorm
 from aioserve.layers.rotary import RotaryEmbedding
 from aioserve.models.decoder_lm import DecoderLM, DecoderModel
 from aioserve.models.model_config import ModelConfig
@@ -42,6 +43,10 @@ class LlamaAttention(nn.Module):
     def normalize_qk(self, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         return q, k
 
+    def qk_norm(self) -> QkNorm | None:
+        """The per-head q and k RMSNorms the fused kernel applies (Qwen3's); None: none."""
+        return None
+
     def forward(self, positions: torch.Tensor, hidden: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         proj = self.qkv_proj
         q, k, v = self.qkv_proj(hidden).split([proj.q_size, proj.kv_size, proj.kv_size], dim=-1)
@@ -49,10 +54,37 @@ class LlamaAttention(nn.Module):
         q = q.reshape(tokens, proj.num_heads, self.head_dim)
         k = k.reshape(tokens, proj.num_kv_heads, self.head_dim)
         v = v.reshape(tokens, proj.num_kv_heads, self.head_dim)
+        fused = self._fused_qk_rope_store(positions, q, k, v, meta)
+        if fused is not None:  # q normed and rotated; k and v in the pool
+            out = meta.attend(self.layer_id, fused, k, v, self.scale, self.sliding_window, stored=True)
+            return self.o_proj(out.reshape(tokens, -1))
         q, k = self.normalize_qk(q, k)
         q, k = self.rotary(positions, q, k)
         out = meta.attend(self.layer_id, q, k, v, self.scale, self.sliding_window)
         return self.o_proj(out.reshape(tokens, -1))
+
+    def _fused_qk_rope_store(
+        self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata
+    ) -> torch.Tensor | None:
+        """q/k norms, RoPE and the KV write as one kernel where it may serve
+        (flashinfer/qk_rope_store.py): q ready for attention, else None (the
+        separate kernels then run)."""
+        if positions.dim() != 1 or not QK_ROPE_STORE.may_take(q):  # M-RoPE's three axes: the separate path
+            return None
+        destination = meta.kv_destination(self.layer_id)
+        if destination is None:
+            return None
+        norm = self.qk_norm()
+        weights = () if norm is None else (norm.q_weight, norm.k_weight)
+        cos_sin = self.rotary.cos_sin_halves()
+        kernels = QK_ROPE_STORE.kernel(q, k, v, positions, cos_sin, destination.keys, destination.values,
+                                       destination.slots, *weights)
+        if kernels is None or QK_ROPE_STORE.verdict(kernels, q, norm is not None) is not None:
+            return None
+        q_weight, k_weight, eps = (norm.q_weight, norm.k_weight, norm.eps) if norm is not None else (None, None, 0.0)
+        out: torch.Tensor = kernels.qk_rope_store(q, k, v, positions, cos_sin, q_weight, k_weight, eps,
+                                                  destination.keys, destination.values, destination.slots)
+        return out
 
 
 class LlamaMLP(nn.Module):

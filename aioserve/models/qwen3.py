@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from aioserve.layers.norm import RMSNorm
+from aioserve.layers.norm import QkNorm, RMSNorm
 from aioserve.layers.rotary import RotaryEmbedding
 from aioserve.models.llama import LlamaAttention, LlamaForCausalLM
 from aioserve.models.model_config import ModelConfig
@@ -24,6 +24,10 @@ class Qwen3Attention(LlamaAttention):
 
     def normalize_qk(self, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         return self.q_norm(q), self.k_norm(k)
+
+    def qk_norm(self) -> QkNorm | None:
+        # (Gemma's (1 + w) norms hold 1 + w as their weight: the plain form applies.)
+        return QkNorm(self.q_norm.weight, self.k_norm.weight, self.q_norm.eps)
 
 
 class Qwen3ForCausalLM(LlamaForCausalLM):

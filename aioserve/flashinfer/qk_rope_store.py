@@ -1,0 +1,221 @@
+"""q/k RMSNorm, RoPE and the KV write of an attention layer as one kernel.
+
+Between the q|k|v projection and attention a Llama-family layer runs, on
+FlashInfer's fused ops, a RoPE kernel and the KV write (and a Qwen3 layer
+two RMSNorms before them, one for q and one for k): three or five launches
+for a few kilobytes a token, where a batch-1 GPU step is bound by launches,
+not bytes (kernel_census.py). FlashInfer has no kernel for this: its
+`rope_quantize_fp8_append_paged_kv_cache` writes an FP8 cache and
+quantises q, and its `fused_qk_rmsnorm_rope` rotates a video model's three
+axes. So this one is aioserve's own, in Triton (which torch's CUDA builds
+bring along): one program per token and head reads the head once, norms it
+(Qwen3), rotates it (the "rotate half" form, from FlashInfer's cos|sin
+cache), and writes q to a dense output, or k and that head's v into the
+KV pool at the token's slot.
+
+Taken (unless AIOSERVE_QK_ROPE_STORE=0) where its contract holds (contracts.qk_rope_store: half precision,
+a KV pool of the same dtype, head_dim a power of two from 32 to 256, plain
+RMSNorm or none), and only after a self-check on the device: the first time
+a dtype, head_dim and norm meet, the kernel and the torch form
+(`qk_rope_store_reference`) run on small random inputs and must agree,
+else the layer keeps the separate kernels (logged once). The CPU tests run
+the torch form through the same calls (tests/fake_flashinfer.py's stand-in,
+which enforces the contract), and the GPU test compares the two on CUDA.
+
+Its result differs from the separate kernels' by rounding only: the normed
+head is rotated in float32 instead of being rounded to half in between.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from types import ModuleType, SimpleNamespace
+from typing import Any
+
+import torch
+
+from aioserve.flashinfer import contracts
+from aioserve.flashinfer.elementwise import MODEL_OPS, FusedOp
+
+logger = logging.getLogger(__name__)
+
+SELF_CHECK_TOLERANCE = 2e-2  # half precision: a rounding step of values around 1
+# AIOSERVE_QK_ROPE_STORE=0 keeps the separate kernels (benchmarks/gpu_check.sh times both).
+ENABLED = os.environ.get("AIOSERVE_QK_ROPE_STORE", "1") != "0"
+
+
+def qk_rope_store_reference(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor,
+    q_weight: torch.Tensor | None, k_weight: torch.Tensor | None, eps: float,
+    k_cache: torch.Tensor, v_cache: torch.Tensor, out_cache_loc: torch.Tensor,
+) -> torch.Tensor:
+    """The torch form: q [T, Hq, D], k and v [T, Hk, D] (views are fine);
+    `cos_sin` [P, D] float32, cos then sin (FlashInfer's cache); norm weights
+    [D] or None (no q/k norm); caches [slots, Hk, D]. Writes k (normed,
+    rotated) and v at `out_cache_loc`; returns q normed and rotated, dense."""
+    half = q.shape[-1] // 2
+    rows = cos_sin[positions]
+    cos, sin = rows[:, None, :half], rows[:, None, half:]
+
+    def prepared(x: torch.Tensor, weight: torch.Tensor | None) -> torch.Tensor:
+        x = x.float()
+        if weight is not None:
+            x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * weight.float()
+        first, second = x[..., :half], x[..., half:]
+        return torch.cat((first * cos - second * sin, second * cos + first * sin), dim=-1)
+
+    k_cache[out_cache_loc] = prepared(k, k_weight).to(k_cache.dtype)
+    v_cache[out_cache_loc] = v.to(v_cache.dtype)
+    return prepared(q, q_weight).to(q.dtype)
+
+
+def _triton_module() -> SimpleNamespace:
+    """The Triton kernel and its launcher (imported here: only CUDA builds of torch bring Triton)."""
+    import triton  # noqa: PLC0415
+    import triton.language as tl  # noqa: PLC0415
+
+    @triton.jit
+    def kernel(q_ptr, k_ptr, v_ptr, q_tok, q_head, k_tok, k_head, v_tok, v_head,
+               pos_ptr, cs_ptr, cs_row, qw_ptr, kw_ptr, eps, out_ptr, kc_ptr, vc_ptr, c_slot, c_head, loc_ptr, HQ,
+               HALF: tl.constexpr, HAS_NORM: tl.constexpr):
+        t = tl.program_id(0).to(tl.int64)
+        h = tl.program_id(1)
+        offs = tl.arange(0, HALF)
+        pos = tl.load(pos_ptr + t).to(tl.int64)
+        cos = tl.load(cs_ptr + pos * cs_row + offs)
+        sin = tl.load(cs_ptr + pos * cs_row + HALF + offs)
+        is_q = h < HQ
+        kh = h - HQ
+        if is_q:
+            src = q_ptr + t * q_tok + h * q_head
+            weight = qw_ptr
+        else:
+            src = k_ptr + t * k_tok + kh * k_head
+            weight = kw_ptr
+        first = tl.load(src + offs).to(tl.float32)
+        second = tl.load(src + HALF + offs).to(tl.float32)
+        if HAS_NORM:
+            scale = tl.rsqrt((tl.sum(first * first, 0) + tl.sum(second * second, 0)) / (2 * HALF) + eps)
+            first = first * scale * tl.load(weight + offs).to(tl.float32)
+            second = second * scale * tl.load(weight + HALF + offs).to(tl.float32)
+        rotated_first = first * cos - second * sin
+        rotated_second = second * cos + first * sin
+        if is_q:
+            dst = out_ptr + (t * HQ + h) * (2 * HALF)
+            tl.store(dst + offs, rotated_first.to(out_ptr.dtype.element_ty))
+            tl.store(dst + HALF + offs, rotated_second.to(out_ptr.dtype.element_ty))
+        else:
+            loc = tl.load(loc_ptr + t)
+            dst = kc_ptr + loc * c_slot + kh * c_head
+            tl.store(dst + offs, rotated_first.to(kc_ptr.dtype.element_ty))
+            tl.store(dst + HALF + offs, rotated_second.to(kc_ptr.dtype.element_ty))
+            v_src = v_ptr + t * v_tok + kh * v_head
+            v_dst = vc_ptr + loc * c_slot + kh * c_head
+            tl.store(v_dst + offs, tl.load(v_src + offs))
+            tl.store(v_dst + HALF + offs, tl.load(v_src + HALF + offs))
+
+    def qk_rope_store(
+        q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor,
+        q_weight: torch.Tensor | None, k_weight: torch.Tensor | None, eps: float,
+        k_cache: torch.Tensor, v_cache: torch.Tensor, out_cache_loc: torch.Tensor,
+    ) -> torch.Tensor:
+        tokens, hq, d = q.shape
+        out = torch.empty(tokens, hq, d, dtype=q.dtype, device=q.device)
+        if tokens:
+            norm = q_weight is not None and k_weight is not None
+            kernel[(tokens, hq + k.shape[1])](
+                q, k, v, q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+                positions, cos_sin, cos_sin.stride(0), q_weight if norm else q, k_weight if norm else k, eps,
+                out, k_cache, v_cache, k_cache.stride(0), k_cache.stride(1), out_cache_loc, hq,
+                HALF=d // 2, HAS_NORM=norm, num_warps=1,
+            )
+        return out
+
+    return SimpleNamespace(qk_rope_store=qk_rope_store)
+
+
+_module: Any = None
+_tried = False
+import_error: str | None = None
+
+
+def load_kernel() -> Any:
+    """A namespace with `qk_rope_store` (the Triton kernel), or None where
+    Triton does not import; the CPU tests put a stand-in here."""
+    global _module, _tried, import_error
+    if not _tried:
+        _tried = True
+        try:
+            _module = _triton_module()
+        except ImportError as exc:
+            import_error = str(exc)
+            logger.info("triton does not import (%s): q/k norm, RoPE and the KV write stay separate kernels", exc)
+    return _module
+
+
+def self_check(kernels: Any, dtype: torch.dtype, head_dim: int, norm: bool, device: torch.device) -> str | None:
+    """Why the kernel may not serve this dtype, head_dim and norm: it failed,
+    or differed from the torch form on small random inputs; None when it agreed."""
+    gen = torch.Generator().manual_seed(0)
+
+    def rand(*shape: int) -> torch.Tensor:
+        return torch.randn(*shape, generator=gen).to(dtype).to(device)
+
+    tokens, hq, hk, slots = 5, 4, 2, 16
+    qkv = rand(tokens, (hq + 2 * hk) * head_dim)  # q, k and v as views of one projection, as a layer has them
+    q, k, v = qkv.split([hq * head_dim, hk * head_dim, hk * head_dim], dim=-1)
+    q, k, v = q.view(tokens, hq, head_dim), k.view(tokens, hk, head_dim), v.view(tokens, hk, head_dim)
+    angles = torch.rand(64, head_dim // 2, generator=gen) * 6.3
+    cos_sin = torch.cat((angles.cos(), angles.sin()), dim=1).to(device)
+    positions = torch.tensor([0, 3, 9, 40, 63], device=device)
+    q_weight, k_weight = (rand(head_dim).abs() + 0.5, rand(head_dim).abs() + 0.5) if norm else (None, None)
+    loc = torch.tensor([1, 7, 2, 15, 8], device=device)
+    caches = [torch.zeros(slots, hk, head_dim, dtype=dtype, device=device) for _ in range(4)]
+    try:
+        fused_q = kernels.qk_rope_store(q, k, v, positions, cos_sin, q_weight, k_weight, 1e-6, caches[0], caches[1],
+                                        loc)
+    except Exception as exc:  # a compile or launch failure: the separate kernels serve
+        return f"it failed its self-check ({type(exc).__name__}: {exc})"
+    torch_q = qk_rope_store_reference(q, k, v, positions, cos_sin, q_weight, k_weight, 1e-6, caches[2], caches[3],
+                                      loc)
+    for name, fused, reference in (("q", fused_q, torch_q), ("k", caches[0], caches[2]), ("v", caches[1], caches[3])):
+        error = (fused.float() - reference.float()).abs().max().item()
+        if not error <= SELF_CHECK_TOLERANCE:
+            return f"its {name} differed from the torch form by {error:.3g} in its self-check"
+    return None
+
+
+VerdictKey = tuple[torch.dtype, int, bool, str]
+
+
+class QkRopeStoreOp(FusedOp):
+    """The contract's decisions per layout, and the self-check's verdict per
+    dtype, head_dim and norm (None: it passed)."""
+
+    def __init__(self) -> None:
+        super().__init__("qk_rope_store", contracts.qk_rope_store)
+        self.verdicts: dict[VerdictKey, str | None] = {}
+
+    def load(self) -> ModuleType | None:
+        return load_kernel()
+
+    def may_take(self, first: torch.Tensor) -> bool:
+        return ENABLED and super().may_take(first)
+
+    def verdict(self, kernels: Any, q: torch.Tensor, norm: bool) -> str | None:
+        key = (q.dtype, q.shape[-1], norm, str(q.device))
+        if key not in self.verdicts:
+            why = self_check(kernels, q.dtype, q.shape[-1], norm, q.device)
+            self.verdicts[key] = why
+            if why is not None:
+                logger.warning("%s: separate kernels, not the fused one, because %s", self.name, why)
+        return self.verdicts[key]
+
+    def forget(self) -> None:
+        super().forget()
+        self.verdicts.clear()
+
+
+QK_ROPE_STORE = QkRopeStoreOp()
+MODEL_OPS.append(QK_ROPE_STORE)  # reported once a layer asked for it
