@@ -257,24 +257,24 @@ def cuda_code_path(counter: KernelCounter) -> Iterator[Any]:
     """The layers' CUDA choices taken on CPU tensors: FlashInfer's fused ops
     through the counted fake, plain F.linear for every matmul, no native kernels."""
     fake = counted_flashinfer(counter)
-    saved = (native_elementwise.ENABLED, flashinfer_elementwise.DEVICE_TYPES, flashinfer_loader._flashinfer,
-             flashinfer_loader._tried, linear_module.cpu_matmul, qk_rope_store._module, qk_rope_store._tried)
+    modules = (flashinfer_loader.FLASHINFER, qk_rope_store.KERNEL)
+    saved = (native_elementwise.ENABLED, flashinfer_elementwise.DEVICE_TYPES, linear_module.cpu_matmul,
+             [(m.module, m.tried) for m in modules])
     native_elementwise.ENABLED = False
     flashinfer_elementwise.DEVICE_TYPES = ("cuda", "cpu")
-    flashinfer_loader._flashinfer = fake
-    flashinfer_loader._tried = True
-    # aioserve's own Triton kernel: its stand-in, counted as one kernel.
-    qk_rope_store._module = SimpleNamespace(
-        qk_rope_store=counter.kernel_call("aioserve.qk_rope_store", fake_qk_rope_store.qk_rope_store))
-    qk_rope_store._tried = True
+    # FlashInfer, and aioserve's own Triton kernel: their stand-ins, each call counted as one kernel.
+    own = SimpleNamespace(qk_rope_store=counter.kernel_call("aioserve.qk_rope_store", fake_qk_rope_store.qk_rope_store))
+    for module, stand_in in zip(modules, (fake, own)):
+        module.module, module.tried = stand_in, True
     linear_module.cpu_matmul = lambda x, w, choice, bias=None, float_out=False, out=None: F.linear(x, w, bias)
     flashinfer_elementwise.forget_decisions()
     try:
         yield fake
     finally:
         flashinfer_elementwise.forget_decisions()  # decided for CPU tensors: nobody else's
-        (native_elementwise.ENABLED, flashinfer_elementwise.DEVICE_TYPES, flashinfer_loader._flashinfer,
-         flashinfer_loader._tried, linear_module.cpu_matmul, qk_rope_store._module, qk_rope_store._tried) = saved
+        native_elementwise.ENABLED, flashinfer_elementwise.DEVICE_TYPES, linear_module.cpu_matmul, states = saved
+        for module, (held, tried) in zip(modules, states):
+            module.module, module.tried = held, tried
 
 
 # -- the engine and its steps ------------------------------------------------------------------

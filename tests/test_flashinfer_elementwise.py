@@ -40,8 +40,8 @@ def fused_on_cpu(monkeypatch: pytest.MonkeyPatch):
     """The layers' FlashInfer path taken on CPU tensors, through the fake."""
     monkeypatch.setattr(native_elementwise, "ENABLED", False)  # the CPU path would take these calls
     monkeypatch.setattr(flashinfer_elementwise, "DEVICE_TYPES", ("cuda", "cpu"))
-    monkeypatch.setattr(flashinfer_loader, "_flashinfer", fake_flashinfer)
-    monkeypatch.setattr(flashinfer_loader, "_tried", True)
+    monkeypatch.setattr(flashinfer_loader.FLASHINFER, "module", fake_flashinfer)
+    monkeypatch.setattr(flashinfer_loader.FLASHINFER, "tried", True)
     flashinfer_elementwise.forget_decisions()
     yield
     flashinfer_elementwise.forget_decisions()

@@ -76,13 +76,13 @@ def fused_on_cpu(monkeypatch: pytest.MonkeyPatch):
     function that installs a MoE kernel stand-in (recording its calls)."""
     monkeypatch.setattr(native_elementwise, "ENABLED", False)  # the CPU path would take the elementwise calls
     monkeypatch.setattr(flashinfer_elementwise, "DEVICE_TYPES", ("cuda", "cpu"))
-    monkeypatch.setattr(flashinfer_loader, "_tried", True)
+    monkeypatch.setattr(flashinfer_loader.FLASHINFER, "tried", True)
     # The experts stay stacked, as on CUDA (the CPU would pack them for its native matmul).
     monkeypatch.setattr(CpuFastPaths, "_pack_experts", lambda self: None)
 
     def install(kernel=fake_moe) -> Recording:
         recording = Recording(kernel)
-        monkeypatch.setattr(flashinfer_loader, "_flashinfer", with_moe_kernel(recording))
+        monkeypatch.setattr(flashinfer_loader.FLASHINFER, "module", with_moe_kernel(recording))
         flashinfer_elementwise.forget_decisions()
         return recording
 

@@ -4,8 +4,8 @@ what the Triton kernel cannot read; on the CUDA code path (run on CPU: the
 FlashInfer fake's attention and fused ops, the kernel's stand-in in
 tests/fake_flashinfer.py) Qwen3, Llama and Gemma 3 layers take it, and the
 prompt's logprobs and the greedy tokens follow the separate kernels' within
-bfloat16's rounding; the kernel itself is compared with the torch form on a
-GPU."""
+bfloat16's rounding; the Triton kernel's code equals the torch form under
+Triton's CPU interpreter, and compiled, on a GPU."""
 
 from __future__ import annotations
 
@@ -119,7 +119,7 @@ def _bf16_run(model: Path, prompts: list[list[int]], fused: bool) -> tuple[list,
 
     with kernel_census.cuda_code_path(kernel_census.KernelCounter()):
         if not fused:
-            op._module = None  # (cuda_code_path restores it)
+            op.KERNEL.module = None  # (cuda_code_path restores it)
         # The GPU's path: the modules in bfloat16, no packed weights or native decode step.
         cpu_paths, engine_module.CpuFastPaths = engine_module.CpuFastPaths, kernel_census.NoCpuFastPaths
         try:
@@ -159,6 +159,48 @@ def test_layers_take_it_and_follow_the_separate_kernels(head_dim_64: dict[str, P
     assert sum(a[:4] == b[:4] for a, b in zip(fused_tokens, separate_tokens)) >= 2
 
 
+INTERPRETED = """
+import sys
+import torch
+from aioserve.flashinfer import qk_rope_store_triton as kernel
+from aioserve.flashinfer.qk_rope_store import qk_rope_store_reference
+worst = 0.0
+for dtype in (torch.float32, torch.float16, torch.bfloat16):
+    for d, hq, hk in ((64, 4, 2), (128, 2, 2), (32, 3, 1)):
+        for norm in (True, False):
+            gen = torch.Generator().manual_seed(d + hq)
+            qkv = torch.randn(7, (hq + 2 * hk) * d, generator=gen).to(dtype)
+            q, k, v = (t.view(7, -1, d) for t in qkv.split([hq * d, hk * d, hk * d], dim=-1))
+            angles = torch.rand(100, d // 2, generator=gen) * 6
+            cos_sin = torch.cat([angles.cos(), angles.sin()], 1)
+            positions, slots = torch.tensor([0, 5, 9, 99, 3, 3, 50]), torch.tensor([1, 30, 2, 17, 8, 9, 0])
+            weights = (torch.rand(d).to(dtype) + 0.5, torch.rand(d).to(dtype) + 0.5) if norm else (None, None)
+            pools = [torch.zeros(32, hk, d, dtype=dtype) for _ in range(4)]
+            got = kernel.qk_rope_store(q, k, v, positions, cos_sin, *weights, 1e-6, pools[0], pools[1], slots)
+            want = qk_rope_store_reference(q, k, v, positions, cos_sin, *weights, 1e-6, pools[2], pools[3], slots)
+            assert torch.equal(pools[1], pools[3]), "v"
+            for a, b in ((got, want), (pools[0], pools[2])):
+                worst = max(worst, (a.float() - b.float()).abs().max().item() / (1 if dtype == torch.float32 else 8))
+print(worst)
+sys.exit(0 if worst < 1e-2 else 1)
+"""
+
+
+def test_the_triton_kernel_interpreted_on_cpu_equals_the_torch_form() -> None:
+    """The kernel's own code, run by Triton's interpreter (TRITON_INTERPRET=1,
+    numpy on the CPU: its indexing, branches, norm and rotation, not its
+    compilation) for three dtypes, head dims 32/64/128, GQA and views of a
+    projection, against the torch form; in a child process, since the
+    interpreter is chosen when triton is imported."""
+    import os
+    import subprocess
+
+    pytest.importorskip("triton")
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    done = subprocess.run([sys.executable, "-c", INTERPRETED], env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stdout + done.stderr[-2000:]
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("head_dim", [64, 128, 256])
@@ -170,7 +212,7 @@ def test_the_kernel_equals_the_torch_form_on_cuda(dtype: torch.dtype, head_dim: 
         pytest.skip("needs a CUDA device")
     kernels = op.load_kernel()
     if kernels is None:
-        pytest.skip(f"triton does not import: {op.import_error}")
+        pytest.skip(f"triton does not import: {op.KERNEL.import_error}")
     cuda = torch.device("cuda")
     assert self_check(kernels, dtype, head_dim, norm, cuda) is None
     tokens, hq, hk = 40, 8, 2

@@ -23,7 +23,7 @@ def flashinfer_unusable(pool: KVPool, shape: AttentionShape) -> str | None:
     if why is not None:
         return why
     if loader.load_flashinfer() is None:
-        why = loader.import_error
+        why = loader.FLASHINFER.import_error
         return f"flashinfer does not import ({why}; install the gpu extra: pip install 'aioserve[gpu]')"
     return None
 

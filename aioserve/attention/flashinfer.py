@@ -143,7 +143,7 @@ class FlashInferBackend(AttentionBackend):
     def __init__(self, pool: KVPool, shape: AttentionShape, flashinfer: ModuleType | None = None) -> None:
         fi = flashinfer or loader.load_flashinfer()
         if fi is None:
-            raise ImportError(f"flashinfer does not import: {loader.import_error}")
+            raise ImportError(f"flashinfer does not import: {loader.FLASHINFER.import_error}")
         self.fi: ModuleType = fi
         self.pool = pool
         self.shape = shape

@@ -28,15 +28,17 @@ head is rotated in float32 instead of being rounded to half in between.
 
 from __future__ import annotations
 
+import importlib
 import logging
 import os
-from types import ModuleType, SimpleNamespace
+from types import ModuleType
 from typing import Any
 
 import torch
 
 from aioserve.flashinfer import contracts
 from aioserve.flashinfer.elementwise import MODEL_OPS, FusedOp
+from aioserve.flashinfer.loader import OptionalModule
 
 logger = logging.getLogger(__name__)
 
@@ -70,88 +72,17 @@ def qk_rope_store_reference(
     return prepared(q, q_weight).to(q.dtype)
 
 
-def _triton_module() -> SimpleNamespace:
-    """The Triton kernel and its launcher (imported here: only CUDA builds of torch bring Triton)."""
-    import triton  # noqa: PLC0415
-    import triton.language as tl  # noqa: PLC0415
-
-    @triton.jit
-    def kernel(q_ptr, k_ptr, v_ptr, q_tok, q_head, k_tok, k_head, v_tok, v_head,
-               pos_ptr, cs_ptr, cs_row, qw_ptr, kw_ptr, eps, out_ptr, kc_ptr, vc_ptr, c_slot, c_head, loc_ptr, HQ,
-               HALF: tl.constexpr, HAS_NORM: tl.constexpr):
-        t = tl.program_id(0).to(tl.int64)
-        h = tl.program_id(1)
-        offs = tl.arange(0, HALF)
-        pos = tl.load(pos_ptr + t).to(tl.int64)
-        cos = tl.load(cs_ptr + pos * cs_row + offs)
-        sin = tl.load(cs_ptr + pos * cs_row + HALF + offs)
-        is_q = h < HQ
-        kh = h - HQ
-        if is_q:
-            src = q_ptr + t * q_tok + h * q_head
-            weight = qw_ptr
-        else:
-            src = k_ptr + t * k_tok + kh * k_head
-            weight = kw_ptr
-        first = tl.load(src + offs).to(tl.float32)
-        second = tl.load(src + HALF + offs).to(tl.float32)
-        if HAS_NORM:
-            scale = tl.rsqrt((tl.sum(first * first, 0) + tl.sum(second * second, 0)) / (2 * HALF) + eps)
-            first = first * scale * tl.load(weight + offs).to(tl.float32)
-            second = second * scale * tl.load(weight + HALF + offs).to(tl.float32)
-        rotated_first = first * cos - second * sin
-        rotated_second = second * cos + first * sin
-        if is_q:
-            dst = out_ptr + (t * HQ + h) * (2 * HALF)
-            tl.store(dst + offs, rotated_first.to(out_ptr.dtype.element_ty))
-            tl.store(dst + HALF + offs, rotated_second.to(out_ptr.dtype.element_ty))
-        else:
-            loc = tl.load(loc_ptr + t)
-            dst = kc_ptr + loc * c_slot + kh * c_head
-            tl.store(dst + offs, rotated_first.to(kc_ptr.dtype.element_ty))
-            tl.store(dst + HALF + offs, rotated_second.to(kc_ptr.dtype.element_ty))
-            v_src = v_ptr + t * v_tok + kh * v_head
-            v_dst = vc_ptr + loc * c_slot + kh * c_head
-            tl.store(v_dst + offs, tl.load(v_src + offs))
-            tl.store(v_dst + HALF + offs, tl.load(v_src + HALF + offs))
-
-    def qk_rope_store(
-        q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor,
-        q_weight: torch.Tensor | None, k_weight: torch.Tensor | None, eps: float,
-        k_cache: torch.Tensor, v_cache: torch.Tensor, out_cache_loc: torch.Tensor,
-    ) -> torch.Tensor:
-        tokens, hq, d = q.shape
-        out = torch.empty(tokens, hq, d, dtype=q.dtype, device=q.device)
-        if tokens:
-            norm = q_weight is not None and k_weight is not None
-            kernel[(tokens, hq + k.shape[1])](
-                q, k, v, q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
-                positions, cos_sin, cos_sin.stride(0), q_weight if norm else q, k_weight if norm else k, eps,
-                out, k_cache, v_cache, k_cache.stride(0), k_cache.stride(1), out_cache_loc, hq,
-                HALF=d // 2, HAS_NORM=norm, num_warps=1,
-            )
-        return out
-
-    return SimpleNamespace(qk_rope_store=qk_rope_store)
-
-
-_module: Any = None
-_tried = False
-import_error: str | None = None
+# Triton comes with torch's CUDA builds (and with xgrammar), not everywhere: imported on first use.
+KERNEL = OptionalModule(
+    "triton", lambda: importlib.import_module("aioserve.flashinfer.qk_rope_store_triton"),
+    "q/k norms, RoPE and the KV write stay separate kernels",
+)
 
 
 def load_kernel() -> Any:
-    """A namespace with `qk_rope_store` (the Triton kernel), or None where
-    Triton does not import; the CPU tests put a stand-in here."""
-    global _module, _tried, import_error
-    if not _tried:
-        _tried = True
-        try:
-            _module = _triton_module()
-        except ImportError as exc:
-            import_error = str(exc)
-            logger.info("triton does not import (%s): q/k norm, RoPE and the KV write stay separate kernels", exc)
-    return _module
+    """The Triton kernel's module (its `qk_rope_store`), or None where Triton
+    does not import; the CPU tests put a stand-in in KERNEL.module."""
+    return KERNEL.load()
 
 
 def self_check(kernels: Any, dtype: torch.dtype, head_dim: int, norm: bool, device: torch.device) -> str | None:
