@@ -144,3 +144,33 @@ def test_without_speculation_no_verify_graphs_are_captured(qwen3_hd64: Path) -> 
         assert llm.engine.capture_verify_graphs(EagerCapture()) is None
     finally:
         llm.close()
+
+
+def test_a_failed_capture_leaves_speculation_eager_and_right(qwen3_hd64: Path, monkeypatch: pytest.MonkeyPatch,
+                                                              caplog: pytest.LogCaptureFixture) -> None:
+    """A capture that raises (a kernel the capture refuses) must not stop the
+    server: the verifications run eagerly, the outputs stay plain decoding's."""
+    from aioserve.engine import engine as engine_module
+
+    prompts = [hf_encode(qwen3_hd64, t) for t in TEXTS]
+    params = [SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)] * len(prompts)
+    plain = _plain(qwen3_hd64, prompts, params)
+
+    def refused(*args: object, **kwargs: object) -> None:
+        raise RuntimeError("operation not permitted when stream is capturing")
+
+    monkeypatch.setattr(engine_module, "VerifyGraphRunner", refused)
+    llm = LLM(str(qwen3_hd64), debug_integrity=True, cuda_graph=False, dtype="float32", page_size=4,
+              speculative_config=NGRAM)
+    try:
+        engine = llm.engine
+        engine.attention = FlashInferBackend(engine.pool, engine.attention_shape, fake_flashinfer)
+        engine.graph_runner = engine.capture_decode_graphs(EagerCapture())
+        with caplog.at_level("ERROR"):
+            engine.capture_speculation_graphs(EagerCapture())
+        assert engine.verify_graph_runner is None and "verify graphs not captured" in caplog.text
+        outs = [(o.token_ids, o.logprobs, o.finish_reason) for o in llm.generate(prompts, params)]
+        assert llm.scheduler.speculator.stats.drafts > 0
+    finally:
+        llm.close()
+    assert [o[0] for o in outs] == [p[0] for p in plain]

@@ -116,8 +116,7 @@ class Engine:
         elif config.cuda_graph and self.attention.supports_graphs and generates:
             capture = CudaGraphCapture()
             self.graph_runner = self.capture_decode_graphs(capture)
-            self.verify_graph_runner = self.capture_verify_graphs(capture)  # one memory pool for all
-            self.capture_draft_graphs(capture)
+            self.capture_speculation_graphs(capture)  # one memory pool for all
         elif config.cuda_graph:
             logger.info("CUDA graphs off: the %s attention backend cannot replay", self.attention.name)
         self.previous = PreviousStepTokens(self.device)  # fills the next plan's placeholders
@@ -189,6 +188,24 @@ class Engine:
             return None
         max_bs = min(speculative.disable_by_batch_size, self._graph_max_bs)
         return VerifyGraphRunner(self._graph_target(capture), max_bs, speculative.num_tokens + 1, self.page_size)
+
+    def capture_speculation_graphs(self, capture: Capture) -> None:
+        """The verify graphs and the proposer's graphs. Where a capture fails
+        (a kernel or a shape the capture refuses), speculation runs those
+        steps eagerly, slower but correct, and says why, rather than the
+        server not starting."""
+        try:
+            self.verify_graph_runner = self.capture_verify_graphs(capture)
+        except Exception:
+            logger.exception("verify graphs not captured: speculative verifications run eagerly")
+            self.verify_graph_runner = None
+        proposer = self.draft or self.eagle3
+        try:
+            self.capture_draft_graphs(capture)
+        except Exception:
+            logger.exception("the proposer's graphs not captured: its decodes run eagerly")
+            if proposer is not None:
+                proposer.decode_graphs = proposer.verify_graphs = None
 
     def capture_draft_graphs(self, capture: Capture) -> None:
         """A draft model's or an EAGLE-3 head's graphs, at the target's sizes (nothing without either)."""

@@ -24,7 +24,8 @@ many pages as its rows need: its reads are of finite values nobody uses.
 Only the first T rows' hidden states are returned.
 
 Steps that fit run here when no decode graph serves them; images, prompt
-logprobs and LoRA adapters keep to the eager path.
+logprobs and LoRA adapters keep to the eager path. A capture that fails
+leaves the verifications eager (Engine.capture_speculation_graphs logs why).
 """
 
 from __future__ import annotations
