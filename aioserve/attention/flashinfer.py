@@ -114,7 +114,6 @@ class FlashInferMetadata(AttentionMetadata):
         self.prefill[window].run(q[nd:], cache, out=out[nd:], window_left=window)
         return out
 
-
     def kv_destination(self, layer: int) -> KVDestination | None:
         pool = self.backend.pool
         if pool.dtype not in contracts.HALF:  # an FP8 cache: pool.store quantises
@@ -219,12 +218,16 @@ class FlashInferBackend(AttentionBackend):
                 sm_scale=self.sm_scale,
             )
 
-    def _plan_prefill(self, wrappers: dict[int, PagedWrapper], qo: torch.Tensor, args: PagedKVArgs,
+    def _plan_extends(self, wrappers: dict[int, PagedWrapper], host_plan: BatchPlan, first: int,
                       mask: torch.Tensor | None = None) -> None:
-        """`mask`: a step with rows that attend both ways (Gemma 3's images):
-        each extend's [new tokens, KV length] bool mask, flattened and
-        concatenated, in place of the causal one (a layer's window still
-        applies at run time, as a lower bound on the keys)."""
+        """Plan `wrappers` (prefill, one per window) for the plan's requests
+        from `first` on. `mask`: a step with rows that attend both ways
+        (Gemma 3's images): each extend's [new tokens, KV length] bool mask,
+        flattened and concatenated, in place of the causal one (a layer's
+        window still applies at run time, as a lower bound on the keys)."""
+        args = self._upload(paged_kv_args(host_plan.page_table[first:], host_plan.seq_lens[first:], self.pool.page_size))
+        qo = qo_indptr(host_plan.extend_lens[first:])
+        qo = qo.pin_memory() if self.on_cuda else qo
         s = self.shape
         extra = {} if mask is None else {"custom_mask": mask}
         for window, wrapper in wrappers.items():
@@ -245,12 +248,10 @@ class FlashInferBackend(AttentionBackend):
             args = paged_kv_args(host_plan.page_table[:nd], host_plan.seq_lens[:nd], ps)
             self._plan_decode(self.decode, self._upload(args))
         if batch > nd:
-            args = paged_kv_args(host_plan.page_table[nd:], host_plan.seq_lens[nd:], ps)
-            qo = qo_indptr(host_plan.extend_lens[nd:])
             mask = both_ways_mask(host_plan) if host_plan.images is not None else None
             if mask is not None and self.on_cuda:
                 mask = mask.pin_memory().to(self.pool.buffer.device, non_blocking=True)
-            self._plan_prefill(self.prefill, qo.pin_memory() if self.on_cuda else qo, self._upload(args), mask)
+            self._plan_extends(self.prefill, host_plan, nd, mask)
         self._after_planning()
         return FlashInferMetadata(
             self, plan.out_cache_loc, nd, self.decode if nd else None, self.prefill if batch > nd else None
@@ -314,9 +315,6 @@ class FlashInferBackend(AttentionBackend):
         return FlashInferMetadata(self, out_cache_loc, 0, None, wrappers)
 
     def update_verify_graph_buffers(self, host_plan: BatchPlan) -> None:
-        wrappers = self.graph_prefills[host_plan.num_requests]
         self._before_planning()
-        args = paged_kv_args(host_plan.page_table, host_plan.seq_lens, self.pool.page_size)
-        qo = qo_indptr(host_plan.extend_lens)
-        self._plan_prefill(wrappers, qo.pin_memory() if self.on_cuda else qo, self._upload(args))
+        self._plan_extends(self.graph_prefills[host_plan.num_requests], host_plan, 0)
         self._after_planning()

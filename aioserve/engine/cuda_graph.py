@@ -104,6 +104,20 @@ class StepForward(Protocol):
     def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor: ...
 
 
+class StepReplay(Protocol):
+    """A step run as one captured unit where it can: the graph runners here,
+    the CPU's native DecoderStack (cpu_engine/decode_stack.py)."""
+
+    def can_run(self, host_plan: BatchPlan) -> bool: ...
+
+    def run(self, input_ids: torch.Tensor, plan: BatchPlan, host_plan: BatchPlan) -> torch.Tensor: ...
+
+
+def replaying(host_plan: BatchPlan, *runners: StepReplay | None) -> StepReplay | None:
+    """The first of `runners` that serves this step; None: it runs eagerly."""
+    return next((runner for runner in runners if runner is not None and runner.can_run(host_plan)), None)
+
+
 class CapturedStep(Protocol):
     def replay(self) -> None: ...
 

@@ -35,7 +35,7 @@ import torch
 
 from aioserve.attention import create_backend
 from aioserve.batch_plan import BatchPlan, DraftBatch
-from aioserve.engine.cuda_graph import Capture, DecodeGraphRunner, GraphTarget
+from aioserve.engine.cuda_graph import Capture, DecodeGraphRunner, GraphTarget, replaying
 from aioserve.engine.draft_model import LoadedDraft
 from aioserve.engine.rank_attention import rank_attention_shape
 from aioserve.engine.verify_graph import VerifyGraphRunner
@@ -82,9 +82,9 @@ class DraftRunner:
 
     def _forward(self, input_ids: torch.Tensor, plan: BatchPlan, host_plan: BatchPlan) -> torch.Tensor:
         """The draft's hidden states for a step: a graph's replay where one serves it, else eagerly."""
-        for runner in (self.decode_graphs, self.verify_graphs):
-            if runner is not None and runner.can_run(host_plan):
-                return runner.run(input_ids, plan, host_plan)
+        replay = replaying(host_plan, self.decode_graphs, self.verify_graphs)
+        if replay is not None:
+            return replay.run(input_ids, plan, host_plan)
         return self.model(input_ids, plan.positions, self.attention.prepare(plan, host_plan))
 
     def propose(self, host_plan: BatchPlan, input_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

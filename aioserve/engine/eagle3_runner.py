@@ -51,12 +51,12 @@ import torch
 from aioserve.attention import create_backend
 from aioserve.attention.backend import AttentionMetadata
 from aioserve.batch_plan import BatchPlan
-from aioserve.engine.cuda_graph import Capture, DecodeGraphRunner, GraphTarget
+from aioserve.engine.cuda_graph import Capture, DecodeGraphRunner, GraphTarget, replaying
 from aioserve.engine.draft_runner import decode_plan, newest_positions, upload, with_proposals
 from aioserve.engine.eagle3_draft import LoadedEagle3
 from aioserve.engine.rank_attention import rank_attention_shape
-from aioserve.kvcache.kv_pool import KVPool
 from aioserve.engine.verify_graph import VerifyGraphRunner, verify_rows
+from aioserve.kvcache.kv_pool import KVPool
 from aioserve.layers.embedding import VocabParallelEmbedding
 from aioserve.models.eagle3 import Eagle3Head
 
@@ -124,13 +124,13 @@ class Eagle3Runner:
         """The head over a step's rows, fed `fed` [T, H]: (normed, pre-norm),
         by a graph's replay where one serves the step (views into its output:
         read them before the next replay), else eagerly."""
-        for runner in (self.decode_graphs, self.verify_graphs):
-            if runner is not None and runner.can_run(host_plan):
-                self.fed[: fed.shape[0]].copy_(fed)
-                out = runner.run(ids, plan, host_plan)
-                width = self.fed.shape[1]
-                return out[:, :width], out[:, width:]
-        return self.head(self.embed(ids), plan.positions, fed, self.attention.prepare(plan, host_plan))
+        replay = replaying(host_plan, self.decode_graphs, self.verify_graphs)
+        if replay is None:
+            return self.head(self.embed(ids), plan.positions, fed, self.attention.prepare(plan, host_plan))
+        self.fed[: fed.shape[0]].copy_(fed)
+        out = replay.run(ids, plan, host_plan)
+        width = self.fed.shape[1]
+        return out[:, :width], out[:, width:]
 
     @property
     def pool_bytes(self) -> int:

@@ -28,7 +28,7 @@ from aioserve.batch_plan import BatchPlan, SamplingTensors, StepOutput
 from aioserve.config import EngineConfig
 from aioserve.tp.distributed import broadcast_from_leader, get_tp_group, min_over_ranks
 from aioserve.cpu_engine.fast_paths import CpuFastPaths
-from aioserve.engine.cuda_graph import Capture, CudaGraphCapture, DecodeGraphRunner, GraphTarget
+from aioserve.engine.cuda_graph import Capture, CudaGraphCapture, DecodeGraphRunner, GraphTarget, replaying
 from aioserve.engine.draft_runner import DraftRunner
 from aioserve.engine.eagle3_runner import Eagle3Runner
 from aioserve.cpu_engine.greedy_screen import GreedyScreen
@@ -183,11 +183,19 @@ class Engine:
         """With speculative decoding: graphs for its verification steps, up to
         the batch size where speculation turns off (None without speculation,
         or where the attention backend cannot replay an extend)."""
-        speculative = resolve_speculative(self.config)
-        if speculative is None or not self.attention.supports_verify_graphs:
+        sizes = self._verify_sizes()
+        if sizes is None or not self.attention.supports_verify_graphs:
             return None
-        max_bs = min(speculative.disable_by_batch_size, self._graph_max_bs)
-        return VerifyGraphRunner(self._graph_target(capture), max_bs, speculative.num_tokens + 1, self.page_size)
+        return VerifyGraphRunner(self._graph_target(capture), *sizes, self.page_size)
+
+    def _verify_sizes(self) -> tuple[int, int] | None:
+        """With speculative decoding, its verify graphs' largest batch (where
+        speculation turns off, or the graphs' own limit) and rows a request
+        (k + 1); None without."""
+        speculative = resolve_speculative(self.config)
+        if speculative is None:
+            return None
+        return min(speculative.disable_by_batch_size, self._graph_max_bs), speculative.num_tokens + 1
 
     def capture_speculation_graphs(self, capture: Capture) -> None:
         """The verify graphs and the proposer's graphs. Where a capture fails
@@ -209,15 +217,11 @@ class Engine:
 
     def capture_draft_graphs(self, capture: Capture) -> None:
         """A draft model's or an EAGLE-3 head's graphs, at the target's sizes (nothing without either)."""
-        speculative = resolve_speculative(self.config)
+        sizes = self._verify_sizes()
         proposer = self.draft or self.eagle3
-        if proposer is None or speculative is None:
+        if proposer is None or sizes is None:
             return
-        proposer.capture_graphs(
-            capture, max_bs=self._graph_max_bs, max_pages_per_request=self._max_pages_per_request,
-            verify_max_bs=min(speculative.disable_by_batch_size, self._graph_max_bs),
-            tokens_per_request=speculative.num_tokens + 1,
-        )
+        proposer.capture_graphs(capture, self._graph_max_bs, self._max_pages_per_request, *sizes)
 
     def forward(self, plan: BatchPlan) -> StepOutput:
         """Run one step and wait for it: the output is on the CPU."""
@@ -267,10 +271,9 @@ class Engine:
             image_embeds = self.images.step(host_plan.images)
         # A captured step (a CUDA graph, the native DecoderStack) runs the
         # adapters from the plan itself; the modules read the routing.
-        if self.graph_runner is not None and self.graph_runner.can_run(host_plan):
-            hidden = self.graph_runner.run(input_ids, plan, host_plan)
-        elif self.verify_graph_runner is not None and self.verify_graph_runner.can_run(host_plan):
-            hidden = self.verify_graph_runner.run(input_ids, plan, host_plan)
+        replay = replaying(host_plan, self.graph_runner, self.verify_graph_runner)
+        if replay is not None:
+            hidden = replay.run(input_ids, plan, host_plan)
         else:
             meta = self.attention.prepare(plan, host_plan)
             with self.lora.routed(routing) if self.lora is not None else nullcontext():

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Hashable
 from types import ModuleType
 
 import torch
@@ -90,6 +90,42 @@ class FusedOp:
     def fused(self) -> bool:
         """Whether some layout took the fused kernel."""
         return any(why is None for why in self.decisions.values())
+
+
+class SelfCheckedOp(FusedOp):
+    """A fused op that also proves itself on the device before it serves: the
+    contract's decisions per layout, as every op keeps them, and a
+    self-check's verdict per key (a shape, a dtype; None: it passed), run once
+    each. A failed self-check counts as a fall-back in the report."""
+
+    def __init__(self, name: str, contract: Callable[..., str | None]) -> None:
+        super().__init__(name, contract)
+        self.verdicts: dict[Hashable, str | None] = {}
+
+    def checked(self, key: Hashable, self_check: Callable[[], str | None], serves: str) -> str | None:
+        """The verdict for `key`, running `self_check` the first time; `serves`
+        names what the kernel then serves, for the log."""
+        if key not in self.verdicts:
+            why = self_check()
+            self.verdicts[key] = why
+            if why is not None:
+                logger.warning("%s: the torch form, not the fused kernel, because %s", self.name, why)
+            else:
+                logger.info("%s: the fused kernel serves %s", self.name, serves)
+        return self.verdicts[key]
+
+    def fused(self) -> bool:
+        return any(why is None for why in self.verdicts.values())
+
+    def fell_back(self) -> set[str]:
+        return super().fell_back() | {why for why in self.verdicts.values() if why is not None}
+
+    def asked(self) -> bool:
+        return bool(self.decisions or self.verdicts)
+
+    def forget(self) -> None:
+        super().forget()
+        self.verdicts.clear()
 
 
 RMSNORM = FusedOp("rmsnorm", contracts.rmsnorm)

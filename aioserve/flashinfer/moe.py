@@ -38,7 +38,7 @@ from types import ModuleType
 import torch
 
 from aioserve.flashinfer import contracts, elementwise
-from aioserve.flashinfer.elementwise import FusedOp
+from aioserve.flashinfer.elementwise import SelfCheckedOp
 
 logger = logging.getLogger(__name__)
 
@@ -55,42 +55,21 @@ TorchForm = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, to
 ShapeKey = tuple[int, int, torch.dtype, str]  # hidden, intermediate per rank, dtype, device type
 
 
-class FusedMoeOp(FusedOp):
-    """The contract's decisions per layout, as every fused op keeps them,
-    and the self-check's verdict per weight shape (None: it passed)."""
+class FusedMoeOp(SelfCheckedOp):
+    """The contract's decisions per layout, and the self-check's verdict per
+    weight shape (SelfCheckedOp)."""
 
     def __init__(self) -> None:
         super().__init__("fused_moe", contracts.fused_moe)
-        self.verdicts: dict[ShapeKey, str | None] = {}
 
     def may_take(self, first: torch.Tensor) -> bool:
         return ENABLED and super().may_take(first)
 
     def verdict(self, fi: ModuleType, w13: torch.Tensor, w2: torch.Tensor, torch_form: TorchForm) -> str | None:
         """Why the kernel may not serve these weights' shape, from its self-check, run once per shape."""
-        key = (w2.shape[1], w2.shape[2], w2.dtype, w2.device.type)
-        if key not in self.verdicts:
-            why = self_check(fi, w13, w2, torch_form)
-            self.verdicts[key] = why
-            if why is not None:
-                logger.warning("%s: the torch form, not FlashInfer's kernel, because %s", self.name, why)
-            else:
-                logger.info("%s: FlashInfer's kernel serves experts of hidden %d, intermediate %d (%s)",
-                            self.name, key[0], key[1], w2.dtype)
-        return self.verdicts[key]
-
-    def fused(self) -> bool:
-        return any(why is None for why in self.verdicts.values())
-
-    def fell_back(self) -> set[str]:
-        return super().fell_back() | {why for why in self.verdicts.values() if why is not None}
-
-    def asked(self) -> bool:
-        return bool(self.decisions or self.verdicts)
-
-    def forget(self) -> None:
-        super().forget()
-        self.verdicts.clear()
+        key: ShapeKey = (w2.shape[1], w2.shape[2], w2.dtype, w2.device.type)
+        return self.checked(key, lambda: self_check(fi, w13, w2, torch_form),
+                            f"experts of hidden {key[0]}, intermediate {key[1]} ({w2.dtype})")
 
 
 FUSED_MOE = FusedMoeOp()

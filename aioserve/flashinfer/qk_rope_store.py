@@ -37,7 +37,7 @@ from typing import Any
 import torch
 
 from aioserve.flashinfer import contracts
-from aioserve.flashinfer.elementwise import MODEL_OPS, FusedOp
+from aioserve.flashinfer.elementwise import MODEL_OPS, SelfCheckedOp
 from aioserve.flashinfer.loader import OptionalModule
 
 logger = logging.getLogger(__name__)
@@ -117,16 +117,12 @@ def self_check(kernels: Any, dtype: torch.dtype, head_dim: int, norm: bool, devi
     return None
 
 
-VerdictKey = tuple[torch.dtype, int, bool, str]
-
-
-class QkRopeStoreOp(FusedOp):
+class QkRopeStoreOp(SelfCheckedOp):
     """The contract's decisions per layout, and the self-check's verdict per
-    dtype, head_dim and norm (None: it passed)."""
+    dtype, head_dim and norm (SelfCheckedOp)."""
 
     def __init__(self) -> None:
         super().__init__("qk_rope_store", contracts.qk_rope_store)
-        self.verdicts: dict[VerdictKey, str | None] = {}
 
     def load(self) -> ModuleType | None:
         return load_kernel()
@@ -135,17 +131,10 @@ class QkRopeStoreOp(FusedOp):
         return ENABLED and super().may_take(first)
 
     def verdict(self, kernels: Any, q: torch.Tensor, norm: bool) -> str | None:
+        """Why the kernel may not serve this dtype, head_dim and norm, from its self-check, run once each."""
         key = (q.dtype, q.shape[-1], norm, str(q.device))
-        if key not in self.verdicts:
-            why = self_check(kernels, q.dtype, q.shape[-1], norm, q.device)
-            self.verdicts[key] = why
-            if why is not None:
-                logger.warning("%s: separate kernels, not the fused one, because %s", self.name, why)
-        return self.verdicts[key]
-
-    def forget(self) -> None:
-        super().forget()
-        self.verdicts.clear()
+        return self.checked(key, lambda: self_check(kernels, q.dtype, q.shape[-1], norm, q.device),
+                            f"head_dim {q.shape[-1]} ({q.dtype}{', q/k norms' if norm else ''})")
 
 
 QK_ROPE_STORE = QkRopeStoreOp()
