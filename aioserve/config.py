@@ -168,9 +168,10 @@ class EngineConfig:
 
     cpu_matmul: str = option(
         "auto", group="model", choices=("auto", "native", "onednn", "blas"),
-        help="how CPU weights are multiplied: native (packed once for aioserve's kernels), onednn (reordered once "
-        "into oneDNN's layout, its inner product: where AMX tiles are), blas (torch's matmul, forms timed per "
-        "shape); auto: oneDNN for half math on AMX, else native",
+        help="how CPU weights are multiplied: native (packed once for aioserve's kernels; bf16 on AMX tiles where "
+        "the CPU has them), onednn (reordered once into oneDNN's layout, its inner product), blas (torch's matmul, "
+        "forms timed per shape); auto: native, or for float16 math on AMX the faster of oneDNN's layout and the "
+        "BLAS forms per weight shape",
     )
     cpu_matmul_tuning: bool = option(
         True, group="model",

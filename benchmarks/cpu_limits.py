@@ -553,7 +553,8 @@ FULL = Sizes(1024, [(64, 4096, 4096), (2048, 2048, 2048)], 5, 512, 64, (4, 512),
 QUICK = Sizes(256, [(64, 2048, 2048), (1024, 1024, 1024)], 3, 512, 64, (1, 256), 2, 1, 1, 4, 6)
 
 
-def build_llm(name: str, spec: ModelSpec, sizes: Sizes, workdir: Path, num_threads: int | None) -> LLM:
+def build_llm(name: str, spec: ModelSpec, sizes: Sizes, workdir: Path, num_threads: int | None,
+              paths: dict[str, str] | None = None) -> LLM:
     folder = spec.folder
     if spec.fields:
         folder = write_dummy_model(spec.folder, workdir / name, spec.fields)
@@ -569,6 +570,7 @@ def build_llm(name: str, spec: ModelSpec, sizes: Sizes, workdir: Path, num_threa
         options["load_format"] = "dummy"
     if num_threads:
         options["num_threads"] = num_threads
+    options.update(paths or {})  # --cpu-matmul / --cpu-half-compute: a path forced, to set beside auto's
     return LLM(str(folder), **options)
 
 
@@ -672,6 +674,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--bandwidth-mb", type=int, help="the read buffer (default 1024, quick 256)")
     p.add_argument("--matmul-shapes", nargs="+", metavar="MxKxN", help="default 64x4096x4096 2048x2048x2048")
     p.add_argument("--num-threads", type=int, help="the engine's threads (default: its own choice)")
+    p.add_argument("--cpu-matmul", choices=["auto", "native", "onednn", "blas"], default="auto",
+                   help="force the engine's CPU matmul path (aioserve serve --cpu-matmul)")
+    p.add_argument("--cpu-half-compute", choices=["auto", "native", "float32"], default="auto",
+                   help="force half models' math dtype (aioserve serve --cpu-half-compute)")
     p.add_argument("--json", help="write the measurements here")
     p.add_argument("--png", help="write a bar chart of fractions against goals here")
     return p.parse_args(argv)
@@ -702,7 +708,8 @@ def main(argv: list[str] | None = None) -> None:
     start = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="cpu_limits-") as workdir:
         for name in args.models:
-            llm = build_llm(name, MODELS[name], sizes, Path(workdir), args.num_threads)
+            paths = {"cpu_matmul": args.cpu_matmul, "cpu_half_compute": args.cpu_half_compute}
+            llm = build_llm(name, MODELS[name], sizes, Path(workdir), args.num_threads, paths)
             try:
                 if machine is None:  # on the forward thread, at the engine's thread count (see on_forward_thread)
                     machine = on_forward_thread(llm, lambda: describe_machine(flags))

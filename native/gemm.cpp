@@ -27,11 +27,14 @@
 #include <immintrin.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cstring>
 #include <vector>
 
 #if defined(__linux__)
 #include <sys/mman.h>
+#include <sys/syscall.h>
+#include <unistd.h>
 #endif
 
 namespace {
@@ -160,6 +163,98 @@ inline void tile_split_pairs(const float* __restrict x, int64_t k, int64_t ld, c
 constexpr bool kPairs = false;
 #endif
 
+// AMX: on CPUs with tile registers (Sapphire Rapids and later), bf16 x
+// against the same pair-packed blocks through tile instructions. A block's
+// pair rows are exactly a B tile's rows (16 pairs of k by 16 columns, 64
+// bytes, one tile per half block), so the packing does not change. Why: the
+// pair dot (vdpbf16ps) multiplies 32 bf16 products per instruction, a tile
+// 8192 per instruction, so a batch-64 decode step, compute-bound on the
+// pair dots, becomes bound by reading the weights again; measured in
+// docs/performance.md. The tiles sum each output over k in increasing pairs,
+// as the pair dot does, and every row count takes them (rows are padded to
+// 16), so a row's result still does not depend on the rows beside it.
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__) && defined(__linux__)
+constexpr bool kTilesBuilt = true;
+constexpr int kTileRows = 16;  // rows of x per A tile, pairs of k per B tile
+constexpr int kTileK = 32;     // k per tile step: 16 pairs, 64 bytes of bf16 a row
+
+// Linux hands the tile registers' state (8 KiB a thread) only to a process
+// that asks for it once.
+bool tiles_permitted() {
+  static const bool permitted = [] {
+    constexpr long kRequestPermission = 0x1023, kTileData = 18;  // ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA
+    return syscall(SYS_arch_prctl, kRequestPermission, kTileData) == 0;
+  }();
+  return permitted;
+}
+
+struct alignas(64) TileConfig {
+  uint8_t palette = 1;
+  uint8_t start_row = 0;
+  uint8_t reserved[14] = {};
+  uint16_t bytes_per_row[16] = {};
+  uint8_t rows[16] = {};
+};
+
+// Every tile 16 rows of 64 bytes: 0-3 the sums (two row tiles by two half
+// blocks), 4-5 x's row tiles, 6-7 the weights' half blocks. Loaded at every
+// piece of work, since other code on the thread (oneDNN's AMX kernels) may
+// have configured the tiles its own way in between.
+inline void configure_tiles() {
+  TileConfig config;
+  for (int t = 0; t < 8; ++t) {
+    config.bytes_per_row[t] = 64;
+    config.rows[t] = kTileRows;
+  }
+  _tile_loadconfig(&config);
+}
+
+// RowTiles x 16 rows of bf16 x (row stride ld_bytes; k a multiple of 32)
+// against one pair-packed block [k / 2][kBlock][2]: out, RowTiles * 16 rows
+// of kBlock float32 sums.
+template <int RowTiles>
+inline void tile_amx(const char* x, int64_t k, int64_t ld_bytes, const BFloat16* block, float* out) {
+  static_assert(kBlock == 2 * kTileRows, "a packed block is two B tiles wide");
+  constexpr int64_t kPairRowBytes = 2 * kBlock * 2;
+  _tile_zero(0);
+  _tile_zero(1);
+  if constexpr (RowTiles == 2) {
+    _tile_zero(2);
+    _tile_zero(3);
+  }
+  for (int64_t k0 = 0; k0 < k; k0 += kTileK) {
+    const BFloat16* pairs = block + (k0 / 2) * 2 * kBlock;
+    _tile_loadd(6, pairs, kPairRowBytes);
+    _tile_loadd(7, pairs + 2 * kTileRows, kPairRowBytes);
+    _tile_loadd(4, x + k0 * 2, ld_bytes);
+    _tile_dpbf16ps(0, 4, 6);
+    _tile_dpbf16ps(1, 4, 7);
+    if constexpr (RowTiles == 2) {
+      _tile_loadd(5, x + kTileRows * ld_bytes + k0 * 2, ld_bytes);
+      _tile_dpbf16ps(2, 5, 6);
+      _tile_dpbf16ps(3, 5, 7);
+    }
+  }
+  constexpr int64_t kOutRowBytes = kBlock * 4;
+  _tile_stored(0, out, kOutRowBytes);
+  _tile_stored(1, out + kTileRows, kOutRowBytes);
+  if constexpr (RowTiles == 2) {
+    _tile_stored(2, out + kTileRows * kBlock, kOutRowBytes);
+    _tile_stored(3, out + kTileRows * kBlock + kTileRows, kOutRowBytes);
+  }
+}
+#else
+constexpr bool kTilesBuilt = false;
+constexpr int kTileRows = 16;
+constexpr int kTileK = 32;
+bool tiles_permitted() { return false; }
+#endif
+
+// Whether bf16 x meets pair-packed blocks through the tiles: built and
+// permitted, and not turned off (aioserve_gemm_use_tiles; AIOSERVE_AMX=0).
+std::atomic<bool> tiles_wanted{true};
+inline bool tiles_on() { return kTilesBuilt && tiles_wanted.load(std::memory_order_relaxed) && tiles_permitted(); }
+
 // How x meets a block: plain float32 rows, or one of the pair forms.
 enum class Form { kPlain, kDotPairs, kSplitPairs };
 
@@ -202,8 +297,77 @@ inline Y store_as(float v) {
   }
 }
 
+// A tile's float32 sums (rows x kBlock) into y's rows, with the bias.
+template <typename X, typename Y, bool Round>
+inline void store_tile(const float* out, int rows, int64_t col0, int64_t cols, int64_t n, const float* bias, Y* y) {
+  for (int r = 0; r < rows; ++r) {
+    Y* dst = y + r * n + col0;
+    const float* src = out + r * kBlock;
+    if (bias != nullptr) {
+      for (int64_t c = 0; c < cols; ++c) dst[c] = store_as<X, Y, Round>(src[c] + bias[col0 + c]);
+    } else {
+      for (int64_t c = 0; c < cols; ++c) dst[c] = store_as<X, Y, Round>(src[c]);
+    }
+  }
+}
+
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__) && defined(__linux__)
+// packed_linear for bf16 x and pair-packed bf16 W through the tiles (k a
+// multiple of 32). x is staged with its rows padded to whole tiles (zeros),
+// as many rows per pass over W as fit kChunkBytes.
+template <typename Y, bool Round>
+void packed_linear_tiles(const BFloat16* x, int64_t m, int64_t k, const BFloat16* packed, int64_t n, const float* bias,
+                         Y* y) {
+  const int64_t blocks = (n + kBlock - 1) / kBlock;
+  const int64_t row_bytes = k * 2;
+  // Rows 4 KiB apart share an L1 set (see packed_linear_impl): spread them.
+  const int64_t ld_bytes = row_bytes % 4096 == 0 ? row_bytes + 64 : row_bytes;
+  constexpr int64_t kPassRows = 2 * kTileRows;
+  const int64_t most_rows = std::max<int64_t>(kPassRows, kChunkBytes / ld_bytes / kPassRows * kPassRows);
+  const int64_t passes = (m + most_rows - 1) / most_rows;
+  const int64_t chunk_rows = ((m + passes - 1) / passes + kTileRows - 1) / kTileRows * kTileRows;
+  std::vector<char> staged(chunk_rows * ld_bytes);
+  for (int64_t row0 = 0; row0 < m; row0 += chunk_rows) {
+    const int64_t rows = std::min(chunk_rows, m - row0);
+    const int64_t padded = (rows + kTileRows - 1) / kTileRows * kTileRows;
+    for (int64_t r = 0; r < padded; ++r) {
+      char* dst = staged.data() + r * ld_bytes;
+      if (r < rows) {
+        std::memcpy(dst, x + (row0 + r) * k, row_bytes);
+      } else {
+        std::memset(dst, 0, row_bytes);
+      }
+    }
+    const char* xs = staged.data();
+    aioserve::parallel_pieces(blocks, 1, [&](int64_t first, int64_t last) {
+      configure_tiles();
+      alignas(64) float out[kPassRows * kBlock];
+      for (int64_t b = first; b < last; ++b) {
+        const BFloat16* block = packed + b * k * kBlock;
+        const int64_t col0 = b * kBlock, cols = std::min<int64_t>(kBlock, n - col0);
+        for (int64_t r0 = 0; r0 < padded; r0 += kPassRows) {
+          if (padded - r0 >= kPassRows) {
+            tile_amx<2>(xs + r0 * ld_bytes, k, ld_bytes, block, out);
+          } else {
+            tile_amx<1>(xs + r0 * ld_bytes, k, ld_bytes, block, out);
+          }
+          const int valid = static_cast<int>(std::min<int64_t>(kPassRows, rows - r0));
+          store_tile<BFloat16, Y, Round>(out, valid, col0, cols, n, bias, y + (row0 + r0) * n);
+        }
+      }
+      _tile_release();
+    });
+  }
+}
+#endif
+
 template <Form F, typename X, typename W, typename Y, bool Round = true>
 void packed_linear_impl(const X* x, int64_t m, int64_t k, const W* packed, int64_t n, const float* bias, Y* y) {
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__) && defined(__linux__)
+  if constexpr (F == Form::kDotPairs) {
+    if (k % kTileK == 0 && tiles_on()) return packed_linear_tiles<Y, Round>(x, m, k, packed, n, bias, y);
+  }
+#endif
   const int64_t blocks = (n + kBlock - 1) / kBlock;
   // Rows per pass over W: as many as keep their x (bf16 pairs as they are,
   // else widened to float) within kChunkBytes, then evened out, since every
@@ -250,15 +414,7 @@ void packed_linear_impl(const X* x, int64_t m, int64_t k, const W* packed, int64
         for (int64_t r0 = 0; r0 < rows; r0 += kMaxRows) {
           const int tile_h = static_cast<int>(std::min<int64_t>(kMaxRows, rows - r0));
           tile_rows<F>(tile_h, x_bytes + r0 * ld * 4, k, ld, block, out);
-          for (int r = 0; r < tile_h; ++r) {
-            Y* dst = y + (row0 + r0 + r) * n + col0;
-            const float* src = out + r * kBlock;
-            if (bias != nullptr) {
-              for (int64_t c = 0; c < cols; ++c) dst[c] = store_as<X, Y, Round>(src[c] + bias[col0 + c]);
-            } else {
-              for (int64_t c = 0; c < cols; ++c) dst[c] = store_as<X, Y, Round>(src[c]);
-            }
-          }
+          store_tile<X, Y, Round>(out, tile_h, col0, cols, n, bias, y + (row0 + r0) * n);
         }
       }
     });
@@ -368,6 +524,14 @@ int64_t aioserve_gemm_block_width() { return kBlock; }
 int aioserve_gemm_packs_bf16_pairs() { return kPairs ? 1 : 0; }
 
 int aioserve_gemm_fuses_multiply_add() { return kFused ? 1 : 0; }
+
+// Let bf16 products through the AMX tiles (want != 0) or keep them on the
+// pair dots; returns whether the tiles are now in use (built, permitted by
+// the OS, and wanted). Process-wide.
+int aioserve_gemm_use_tiles(int want) {
+  tiles_wanted.store(want != 0, std::memory_order_relaxed);
+  return tiles_on() ? 1 : 0;
+}
 
 // out: a fresh buffer of ceil(n / NB) * k * NB elements of W's type.
 static int pack_linear_weight_direct(const void* weight, int type, int64_t n, int64_t k, int64_t row_stride,

@@ -24,8 +24,8 @@ F32, BF16, F16 = torch.float32, torch.bfloat16, torch.float16
 # (personality, weights, cpu_half_compute) -> (math, packed, native decode, screen copy)
 TABLE = {
     ("amx", F32, "auto"): (F32, True, True, BF16),
-    ("amx", BF16, "auto"): (BF16, False, False, None),  # oneDNN on the tiles, not the packed kernel
-    ("amx", F16, "auto"): (F16, False, False, None),
+    ("amx", BF16, "auto"): (BF16, True, True, None),  # the packed kernel, on the tiles (native/gemm.cpp)
+    ("amx", F16, "auto"): (F16, False, False, None),  # oneDNN's fp16 on the tiles: no tile kernel of ours
     ("amx", BF16, "float32"): (F32, True, True, None),  # a bf16 head computed in float32: no screen to pay
     ("avx512_bf16", F32, "auto"): (F32, True, True, BF16),
     ("avx512_bf16", BF16, "auto"): (BF16, True, True, None),  # the packed kernel dots bf16 pairs

@@ -172,12 +172,15 @@ def test_timed_beside_blas_the_layout_is_kept_where_it_wins(
         llm.close()
 
 
-def test_the_dispatch_reorders_for_half_math_on_amx_only() -> None:
-    """auto: AMX with half weights times oneDNN's layout beside the BLAS
-    forms; float32 there, and every other family, keep the native packed
+def test_the_dispatch_reorders_for_float16_math_on_amx_only() -> None:
+    """auto: AMX with float16 weights (no tile kernel of ours) times oneDNN's
+    layout beside the BLAS forms; bfloat16 there takes the packed kernel on
+    the tiles; float32, and every other family, keep the native packed
     kernel; the option forces each path on any family."""
     amx = PERSONALITIES["amx"]
-    assert choose_cpu_dispatch(amx, torch.bfloat16).onednn == "timed"
+    on_tiles = choose_cpu_dispatch(amx, torch.bfloat16)
+    assert on_tiles.packed_matmul and on_tiles.native_decode and on_tiles.onednn == "off"
+    assert "AMX tiles" in on_tiles.matmul_reason
     assert choose_cpu_dispatch(amx, torch.float16).onednn == "timed"
     assert choose_cpu_dispatch(amx, torch.float32).onednn == "off"
     for family in ("avx512_bf16", "avx512", "avx2"):
@@ -191,5 +194,5 @@ def test_the_dispatch_reorders_for_half_math_on_amx_only() -> None:
         assert blas.onednn == "off" and not blas.packed_matmul and "--cpu-matmul blas" in blas.matmul_reason
         native = choose_cpu_dispatch(flags, torch.bfloat16, matmul="native")
         assert native.packed_matmul and native.onednn == "off"
-    assert any("oneDNN prepacked" in line for line in choose_cpu_dispatch(amx, torch.bfloat16).lines())
+    assert any("oneDNN prepacked" in line for line in choose_cpu_dispatch(amx, torch.float16).lines())
     assert MatmulChoice(False).onednn_weight is None

@@ -2,8 +2,9 @@
 
 The CPU code chooses among several paths by what the machine has: the math's
 dtype (half where the CPU has half-precision matrix units, float32
-elsewhere), the matmul (the native packed kernel, oneDNN's inner product on
-weights reordered once (AMX), or BLAS/oneDNN with a form timed per shape),
+elsewhere), the matmul (the native packed kernel, on AMX tiles for bf16
+where the CPU has them; oneDNN's inner product on weights reordered once
+(float16 on AMX); or BLAS/oneDNN with a form timed per shape),
 the decode step (one native DecoderStack call, or the modules) and the
 greedy screen's copy of a float32 LM head (bfloat16 where the kernels dot
 bf16 pairs, float16 elsewhere). `choose_cpu_dispatch` makes
@@ -29,6 +30,7 @@ HALF_UNITS = {
     torch.float16: frozenset({"avx512_fp16", "amx_fp16"}),
 }
 AMX_HALF = frozenset({"amx_bf16", "amx_fp16"})
+AMX_BF16 = "amx_bf16"  # the packed kernel multiplies bf16 on the tiles (native/gemm.cpp) where this is set
 BF16_PAIR_DOTS = "avx512_bf16"  # the native kernels dot bf16 pairs (vdpbf16ps) where this is set
 
 _AVX2 = frozenset({"sse4_2", "avx", "avx2", "fma", "f16c"})
@@ -121,10 +123,14 @@ def choose_cpu_dispatch(
         matmul_reason = "oneDNN asked for (--cpu-matmul onednn): weights reordered once into its layout"
     elif not native_kernels:
         packed, matmul_reason = False, f"the native kernels are off (AIOSERVE_NATIVE=0); {blas}"
+    elif matmul == "auto" and math == torch.bfloat16 and AMX_BF16 in flags:
+        packed = True
+        matmul_reason = ("weights packed once in bf16 pairs, multiplied on the AMX tiles (AIOSERVE_AMX=0: the "
+                         "AVX512-BF16 pair dots)")
     elif matmul == "auto" and math != torch.float32 and AMX_HALF & flags:
         packed, onednn = False, "timed"
-        matmul_reason = ("half math on AMX tiles: oneDNN's kernels beat the packed ones; per weight shape, the "
-                         f"layout reordered once for them (not at every call) or a BLAS form, whichever is faster; {blas}")
+        matmul_reason = ("half math on AMX with no tile kernel of ours for it: per weight shape, oneDNN's layout "
+                         f"reordered once (not at every call) or a BLAS form, whichever is faster; {blas}")
     else:
         packed, matmul_reason = True, "weights packed once in column blocks, read at the checkpoint's width"
     if not packed:

@@ -29,6 +29,20 @@ def packs_bf16_pairs() -> bool:
     return library().packs_bf16_pairs
 
 
+def use_matrix_tiles(want: bool) -> bool:
+    """Let bf16 x pair-packed bf16 products run on AMX tiles (the default
+    where the CPU has them; AIOSERVE_AMX=0 turns them off at load) or keep
+    them on the AVX512-BF16 pair dots. Process-wide; returns whether the
+    tiles are in use (built for this CPU, permitted by the OS, wanted)."""
+    return library().use_tiles(want)
+
+
+def matrix_tiles_in_use() -> bool:
+    """Whether bf16 products run on AMX tiles now (see use_matrix_tiles)."""
+    lib = library()
+    return lib.use_tiles(lib.tiles_wanted)
+
+
 def packed_fields(weight: torch.Tensor, k: int, n: int, what: str) -> tuple[int, int, int]:
     """(pointer, dtype code, pairs) of a weight packed by pack_linear_weight
     for x [M, k] -> [M, n]; the checks packed_linear makes at each call."""

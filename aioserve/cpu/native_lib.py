@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import ctypes
 import logging
+import os
 import struct
 from collections.abc import Callable
 from pathlib import Path
@@ -29,7 +30,7 @@ import torch
 
 logger = logging.getLogger(__name__)
 
-ABI_VERSION = 2  # module.cpp's aioserve_abi_version()
+ABI_VERSION = 3  # module.cpp's aioserve_abi_version()
 
 # torch's dtypes as native/kernels.h numbers them (DType).
 DTYPE_CODES: dict[torch.dtype, int] = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2, torch.float64: 3}
@@ -88,11 +89,21 @@ class NativeLibrary:
         self.block_width: int = _constant(holding, "aioserve_gemm_block_width", _i64)
         self.packs_bf16_pairs = bool(_constant(holding, "aioserve_gemm_packs_bf16_pairs", _i32))
         self.fuses_multiply_add = bool(_constant(holding, "aioserve_gemm_fuses_multiply_add", _i32))
+        self._use_tiles = holding.aioserve_gemm_use_tiles
+        self._use_tiles.argtypes, self._use_tiles.restype = [_i32], _i32
+        # AMX tiles for bf16 products where the CPU has them (native/gemm.cpp); AIOSERVE_AMX=0: the pair dots.
+        self.tiles_wanted = os.environ.get("AIOSERVE_AMX", "1") != "0"
+        self.use_tiles(self.tiles_wanted)
         self.decoder_new = holding.aioserve_decoder_new
         self.decoder_new.argtypes = [_i64, _i64, _i64, _i64, _f64, _f64, _p, _p, _i64, _i64, _p, _i32]
         self.decoder_new.restype = _p
         self.decoder_free = holding.aioserve_decoder_free
         self.decoder_free.argtypes, self.decoder_free.restype = [_p], None
+
+    def use_tiles(self, want: bool) -> bool:
+        """Route bf16 products through AMX tiles (process-wide); whether they now are."""
+        self.tiles_wanted = want
+        return bool(self._use_tiles(int(want)))
 
     def fail(self) -> RuntimeError:
         """The error of this thread's last failed call, to raise."""

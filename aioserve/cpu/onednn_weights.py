@@ -1,6 +1,7 @@
 """Weights reordered once into oneDNN's blocked layout (--cpu-matmul onednn
-for every weight; for half math on AMX, each weight shape whose timing at
-load it wins beside the BLAS forms, cpu/matmul.py's `choose`).
+for every weight; for float16 math on AMX, each weight shape whose timing
+at load it wins beside the BLAS forms, cpu/matmul.py's `choose`; bf16 on
+AMX runs on the packed kernel's own tile path, native/gemm.cpp).
 
 oneDNN's kernels read a weight in a blocked layout of their own (on AMX, the
 tiles' pairs of bf16 rows). Given a plain [out, in] weight, as torch's matmul

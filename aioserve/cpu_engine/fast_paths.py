@@ -1,5 +1,6 @@
 """The CPU's fast paths, behind one object: the native packed matmul's
-weights (or, for half math on AMX, weights reordered once for oneDNN), the
+weights (bf16 ones multiplied on AMX tiles where the CPU has them; or, for
+float16 math on AMX, weights reordered once for oneDNN), the
 decode-only step as one native DecoderStack call, and the greedy screen
 over the LM head.
 
