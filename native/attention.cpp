@@ -11,6 +11,7 @@
 #include <algorithm>
 #include <cmath>
 #include <limits>
+#include <type_traits>
 #include <vector>
 
 namespace aioserve {
@@ -121,6 +122,105 @@ void attend_span(const float* q, const KV* kp, const KV* vp, const int32_t* page
   }
 }
 
+#if defined(__AVX512BF16__)
+// bf16 q against a bf16 cache, head dims a multiple of 32 (Chunks = dim / 16
+// float vectors): the measured hot path of half-precision decode (Qwen3-0.6B
+// on a 2-core Sapphire Rapids: the generic span above read the KV of a
+// batch-64 step at ~10 GB/s, 72% of the step once the matmuls ran on AMX).
+// Scores: each key row dotted in bf16 pairs (vdpbf16ps: no widening, exact
+// products, float32 sums; the scale applied to the sum, so q stays bf16).
+// Values: a page at a time, each KV head's rows widened once and added into
+// its group's accumulators held in registers across the page (the generic
+// span loads and stores every accumulator at every position). Measured on
+// that machine, batch 64 x 512 positions of Qwen3's 8 x 128 bf16 heads:
+// 10.0-10.4 GB/s before, 12.0-14.2 after; what is left is the memory
+// system's (32 KiB runs of a page at random places: the hardware prefetchers
+// restart at every 4 KiB; software prefetching measured no better).
+template <int Chunks>
+void attend_span_bf16(const BFloat16* q, float scale, const BFloat16* kp, const BFloat16* vp, const int32_t* pages,
+                      int64_t page_size, int64_t begin, int64_t end, int64_t num_heads, int64_t num_kv_heads,
+                      float* maxes, float* sums, float* acc, std::vector<float>& scores) {
+  constexpr int64_t dim = Chunks * 16;
+  constexpr int kPairVectors = Chunks / 2;             // 32 bf16 each
+  constexpr int kHeadsAtOnce = Chunks >= 16 ? 1 : 16 / Chunks;  // accumulators kept in 16 registers
+  const int64_t group = num_heads / num_kv_heads, kv_stride = num_kv_heads * dim, n = end - begin;
+  auto row = [&](const BFloat16* cache, int64_t pos) {
+    return cache + (static_cast<int64_t>(pages[pos / page_size]) * page_size + pos % page_size) * kv_stride;
+  };
+  scores.resize(n * num_heads);
+  for (int64_t j = 0; j < n; ++j) {
+    const BFloat16* keys = row(kp, begin + j);
+    for (int64_t h = 0; h < num_heads; ++h) {
+      const BFloat16 *k = keys + (h / group) * dim, *qh = q + h * dim;
+      __m512 sum = _mm512_setzero_ps();
+      for (int c = 0; c < kPairVectors; ++c) {
+        sum = _mm512_dpbf16_ps(sum, (__m512bh)_mm512_loadu_si512(qh + 32 * c), (__m512bh)_mm512_loadu_si512(k + 32 * c));
+      }
+      scores[h * n + j] = _mm512_reduce_add_ps(sum) * scale;
+    }
+  }
+  for (int64_t h = 0; h < num_heads; ++h) {
+    float* s = scores.data() + h * n;
+    float top = -std::numeric_limits<float>::infinity(), total = 0.f;
+    for (int64_t j = 0; j < n; ++j) top = std::max(top, s[j]);
+#pragma omp simd reduction(+ : total)
+    for (int64_t j = 0; j < n; ++j) {
+      s[j] = aioserve::exp_approx(s[j] - top);
+      total += s[j];
+    }
+    maxes[h] = top;
+    sums[h] = total;
+  }
+  std::fill(acc, acc + num_heads * dim, 0.f);
+  for (int64_t j0 = 0; j0 < n; ) {
+    const int64_t j1 = std::min(n, j0 + page_size - (begin + j0) % page_size);  // the rest of this page
+    for (int64_t g = 0; g < num_kv_heads; ++g) {
+      for (int64_t h0 = g * group; h0 < (g + 1) * group; h0 += kHeadsAtOnce) {
+        const int heads = static_cast<int>(std::min<int64_t>(kHeadsAtOnce, (g + 1) * group - h0));
+        __m512 a[kHeadsAtOnce][Chunks];
+        for (int i = 0; i < kHeadsAtOnce; ++i)
+          if (i < heads)
+            for (int c = 0; c < Chunks; ++c) a[i][c] = _mm512_loadu_ps(acc + (h0 + i) * dim + 16 * c);
+        for (int64_t j = j0; j < j1; ++j) {
+          const BFloat16* values = row(vp, begin + j) + g * dim;
+          __m512 w[kHeadsAtOnce];
+          for (int i = 0; i < kHeadsAtOnce; ++i) w[i] = _mm512_set1_ps(i < heads ? scores[(h0 + i) * n + j] : 0.f);
+          for (int c = 0; c < Chunks; ++c) {
+            const __m512 v = load16(values + 16 * c);
+            for (int i = 0; i < kHeadsAtOnce; ++i)
+              if (i < heads) a[i][c] = _mm512_fmadd_ps(w[i], v, a[i][c]);
+          }
+        }
+        for (int i = 0; i < kHeadsAtOnce; ++i)
+          if (i < heads)
+            for (int c = 0; c < Chunks; ++c) _mm512_storeu_ps(acc + (h0 + i) * dim + 16 * c, a[i][c]);
+      }
+    }
+    j0 = j1;
+  }
+}
+
+// Whether (q, cache, dim) take attend_span_bf16, and which instance.
+template <typename T, typename KV>
+constexpr bool kBf16Span = std::is_same_v<T, BFloat16> && std::is_same_v<KV, BFloat16>;
+
+inline bool bf16_span_fits(int64_t dim) { return dim == 64 || dim == 128 || dim == 256; }
+
+inline void attend_span_bf16_dim(int64_t dim, const BFloat16* q, float scale, const BFloat16* kp, const BFloat16* vp,
+                                 const int32_t* pages, int64_t page_size, int64_t begin, int64_t end, int64_t num_heads,
+                                 int64_t num_kv_heads, float* maxes, float* sums, float* acc,
+                                 std::vector<float>& scores) {
+  switch (dim) {
+    case 64: return attend_span_bf16<4>(q, scale, kp, vp, pages, page_size, begin, end, num_heads, num_kv_heads, maxes,
+                                        sums, acc, scores);
+    case 128: return attend_span_bf16<8>(q, scale, kp, vp, pages, page_size, begin, end, num_heads, num_kv_heads, maxes,
+                                         sums, acc, scores);
+    default: return attend_span_bf16<16>(q, scale, kp, vp, pages, page_size, begin, end, num_heads, num_kv_heads,
+                                         maxes, sums, acc, scores);
+  }
+}
+#endif
+
 template <typename T, typename KV>
 void decode_attention_impl(const T* qp, const KV* kp, const KV* vp, const int32_t* pt, int64_t pages_per_row,
                            const int64_t* lens, int64_t batch, int64_t num_heads, int64_t num_kv_heads, int64_t dim,
@@ -153,6 +253,15 @@ void decode_attention_impl(const T* qp, const KV* kp, const KV* vp, const int32_
         std::fill(acc, acc + num_heads * dim, 0.f);
         continue;
       }
+#if defined(__AVX512BF16__)
+      if constexpr (kBf16Span<T, KV>) {
+        if (bf16_span_fits(dim)) {
+          attend_span_bf16_dim(dim, qp + b * num_heads * dim, static_cast<float>(scale), kp, vp, pt + b * pages_per_row,
+                               page_size, begin, end, num_heads, num_kv_heads, maxes, sums, acc, scores);
+          continue;
+        }
+      }
+#endif
       for (int64_t i = 0; i < num_heads * dim; ++i) qf[i] = to_float(qp[b * num_heads * dim + i]) * static_cast<float>(scale);
       attend_span(qf.data(), kp, vp, pt + b * pages_per_row, page_size, begin, end, num_heads, num_kv_heads, dim, maxes,
                   sums, acc, scores);
