@@ -84,12 +84,13 @@ def test_exclusive_timer_charges_children_to_their_own_category(monkeypatch: pyt
     assert timer.shares() == {"matmul": 0.5, "attention": 0.5}
 
 
-def test_quick_run_on_the_demo_model(tmp_path: Path) -> None:
+@pytest.mark.parametrize("forced", [[], ["--cpu-matmul", "blas"]], ids=["auto", "blas-forced"])
+def test_quick_run_on_the_demo_model(tmp_path: Path, forced: list[str]) -> None:
     out = tmp_path / "limits.json"
     env = {**os.environ, "PYTHONPATH": str(REPO)}
     done = subprocess.run(
         [sys.executable, str(SCRIPT), "--models", "demo", "--quick", "--context", "32", "--large-batch", "4",
-         "--prefill", "2", "16", "--bandwidth-mb", "8", "--matmul-shapes", "16x128x128", "--json", str(out)],
+         "--prefill", "2", "16", "--bandwidth-mb", "8", "--matmul-shapes", "16x128x128", "--json", str(out), *forced],
         capture_output=True, text=True, env=env, cwd=REPO, timeout=120,
     )
     assert done.returncode == 0, done.stderr[-3000:]
@@ -98,6 +99,8 @@ def test_quick_run_on_the_demo_model(tmp_path: Path) -> None:
                  "| demo | decode b1 ctx32 |", "| demo | decode b4 ctx32 |", "| demo | prefill 2x16 |"):
         assert line in table, table
     assert "demo: math float32" in table  # the engine's cpu_dispatch lines
+    # a forced path reaches the engine (the way to set two paths side by side)
+    assert ("--cpu-matmul blas" in table) == bool(forced)
     report = json.loads(out.read_text())
     assert [r["step"] for r in report["rows"]] == ["decode b1 ctx32", "decode b4 ctx32", "prefill 2x16"]
     assert [r["goal"] for r in report["rows"]] == [0.80, 0.50, 0.60]
