@@ -110,3 +110,17 @@ def test_quick_run_on_the_demo_model(tmp_path: Path, forced: list[str]) -> None:
     (breakdown,) = report["breakdown"]
     assert breakdown["batch"] == 4 and {"matmul", "attention", "norms"} <= set(breakdown["shares"])
     assert sum(breakdown["shares"].values()) == pytest.approx(1.0)
+
+
+def test_matmul_paths_benchmark_prints_each_path_agreeing_with_torch() -> None:
+    """benchmarks/cpu_matmul_paths.py: a row per weight and row count, a
+    column per path this CPU has, every path checked against torch."""
+    script = REPO / "benchmarks" / "cpu_matmul_paths.py"
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    done = subprocess.run([sys.executable, str(script), "--rows", "1", "5", "--shapes", "96x64", "--rounds", "1"],
+                          capture_output=True, text=True, env=env, cwd=REPO, timeout=120)
+    assert done.returncode == 0, done.stderr[-3000:]
+    lines = [line for line in done.stdout.splitlines() if line.startswith("| 96x64 96x64 |")]
+    assert [line.split("|")[2].strip() for line in lines] == ["1", "5"]
+    for line in lines:
+        assert float(line.rstrip(" |").rsplit("|", 1)[1]) < 2e-2  # worst error / scale: bf16 rounding
