@@ -29,6 +29,7 @@
 #include <algorithm>
 #include <atomic>
 #include <cstring>
+#include <memory>
 #include <vector>
 
 #if defined(__linux__)
@@ -171,8 +172,9 @@ constexpr bool kPairs = false;
 // 8192 per instruction, so a batch-64 decode step, compute-bound on the
 // pair dots, becomes bound by reading the weights again; measured in
 // docs/performance.md. The tiles sum each output over k in increasing pairs,
-// as the pair dot does, and every row count takes them (rows are padded to
-// 16), so a row's result still does not depend on the rows beside it.
+// as the pair dot does, and every row count takes them (a last partial tile
+// of fewer rows), so a row's result still does not depend on the rows beside
+// it.
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__) && defined(__linux__)
 constexpr bool kTilesBuilt = true;
 constexpr int kTileRows = 16;  // rows of x per A tile, pairs of k per B tile
@@ -196,22 +198,26 @@ struct alignas(64) TileConfig {
   uint8_t rows[16] = {};
 };
 
-// Every tile 16 rows of 64 bytes: 0-3 the sums (two row tiles by two half
-// blocks), 4-5 x's row tiles, 6-7 the weights' half blocks. Loaded at every
-// piece of work, since other code on the thread (oneDNN's AMX kernels) may
-// have configured the tiles its own way in between.
-inline void configure_tiles() {
+// Tiles of 64-byte rows: 0-3 the sums (two row tiles by two half blocks),
+// 4-5 x's row tiles, 6-7 the weights' half blocks (16 pairs of k). The sums
+// and x's tiles have `rows` rows (16, or fewer for a last partial tile: its
+// rows are all the tile multiplies, so one row costs a sixteenth of a full
+// tile and x needs no zero padding). Loaded at every piece of work, since
+// other code on the thread (oneDNN's AMX kernels) may have configured the
+// tiles its own way in between.
+inline void configure_tiles(int rows) {
   TileConfig config;
   for (int t = 0; t < 8; ++t) {
     config.bytes_per_row[t] = 64;
-    config.rows[t] = kTileRows;
+    config.rows[t] = static_cast<uint8_t>(t < 6 ? rows : kTileRows);
   }
   _tile_loadconfig(&config);
 }
 
-// RowTiles x 16 rows of bf16 x (row stride ld_bytes; k a multiple of 32)
-// against one pair-packed block [k / 2][kBlock][2]: out, RowTiles * 16 rows
-// of kBlock float32 sums.
+// RowTiles row tiles of bf16 x (as configured: 16 rows, or a last partial
+// tile's; row stride ld_bytes; k a multiple of 32) against one pair-packed
+// block [k / 2][kBlock][2]: out, a row tile's 16 rows apart, kBlock float32
+// sums a row.
 template <int RowTiles>
 inline void tile_amx(const char* x, int64_t k, int64_t ld_bytes, const BFloat16* block, float* out) {
   static_assert(kBlock == 2 * kTileRows, "a packed block is two B tiles wide");
@@ -313,46 +319,53 @@ inline void store_tile(const float* out, int rows, int64_t col0, int64_t cols, i
 
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__) && defined(__linux__)
 // packed_linear for bf16 x and pair-packed bf16 W through the tiles (k a
-// multiple of 32). x is staged with its rows padded to whole tiles (zeros),
-// as many rows per pass over W as fit kChunkBytes.
+// multiple of 32): x's whole 16-row tiles two at a time, then the rows left
+// over (fewer than 16: a decode step's, a LoRA slot's) as one smaller tile.
+// x is read where it is, unless its rows are 4 KiB apart (copied apart, as
+// packed_linear_impl does); as many rows per pass over W as fit kChunkBytes.
 template <typename Y, bool Round>
 void packed_linear_tiles(const BFloat16* x, int64_t m, int64_t k, const BFloat16* packed, int64_t n, const float* bias,
                          Y* y) {
   const int64_t blocks = (n + kBlock - 1) / kBlock;
   const int64_t row_bytes = k * 2;
-  // Rows 4 KiB apart share an L1 set (see packed_linear_impl): spread them.
-  const int64_t ld_bytes = row_bytes % 4096 == 0 ? row_bytes + 64 : row_bytes;
+  const bool aliased = m > 1 && row_bytes % 4096 == 0;
+  const int64_t ld_bytes = aliased ? row_bytes + 64 : row_bytes;
   constexpr int64_t kPassRows = 2 * kTileRows;
   const int64_t most_rows = std::max<int64_t>(kPassRows, kChunkBytes / ld_bytes / kPassRows * kPassRows);
-  const int64_t passes = (m + most_rows - 1) / most_rows;
-  const int64_t chunk_rows = ((m + passes - 1) / passes + kTileRows - 1) / kTileRows * kTileRows;
-  std::vector<char> staged(chunk_rows * ld_bytes);
-  for (int64_t row0 = 0; row0 < m; row0 += chunk_rows) {
-    const int64_t rows = std::min(chunk_rows, m - row0);
-    const int64_t padded = (rows + kTileRows - 1) / kTileRows * kTileRows;
-    for (int64_t r = 0; r < padded; ++r) {
-      char* dst = staged.data() + r * ld_bytes;
-      if (r < rows) {
-        std::memcpy(dst, x + (row0 + r) * k, row_bytes);
-      } else {
-        std::memset(dst, 0, row_bytes);
-      }
+  std::unique_ptr<char[]> staged(aliased ? new char[std::min(m, most_rows) * ld_bytes] : nullptr);
+  for (int64_t row0 = 0; row0 < m; row0 += most_rows) {
+    const int64_t rows = std::min(most_rows, m - row0);
+    const char* xs = reinterpret_cast<const char*>(x + row0 * k);
+    if (aliased) {
+      for (int64_t r = 0; r < rows; ++r) std::memcpy(staged.get() + r * ld_bytes, x + (row0 + r) * k, row_bytes);
+      xs = staged.get();
     }
-    const char* xs = staged.data();
+    const int64_t whole = rows / kTileRows * kTileRows;
+    const int tail = static_cast<int>(rows - whole);
     aioserve::parallel_pieces(blocks, 1, [&](int64_t first, int64_t last) {
-      configure_tiles();
       alignas(64) float out[kPassRows * kBlock];
-      for (int64_t b = first; b < last; ++b) {
-        const BFloat16* block = packed + b * k * kBlock;
-        const int64_t col0 = b * kBlock, cols = std::min<int64_t>(kBlock, n - col0);
-        for (int64_t r0 = 0; r0 < padded; r0 += kPassRows) {
-          if (padded - r0 >= kPassRows) {
-            tile_amx<2>(xs + r0 * ld_bytes, k, ld_bytes, block, out);
-          } else {
-            tile_amx<1>(xs + r0 * ld_bytes, k, ld_bytes, block, out);
+      if (whole > 0) {
+        configure_tiles(kTileRows);
+        for (int64_t b = first; b < last; ++b) {
+          const BFloat16* block = packed + b * k * kBlock;
+          const int64_t col0 = b * kBlock, cols = std::min<int64_t>(kBlock, n - col0);
+          for (int64_t r0 = 0; r0 < whole; r0 += kPassRows) {
+            if (whole - r0 >= kPassRows) {
+              tile_amx<2>(xs + r0 * ld_bytes, k, ld_bytes, block, out);
+            } else {
+              tile_amx<1>(xs + r0 * ld_bytes, k, ld_bytes, block, out);
+            }
+            const int valid = static_cast<int>(std::min<int64_t>(kPassRows, whole - r0));
+            store_tile<BFloat16, Y, Round>(out, valid, col0, cols, n, bias, y + (row0 + r0) * n);
           }
-          const int valid = static_cast<int>(std::min<int64_t>(kPassRows, rows - r0));
-          store_tile<BFloat16, Y, Round>(out, valid, col0, cols, n, bias, y + (row0 + r0) * n);
+        }
+      }
+      if (tail > 0) {
+        configure_tiles(tail);
+        for (int64_t b = first; b < last; ++b) {
+          const int64_t col0 = b * kBlock, cols = std::min<int64_t>(kBlock, n - col0);
+          tile_amx<1>(xs + whole * ld_bytes, k, ld_bytes, packed + b * k * kBlock, out);
+          store_tile<BFloat16, Y, Round>(out, tail, col0, cols, n, bias, y + (row0 + whole) * n);
         }
       }
       _tile_release();
