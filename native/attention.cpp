@@ -72,6 +72,23 @@ inline void axpy16(float w, const T* x, float* y, int64_t n) { axpy(w, x, y, n);
 constexpr bool kVector16 = false;
 #endif
 
+// Each head's n scores (head-major) -> exp(score - max) in place, with the
+// head's max and the sum of its exponentials: a chunk's unnormalized softmax.
+inline void softmax_numerators(float* scores, int64_t n, int64_t num_heads, float* maxes, float* sums) {
+  for (int64_t h = 0; h < num_heads; ++h) {
+    float* s = scores + h * n;
+    float top = -std::numeric_limits<float>::infinity(), total = 0.f;
+    for (int64_t j = 0; j < n; ++j) top = std::max(top, s[j]);
+#pragma omp simd reduction(+ : total)
+    for (int64_t j = 0; j < n; ++j) {
+      s[j] = aioserve::exp_approx(s[j] - top);
+      total += s[j];
+    }
+    maxes[h] = top;
+    sums[h] = total;
+  }
+}
+
 // One request's positions [begin, end) against all its query heads. Each
 // position's keys (then values) for every head are one contiguous row of the
 // cache, read once: walking head by head re-read each row's cache lines from
@@ -98,18 +115,7 @@ void attend_span(const float* q, const KV* kp, const KV* vp, const int32_t* page
       for (int64_t h = 0; h < num_heads; ++h) scores[h * n + j] = dot(q + h * dim, keys + (h / group) * dim, dim);
     }
   }
-  for (int64_t h = 0; h < num_heads; ++h) {
-    float* s = scores.data() + h * n;
-    float top = -std::numeric_limits<float>::infinity(), total = 0.f;
-    for (int64_t j = 0; j < n; ++j) top = std::max(top, s[j]);
-#pragma omp simd reduction(+ : total)
-    for (int64_t j = 0; j < n; ++j) {
-      s[j] = aioserve::exp_approx(s[j] - top);
-      total += s[j];
-    }
-    maxes[h] = top;
-    sums[h] = total;
-  }
+  softmax_numerators(scores.data(), n, num_heads, maxes, sums);
   std::fill(acc, acc + num_heads * dim, 0.f);
   for (int64_t j = 0; j < n; ++j) {
     const int64_t pos = begin + j;
@@ -159,18 +165,7 @@ void attend_span_bf16(const BFloat16* q, float scale, const BFloat16* kp, const 
       scores[h * n + j] = _mm512_reduce_add_ps(sum) * scale;
     }
   }
-  for (int64_t h = 0; h < num_heads; ++h) {
-    float* s = scores.data() + h * n;
-    float top = -std::numeric_limits<float>::infinity(), total = 0.f;
-    for (int64_t j = 0; j < n; ++j) top = std::max(top, s[j]);
-#pragma omp simd reduction(+ : total)
-    for (int64_t j = 0; j < n; ++j) {
-      s[j] = aioserve::exp_approx(s[j] - top);
-      total += s[j];
-    }
-    maxes[h] = top;
-    sums[h] = total;
-  }
+  softmax_numerators(scores.data(), n, num_heads, maxes, sums);
   std::fill(acc, acc + num_heads * dim, 0.f);
   for (int64_t j0 = 0; j0 < n; ) {
     const int64_t j1 = std::min(n, j0 + page_size - (begin + j0) % page_size);  // the rest of this page

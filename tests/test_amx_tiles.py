@@ -120,7 +120,7 @@ def test_bf16_greedy_follows_transformers_on_each_path(stories_path: Path, on_ti
     from aioserve import LLM, SamplingParams
     from aioserve.cpu.native_gemm import use_matrix_tiles
     from hf_reference import hf_encode
-    from test_cpu_half import PROMPTS, TOLERANCE, hf_bf16_logprobs
+    from test_cpu_half import PROMPTS, assert_follows_transformers_bf16
 
     assert use_matrix_tiles(on_tiles) == on_tiles
     try:
@@ -132,9 +132,4 @@ def test_bf16_greedy_follows_transformers_on_each_path(stories_path: Path, on_ti
         llm.close()
     finally:
         use_matrix_tiles(True)
-    for prompt, out in zip(prompts, outs):
-        ref = hf_bf16_logprobs(stories_path, prompt + out.token_ids)
-        for step, (token, logprob) in enumerate(zip(out.token_ids, out.logprobs)):
-            row = ref[len(prompt) - 1 + step]
-            assert row[token] >= row.max() - TOLERANCE, f"step {step}: not transformers' argmax"
-            assert abs(logprob - row[token].item()) < TOLERANCE
+    assert_follows_transformers_bf16(stories_path, prompts, outs)

@@ -32,8 +32,14 @@ def test_bfloat16_on_cpu_follows_transformers(stories_path: Path) -> None:
     prompts = [hf_encode(stories_path, p) for p in PROMPTS]
     outs = llm.generate(prompts, SamplingParams(max_tokens=20, temperature=0, ignore_eos=True, logprobs=0))
     llm.close()
+    assert_follows_transformers_bf16(stories_path, prompts, outs)
+
+
+def assert_follows_transformers_bf16(path: Path, prompts: list[list[int]], outs: list) -> None:
+    """Each output token is transformers' bf16 argmax (teacher-forced) within
+    TOLERANCE, and its logprob within TOLERANCE of transformers'."""
     for prompt, out in zip(prompts, outs):
-        ref = hf_bf16_logprobs(stories_path, prompt + out.token_ids)
+        ref = hf_bf16_logprobs(path, prompt + out.token_ids)
         for step, (token, logprob) in enumerate(zip(out.token_ids, out.logprobs)):
             row = ref[len(prompt) - 1 + step]
             assert row[token] >= row.max() - TOLERANCE, f"step {step}: not transformers' argmax"
