@@ -706,9 +706,9 @@ def main(argv: list[str] | None = None) -> None:
     dispatch: dict[str, list[str]] = {}
     machine: Machine | None = None
     start = time.perf_counter()
+    paths = {"cpu_matmul": args.cpu_matmul, "cpu_half_compute": args.cpu_half_compute}
     with tempfile.TemporaryDirectory(prefix="cpu_limits-") as workdir:
         for name in args.models:
-            paths = {"cpu_matmul": args.cpu_matmul, "cpu_half_compute": args.cpu_half_compute}
             llm = build_llm(name, MODELS[name], sizes, Path(workdir), args.num_threads, paths)
             try:
                 if machine is None:  # on the forward thread, at the engine's thread count (see on_forward_thread)

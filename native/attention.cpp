@@ -72,6 +72,13 @@ inline void axpy16(float w, const T* x, float* y, int64_t n) { axpy(w, x, y, n);
 constexpr bool kVector16 = false;
 #endif
 
+// Position `pos`'s row of a paged cache ([slots, Hk, D], kv_stride = Hk x D
+// elements a slot): its page from the request's page table, then its slot.
+template <typename KV>
+inline const KV* cache_row(const KV* cache, const int32_t* pages, int64_t page_size, int64_t kv_stride, int64_t pos) {
+  return cache + (static_cast<int64_t>(pages[pos / page_size]) * page_size + pos % page_size) * kv_stride;
+}
+
 // Each head's n scores (head-major) -> exp(score - max) in place, with the
 // head's max and the sum of its exponentials: a chunk's unnormalized softmax.
 inline void softmax_numerators(float* scores, int64_t n, int64_t num_heads, float* maxes, float* sums) {
@@ -108,7 +115,7 @@ void attend_span(const float* q, const KV* kp, const KV* vp, const int32_t* page
   scores.resize(n * num_heads);
   for (int64_t j = 0; j < n; ++j) {
     const int64_t pos = begin + j;
-    const KV* keys = kp + (static_cast<int64_t>(pages[pos / page_size]) * page_size + pos % page_size) * kv_stride;
+    const KV* keys = cache_row(kp, pages, page_size, kv_stride, pos);
     if (whole_vectors) {
       for (int64_t h = 0; h < num_heads; ++h) scores[h * n + j] = dot16(q + h * dim, keys + (h / group) * dim, dim);
     } else {
@@ -119,7 +126,7 @@ void attend_span(const float* q, const KV* kp, const KV* vp, const int32_t* page
   std::fill(acc, acc + num_heads * dim, 0.f);
   for (int64_t j = 0; j < n; ++j) {
     const int64_t pos = begin + j;
-    const KV* values = vp + (static_cast<int64_t>(pages[pos / page_size]) * page_size + pos % page_size) * kv_stride;
+    const KV* values = cache_row(vp, pages, page_size, kv_stride, pos);
     if (whole_vectors) {
       for (int64_t h = 0; h < num_heads; ++h) axpy16(scores[h * n + j], values + (h / group) * dim, acc + h * dim, dim);
     } else {
@@ -150,12 +157,9 @@ void attend_span_bf16(const BFloat16* q, float scale, const BFloat16* kp, const 
   constexpr int kPairVectors = Chunks / 2;             // 32 bf16 each
   constexpr int kHeadsAtOnce = Chunks >= 16 ? 1 : 16 / Chunks;  // accumulators kept in 16 registers
   const int64_t group = num_heads / num_kv_heads, kv_stride = num_kv_heads * dim, n = end - begin;
-  auto row = [&](const BFloat16* cache, int64_t pos) {
-    return cache + (static_cast<int64_t>(pages[pos / page_size]) * page_size + pos % page_size) * kv_stride;
-  };
   scores.resize(n * num_heads);
   for (int64_t j = 0; j < n; ++j) {
-    const BFloat16* keys = row(kp, begin + j);
+    const BFloat16* keys = cache_row(kp, pages, page_size, kv_stride, begin + j);
     for (int64_t h = 0; h < num_heads; ++h) {
       const BFloat16 *k = keys + (h / group) * dim, *qh = q + h * dim;
       __m512 sum = _mm512_setzero_ps();
@@ -177,7 +181,7 @@ void attend_span_bf16(const BFloat16* q, float scale, const BFloat16* kp, const 
           if (i < heads)
             for (int c = 0; c < Chunks; ++c) a[i][c] = _mm512_loadu_ps(acc + (h0 + i) * dim + 16 * c);
         for (int64_t j = j0; j < j1; ++j) {
-          const BFloat16* values = row(vp, begin + j) + g * dim;
+          const BFloat16* values = cache_row(vp, pages, page_size, kv_stride, begin + j) + g * dim;
           __m512 w[kHeadsAtOnce];
           for (int i = 0; i < kHeadsAtOnce; ++i) w[i] = _mm512_set1_ps(i < heads ? scores[(h0 + i) * n + j] : 0.f);
           for (int c = 0; c < Chunks; ++c) {
@@ -195,23 +199,26 @@ void attend_span_bf16(const BFloat16* q, float scale, const BFloat16* kp, const 
   }
 }
 
-// Whether (q, cache, dim) take attend_span_bf16, and which instance.
+// Whether (q, cache) may take attend_span_bf16.
 template <typename T, typename KV>
 constexpr bool kBf16Span = std::is_same_v<T, BFloat16> && std::is_same_v<KV, BFloat16>;
 
-inline bool bf16_span_fits(int64_t dim) { return dim == 64 || dim == 128 || dim == 256; }
-
-inline void attend_span_bf16_dim(int64_t dim, const BFloat16* q, float scale, const BFloat16* kp, const BFloat16* vp,
+// attend_span_bf16 for this head dim, if it has an instance (64, 128, 256); false if not.
+inline bool attend_span_bf16_dim(int64_t dim, const BFloat16* q, float scale, const BFloat16* kp, const BFloat16* vp,
                                  const int32_t* pages, int64_t page_size, int64_t begin, int64_t end, int64_t num_heads,
                                  int64_t num_kv_heads, float* maxes, float* sums, float* acc,
                                  std::vector<float>& scores) {
   switch (dim) {
-    case 64: return attend_span_bf16<4>(q, scale, kp, vp, pages, page_size, begin, end, num_heads, num_kv_heads, maxes,
-                                        sums, acc, scores);
-    case 128: return attend_span_bf16<8>(q, scale, kp, vp, pages, page_size, begin, end, num_heads, num_kv_heads, maxes,
-                                         sums, acc, scores);
-    default: return attend_span_bf16<16>(q, scale, kp, vp, pages, page_size, begin, end, num_heads, num_kv_heads,
-                                         maxes, sums, acc, scores);
+    case 64: attend_span_bf16<4>(q, scale, kp, vp, pages, page_size, begin, end, num_heads, num_kv_heads, maxes, sums,
+                                 acc, scores);
+      return true;
+    case 128: attend_span_bf16<8>(q, scale, kp, vp, pages, page_size, begin, end, num_heads, num_kv_heads, maxes, sums,
+                                  acc, scores);
+      return true;
+    case 256: attend_span_bf16<16>(q, scale, kp, vp, pages, page_size, begin, end, num_heads, num_kv_heads, maxes,
+                                   sums, acc, scores);
+      return true;
+    default: return false;
   }
 }
 #endif
@@ -250,9 +257,9 @@ void decode_attention_impl(const T* qp, const KV* kp, const KV* vp, const int32_
       }
 #if defined(__AVX512BF16__)
       if constexpr (kBf16Span<T, KV>) {
-        if (bf16_span_fits(dim)) {
-          attend_span_bf16_dim(dim, qp + b * num_heads * dim, static_cast<float>(scale), kp, vp, pt + b * pages_per_row,
-                               page_size, begin, end, num_heads, num_kv_heads, maxes, sums, acc, scores);
+        if (attend_span_bf16_dim(dim, qp + b * num_heads * dim, static_cast<float>(scale), kp, vp,
+                                 pt + b * pages_per_row, page_size, begin, end, num_heads, num_kv_heads, maxes, sums,
+                                 acc, scores)) {
           continue;
         }
       }

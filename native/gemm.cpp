@@ -176,6 +176,9 @@ constexpr bool kPairs = false;
 // of fewer rows), so a row's result still does not depend on the rows beside
 // it.
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__) && defined(__linux__)
+#define AIOSERVE_AMX_TILES 1  // built with the tile instructions (and Linux's permission call)
+#endif
+#if defined(AIOSERVE_AMX_TILES)
 constexpr bool kTilesBuilt = true;
 constexpr int kTileRows = 16;  // rows of x per A tile, pairs of k per B tile
 constexpr int kTileK = 32;     // k per tile step: 16 pairs, 64 bytes of bf16 a row
@@ -317,7 +320,7 @@ inline void store_tile(const float* out, int rows, int64_t col0, int64_t cols, i
   }
 }
 
-#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__) && defined(__linux__)
+#if defined(AIOSERVE_AMX_TILES)
 // packed_linear for bf16 x and pair-packed bf16 W through the tiles (k a
 // multiple of 32): x's whole 16-row tiles two at a time, then the rows left
 // over (fewer than 16: a decode step's, a LoRA slot's) as one smaller tile.
@@ -376,7 +379,7 @@ void packed_linear_tiles(const BFloat16* x, int64_t m, int64_t k, const BFloat16
 
 template <Form F, typename X, typename W, typename Y, bool Round = true>
 void packed_linear_impl(const X* x, int64_t m, int64_t k, const W* packed, int64_t n, const float* bias, Y* y) {
-#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__) && defined(__linux__)
+#if defined(AIOSERVE_AMX_TILES)
   if constexpr (F == Form::kDotPairs) {
     if (k % kTileK == 0 && tiles_on()) return packed_linear_tiles<Y, Round>(x, m, k, packed, n, bias, y);
   }
@@ -545,6 +548,9 @@ int aioserve_gemm_use_tiles(int want) {
   tiles_wanted.store(want != 0, std::memory_order_relaxed);
   return tiles_on() ? 1 : 0;
 }
+
+// Whether bf16 products run on the tiles now (built, permitted, wanted).
+int aioserve_gemm_tiles_in_use() { return tiles_on() ? 1 : 0; }
 
 // out: a fresh buffer of ceil(n / NB) * k * NB elements of W's type.
 static int pack_linear_weight_direct(const void* weight, int type, int64_t n, int64_t k, int64_t row_stride,

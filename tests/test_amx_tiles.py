@@ -39,10 +39,9 @@ pytestmark = pytest.mark.skipif(not _tiles_available(), reason="this CPU has no 
 @pytest.fixture
 def tiles() -> Iterator[None]:
     """Tiles on for the test, the process's setting back after."""
-    from aioserve.cpu.native_gemm import use_matrix_tiles
-    from aioserve.cpu.native_lib import library
+    from aioserve.cpu.native_gemm import matrix_tiles_in_use, use_matrix_tiles
 
-    before = library().tiles_wanted
+    before = matrix_tiles_in_use()
     assert use_matrix_tiles(True)
     yield
     use_matrix_tiles(before)
@@ -113,7 +112,7 @@ def test_aioserve_amx_0_turns_the_tiles_off() -> None:
 
 
 @pytest.mark.parametrize("on_tiles", [True, False], ids=["tiles", "pair-dots"])
-def test_bf16_greedy_follows_transformers_on_each_path(stories_path: Path, on_tiles: bool) -> None:
+def test_bf16_greedy_follows_transformers_on_each_path(tiles, stories_path: Path, on_tiles: bool) -> None:
     """The engine's bf16 path with its weights packed (DecoderStack included)
     on the tiles and on the pair dots: transformers' bf16 argmax and
     logprobs, teacher-forced, within half-precision tolerance."""

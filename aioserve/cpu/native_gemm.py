@@ -39,8 +39,7 @@ def use_matrix_tiles(want: bool) -> bool:
 
 def matrix_tiles_in_use() -> bool:
     """Whether bf16 products run on AMX tiles now (see use_matrix_tiles)."""
-    lib = library()
-    return lib.use_tiles(lib.tiles_wanted)
+    return library().tiles_in_use()
 
 
 def packed_fields(weight: torch.Tensor, k: int, n: int, what: str) -> tuple[int, int, int]:

@@ -91,9 +91,10 @@ class NativeLibrary:
         self.fuses_multiply_add = bool(_constant(holding, "aioserve_gemm_fuses_multiply_add", _i32))
         self._use_tiles = holding.aioserve_gemm_use_tiles
         self._use_tiles.argtypes, self._use_tiles.restype = [_i32], _i32
+        self._tiles_in_use = holding.aioserve_gemm_tiles_in_use
+        self._tiles_in_use.argtypes, self._tiles_in_use.restype = [], _i32
         # AMX tiles for bf16 products where the CPU has them (native/gemm.cpp); AIOSERVE_AMX=0: the pair dots.
-        self.tiles_wanted = os.environ.get("AIOSERVE_AMX", "1") != "0"
-        self.use_tiles(self.tiles_wanted)
+        self.use_tiles(os.environ.get("AIOSERVE_AMX", "1") != "0")
         self.decoder_new = holding.aioserve_decoder_new
         self.decoder_new.argtypes = [_i64, _i64, _i64, _i64, _f64, _f64, _p, _p, _i64, _i64, _p, _i32]
         self.decoder_new.restype = _p
@@ -102,8 +103,11 @@ class NativeLibrary:
 
     def use_tiles(self, want: bool) -> bool:
         """Route bf16 products through AMX tiles (process-wide); whether they now are."""
-        self.tiles_wanted = want
         return bool(self._use_tiles(int(want)))
+
+    def tiles_in_use(self) -> bool:
+        """Whether bf16 products run on AMX tiles now (the library keeps the setting)."""
+        return bool(self._tiles_in_use())
 
     def fail(self) -> RuntimeError:
         """The error of this thread's last failed call, to raise."""
