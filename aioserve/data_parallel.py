@@ -22,6 +22,7 @@ import logging
 import os
 import shlex
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -287,6 +288,29 @@ def check(args: ServerArgs) -> None:
     taken = set(replica_ports(args)) & {args.port}
     if taken:
         raise DataParallelError(f"--dp-base-port puts a replica on the router's port {args.port}")
+    # A replica port another program listens on would pass the readiness
+    # check on that program's /health and have the router send to it.
+    wanted = [("127.0.0.1", port, "replica") for port in replica_ports(args)]
+    wanted += [(args.host, metrics_port(args), "merged /metrics"), (args.host, args.port, "router")]
+    busy = [f"{port} ({what})" for host, port, what in wanted if not _port_free(host, port)]
+    if busy:
+        raise DataParallelError(
+            f"port in use on this machine: {', '.join(busy)}; choose others with --port, --dp-base-port "
+            "or --dp-metrics-port"
+        )
+
+
+def _port_free(host: str, port: int) -> bool:
+    """Whether a server could listen on host:port now (as a server binds:
+    a port left in TIME_WAIT counts as free)."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family) as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            probe.bind((host, port))
+        except OSError:
+            return False
+    return True
 
 
 def run_data_parallel(args: ServerArgs, argv_of: Callable[[ServerArgs], list[str]]) -> int:

@@ -10,17 +10,19 @@ from __future__ import annotations
 
 import os
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import httpx
 import pytest
 
-from server_process import free_port
+from server_process import free_port, free_port_run
 
 from aioserve.cli import parse_serve_args, serve_argv
 from aioserve.data_parallel import ROUTER_FAILOVER_FLAGS, replica_args, replica_ports, router_command
@@ -85,10 +87,12 @@ def _alive(pid: int) -> bool:
     return stat.rsplit(")", 1)[1].split()[0] != "Z"
 
 
-def _wait(condition, timeout: float, what: str) -> None:  # type: ignore[no-untyped-def]
+def _wait(condition, timeout: float, what: str | Callable[[], str]) -> None:  # type: ignore[no-untyped-def]
+    """Until `condition()`; else fail with `what` (a callable is read at the
+    failure, e.g. a log as it then stands)."""
     deadline = time.monotonic() + timeout
     while not condition():
-        assert time.monotonic() < deadline, what
+        assert time.monotonic() < deadline, what() if callable(what) else what
         time.sleep(0.2)
 
 
@@ -119,9 +123,11 @@ def _start_dp_2(
     GPU), once it answers (`ready(url)`, by default a completion): the
     process, its URL, the replicas' URLs, its log."""
     pytest.importorskip("sglang_router", reason="sglang-router is not installed: pip install -e '.[router]'")
-    port, base = free_port(), free_port()
-    while base + 1 == port or base == port:
-        base = free_port()
+    # The replicas listen on base and base + 1, the merged /metrics on base + 2.
+    base = free_port_run(3)
+    port = free_port()
+    while base <= port <= base + 2:
+        port = free_port()
     log = Path(tempfile.mkstemp(prefix="aioserve-dp-", suffix=".log")[1])
     command = [
         sys.executable, "-m", "aioserve", "serve", "--model", str(stories_path), "--served-model-name", MODEL_NAME,
@@ -133,7 +139,10 @@ def _start_dp_2(
         parent = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT)
     try:
         answers = (lambda: ready(url)) if ready is not None else (lambda: _ready(url, api_key))
-        _wait(answers, 120, f"--dp 2 did not answer:\n{log.read_text()[-3000:]}")
+        # A parent that exits (a replica that could not start) fails at once, with its log.
+        _wait(lambda: parent.poll() is not None or answers(), 120,
+              lambda: f"--dp 2 did not answer:\n{log.read_text()[-3000:]}")
+        assert parent.poll() is None, f"--dp 2 exited with status {parent.returncode}:\n{log.read_text()[-3000:]}"
     except BaseException:
         parent.kill()
         parent.wait()
@@ -250,6 +259,25 @@ def test_api_key_and_sigterm(stories_path: Path) -> None:
         if parent.poll() is None:
             parent.kill()
             parent.wait()
+
+
+def test_a_port_in_use_is_refused_before_anything_starts(stories_path: Path) -> None:
+    """A replica port another program listens on is named at once (exit 1)
+    instead of the router sending requests to that program."""
+    pytest.importorskip("sglang_router", reason="sglang-router is not installed: pip install -e '.[router]'")
+    base = free_port_run(3)
+    port = free_port()
+    with socket.socket() as squatter:
+        squatter.bind(("127.0.0.1", base + 1))
+        squatter.listen()
+        done = subprocess.run(
+            [sys.executable, "-m", "aioserve", "serve", "--model", str(stories_path), "--dp", "2",
+             "--port", str(port), "--dp-base-port", str(base), "--device", "cpu"],
+            capture_output=True, text=True, timeout=60,
+        )
+    assert done.returncode == 1, done.stderr[-2000:]
+    assert f"port in use on this machine: {base + 1} (replica)" in done.stderr, done.stderr[-2000:]
+    assert "started (pid" not in done.stderr  # nothing was launched
 
 
 def test_the_kubernetes_manifest_passes_flags_both_take() -> None:

@@ -22,6 +22,29 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def free_port_run(count: int, attempts: int = 100) -> int:
+    """The first of `count` consecutive loopback ports free at once (a
+    deployment that listens on base, base + 1, ...): each is bound together
+    before any is given back, so none is another listener's."""
+    for _ in range(attempts):
+        base = free_port()
+        if base + count > 65536:
+            continue
+        sockets: list[socket.socket] = []
+        try:
+            for port in range(base, base + count):
+                s = socket.socket()
+                sockets.append(s)
+                s.bind(("127.0.0.1", port))
+            return base
+        except OSError:
+            continue
+        finally:
+            for s in sockets:
+                s.close()
+    raise RuntimeError(f"no {count} consecutive free loopback ports in {attempts} attempts")
+
+
 def wait_for_health(url: str, gone: Callable[[], str | None], timeout: float, interval: float = 0.2) -> str | None:
     """Poll `url`/health until it answers 200: None then. Else why not: what
     `gone()` says once the server has stopped running (it returns None while
