@@ -85,7 +85,6 @@ class DecoderStack {
   void set_lora(int64_t layer, int64_t projection, const LoraSlots& lora) {
     AIOSERVE_CHECK(layer >= 0 && layer < static_cast<int64_t>(layers_.size()) && projection >= 0 && projection < 4,
                    "DecoderStack: no such layer or projection");
-    AIOSERVE_CHECK(lora.band > 0 && lora.slots > 0, "DecoderStack: bad LoRA slots");
     layers_[layer].lora[projection] = lora;
   }
 
@@ -275,10 +274,11 @@ static int decoder_forward_direct(const void* stack, void* hidden, int hidden_ty
 }
 
 static int decoder_set_lora_direct(void* stack, int64_t layer, int64_t projection, const int64_t* a, int a_type,
-                                   int a_pairs, const int64_t* b, int b_type, int b_pairs, int64_t slots, int64_t band) {
+                                   int a_pairs, const int64_t* b, int b_type, int b_pairs, int64_t slots, int64_t band,
+                                   int64_t parts, const int64_t* columns) {
   return aioserve::guarded([&] {
     static_cast<aioserve::DecoderStack*>(stack)->set_lora(
-        layer, projection, aioserve::LoraSlots{a, b, a_type, b_type, a_pairs != 0, b_pairs != 0, slots, band});
+        layer, projection, aioserve::lora_slots(a, a_type, a_pairs, b, b_type, b_pairs, slots, band, parts, columns));
   });
 }
 

@@ -25,8 +25,17 @@
 
 namespace aioserve {
 
+LoraSlots lora_slots(const int64_t* a, int a_type, int a_pairs, const int64_t* b, int b_type, int b_pairs,
+                     int64_t slots, int64_t band, int64_t parts, const int64_t* columns) {
+  AIOSERVE_CHECK(band > 0 && slots > 0 && parts > 0 && band % parts == 0, "LoRA slots: bad band, slots or parts");
+  for (int64_t p = 0; p < parts; ++p)
+    AIOSERVE_CHECK(columns[p] < columns[p + 1] && (p > 0 || columns[0] == 0), "LoRA slots: bad part columns");
+  return LoraSlots{a, b, a_type, b_type, a_pairs != 0, b_pairs != 0, slots, band, parts, columns};
+}
+
 void lora_add_rows(const void* x, int type, int64_t batch, int64_t k, const int64_t* row_slots,
                    const LoraSlots& lora, void* y, int64_t n) {
+  AIOSERVE_CHECK(lora.columns[lora.parts] == n, "lora_add_rows: the parts' columns do not cover y");
   std::vector<int64_t> used;                  // the slots the rows use, the base's (0) aside
   std::vector<std::vector<int64_t>> rows_of;  // rows_of[u]: the rows of slot used[u]
   for (int64_t r = 0; r < batch; ++r) {
@@ -54,20 +63,31 @@ void lora_add_rows(const void* x, int type, int64_t batch, int64_t k, const int6
         input = gathered.get();
       }
       Buffer h = allocate(m * lora.band, type);
-      Buffer update = allocate(m * n, type);
       packed_linear(input, type, m, k, reinterpret_cast<const void*>(lora.a[used[u]]), lora.a_type, lora.a_pairs,
                     lora.band, nullptr, h.get(), false);
-      packed_linear(h.get(), type, m, lora.band, reinterpret_cast<const void*>(lora.b[used[u]]), lora.b_type,
-                    lora.b_pairs, n, nullptr, update.get(), false);
-      dispatch_float(type, "lora_add_rows", [&](auto zero) {
-        using T = decltype(zero);
-        for (int64_t i = 0; i < m; ++i) {
-          T* out_row = static_cast<T*>(y) + rows[i] * n;
-          const T* add = reinterpret_cast<const T*>(update.get()) + i * n;
-          for (int64_t j = 0; j < n; ++j)  // rounded to T as torch's add is
-            out_row[j] = from_float<T>(to_float(out_row[j]) + to_float(add[j]));
+      const int64_t rank = lora.band / lora.parts;
+      Buffer band = lora.parts > 1 ? allocate(m * rank, type) : Buffer();
+      Buffer update = allocate(m * n, type);
+      for (int64_t p = 0; p < lora.parts; ++p) {
+        const int64_t first = lora.columns[p], width = lora.columns[p + 1] - first;
+        const char* part_h = h.get();
+        if (lora.parts > 1) {  // this part's rank columns of h, contiguous for the product
+          for (int64_t i = 0; i < m; ++i)
+            std::memcpy(band.get() + i * rank * bytes, h.get() + (i * lora.band + p * rank) * bytes, rank * bytes);
+          part_h = band.get();
         }
-      });
+        packed_linear(part_h, type, m, rank, reinterpret_cast<const void*>(lora.b[used[u] * lora.parts + p]),
+                      lora.b_type, lora.b_pairs, width, nullptr, update.get(), false);
+        dispatch_float(type, "lora_add_rows", [&](auto zero) {
+          using T = decltype(zero);
+          for (int64_t i = 0; i < m; ++i) {
+            T* out_row = static_cast<T*>(y) + rows[i] * n + first;
+            const T* add = reinterpret_cast<const T*>(update.get()) + i * width;
+            for (int64_t j = 0; j < width; ++j)  // rounded to T as torch's add is
+              out_row[j] = from_float<T>(to_float(out_row[j]) + to_float(add[j]));
+          }
+        });
+      }
     }
   }, 1);
 }
@@ -78,10 +98,12 @@ extern "C" {
 
 static int lora_add_rows_direct(const void* x, int type, int64_t batch, int64_t k, const int64_t* row_slots,
                                 const int64_t* a, int a_type, int a_pairs, const int64_t* b, int b_type, int b_pairs,
-                                int64_t slots, int64_t band, void* y, int64_t n) {
+                                int64_t slots, int64_t band, int64_t parts, const int64_t* columns, void* y,
+                                int64_t n) {
   return aioserve::guarded([&] {
-    aioserve::lora_add_rows(x, type, batch, k, row_slots,
-                            aioserve::LoraSlots{a, b, a_type, b_type, a_pairs != 0, b_pairs != 0, slots, band}, y, n);
+    const aioserve::LoraSlots lora = aioserve::lora_slots(a, a_type, a_pairs, b, b_type, b_pairs, slots, band, parts,
+                                                          columns);
+    aioserve::lora_add_rows(x, type, batch, k, row_slots, lora, y, n);
   });
 }
 

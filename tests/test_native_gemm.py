@@ -210,20 +210,27 @@ def test_a_start_before_the_kernels_are_built_packs_once_they_are(tiny_checkpoin
     llm.close()
 
 
+@pytest.mark.parametrize("columns", [(0, 200), (0, 96, 148, 200)], ids=["one part", "q|k|v"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_lora_add_rows_adds_each_rows_own_slot(dtype: torch.dtype) -> None:
+def test_lora_add_rows_adds_each_rows_own_slot(dtype: torch.dtype, columns: tuple[int, ...]) -> None:
     """native/lora.cpp: every row gets (x A_s^T) B_s of its own slot s
     (slot 0 nothing), whatever the mix: rows of one slot scattered among
-    others, a slot covering all rows, all base; y of the rows' own type."""
+    others, a slot covering all rows, all base; y of the rows' own type. A
+    fused projection's B is block-diagonal, each part's block packed and
+    multiplied apart: the sum is the whole B's."""
     kernels = cpu_kernels()
     torch.manual_seed(0)
-    slots, band, k, n = 4, 8, 96, 200
+    parts, rank, k, n = len(columns) - 1, 8, 96, columns[-1]
+    slots, band = 4, parts * rank
     a = torch.randn(slots, band, k) * 0.1
-    b = torch.randn(slots, band, n) * 0.1
+    b = torch.zeros(slots, band, n)
+    for p, (start, end) in enumerate(zip(columns, columns[1:])):
+        b[:, p * rank : (p + 1) * rank, start:end] = torch.randn(slots, rank, end - start) * 0.1
     a[0], b[0] = 0, 0
     packed_a = [kernels.pack_linear_weight(a[s].to(dtype).contiguous()) for s in range(slots)]
-    packed_b = [kernels.pack_linear_weight(b[s].T.to(dtype).contiguous()) for s in range(slots)]
-    pointers = kernels.LoraPointers(packed_a, packed_b, band, k, n)
+    packed_b = [kernels.pack_linear_weight(b[s, p * rank : (p + 1) * rank, start:end].T.to(dtype).contiguous())
+                for s in range(slots) for p, (start, end) in enumerate(zip(columns, columns[1:]))]
+    pointers = kernels.LoraPointers(packed_a, packed_b, band, k, n, columns)
     for row_slots in ([1, 0, 3, 1, 2, 0, 3, 3, 1], [2] * 5, [0, 0, 0]):
         x = torch.randn(len(row_slots), k).to(dtype)
         y = torch.randn(len(row_slots), n).to(dtype)
@@ -238,3 +245,5 @@ def test_lora_add_rows_adds_each_rows_own_slot(dtype: torch.dtype) -> None:
     with pytest.raises(RuntimeError, match="out of range"):
         kernels.lora_add_rows(torch.zeros(1, k, dtype=dtype), torch.zeros(1, n, dtype=dtype),
                               torch.tensor([slots], dtype=torch.long), pointers)
+    with pytest.raises(RuntimeError, match="do not fit together"):  # B slots for fewer parts than the columns name
+        kernels.LoraPointers(packed_a, packed_b[: slots], band, k, n, (0, 50, 100, 150, n))

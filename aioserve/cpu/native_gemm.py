@@ -62,26 +62,37 @@ def packed_fields(weight: torch.Tensor, k: int, n: int, what: str) -> tuple[int,
 @dataclass
 class LoraPointers:
     """A projection's LoRA slots for the library (kernels.h's LoraSlots):
-    each slot's packed A (x [M, in] -> [M, band]) and B ([M, band] -> [M,
-    out]), checked once; the tensors must stay where they are (a slot is
-    repacked in place)."""
+    each slot's packed A (x [M, in] -> [M, band]) and, for each of the
+    projection's parts (q, k, v; gate, up; or the one), that part's packed
+    B (its band / parts rank columns of [M, band] -> its output columns),
+    slot by slot (b[s * parts + p]); checked once. The tensors must stay
+    where they are (a slot is repacked in place)."""
 
     a: list[torch.Tensor]
     b: list[torch.Tensor]
     band: int
     in_features: int
     out_features: int
+    columns: tuple[int, ...] = ()  # each part's first output column, then out_features; () for one part
 
     def __post_init__(self) -> None:
+        columns = self.columns or (0, self.out_features)
+        parts = len(columns) - 1
+        if (columns[0] != 0 or columns[-1] != self.out_features or any(a >= b for a, b in zip(columns, columns[1:]))
+                or self.band % parts or len(self.b) != parts * len(self.a)):
+            raise RuntimeError("lora: the parts' columns, band and B slots do not fit together")
+        rank = self.band // parts
         a_fields = [packed_fields(w, self.in_features, self.band, "lora A") for w in self.a]
-        b_fields = [packed_fields(w, self.band, self.out_features, "lora B") for w in self.b]
-        if len({f[1:] for f in a_fields}) != 1 or len({f[1:] for f in b_fields}) != 1 or len(self.a) != len(self.b):
+        b_fields = [packed_fields(w, rank, columns[i % parts + 1] - columns[i % parts], "lora B")
+                    for i, w in enumerate(self.b)]
+        if len({f[1:] for f in a_fields}) != 1 or len({f[1:] for f in b_fields}) != 1:
             raise RuntimeError("lora: a projection's slots differ in dtype or layout")
         self.a_ptrs = torch.tensor([f[0] for f in a_fields], dtype=torch.int64)
         self.b_ptrs = torch.tensor([f[0] for f in b_fields], dtype=torch.int64)
-        # (a, a_type, a_pairs, b, b_type, b_pairs, slots, band): the library's argument order
+        self.column_starts = torch.tensor(columns, dtype=torch.int64)
+        # (a, a_type, a_pairs, b, b_type, b_pairs, slots, band, parts, columns): the library's argument order
         self.fields = (self.a_ptrs.data_ptr(), *a_fields[0][1:], self.b_ptrs.data_ptr(), *b_fields[0][1:],
-                       len(self.a), self.band)
+                       len(self.a), self.band, parts, self.column_starts.data_ptr())
 
 
 def lora_add_rows(x: torch.Tensor, y: torch.Tensor, row_slots: torch.Tensor, slots: LoraPointers) -> None:

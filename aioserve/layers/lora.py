@@ -89,9 +89,11 @@ class LoraStepState:
 
 @dataclass
 class PackedSlots:
-    """The slots in the native packed matmul's layout: A_s [P * R, in] and
-    B_s^T [out, P * R] of each slot, and their addresses for the library
-    (the grouped form's one call, and the DecoderStack)."""
+    """The slots in the native packed matmul's layout: A_s [P * R, in] of
+    each slot whole, and B_s^T cut into its P parts' blocks [part's columns,
+    R] (b[s * P + p]: B is block-diagonal, and its zeros would be read and
+    multiplied at every step), and their addresses for the library (the
+    grouped form's one call, and the DecoderStack)."""
 
     a: list[torch.Tensor]
     b: list[torch.Tensor]
@@ -110,6 +112,20 @@ class LoraSlots:
     # computed in float32 read their adapters as bf16 too: a decode step is
     # bound by the bytes it reads).
     packed_dtype: torch.dtype | None = None
+    # Each part's first output column, then the width (q|k|v: 0, q, q + kv,
+    # out); () for a layer of one part.
+    columns: tuple[int, ...] = ()
+
+    @property
+    def part_columns(self) -> tuple[int, ...]:
+        return self.columns or (0, int(self.b.shape[2]))
+
+    def _packed_parts(self, pack: Any, slot: int) -> list[torch.Tensor]:
+        """Slot `slot`'s B, each part's block [its columns, R] packed."""
+        columns = self.part_columns
+        rank = self.b.shape[1] // (len(columns) - 1)
+        return [pack(self.b[slot, p * rank : (p + 1) * rank, start:end].T)
+                for p, (start, end) in enumerate(zip(columns, columns[1:]))]
 
     def pack(self, slots: list[int] | None = None) -> bool:
         """Pack every slot for the native kernel the first time; later only
@@ -125,24 +141,32 @@ class LoraSlots:
         def pack(weight: torch.Tensor) -> torch.Tensor:
             return kernels.pack_linear_weight(weight.to(dtype).contiguous())
 
+        parts = len(self.part_columns) - 1
         if self.packed is None:
             every = range(self.a.shape[0])
-            packed = PackedSlots([pack(self.a[s]) for s in every], [pack(self.b[s].T) for s in every])
+            packed = PackedSlots([pack(self.a[s]) for s in every],
+                                 [block for s in every for block in self._packed_parts(pack, s)])
             packed.native = kernels.LoraPointers(packed.a, packed.b, int(self.a.shape[1]), int(self.a.shape[2]),
-                                                 int(self.b.shape[2]))
+                                                 int(self.b.shape[2]), self.part_columns)
             self.packed = packed
             return True
         for s in range(self.a.shape[0]) if slots is None else slots:
             self.packed.a[s].copy_(pack(self.a[s]))
-            self.packed.b[s].copy_(pack(self.b[s].T))
+            for p, block in enumerate(self._packed_parts(pack, s)):
+                self.packed.b[s * parts + p].copy_(block)
         return True
 
     def _product(self, x: torch.Tensor, slot: int) -> torch.Tensor:
         """x A_s^T B_s: slot s's update of rows x."""
         if self.packed is not None:
             linear = cpu_kernels(wait=False).packed_linear  # type: ignore[union-attr]  # packed: they are built
-            return linear(linear(x, self.packed.a[slot], None, self.a.shape[1]), self.packed.b[slot], None,
-                          self.b.shape[2])
+            columns = self.part_columns
+            parts = len(columns) - 1
+            rank = self.a.shape[1] // parts
+            h = linear(x, self.packed.a[slot], None, self.a.shape[1])
+            return torch.cat([linear(h[:, p * rank : (p + 1) * rank].contiguous(), self.packed.b[slot * parts + p],
+                                     None, end - start)
+                              for p, (start, end) in enumerate(zip(columns, columns[1:]))], dim=1)
         return (x @ self.a[slot].T) @ self.b[slot]
 
     def _masked(self, x: torch.Tensor, onehot: torch.Tensor) -> torch.Tensor:

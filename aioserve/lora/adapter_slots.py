@@ -25,7 +25,7 @@ from torch import nn
 from aioserve.batch_plan import AdapterLoad, BatchPlan
 from aioserve.cpu.native import cpu_kernels
 from aioserve.layers.lora import LoraRouting, LoraSlots, LoraStepState, route_rows
-from aioserve.lora.host_layout import HostAdapter, adaptable_layers, lay_out, part_ids
+from aioserve.lora.host_layout import HostAdapter, adaptable_layers, lay_out, part_columns, part_ids
 from aioserve.lora.peft_folder import read_peft_adapter
 from aioserve.lora_config import LoraConfig
 from aioserve.models.model_config import ModelConfig
@@ -46,13 +46,15 @@ class AdapterSlots:
         self.layers = adaptable_layers(model)
         num_slots, band = config.max_loras + 1, config.max_lora_rank  # slot 0: the base model, always zero
         for layer in self.layers.values():
-            rows = band * len(part_ids(layer))
+            parts = part_ids(layer)
+            rows = band * len(parts)
             layer.lora = LoraSlots(
                 torch.zeros(num_slots, rows, layer.in_features, dtype=dtype, device=device),
                 torch.zeros(num_slots, rows, layer.out_features, dtype=dtype, device=device),
                 self.state,
                 packed_dtype=storage_dtype if storage_dtype is not None and storage_dtype.itemsize < dtype.itemsize
                 else None,
+                columns=part_columns(layer),
             )
         self.num_slots = num_slots
         self.slot_adapter: list[int | None] = [None] * num_slots  # which adapter id each slot holds

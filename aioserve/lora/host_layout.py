@@ -50,6 +50,17 @@ def part_ids(layer: QuantizableLinear) -> tuple[object, ...]:
     return tuple(getattr(layer, "shard_ids", (None,)))
 
 
+def part_columns(layer: QuantizableLinear) -> tuple[int, ...]:
+    """Where each fused part's output columns start on this rank, then the
+    layer's width: (0, q, q + kv, out) for q|k|v; (0, out) for one part."""
+    parts = part_ids(layer)
+    if len(parts) == 1:
+        return (0, layer.out_features)
+    assert isinstance(layer, ColumnParallelLinear)  # only column-parallel layers fuse parts
+    starts = [layer.part_rows(shard)[0] for shard in parts]
+    return (*starts, layer.out_features)
+
+
 def _place(
     layer: QuantizableLinear, module: ModuleAdapter, shard: object, band: int, a: torch.Tensor, b: torch.Tensor
 ) -> None:
