@@ -231,7 +231,7 @@ def test_lora_add_rows_adds_each_rows_own_slot(dtype: torch.dtype, columns: tupl
     packed_b = [kernels.pack_linear_weight(b[s, p * rank : (p + 1) * rank, start:end].T.to(dtype).contiguous())
                 for s in range(slots) for p, (start, end) in enumerate(zip(columns, columns[1:]))]
     pointers = kernels.LoraPointers(packed_a, packed_b, band, k, n, columns)
-    for row_slots in ([1, 0, 3, 1, 2, 0, 3, 3, 1], [2] * 5, [0, 0, 0]):
+    for row_slots in ([1, 0, 3, 1, 2, 0, 3, 3, 1], [2] * 5, [0, 0, 0], [3] * 40 + [0]):
         x = torch.randn(len(row_slots), k).to(dtype)
         y = torch.randn(len(row_slots), n).to(dtype)
         expected = y.float().clone()
@@ -245,5 +245,14 @@ def test_lora_add_rows_adds_each_rows_own_slot(dtype: torch.dtype, columns: tupl
     with pytest.raises(RuntimeError, match="out of range"):
         kernels.lora_add_rows(torch.zeros(1, k, dtype=dtype), torch.zeros(1, n, dtype=dtype),
                               torch.tensor([slots], dtype=torch.long), pointers)
+    # A row's update never depends on the rows beside it (a decode step's
+    # one row, a prefill chunk's 40): bit for bit.
+    x = torch.randn(40, k).to(dtype)
+    together = torch.zeros(40, n, dtype=dtype)
+    kernels.lora_add_rows(x, together, torch.full((40,), 3, dtype=torch.long), pointers)
+    for row in (0, 17, 39):
+        alone = torch.zeros(1, n, dtype=dtype)
+        kernels.lora_add_rows(x[row : row + 1], alone, torch.tensor([3]), pointers)
+        assert torch.equal(alone[0], together[row])
     with pytest.raises(RuntimeError, match="do not fit together"):  # B slots for fewer parts than the columns name
         kernels.LoraPointers(packed_a, packed_b[: slots], band, k, n, (0, 50, 100, 150, n))
