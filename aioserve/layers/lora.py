@@ -64,10 +64,11 @@ def route_rows(
             rows_of.setdefault(slot, []).append(row)
     if not rows_of:
         return None
+    row_slots = torch.tensor(token_slots, dtype=torch.long) if device.type == "cpu" else None
     if len(rows_of) == 1:
         ((slot, rows),) = rows_of.items()
         if len(rows) == len(token_slots):
-            return LoraRouting([], all_rows=slot)
+            return LoraRouting([], all_rows=slot, row_slots=row_slots)
     if len(rows_of) > 1 and len(token_slots) <= MASKED_MAX_TOKENS and device.type != "cpu":
         onehot = torch.zeros(len(token_slots), num_slots, dtype=dtype)
         for slot, rows in rows_of.items():
@@ -75,7 +76,6 @@ def route_rows(
         return LoraRouting([], onehot=onehot.to(device, non_blocking=True))
     groups = [(slot, torch.tensor(rows, dtype=torch.long).to(device, non_blocking=True))
               for slot, rows in sorted(rows_of.items())]
-    row_slots = torch.tensor(token_slots, dtype=torch.long) if device.type == "cpu" else None
     return LoraRouting(groups, row_slots=row_slots)
 
 
@@ -183,14 +183,16 @@ class LoraSlots:
             return y
         if x.dtype != self.a.dtype:
             x = x.to(self.a.dtype)
+        if self.packed is not None and routing.row_slots is not None and x.dtype == y.dtype and y.is_contiguous():
+            # One native call, one adapter or many: the slots split among the
+            # threads (each slot's rows gathered there), the update added in
+            # place (no update tensor of the layer's width to add after).
+            cpu_kernels(wait=False).lora_add_rows(x, y, routing.row_slots, self.packed.native)  # type: ignore[union-attr]
+            return y
         if routing.all_rows is not None:
             return y + self._product(x, routing.all_rows).to(y.dtype)
         if routing.onehot is not None:
             return y + self._masked(x, routing.onehot).to(y.dtype)
-        if self.packed is not None and routing.row_slots is not None and x.dtype == y.dtype and y.is_contiguous():
-            # One native call: the slots split among the threads, each slot's rows gathered there.
-            cpu_kernels(wait=False).lora_add_rows(x, y, routing.row_slots, self.packed.native)  # type: ignore[union-attr]
-            return y
         for slot, rows in routing.groups:
             y.index_add_(0, rows, self._product(x.index_select(0, rows), slot).to(y.dtype))
         return y
