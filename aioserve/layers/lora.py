@@ -17,7 +17,8 @@ global: each engine makes its own). Two forms compute the same sum:
   whatever the mix, nothing that depends on Python branching per row.
 * **grouped** (prefill chunks, and a CPU's steps): each used slot's rows
   gathered, multiplied by that slot's A and B only, and added back: a step
-  reads the adapters it uses, not every slot.
+  reads the adapters it uses, not every slot. On a CPU with the native
+  kernels, every step takes it (one adapter too): one call a projection.
 
 On a CPU with the native kernels built, each slot is also kept packed for
 the packed matmul (cpu/matmul.py), repacked in place when a slot is loaded:
