@@ -17,6 +17,7 @@ so no replica or router outlives it.
 from __future__ import annotations
 
 import dataclasses
+import errno
 import importlib.util
 import logging
 import os
@@ -301,15 +302,16 @@ def check(args: ServerArgs) -> None:
 
 
 def _port_free(host: str, port: int) -> bool:
-    """Whether a server could listen on host:port now (as a server binds:
-    a port left in TIME_WAIT counts as free)."""
+    """Whether no program listens on host:port now (bound as a server binds:
+    a port left in TIME_WAIT counts as free). Only "address in use" counts:
+    an address this machine cannot bind is the server's own error to give."""
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     with socket.socket(family) as probe:
         probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
             probe.bind((host, port))
-        except OSError:
-            return False
+        except OSError as exc:
+            return exc.errno != errno.EADDRINUSE
     return True
 
 
