@@ -94,9 +94,8 @@ struct Bound {
   const float* screen_norms = nullptr;  // [N] ||w~_j||, rounded up (bf16 screen)
   float underflow = kUnderflow;
 
-  // kScreenNorms: whether screen_norms is there, decided outside the scans
-  // (a test of the pointer inside them kept them from vectorizing: the scans
-  // of a 16-row tiny-llama step, 32000 columns each, ran scalar).
+  // kScreenNorms: whether screen_norms is there, decided once outside the
+  // scans rather than tested at every column.
   template <bool kScreenNorms>
   inline float at(int64_t j) const {
     const float r = norm * slack[j] + underflow;
@@ -106,6 +105,19 @@ struct Bound {
       return r;
     }
   }
+
+#if defined(__AVX512F__)
+  // r_j .. r_j+15: at()'s operations, fused as the compiler fuses at()'s.
+  template <bool kScreenNorms>
+  inline __m512 at16(int64_t j) const {
+    const __m512 r = _mm512_fmadd_ps(_mm512_set1_ps(norm), _mm512_loadu_ps(slack + j), _mm512_set1_ps(underflow));
+    if constexpr (kScreenNorms) {
+      return _mm512_fmadd_ps(_mm512_set1_ps(x_slack), _mm512_loadu_ps(screen_norms + j), r);
+    } else {
+      return r;
+    }
+  }
+#endif
 };
 
 // Pass 1 over [0, n): L (the largest A_j - r_j), the largest |A_j| + r_j,
@@ -123,14 +135,11 @@ Extremes extremes(const float* approx, const Bound& bound, int64_t n) {
   Extremes out;
   int64_t j = 0;
 #if defined(__AVX512F__)
-  const __m512 norm = _mm512_set1_ps(bound.norm), underflow = _mm512_set1_ps(bound.underflow);
-  const __m512 x_slack = _mm512_set1_ps(bound.x_slack), largest = _mm512_set1_ps(std::numeric_limits<float>::max());
+  const __m512 largest = _mm512_set1_ps(std::numeric_limits<float>::max());
   __m512 floor = _mm512_set1_ps(out.floor), biggest = _mm512_setzero_ps();
   __mmask16 bad = 0;
   for (; j + 16 <= n; j += 16) {
-    const __m512 a = _mm512_loadu_ps(approx + j);
-    __m512 r = _mm512_fmadd_ps(norm, _mm512_loadu_ps(bound.slack + j), underflow);
-    if constexpr (kScreenNorms) r = _mm512_fmadd_ps(x_slack, _mm512_loadu_ps(bound.screen_norms + j), r);
+    const __m512 a = _mm512_loadu_ps(approx + j), r = bound.at16<kScreenNorms>(j);
     const __m512 magnitude = _mm512_abs_ps(a);
     bad |= _mm512_cmp_ps_mask(magnitude, largest, _CMP_NLE_UQ);  // > max, or NaN
     floor = _mm512_max_ps(floor, _mm512_sub_ps(a, r));
@@ -154,14 +163,10 @@ template <bool kScreenNorms>
 bool any_candidate(const float* approx, const Bound& bound, int64_t start, int64_t end, float lowered) {
   int64_t j = start;
 #if defined(__AVX512F__)
-  const __m512 norm = _mm512_set1_ps(bound.norm), underflow = _mm512_set1_ps(bound.underflow);
-  const __m512 x_slack = _mm512_set1_ps(bound.x_slack), low = _mm512_set1_ps(lowered);
+  const __m512 low = _mm512_set1_ps(lowered);
   __mmask16 hit = 0;
-  for (; j + 16 <= end; j += 16) {
-    __m512 r = _mm512_fmadd_ps(norm, _mm512_loadu_ps(bound.slack + j), underflow);
-    if constexpr (kScreenNorms) r = _mm512_fmadd_ps(x_slack, _mm512_loadu_ps(bound.screen_norms + j), r);
-    hit |= _mm512_cmp_ps_mask(_mm512_add_ps(_mm512_loadu_ps(approx + j), r), low, _CMP_GE_OQ);
-  }
+  for (; j + 16 <= end; j += 16)
+    hit |= _mm512_cmp_ps_mask(_mm512_add_ps(_mm512_loadu_ps(approx + j), bound.at16<kScreenNorms>(j)), low, _CMP_GE_OQ);
   if (hit) return true;
 #endif
   for (; j < end; ++j)
