@@ -114,16 +114,15 @@ class LoraSlots:
     # bound by the bytes it reads).
     packed_dtype: torch.dtype | None = None
     # Each part's first output column, then the width (q|k|v: 0, q, q + kv,
-    # out); () for a layer of one part.
+    # out; a layer of one part: 0, out).
     columns: tuple[int, ...] = ()
 
-    @property
-    def part_columns(self) -> tuple[int, ...]:
-        return self.columns or (0, int(self.b.shape[2]))
+    def __post_init__(self) -> None:
+        self.columns = self.columns or (0, int(self.b.shape[2]))
 
     def _packed_parts(self, pack: Any, slot: int) -> list[torch.Tensor]:
         """Slot `slot`'s B, each part's block [its columns, R] packed."""
-        columns = self.part_columns
+        columns = self.columns
         rank = self.b.shape[1] // (len(columns) - 1)
         return [pack(self.b[slot, p * rank : (p + 1) * rank, start:end].T)
                 for p, (start, end) in enumerate(zip(columns, columns[1:]))]
@@ -142,13 +141,13 @@ class LoraSlots:
         def pack(weight: torch.Tensor) -> torch.Tensor:
             return kernels.pack_linear_weight(weight.to(dtype).contiguous())
 
-        parts = len(self.part_columns) - 1
+        parts = len(self.columns) - 1
         if self.packed is None:
             every = range(self.a.shape[0])
             packed = PackedSlots([pack(self.a[s]) for s in every],
                                  [block for s in every for block in self._packed_parts(pack, s)])
             packed.native = kernels.LoraPointers(packed.a, packed.b, int(self.a.shape[1]), int(self.a.shape[2]),
-                                                 int(self.b.shape[2]), self.part_columns)
+                                                 int(self.b.shape[2]), self.columns)
             self.packed = packed
             return True
         for s in range(self.a.shape[0]) if slots is None else slots:
@@ -159,15 +158,11 @@ class LoraSlots:
 
     def _product(self, x: torch.Tensor, slot: int) -> torch.Tensor:
         """x A_s^T B_s: slot s's update of rows x."""
-        if self.packed is not None:
-            linear = cpu_kernels(wait=False).packed_linear  # type: ignore[union-attr]  # packed: they are built
-            columns = self.part_columns
-            parts = len(columns) - 1
-            rank = self.a.shape[1] // parts
-            h = linear(x, self.packed.a[slot], None, self.a.shape[1])
-            return torch.cat([linear(h[:, p * rank : (p + 1) * rank].contiguous(), self.packed.b[slot * parts + p],
-                                     None, end - start)
-                              for p, (start, end) in enumerate(zip(columns, columns[1:]))], dim=1)
+        if self.packed is not None:  # the native call of mixed rows, added to zeros: one form of the parts' products
+            update = torch.zeros(x.shape[0], self.b.shape[2], dtype=x.dtype)
+            slots = torch.full((x.shape[0],), slot, dtype=torch.long)
+            cpu_kernels(wait=False).lora_add_rows(x, update, slots, self.packed.native)  # type: ignore[union-attr]
+            return update
         return (x @ self.a[slot].T) @ self.b[slot]
 
     def _masked(self, x: torch.Tensor, onehot: torch.Tensor) -> torch.Tensor:
