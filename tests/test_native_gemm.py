@@ -217,20 +217,22 @@ def test_lora_add_rows_adds_each_rows_own_slot(dtype: torch.dtype, columns: tupl
     (slot 0 nothing), whatever the mix: rows of one slot scattered among
     others, a slot covering all rows, all base; y of the rows' own type. A
     fused projection's B is block-diagonal, each part's block packed and
-    multiplied apart: the sum is the whole B's."""
+    multiplied apart: the sum is the whole B's. A is held as it is and its
+    products are dot products over k in vector lanes: k = 100 leaves a
+    partial last lane group (float32: 6 + 4, bf16 pairs: 3 x 32 + 4)."""
     kernels = cpu_kernels()
     torch.manual_seed(0)
-    parts, rank, k, n = len(columns) - 1, 8, 96, columns[-1]
+    parts, rank, k, n = len(columns) - 1, 8, 100, columns[-1]
     slots, band = 4, parts * rank
     a = torch.randn(slots, band, k) * 0.1
     b = torch.zeros(slots, band, n)
     for p, (start, end) in enumerate(zip(columns, columns[1:])):
         b[:, p * rank : (p + 1) * rank, start:end] = torch.randn(slots, rank, end - start) * 0.1
     a[0], b[0] = 0, 0
-    packed_a = [kernels.pack_linear_weight(a[s].to(dtype).contiguous()) for s in range(slots)]
+    held_a = [a[s].to(dtype).contiguous() for s in range(slots)]
     packed_b = [kernels.pack_linear_weight(b[s, p * rank : (p + 1) * rank, start:end].T.to(dtype).contiguous())
                 for s in range(slots) for p, (start, end) in enumerate(zip(columns, columns[1:]))]
-    pointers = kernels.LoraPointers(packed_a, packed_b, band, k, n, columns)
+    pointers = kernels.LoraPointers(held_a, packed_b, band, k, n, columns)
     for row_slots in ([1, 0, 3, 1, 2, 0, 3, 3, 1], [2] * 5, [0, 0, 0], [3] * 40 + [0]):
         x = torch.randn(len(row_slots), k).to(dtype)
         y = torch.randn(len(row_slots), n).to(dtype)
@@ -255,4 +257,6 @@ def test_lora_add_rows_adds_each_rows_own_slot(dtype: torch.dtype, columns: tupl
         kernels.lora_add_rows(x[row : row + 1], alone, torch.tensor([3]), pointers)
         assert torch.equal(alone[0], together[row])
     with pytest.raises(RuntimeError, match="do not fit together"):  # B slots for fewer parts than the columns name
-        kernels.LoraPointers(packed_a, packed_b[: slots], band, k, n, (0, 50, 100, 150, n))
+        kernels.LoraPointers(held_a, packed_b[: slots], band, k, n, (0, 50, 100, 150, n))
+    with pytest.raises(RuntimeError, match="must be \\[band, in\\]"):  # an A packed as a weight is refused
+        kernels.LoraPointers([kernels.pack_linear_weight(w) for w in held_a], packed_b, band, k, n, columns)

@@ -62,11 +62,12 @@ def packed_fields(weight: torch.Tensor, k: int, n: int, what: str) -> tuple[int,
 @dataclass
 class LoraPointers:
     """A projection's LoRA slots for the library (kernels.h's LoraSlots):
-    each slot's packed A (x [M, in] -> [M, band]) and, for each of the
-    projection's parts (q, k, v; gate, up; or the one), that part's packed
-    B (its band / parts rank columns of [M, band] -> its output columns),
-    slot by slot (b[s * parts + p]); checked once. The tensors must stay
-    where they are (a slot is repacked in place)."""
+    each slot's A [band, in] as it is, contiguous (x [M, in] -> [M, band]
+    by dot products: native/lora.cpp says why it is not packed) and, for
+    each of the projection's parts (q, k, v; gate, up; or the one), that
+    part's packed B (its band / parts rank columns of [M, band] -> its
+    output columns), slot by slot (b[s * parts + p]); checked once. The
+    tensors must stay where they are (a slot is repacked in place)."""
 
     a: list[torch.Tensor]
     b: list[torch.Tensor]
@@ -82,7 +83,9 @@ class LoraPointers:
                 or self.band % parts or len(self.b) != parts * len(self.a)):
             raise RuntimeError("lora: the parts' columns, band and B slots do not fit together")
         rank = self.band // parts
-        a_fields = [packed_fields(w, self.in_features, self.band, "lora A") for w in self.a]
+        if any(w.shape != (self.band, self.in_features) or not w.is_contiguous() for w in self.a):
+            raise RuntimeError("lora: each slot's A must be [band, in], contiguous")
+        a_fields = [(w.data_ptr(), code(w, "lora A")) for w in self.a]
         b_fields = [packed_fields(w, rank, columns[i % parts + 1] - columns[i % parts], "lora B")
                     for i, w in enumerate(self.b)]
         if len({f[1:] for f in a_fields}) != 1 or len({f[1:] for f in b_fields}) != 1:
@@ -90,7 +93,7 @@ class LoraPointers:
         self.a_ptrs = torch.tensor([f[0] for f in a_fields], dtype=torch.int64)
         self.b_ptrs = torch.tensor([f[0] for f in b_fields], dtype=torch.int64)
         self.column_starts = torch.tensor(columns, dtype=torch.int64)
-        # (a, a_type, a_pairs, b, b_type, b_pairs, slots, band, parts, columns): the library's argument order
+        # (a, a_type, b, b_type, b_pairs, slots, band, parts, columns): the library's argument order
         self.fields = (self.a_ptrs.data_ptr(), *a_fields[0][1:], self.b_ptrs.data_ptr(), *b_fields[0][1:],
                        len(self.a), self.band, parts, self.column_starts.data_ptr())
 

@@ -20,8 +20,9 @@ global: each engine makes its own). Two forms compute the same sum:
   reads the adapters it uses, not every slot. On a CPU with the native
   kernels, every step takes it (one adapter too): one call a projection.
 
-On a CPU with the native kernels built, each slot is also kept packed for
-the packed matmul (cpu/matmul.py), repacked in place when a slot is loaded:
+On a CPU with the native kernels built, each slot is also kept as the
+native call reads it (A as it is, B packed for the packed matmul of
+cpu/matmul.py), rewritten in place when a slot is loaded:
 a torch matmul there woke BLAS's own threads at every call (~150 us for a
 16-row update on 2 cores, against ~40 us alone), which made the updates
 cost as much as the base model. The native DecoderStack reads the same
@@ -90,11 +91,12 @@ class LoraStepState:
 
 @dataclass
 class PackedSlots:
-    """The slots in the native packed matmul's layout: A_s [P * R, in] of
-    each slot whole, and B_s^T cut into its P parts' blocks [part's columns,
-    R] (b[s * P + p]: B is block-diagonal, and its zeros would be read and
-    multiplied at every step), and their addresses for the library (the
-    grouped form's one call, and the DecoderStack)."""
+    """The slots as the native call reads them: A_s [P * R, in] of each slot
+    whole and as it is (native/lora.cpp takes its products as dot
+    products), and B_s^T cut into its P parts' blocks [part's columns, R]
+    packed for the packed matmul (b[s * P + p]: B is block-diagonal, and its
+    zeros would be read and multiplied at every step), and their addresses
+    for the library (the grouped form's one call, and the DecoderStack)."""
 
     a: list[torch.Tensor]
     b: list[torch.Tensor]
@@ -141,17 +143,20 @@ class LoraSlots:
         def pack(weight: torch.Tensor) -> torch.Tensor:
             return kernels.pack_linear_weight(weight.to(dtype).contiguous())
 
+        def held(weight: torch.Tensor) -> torch.Tensor:  # A: a copy of its own in the stored dtype
+            return weight.to(dtype, copy=True).contiguous()
+
         parts = len(self.columns) - 1
         if self.packed is None:
             every = range(self.a.shape[0])
-            packed = PackedSlots([pack(self.a[s]) for s in every],
+            packed = PackedSlots([held(self.a[s]) for s in every],
                                  [block for s in every for block in self._packed_parts(pack, s)])
             packed.native = kernels.LoraPointers(packed.a, packed.b, int(self.a.shape[1]), int(self.a.shape[2]),
                                                  int(self.b.shape[2]), self.columns)
             self.packed = packed
             return True
         for s in range(self.a.shape[0]) if slots is None else slots:
-            self.packed.a[s].copy_(pack(self.a[s]))
+            self.packed.a[s].copy_(self.a[s])
             for p, block in enumerate(self._packed_parts(pack, s)):
                 self.packed.b[s * parts + p].copy_(block)
         return True
