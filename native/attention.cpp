@@ -96,6 +96,22 @@ inline void softmax_numerators(float* scores, int64_t n, int64_t num_heads, floa
   }
 }
 
+constexpr int64_t kMaxHeads = 256;  // query heads a span takes (the largest served model has 128)
+
+// The cache's reads are asked for ahead of their use: a page's rows are
+// contiguous, but pages lie anywhere, and the hardware prefetchers stop at
+// every 4 KiB (a row of Qwen3-0.6B's keys is 2 KiB), so the kernel read
+// the KV at ~12 GB/s of this machine's ~27 (2-core Sapphire Rapids VM,
+// batch 64 x 512 positions); with the keys 16 positions ahead and each KV
+// head's values of the next page, ~15 GB/s (8 ahead measured the same, 2-4
+// less; the values alone gained nothing without the keys).
+constexpr int64_t kKeysAhead = 16;
+
+inline void prefetch_bytes(const void* data, int64_t bytes) {
+  const char* p = static_cast<const char*>(data);
+  for (int64_t b = 0; b < bytes; b += 64) __builtin_prefetch(p + b, 0, 3);
+}
+
 // One request's positions [begin, end) against all its query heads. Each
 // position's keys (then values) for every head are one contiguous row of the
 // cache, read once: walking head by head re-read each row's cache lines from
@@ -111,15 +127,20 @@ void attend_span(const float* q, const KV* kp, const KV* vp, const int32_t* page
                  int64_t end, int64_t num_heads, int64_t num_kv_heads, int64_t dim, float* maxes, float* sums,
                  float* acc, std::vector<float>& scores) {
   const int64_t group = num_heads / num_kv_heads, kv_stride = num_kv_heads * dim, n = end - begin;
+  const int64_t row_bytes = kv_stride * static_cast<int64_t>(sizeof(KV));
   const bool whole_vectors = kVector16 && dim % 16 == 0;
+  AIOSERVE_CHECK(num_heads <= kMaxHeads, "decode attention: too many query heads");
+  int64_t kv_offset[kMaxHeads];  // each query head's KV head in a row (no division per head and position)
+  for (int64_t h = 0; h < num_heads; ++h) kv_offset[h] = (h / group) * dim;
   scores.resize(n * num_heads);
   for (int64_t j = 0; j < n; ++j) {
     const int64_t pos = begin + j;
     const KV* keys = cache_row(kp, pages, page_size, kv_stride, pos);
+    if (j + kKeysAhead < n) prefetch_bytes(cache_row(kp, pages, page_size, kv_stride, pos + kKeysAhead), row_bytes);
     if (whole_vectors) {
-      for (int64_t h = 0; h < num_heads; ++h) scores[h * n + j] = dot16(q + h * dim, keys + (h / group) * dim, dim);
+      for (int64_t h = 0; h < num_heads; ++h) scores[h * n + j] = dot16(q + h * dim, keys + kv_offset[h], dim);
     } else {
-      for (int64_t h = 0; h < num_heads; ++h) scores[h * n + j] = dot(q + h * dim, keys + (h / group) * dim, dim);
+      for (int64_t h = 0; h < num_heads; ++h) scores[h * n + j] = dot(q + h * dim, keys + kv_offset[h], dim);
     }
   }
   softmax_numerators(scores.data(), n, num_heads, maxes, sums);
@@ -127,67 +148,142 @@ void attend_span(const float* q, const KV* kp, const KV* vp, const int32_t* page
   for (int64_t j = 0; j < n; ++j) {
     const int64_t pos = begin + j;
     const KV* values = cache_row(vp, pages, page_size, kv_stride, pos);
+    if (j + kKeysAhead < n) prefetch_bytes(cache_row(vp, pages, page_size, kv_stride, pos + kKeysAhead), row_bytes);
     if (whole_vectors) {
-      for (int64_t h = 0; h < num_heads; ++h) axpy16(scores[h * n + j], values + (h / group) * dim, acc + h * dim, dim);
+      for (int64_t h = 0; h < num_heads; ++h) axpy16(scores[h * n + j], values + kv_offset[h], acc + h * dim, dim);
     } else {
-      for (int64_t h = 0; h < num_heads; ++h) axpy(scores[h * n + j], values + (h / group) * dim, acc + h * dim, dim);
+      for (int64_t h = 0; h < num_heads; ++h) axpy(scores[h * n + j], values + kv_offset[h], acc + h * dim, dim);
     }
   }
 }
 
 #if defined(__AVX512BF16__)
+// Lane i of the result: the sum of v[i]'s 16 lanes, for 16 vectors at once
+// (a fixed tree: 45 instructions where 16 horizontal sums took ~150, and
+// lane i's sum does not depend on the other vectors).
+inline __m512 sum_lanes16(const __m512 (&v)[16]) {
+  __m512 pairs[8];
+  for (int i = 0; i < 8; ++i)
+    pairs[i] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * i], v[2 * i + 1]), _mm512_unpackhi_ps(v[2 * i], v[2 * i + 1]));
+  __m512 quads[4];  // a 128-bit block of quads[j]: v[4j..4j+3]'s sums over that block
+  for (int j = 0; j < 4; ++j) {
+    const __m512d a = _mm512_castps_pd(pairs[2 * j]), b = _mm512_castps_pd(pairs[2 * j + 1]);
+    quads[j] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(a, b)), _mm512_castpd_ps(_mm512_unpackhi_pd(a, b)));
+  }
+  constexpr int kEven = _MM_SHUFFLE(2, 0, 2, 0), kOdd = _MM_SHUFFLE(3, 1, 3, 1);
+  const __m512 u0 = _mm512_add_ps(_mm512_shuffle_f32x4(quads[0], quads[1], kEven),
+                                  _mm512_shuffle_f32x4(quads[0], quads[1], kOdd));
+  const __m512 u1 = _mm512_add_ps(_mm512_shuffle_f32x4(quads[2], quads[3], kEven),
+                                  _mm512_shuffle_f32x4(quads[2], quads[3], kOdd));
+  return _mm512_add_ps(_mm512_shuffle_f32x4(u0, u1, kEven), _mm512_shuffle_f32x4(u0, u1, kOdd));
+}
+
 // bf16 q against a bf16 cache, head dims a multiple of 32 (Chunks = dim / 16
 // float vectors): the measured hot path of half-precision decode (Qwen3-0.6B
 // on a 2-core Sapphire Rapids: the generic span above read the KV of a
 // batch-64 step at ~10 GB/s, 72% of the step once the matmuls ran on AMX).
-// Scores: each key row dotted in bf16 pairs (vdpbf16ps: no widening, exact
-// products, float32 sums; the scale applied to the sum, so q stays bf16).
-// Values: a page at a time, each KV head's rows widened once and added into
-// its group's accumulators held in registers across the page (the generic
-// span loads and stores every accumulator at every position). Measured on
-// that machine, batch 64 x 512 positions of Qwen3's 8 x 128 bf16 heads:
-// 10.0-10.4 GB/s before, 12.0-14.2 after; what is left is the memory
-// system's (32 KiB runs of a page at random places: the hardware prefetchers
-// restart at every 4 KiB; software prefetching measured no better).
+// A step's KV is read once and the kernel is cut to few instructions a byte,
+// so that the core keeps more of the (page-scattered) reads in flight:
+// * Scores: each key row dotted with 16 query heads in bf16 pairs
+//   (vdpbf16ps: exact products, float32 sums), the 16 sums reduced together
+//   (sum_lanes16) and kept position-major, 16 heads a vector, so that the
+//   softmax runs across heads in the vector lanes.
+// * Values: the probabilities rounded to bf16 (as a GPU's flash attention
+//   rounds P before its PV product) and multiplied two positions at a time
+//   by the pair dot: two value rows interleaved (each 128-bit block's
+//   halves), 32 products an instruction where the float32 form widened every
+//   value and took 16. The interleave leaves each head's sums in a fixed
+//   order of dims, put back once at the end of the span. Per page, each KV
+//   head's accumulators stay in registers.
 template <int Chunks>
 void attend_span_bf16(const BFloat16* q, float scale, const BFloat16* kp, const BFloat16* vp, const int32_t* pages,
                       int64_t page_size, int64_t begin, int64_t end, int64_t num_heads, int64_t num_kv_heads,
                       float* maxes, float* sums, float* acc, std::vector<float>& scores) {
   constexpr int64_t dim = Chunks * 16;
-  constexpr int kPairVectors = Chunks / 2;             // 32 bf16 each
+  constexpr int kPairVectors = Chunks / 2;  // 32 bf16 each
   constexpr int kHeadsAtOnce = Chunks >= 16 ? 1 : 16 / Chunks;  // accumulators kept in 16 registers
   const int64_t group = num_heads / num_kv_heads, kv_stride = num_kv_heads * dim, n = end - begin;
-  scores.resize(n * num_heads);
+  const int64_t lanes = (num_heads + 15) / 16 * 16;  // a position's scores, heads padded to whole vectors
+  // scores: n x lanes float32 sums, then (from `probs` on) n x lanes bf16 probabilities
+  scores.resize(n * lanes + (n * lanes + 1) / 2);
+  float* score = scores.data();
+  BFloat16* probs = reinterpret_cast<BFloat16*>(scores.data() + n * lanes);
+  const __m512 scale_v = _mm512_set1_ps(scale);
+  // Each query head's key offset in a row, worked out once (an integer
+  // division per head and position took a fifth of the kernel).
+  int64_t key_offset[kMaxHeads];
+  AIOSERVE_CHECK(num_heads <= kMaxHeads, "decode attention: too many query heads");
+  for (int64_t h = 0; h < num_heads; ++h) key_offset[h] = (h / group) * dim;
   for (int64_t j = 0; j < n; ++j) {
     const BFloat16* keys = cache_row(kp, pages, page_size, kv_stride, begin + j);
-    for (int64_t h = 0; h < num_heads; ++h) {
-      const BFloat16 *k = keys + (h / group) * dim, *qh = q + h * dim;
-      __m512 sum = _mm512_setzero_ps();
-      for (int c = 0; c < kPairVectors; ++c) {
-        sum = _mm512_dpbf16_ps(sum, (__m512bh)_mm512_loadu_si512(qh + 32 * c), (__m512bh)_mm512_loadu_si512(k + 32 * c));
+    if (j + kKeysAhead < n) prefetch_bytes(cache_row(kp, pages, page_size, kv_stride, begin + j + kKeysAhead), kv_stride * 2);
+    for (int64_t h0 = 0; h0 < num_heads; h0 += 16) {
+      const int heads = static_cast<int>(std::min<int64_t>(16, num_heads - h0));
+      __m512 sum[16];
+      for (int i = 0; i < 16; ++i) sum[i] = _mm512_setzero_ps();
+      for (int i = 0; i < heads; ++i) {
+        const BFloat16 *k = keys + key_offset[h0 + i], *qh = q + (h0 + i) * dim;
+        for (int c = 0; c < kPairVectors; ++c)
+          sum[i] = _mm512_dpbf16_ps(sum[i], (__m512bh)_mm512_loadu_si512(qh + 32 * c),
+                                    (__m512bh)_mm512_loadu_si512(k + 32 * c));
       }
-      scores[h * n + j] = _mm512_reduce_add_ps(sum) * scale;
+      _mm512_storeu_ps(score + j * lanes + h0, _mm512_mul_ps(sum_lanes16(sum), scale_v));
     }
   }
-  softmax_numerators(scores.data(), n, num_heads, maxes, sums);
+  // Softmax numerators, 16 heads in the lanes: exp(score - the head's max).
+  for (int64_t h0 = 0; h0 < lanes; h0 += 16) {
+    alignas(64) float top[16], total[16] = {};
+    __m512 top_v = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+    for (int64_t j = 0; j < n; ++j) top_v = _mm512_max_ps(top_v, _mm512_loadu_ps(score + j * lanes + h0));
+    _mm512_store_ps(top, top_v);
+    for (int64_t j = 0; j < n; ++j) {
+      float* s = score + j * lanes + h0;
+#pragma omp simd
+      for (int l = 0; l < 16; ++l) {
+        s[l] = aioserve::exp_approx(s[l] - top[l]);
+        total[l] += s[l];
+        probs[j * lanes + h0 + l] = from_float<BFloat16>(s[l]);
+      }
+    }
+    for (int l = 0; l < 16 && h0 + l < num_heads; ++l) {
+      maxes[h0 + l] = top[l];
+      sums[h0 + l] = total[l];
+    }
+  }
   std::fill(acc, acc + num_heads * dim, 0.f);
+  // The two probabilities of positions j and j + 1 (0 past the span) for head h, as one bf16 pair.
+  auto prob_pair = [&](int64_t j, int64_t h, bool second) {
+    const uint32_t low = probs[j * lanes + h].x, high = second ? probs[(j + 1) * lanes + h].x : 0;
+    return (__m512bh)_mm512_set1_epi32(static_cast<int>(low | high << 16));
+  };
   for (int64_t j0 = 0; j0 < n; ) {
     const int64_t j1 = std::min(n, j0 + page_size - (begin + j0) % page_size);  // the rest of this page
+    const int64_t j2 = std::min(n, j1 + page_size);
     for (int64_t g = 0; g < num_kv_heads; ++g) {
+      for (int64_t j = j1; j < j2; ++j) prefetch_bytes(cache_row(vp, pages, page_size, kv_stride, begin + j) + g * dim, dim * 2);
       for (int64_t h0 = g * group; h0 < (g + 1) * group; h0 += kHeadsAtOnce) {
         const int heads = static_cast<int>(std::min<int64_t>(kHeadsAtOnce, (g + 1) * group - h0));
-        __m512 a[kHeadsAtOnce][Chunks];
+        __m512 a[kHeadsAtOnce][Chunks];  // [i][2c]: a pair vector's low halves, [i][2c + 1]: its high halves
         for (int i = 0; i < kHeadsAtOnce; ++i)
           if (i < heads)
             for (int c = 0; c < Chunks; ++c) a[i][c] = _mm512_loadu_ps(acc + (h0 + i) * dim + 16 * c);
-        for (int64_t j = j0; j < j1; ++j) {
-          const BFloat16* values = cache_row(vp, pages, page_size, kv_stride, begin + j) + g * dim;
-          __m512 w[kHeadsAtOnce];
-          for (int i = 0; i < kHeadsAtOnce; ++i) w[i] = _mm512_set1_ps(i < heads ? scores[(h0 + i) * n + j] : 0.f);
-          for (int c = 0; c < Chunks; ++c) {
-            const __m512 v = load16(values + 16 * c);
-            for (int i = 0; i < kHeadsAtOnce; ++i)
-              if (i < heads) a[i][c] = _mm512_fmadd_ps(w[i], v, a[i][c]);
+        for (int64_t j = j0; j < j1; j += 2) {
+          const bool second = j + 1 < j1;
+          const BFloat16* first_row = cache_row(vp, pages, page_size, kv_stride, begin + j) + g * dim;
+          const BFloat16* second_row = second ? cache_row(vp, pages, page_size, kv_stride, begin + j + 1) + g * dim
+                                              : nullptr;
+          __m512bh w[kHeadsAtOnce];
+          for (int i = 0; i < kHeadsAtOnce; ++i)
+            w[i] = i < heads ? prob_pair(j, h0 + i, second) : (__m512bh)_mm512_setzero_si512();
+          for (int c = 0; c < kPairVectors; ++c) {
+            const __m512i x0 = _mm512_loadu_si512(first_row + 32 * c);
+            const __m512i x1 = second ? _mm512_loadu_si512(second_row + 32 * c) : _mm512_setzero_si512();
+            const __m512bh low = (__m512bh)_mm512_unpacklo_epi16(x0, x1), high = (__m512bh)_mm512_unpackhi_epi16(x0, x1);
+            for (int i = 0; i < kHeadsAtOnce; ++i) {
+              if (i >= heads) break;
+              a[i][2 * c] = _mm512_dpbf16_ps(a[i][2 * c], low, w[i]);
+              a[i][2 * c + 1] = _mm512_dpbf16_ps(a[i][2 * c + 1], high, w[i]);
+            }
           }
         }
         for (int i = 0; i < kHeadsAtOnce; ++i)
@@ -196,6 +292,18 @@ void attend_span_bf16(const BFloat16* q, float scale, const BFloat16* kp, const 
       }
     }
     j0 = j1;
+  }
+  // Dims back in order: of a pair vector's 32 dims, the low halves hold
+  // each 128-bit block's first 4 (8b + 0..3, b = 0..3), the high its last 4.
+  const __m512i first16 = _mm512_setr_epi32(0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21, 22, 23);
+  const __m512i last16 = _mm512_setr_epi32(8, 9, 10, 11, 24, 25, 26, 27, 12, 13, 14, 15, 28, 29, 30, 31);
+  for (int64_t h = 0; h < num_heads; ++h) {
+    for (int c = 0; c < kPairVectors; ++c) {
+      float* pair = acc + h * dim + 32 * c;
+      const __m512 low = _mm512_loadu_ps(pair), high = _mm512_loadu_ps(pair + 16);
+      _mm512_storeu_ps(pair, _mm512_permutex2var_ps(low, first16, high));
+      _mm512_storeu_ps(pair + 16, _mm512_permutex2var_ps(low, last16, high));
+    }
   }
 }
 

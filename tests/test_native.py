@@ -50,6 +50,24 @@ def test_kernel_matches_torch(dtype, kv_dtype, heads, kv_heads, page_size, windo
     torch.testing.assert_close(native, reference, atol=tolerance, rtol=tolerance)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_kernel_takes_heads_past_one_vector(dtype) -> None:
+    """40 query heads over 8 KV heads: the bf16 span scores 16 heads a
+    vector, so 40 are two whole vectors and a part; spans of odd lengths
+    leave a last value row without a partner in the pair products."""
+    generator = torch.Generator().manual_seed(40)
+    lens, page_size, heads, kv_heads, dim = [1, 2, 31, 64, 77], 16, 40, 8, 128
+    pool = KVPool(1, 60, page_size, kv_heads, dim, dtype, torch.device("cpu"))
+    pool.buffer[:, :, page_size:].normal_(generator=generator)
+    plan = decode_plan(lens, page_size, 60, generator)
+    q = torch.randn(len(lens), heads, dim, generator=generator).to(dtype)
+    k, v = torch.randn(2, len(lens), kv_heads, dim, generator=generator).to(dtype)
+    native = TorchNativeBackend(pool, use_native=True).prepare(plan, plan).attend(0, q, k, v, dim**-0.5, None)
+    reference = TorchNativeBackend(pool, use_native=False).prepare(plan, plan).attend(0, q, k, v, dim**-0.5, None)
+    tolerance = 1e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(native, reference, atol=tolerance, rtol=tolerance)
+
+
 @pytest.mark.parametrize("lens,window", [([300], None), ([1000], 200), ([129, 64, 1], None), ([700, 3], 500)])
 @pytest.mark.parametrize("dtype,dim", [(torch.float32, 32), (torch.bfloat16, 128)])
 def test_kernel_splits_few_long_sequences(lens, window, dtype, dim) -> None:
