@@ -56,6 +56,8 @@ from aioserve.speculative_config import DEFAULT_DISABLE_BY_BATCH_SIZE, DEFAULT_L
 
 logger = logging.getLogger("benchmarks.speculative")
 
+PROMPT_TOKENS = 512  # the longest prompt the pools are sized for (pages_for_run)
+
 # Prompts that quote themselves: what prompt lookup is for.
 QUOTING = [
     "Once upon a time there was a little girl named Lily. She loved to play outside. "
@@ -122,9 +124,20 @@ def engine_options(args: argparse.Namespace) -> dict:
                      "device": args.device}
     if args.cuda_graph_max_bs is not None:
         options["cuda_graph_max_bs"] = args.cuda_graph_max_bs
-    if args.num_pages is not None:  # several engines on one GPU: each a fixed pool, not a memory share
-        options["num_pages"] = args.num_pages
+    # Up to five engines live at once, each with its own pool: each gets the
+    # pages this run can use, not a memory share (on a GPU) or the CPU's
+    # default budget (4 GiB each, and Qwen3-0.6B with --draft-models was
+    # killed for memory on a 24 GiB machine).
+    options["num_pages"] = args.num_pages if args.num_pages is not None else pages_for_run(args)
     return options
+
+
+def pages_for_run(args: argparse.Namespace, page_size: int = 16) -> int:
+    """KV pages that the run's largest batch can hold: each request's prompt
+    (QUOTING's, at most PROMPT_TOKENS), its output and a verification's k + 1
+    rows, a page to spare each."""
+    per_request = -(-(PROMPT_TOKENS + args.tokens + args.k + 1) // page_size) + 1
+    return max(args.concurrency) * per_request + 8
 
 
 def draft_engines(args: argparse.Namespace, folder: Path) -> dict[str, LLM]:
@@ -173,6 +186,8 @@ def measure(args: argparse.Namespace) -> list[Row]:
         for concurrency in args.concurrency:
             texts = [QUOTING[i % len(QUOTING)] for i in range(concurrency)]
             prompts = [plain.encode(t) for t in texts]
+            if max(map(len, prompts)) > PROMPT_TOKENS:
+                raise SystemExit(f"a prompt is over the {PROMPT_TOKENS} tokens the KV pools are sized for")
             _, reference = run_once(plain, prompts, params)  # warm-up, and the outputs to match
             expected = {tuple(p): out for p, out in zip(prompts, reference)}
             proposers = {"ngram": ngram, "oracle (ceiling)": Oracle(expected, True),
