@@ -274,11 +274,11 @@ static int decoder_forward_direct(const void* stack, void* hidden, int hidden_ty
 }
 
 static int decoder_set_lora_direct(void* stack, int64_t layer, int64_t projection, const int64_t* a, int a_type,
-                                   const int64_t* b, int b_type, int b_pairs, int64_t slots, int64_t band,
+                                   const int64_t* b, int b_type, int64_t slots, int64_t band,
                                    int64_t parts, const int64_t* columns) {
   return aioserve::guarded([&] {
     static_cast<aioserve::DecoderStack*>(stack)->set_lora(
-        layer, projection, aioserve::lora_slots(a, a_type, b, b_type, b_pairs, slots, band, parts, columns));
+        layer, projection, aioserve::lora_slots(a, a_type, b, b_type, slots, band, parts, columns));
   });
 }
 

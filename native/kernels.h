@@ -141,17 +141,16 @@ void packed_linear(const void* x, int x_type, int64_t m, int64_t k, const void* 
 // (3x the bytes of B for q|k|v, 2x for gate|up).
 struct LoraSlots {
   const int64_t* a = nullptr;  // addresses of the slots' A [band, k], row by row
-  const int64_t* b = nullptr;  // addresses of the slots' parts' packed B^T
+  const int64_t* b = nullptr;  // addresses of the slots' B [band, n], row by row (each part's block read in place)
   int a_type = 0, b_type = 0;
-  bool b_pairs = false;
   int64_t slots = 0, band = 0;
   int64_t parts = 1;
   const int64_t* columns = nullptr;  // [parts + 1]: each part's first output column, then the width
 };
 // LoraSlots from a call's fields, checked (band split evenly among the
 // parts, the parts' columns increasing from 0).
-LoraSlots lora_slots(const int64_t* a, int a_type, const int64_t* b, int b_type, int b_pairs, int64_t slots,
-                     int64_t band, int64_t parts, const int64_t* columns);
+LoraSlots lora_slots(const int64_t* a, int a_type, const int64_t* b, int b_type, int64_t slots, int64_t band,
+                     int64_t parts, const int64_t* columns);
 // y [batch, n] += each row's update (x A_s^T) B_s through its slot s =
 // row_slots[row] (0: none); x [batch, k] and y of one type.
 void lora_add_rows(const void* x, int type, int64_t batch, int64_t k, const int64_t* row_slots,

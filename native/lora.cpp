@@ -32,12 +32,12 @@
 
 namespace aioserve {
 
-LoraSlots lora_slots(const int64_t* a, int a_type, const int64_t* b, int b_type, int b_pairs, int64_t slots,
-                     int64_t band, int64_t parts, const int64_t* columns) {
+LoraSlots lora_slots(const int64_t* a, int a_type, const int64_t* b, int b_type, int64_t slots, int64_t band,
+                     int64_t parts, const int64_t* columns) {
   AIOSERVE_CHECK(band > 0 && slots > 0 && parts > 0 && band % parts == 0, "LoRA slots: bad band, slots or parts");
   for (int64_t p = 0; p < parts; ++p)
     AIOSERVE_CHECK(columns[p] < columns[p + 1] && (p > 0 || columns[0] == 0), "LoRA slots: bad part columns");
-  return LoraSlots{a, b, a_type, b_type, b_pairs != 0, slots, band, parts, columns};
+  return LoraSlots{a, b, a_type, b_type, slots, band, parts, columns};
 }
 
 namespace {
@@ -199,6 +199,40 @@ struct Piece {
   int64_t count;
 };
 
+// up_project_add: y's columns [first, first + width) of each row i +=
+// h_i B_part, B_part the part's block of B [band, n] (its rank rows from
+// `b`, row stride n), each sum a chain of multiply-adds over the rank in
+// order, rounded to T, then added (rounded to T as torch's add is). B is
+// read where it is, a vector of columns at a time, and the sums go straight
+// into y: the packed matmul spent more on a 16-long k (a block's setup, its
+// tile stored and converted, then an add pass) than on the products.
+constexpr int64_t kColumnsAtOnce = 64;  // four 16-float vectors of sums
+
+template <typename T, typename B>
+void up_project_add(const T* h, int64_t h_stride, int64_t m, int64_t rank, const B* b, int64_t n, int64_t width,
+                    const int64_t* rows, int64_t first, T* y) {
+  for (int64_t i = 0; i < m; ++i) {
+    const T* hi = h + i * h_stride;
+    T* out = y + rows[i] * n + first;
+    for (int64_t c0 = 0; c0 < width; c0 += kColumnsAtOnce) {
+      const int64_t cols = std::min(kColumnsAtOnce, width - c0);
+      float sums[kColumnsAtOnce] = {};
+      for (int64_t r = 0; r < rank; ++r) {
+        const float weight = to_float(hi[r]);
+        const B* row = b + r * n + c0;
+        if (cols == kColumnsAtOnce) {
+#pragma omp simd
+          for (int64_t j = 0; j < kColumnsAtOnce; ++j) sums[j] += weight * to_float(row[j]);
+        } else {
+          for (int64_t j = 0; j < cols; ++j) sums[j] += weight * to_float(row[j]);
+        }
+      }
+#pragma omp simd
+      for (int64_t j = 0; j < cols; ++j) out[c0 + j] = from_float<T>(to_float(out[c0 + j]) + round_to<T>(sums[j]));
+    }
+  }
+}
+
 // y's rows of `piece` += (x's rows A^T) B, part by part.
 void add_piece(const void* x, int type, int64_t k, const Piece& piece, const LoraSlots& lora, void* y, int64_t n) {
   const int64_t m = piece.count, bytes = element_size(type), rank = lora.band / lora.parts;
@@ -211,40 +245,26 @@ void add_piece(const void* x, int type, int64_t k, const Piece& piece, const Lor
       std::memcpy(gathered.get() + i * k * bytes, static_cast<const char*>(x) + rows[i] * k * bytes, k * bytes);
     input = gathered.get();
   }
-  Buffer h = allocate(m * lora.band, type);
   dispatch_float(type, "lora_add_rows_x", [&](auto x_tag) {
     using X = decltype(x_tag);
+    thread_local std::vector<X> rank_rows;  // the piece's x A^T: a thread's buffer, grown once, not one a piece
+    rank_rows.resize(m * lora.band);
+    X* h = rank_rows.data();
     dispatch_float(lora.a_type, "lora_add_rows_a", [&](auto a_tag) {
       using A = decltype(a_tag);
       down_project(reinterpret_cast<const X*>(input), m, k, reinterpret_cast<const A*>(lora.a[piece.slot]), lora.band,
-                   reinterpret_cast<X*>(h.get()));
+                   h);
     });
-  });
-  Buffer band = lora.parts > 1 ? allocate(m * rank, type) : Buffer();
-  int64_t widest = 0;  // the widest part's columns: each part's update goes through one buffer in turn
-  for (int64_t p = 0; p < lora.parts; ++p) widest = std::max(widest, lora.columns[p + 1] - lora.columns[p]);
-  Buffer update = allocate(m * widest, type);
-  for (int64_t p = 0; p < lora.parts; ++p) {
-    const int64_t first = lora.columns[p], width = lora.columns[p + 1] - first;
-    const char* part_h = h.get();
-    if (lora.parts > 1) {  // this part's rank columns of h, contiguous for the product
-      for (int64_t i = 0; i < m; ++i)
-        std::memcpy(band.get() + i * rank * bytes, h.get() + (i * lora.band + p * rank) * bytes, rank * bytes);
-      part_h = band.get();
-    }
-    packed_linear(part_h, type, m, rank, reinterpret_cast<const void*>(lora.b[piece.slot * lora.parts + p]),
-                  lora.b_type, lora.b_pairs, width, nullptr, update.get(), false);
-    dispatch_float(type, "lora_add_rows", [&](auto zero) {
-      using T = decltype(zero);
-      for (int64_t i = 0; i < m; ++i) {
-        T* out_row = static_cast<T*>(y) + rows[i] * n + first;
-        const T* add = reinterpret_cast<const T*>(update.get()) + i * width;
-#pragma omp simd
-        for (int64_t j = 0; j < width; ++j)  // rounded to T as torch's add is
-          out_row[j] = from_float<T>(to_float(out_row[j]) + to_float(add[j]));
+    dispatch_float(lora.b_type, "lora_add_rows_b", [&](auto b_tag) {
+      using B = decltype(b_tag);
+      const B* b = reinterpret_cast<const B*>(lora.b[piece.slot]);
+      for (int64_t p = 0; p < lora.parts; ++p) {
+        const int64_t first = lora.columns[p], width = lora.columns[p + 1] - first;
+        up_project_add(h + p * rank, lora.band, m, rank, b + p * rank * n + first, n, width, rows, first,
+                       static_cast<X*>(y));
       }
     });
-  }
+  });
 }
 
 }  // namespace
@@ -282,11 +302,11 @@ void lora_add_rows(const void* x, int type, int64_t batch, int64_t k, const int6
 extern "C" {
 
 static int lora_add_rows_direct(const void* x, int type, int64_t batch, int64_t k, const int64_t* row_slots,
-                                const int64_t* a, int a_type, const int64_t* b, int b_type, int b_pairs,
+                                const int64_t* a, int a_type, const int64_t* b, int b_type,
                                 int64_t slots, int64_t band, int64_t parts, const int64_t* columns, void* y,
                                 int64_t n) {
   return aioserve::guarded([&] {
-    const aioserve::LoraSlots lora = aioserve::lora_slots(a, a_type, b, b_type, b_pairs, slots, band, parts, columns);
+    const aioserve::LoraSlots lora = aioserve::lora_slots(a, a_type, b, b_type, slots, band, parts, columns);
     aioserve::lora_add_rows(x, type, batch, k, row_slots, lora, y, n);
   });
 }

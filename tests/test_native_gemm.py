@@ -216,10 +216,11 @@ def test_lora_add_rows_adds_each_rows_own_slot(dtype: torch.dtype, columns: tupl
     """native/lora.cpp: every row gets (x A_s^T) B_s of its own slot s
     (slot 0 nothing), whatever the mix: rows of one slot scattered among
     others, a slot covering all rows, all base; y of the rows' own type. A
-    fused projection's B is block-diagonal, each part's block packed and
-    multiplied apart: the sum is the whole B's. A is held as it is and its
-    products are dot products over k in vector lanes: k = 100 leaves a
-    partial last lane group (float32: 6 + 4, bf16 pairs: 3 x 32 + 4)."""
+    fused projection's B is block-diagonal, each part's block read in place
+    and multiplied apart: the sum is the whole B's. A and B are held as
+    they are; A's products are dot products over k in vector lanes: k = 100
+    leaves a partial last lane group (float32: 6 + 4, bf16 pairs: 3 x 32 +
+    4), and parts 96, 52 and 52 wide leave partial column groups."""
     kernels = cpu_kernels()
     torch.manual_seed(0)
     parts, rank, k, n = len(columns) - 1, 8, 100, columns[-1]
@@ -230,9 +231,8 @@ def test_lora_add_rows_adds_each_rows_own_slot(dtype: torch.dtype, columns: tupl
         b[:, p * rank : (p + 1) * rank, start:end] = torch.randn(slots, rank, end - start) * 0.1
     a[0], b[0] = 0, 0
     held_a = [a[s].to(dtype).contiguous() for s in range(slots)]
-    packed_b = [kernels.pack_linear_weight(b[s, p * rank : (p + 1) * rank, start:end].T.to(dtype).contiguous())
-                for s in range(slots) for p, (start, end) in enumerate(zip(columns, columns[1:]))]
-    pointers = kernels.LoraPointers(held_a, packed_b, band, k, n, columns)
+    held_b = [b[s].to(dtype).contiguous() for s in range(slots)]
+    pointers = kernels.LoraPointers(held_a, held_b, band, k, n, columns)
     for row_slots in ([1, 0, 3, 1, 2, 0, 3, 3, 1], [2] * 5, [0, 0, 0], [3] * 40 + [0]):
         x = torch.randn(len(row_slots), k).to(dtype)
         y = torch.randn(len(row_slots), n).to(dtype)
@@ -256,7 +256,9 @@ def test_lora_add_rows_adds_each_rows_own_slot(dtype: torch.dtype, columns: tupl
         alone = torch.zeros(1, n, dtype=dtype)
         kernels.lora_add_rows(x[row : row + 1], alone, torch.tensor([3]), pointers)
         assert torch.equal(alone[0], together[row])
-    with pytest.raises(RuntimeError, match="do not fit together"):  # B slots for fewer parts than the columns name
-        kernels.LoraPointers(held_a, packed_b[: slots], band, k, n, (0, 50, 100, 150, n))
+    with pytest.raises(RuntimeError, match="do not fit together"):  # parts that do not share the band evenly
+        kernels.LoraPointers(held_a, held_b, band, k, n, (0, 40, 80, 120, 160, n))  # 5 parts: 8 or 24 rows
     with pytest.raises(RuntimeError, match="must be \\[band, in\\]"):  # an A packed as a weight is refused
-        kernels.LoraPointers([kernels.pack_linear_weight(w) for w in held_a], packed_b, band, k, n, columns)
+        kernels.LoraPointers([kernels.pack_linear_weight(w) for w in held_a], held_b, band, k, n, columns)
+    with pytest.raises(RuntimeError, match="must be \\[band, out\\]"):  # so is a B transposed
+        kernels.LoraPointers(held_a, [w.T.contiguous() for w in held_b], band, k, n, columns)

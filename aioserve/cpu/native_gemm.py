@@ -62,12 +62,11 @@ def packed_fields(weight: torch.Tensor, k: int, n: int, what: str) -> tuple[int,
 @dataclass
 class LoraPointers:
     """A projection's LoRA slots for the library (kernels.h's LoraSlots):
-    each slot's A [band, in] as it is, contiguous (x [M, in] -> [M, band]
-    by dot products: native/lora.cpp says why it is not packed) and, for
-    each of the projection's parts (q, k, v; gate, up; or the one), that
-    part's packed B (its band / parts rank columns of [M, band] -> its
-    output columns), slot by slot (b[s * parts + p]); checked once. The
-    tensors must stay where they are (a slot is repacked in place)."""
+    each slot's A [band, in] and B [band, out] as they are, contiguous, of
+    one dtype each (native/lora.cpp multiplies by A in dot products, x
+    [M, in] -> [M, band], and reads each part's block of B in place: the
+    part's band / parts rank rows, its output columns). Checked once. The
+    tensors must stay where they are (a slot is rewritten in place)."""
 
     a: list[torch.Tensor]
     b: list[torch.Tensor]
@@ -80,22 +79,20 @@ class LoraPointers:
         columns = self.columns or (0, self.out_features)
         parts = len(columns) - 1
         if (columns[0] != 0 or columns[-1] != self.out_features or any(a >= b for a, b in zip(columns, columns[1:]))
-                or self.band % parts or len(self.b) != parts * len(self.a)):
+                or self.band % parts or len(self.b) != len(self.a)):
             raise RuntimeError("lora: the parts' columns, band and B slots do not fit together")
-        rank = self.band // parts
         if any(w.shape != (self.band, self.in_features) or not w.is_contiguous() for w in self.a):
             raise RuntimeError("lora: each slot's A must be [band, in], contiguous")
-        a_fields = [(w.data_ptr(), code(w, "lora A")) for w in self.a]
-        b_fields = [packed_fields(w, rank, columns[i % parts + 1] - columns[i % parts], "lora B")
-                    for i, w in enumerate(self.b)]
-        if len({f[1:] for f in a_fields}) != 1 or len({f[1:] for f in b_fields}) != 1:
-            raise RuntimeError("lora: a projection's slots differ in dtype or layout")
-        self.a_ptrs = torch.tensor([f[0] for f in a_fields], dtype=torch.int64)
-        self.b_ptrs = torch.tensor([f[0] for f in b_fields], dtype=torch.int64)
+        if any(w.shape != (self.band, self.out_features) or not w.is_contiguous() for w in self.b):
+            raise RuntimeError("lora: each slot's B must be [band, out], contiguous")
+        if len({w.dtype for w in self.a}) != 1 or len({w.dtype for w in self.b}) != 1:
+            raise RuntimeError("lora: a projection's slots differ in dtype")
+        self.a_ptrs = torch.tensor([w.data_ptr() for w in self.a], dtype=torch.int64)
+        self.b_ptrs = torch.tensor([w.data_ptr() for w in self.b], dtype=torch.int64)
         self.column_starts = torch.tensor(columns, dtype=torch.int64)
-        # (a, a_type, b, b_type, b_pairs, slots, band, parts, columns): the library's argument order
-        self.fields = (self.a_ptrs.data_ptr(), *a_fields[0][1:], self.b_ptrs.data_ptr(), *b_fields[0][1:],
-                       len(self.a), self.band, parts, self.column_starts.data_ptr())
+        # (a, a_type, b, b_type, slots, band, parts, columns): the library's argument order
+        self.fields = (self.a_ptrs.data_ptr(), code(self.a[0], "lora A"), self.b_ptrs.data_ptr(),
+                       code(self.b[0], "lora B"), len(self.a), self.band, parts, self.column_starts.data_ptr())
 
 
 def lora_add_rows(x: torch.Tensor, y: torch.Tensor, row_slots: torch.Tensor, slots: LoraPointers) -> None:

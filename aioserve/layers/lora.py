@@ -21,12 +21,12 @@ global: each engine makes its own). Two forms compute the same sum:
   kernels, every step takes it (one adapter too): one call a projection.
 
 On a CPU with the native kernels built, each slot is also kept as the
-native call reads it (A as it is, B packed for the packed matmul of
-cpu/matmul.py), rewritten in place when a slot is loaded:
+native call reads it (A and B as they are, in the stored dtype),
+rewritten in place when a slot is loaded:
 a torch matmul there woke BLAS's own threads at every call (~150 us for a
 16-row update on 2 cores, against ~40 us alone), which made the updates
 cost as much as the base model. The native DecoderStack reads the same
-packed slots.
+slots.
 """
 
 from __future__ import annotations
@@ -91,12 +91,12 @@ class LoraStepState:
 
 @dataclass
 class PackedSlots:
-    """The slots as the native call reads them: A_s [P * R, in] of each slot
-    whole and as it is (native/lora.cpp takes its products as dot
-    products), and B_s^T cut into its P parts' blocks [part's columns, R]
-    packed for the packed matmul (b[s * P + p]: B is block-diagonal, and its
-    zeros would be read and multiplied at every step), and their addresses
-    for the library (the grouped form's one call, and the DecoderStack)."""
+    """The slots as the native call reads them, in the stored dtype: each
+    slot's A_s [P * R, in] and B_s [P * R, out] as they are (native/lora.cpp
+    multiplies by A in dot products and reads each part's block of B in
+    place: B is block-diagonal, and its zeros are never read), and their
+    addresses for the library (the grouped form's one call, and the
+    DecoderStack)."""
 
     a: list[torch.Tensor]
     b: list[torch.Tensor]
@@ -122,43 +122,27 @@ class LoraSlots:
     def __post_init__(self) -> None:
         self.columns = self.columns or (0, int(self.b.shape[2]))
 
-    def _packed_parts(self, pack: Any, slot: int) -> list[torch.Tensor]:
-        """Slot `slot`'s B, each part's block [its columns, R] packed."""
-        columns = self.columns
-        rank = self.b.shape[1] // (len(columns) - 1)
-        return [pack(self.b[slot, p * rank : (p + 1) * rank, start:end].T)
-                for p, (start, end) in enumerate(zip(columns, columns[1:]))]
-
     def pack(self, slots: list[int] | None = None) -> bool:
-        """Pack every slot for the native kernel the first time; later only
+        """Copy every slot for the native kernel the first time; later only
         `slots` (None: all), in place (the native DecoderStack keeps their
-        addresses). A load repacks its own slot, not all of them: 16 loads
+        addresses). A load rewrites its own slot, not all of them: 16 loads
         into 17 slots were 272 slot packs a layer. False where there is no
         native kernel (a GPU, no build)."""
         kernels = cpu_kernels(wait=False) if self.a.device.type == "cpu" else None
         if kernels is None:
             return False
         dtype = self.packed_dtype or self.a.dtype
-
-        def pack(weight: torch.Tensor) -> torch.Tensor:
-            return kernels.pack_linear_weight(weight.to(dtype).contiguous())
-
-        def held(weight: torch.Tensor) -> torch.Tensor:  # A: a copy of its own in the stored dtype
-            return weight.to(dtype, copy=True).contiguous()
-
-        parts = len(self.columns) - 1
         if self.packed is None:
             every = range(self.a.shape[0])
-            packed = PackedSlots([held(self.a[s]) for s in every],
-                                 [block for s in every for block in self._packed_parts(pack, s)])
+            packed = PackedSlots([self.a[s].to(dtype, copy=True).contiguous() for s in every],
+                                 [self.b[s].to(dtype, copy=True).contiguous() for s in every])
             packed.native = kernels.LoraPointers(packed.a, packed.b, int(self.a.shape[1]), int(self.a.shape[2]),
                                                  int(self.b.shape[2]), self.columns)
             self.packed = packed
             return True
         for s in range(self.a.shape[0]) if slots is None else slots:
             self.packed.a[s].copy_(self.a[s])
-            for p, block in enumerate(self._packed_parts(pack, s)):
-                self.packed.b[s * parts + p].copy_(block)
+            self.packed.b[s].copy_(self.b[s])
         return True
 
     def _product(self, x: torch.Tensor, slot: int) -> torch.Tensor:
