@@ -211,8 +211,9 @@ def test_a_start_before_the_kernels_are_built_packs_once_they_are(tiny_checkpoin
 
 
 @pytest.mark.parametrize("columns", [(0, 200), (0, 96, 148, 200)], ids=["one part", "q|k|v"])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_lora_add_rows_adds_each_rows_own_slot(dtype: torch.dtype, columns: tuple[int, ...]) -> None:
+@pytest.mark.parametrize("dtype,held", [(torch.float32,) * 2, (torch.bfloat16,) * 2, (torch.float32, torch.bfloat16)],
+                         ids=["float32", "bf16", "float32 x, bf16 adapters"])
+def test_lora_add_rows_adds_each_rows_own_slot(dtype: torch.dtype, held: torch.dtype, columns: tuple[int, ...]) -> None:
     """native/lora.cpp: every row gets (x A_s^T) B_s of its own slot s
     (slot 0 nothing), whatever the mix: rows of one slot scattered among
     others, a slot covering all rows, all base; y of the rows' own type. A
@@ -220,7 +221,8 @@ def test_lora_add_rows_adds_each_rows_own_slot(dtype: torch.dtype, columns: tupl
     and multiplied apart: the sum is the whole B's. A and B are held as
     they are; A's products are dot products over k in vector lanes: k = 100
     leaves a partial last lane group (float32: 6 + 4, bf16 pairs: 3 x 32 +
-    4), and parts 96, 52 and 52 wide leave partial column groups."""
+    4), and parts 96, 52 and 52 wide leave partial column groups. bf16
+    weights under float32 math keep their adapters in bf16 (read as such)."""
     kernels = cpu_kernels()
     torch.manual_seed(0)
     parts, rank, k, n = len(columns) - 1, 8, 100, columns[-1]
@@ -230,15 +232,15 @@ def test_lora_add_rows_adds_each_rows_own_slot(dtype: torch.dtype, columns: tupl
     for p, (start, end) in enumerate(zip(columns, columns[1:])):
         b[:, p * rank : (p + 1) * rank, start:end] = torch.randn(slots, rank, end - start) * 0.1
     a[0], b[0] = 0, 0
-    held_a = [a[s].to(dtype).contiguous() for s in range(slots)]
-    held_b = [b[s].to(dtype).contiguous() for s in range(slots)]
+    held_a = [a[s].to(held).contiguous() for s in range(slots)]
+    held_b = [b[s].to(held).contiguous() for s in range(slots)]
     pointers = kernels.LoraPointers(held_a, held_b, band, k, n, columns)
     for row_slots in ([1, 0, 3, 1, 2, 0, 3, 3, 1], [2] * 5, [0, 0, 0], [3] * 40 + [0]):
         x = torch.randn(len(row_slots), k).to(dtype)
         y = torch.randn(len(row_slots), n).to(dtype)
         expected = y.float().clone()
         for row, slot in enumerate(row_slots):
-            wa, wb = a[slot].to(dtype).float(), b[slot].to(dtype).float()
+            wa, wb = a[slot].to(held).float(), b[slot].to(held).float()
             h = (x[row].float() @ wa.T).to(dtype).float()  # the update's rank rows are rounded to the type too
             expected[row] += (h @ wb).to(dtype).float()
         kernels.lora_add_rows(x, y, torch.tensor(row_slots, dtype=torch.long), pointers)
