@@ -61,12 +61,8 @@ inline Vec vzero() { return _mm256_setzero_ps(); }
 inline Vec vset1(float v) { return _mm256_set1_ps(v); }
 inline Vec vfma(Vec a, Vec b, Vec c) { return _mm256_fmadd_ps(a, b, c); }
 inline void vstore(float* p, Vec v) { _mm256_storeu_ps(p, v); }
-inline Vec vload(const float* p) { return _mm256_loadu_ps(p); }
-inline Vec vload(const BFloat16* p) {
-  __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
-  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
-}
-inline Vec vload(const Half* p) { return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
+template <typename T>
+inline Vec vload(const T* p) { return aioserve::load8(p); }  // float, bf16, fp16 (vec_math.h)
 constexpr bool kFused = true;
 constexpr int kMaxRows = 6;  // 12 accumulators + 2 weights + 1 broadcast of 16 registers
 #else

@@ -135,10 +135,10 @@ void packed_linear(const void* x, int x_type, int64_t m, int64_t k, const void* 
 // lora.cpp: a projection's LoRA adapter slots (slot 0: the base model).
 // A fused projection (q|k|v, gate|up) has `parts` parts, each with its own
 // band of band / parts rank rows and its own output columns: slot s's A
-// [band, in] is packed whole by pack_linear_weight, and each part p's B^T
-// [its columns, band / parts] apart (b[s * parts + p]), since B is
-// block-diagonal: packed whole, a step read and multiplied its zeros too
-// (3x the bytes of B for q|k|v, 2x for gate|up).
+// [band, in] and B [band, out] are held as they are, row by row, and of B
+// only each part's block (its rank rows, its columns) is read, since B is
+// block-diagonal (read whole, a step read 3x the bytes of B for q|k|v, 2x
+// for gate|up).
 struct LoraSlots {
   const int64_t* a = nullptr;  // addresses of the slots' A [band, k], row by row
   const int64_t* b = nullptr;  // addresses of the slots' B [band, n], row by row (each part's block read in place)

@@ -7,16 +7,23 @@
 // by each part's block of B, and added to those rows of y in y's type.
 // The work is cut into pieces of at most kRowsPerPiece rows of one slot,
 // the pieces split among the threads, and each piece's products and its
-// add run inline on one thread (packed_linear does not open a team inside
-// a parallel region): one fork and join a projection. Before, each slot's
-// products each opened the team: 16 rows over 16 adapters were 32 tiny
+// add run inline on one thread: one fork and join a projection. Before,
+// each slot's products each opened the team: 16 rows over 16 adapters were 32 tiny
 // products a projection, each with its own fork and join (a Qwen3-0.6B
 // decode step of 16 rows over 16 adapters: ~+210-320 ms over the base's
 // ~200 ms that way, ~+40 ms with the slots split; 2-core EPYC); and one
 // adapter over a 256-token prefill chunk ran its gather and add on one
 // thread. Pieces' rows are disjoint, so each output row has one writer,
-// and the packed products give a row the same sums whatever rows share its
-// piece: a row's update does not depend on the step.
+// and the products give a row the same sums whatever rows share its piece:
+// a row's update does not depend on the step.
+//
+// A and B are held as they are, row by row, not packed for the packed
+// matmul. x A^T is taken as dot products (down_project): the packed blocks
+// are 32 columns wide and a band is 16 (one part of rank 16) or 48
+// (q|k|v), so a packed A was half or a quarter zero padding, read at every
+// step. Each part's block of B is read in place (up_project_add): the
+// zeros of a fused projection's block-diagonal B are never read, and a
+// rank-16 product pays no packed matmul's block setup or separate add.
 
 #include "half.h"
 #include "kernels.h"
@@ -24,10 +31,7 @@
 #include "vec_math.h"
 
 #include <algorithm>
-#include <cstdlib>
 #include <cstring>
-#include <memory>
-#include <new>
 #include <vector>
 
 namespace aioserve {
@@ -95,12 +99,6 @@ void dot_tile(const X* x, int64_t k, const A* a, float (&sums)[4][4]) {
     for (int c = 0; c < ARows; ++c) sums[r][c] = _mm512_reduce_add_ps(acc[r][c]);
 }
 #elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
-inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
-inline __m256 load8(const BFloat16* p) {
-  const __m128i bits = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
-  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(bits), 16));
-}
-inline __m256 load8(const Half* p) { return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
 template <typename T>
 inline __m256 load8_tail(const T* p, int64_t count) {  // fewer than 8 values, zeros after them
   T values[8] = {};
