@@ -423,7 +423,7 @@ def test_the_benchmark_runs_on_the_demo_model() -> None:
 
 
 def test_half_precision_weights_keep_their_adapters_half(setup: dict[str, Any]) -> None:
-    """bf16 weights: the slots' packed copies are bf16 too (what a decode step
+    """bf16 weights: the slots' native copies are bf16 too (what a decode step
     reads), and every request's first token still equals PEFT's in float32
     (later ones may part: the base's own weights are rounded too)."""
     llm = LLM(str(setup["checkpoint"]), dtype="bfloat16", enable_lora=True, lora_modules=_modules(setup))
@@ -432,8 +432,8 @@ def test_half_precision_weights_keep_their_adapters_half(setup: dict[str, Any]) 
         outputs = llm.generate(prompts, GREEDY, lora_request=choices)
         layer = next(iter(llm.engine.lora.layers.values())) if llm.engine.lora else None
         if cpu_kernels() is not None:
-            assert layer is not None and layer.lora is not None and layer.lora.packed is not None
-            assert layer.lora.packed.a[1].dtype == torch.bfloat16
+            assert layer is not None and layer.lora is not None and layer.lora.native is not None
+            assert layer.lora.native.a[1].dtype == torch.bfloat16
     finally:
         llm.close()
     expected = _expected(setup, prompts, choices)

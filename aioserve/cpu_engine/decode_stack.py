@@ -122,11 +122,11 @@ class NativeDecodeRunner:
         self.model = model
         self.stack = build_decoder_stack(model, pool, kernels)
         self.replays = 0  # decode steps it ran (the CUDA runner's name for the same count)
-        self.lora_bound = False  # the stack holds the layers' packed LoRA slots
+        self.lora_bound = False  # the stack holds the layers' LoRA slots (their native copies)
 
     def _bind_lora(self) -> bool:
-        """Hand the stack every projection's packed LoRA slots (once: they are
-        repacked in place); False while they are not packed yet."""
+        """Hand the stack every projection's LoRA slots (once: their native
+        copies are rewritten in place); False while they are not made yet."""
         if self.lora_bound:
             return True
         bindings = []
@@ -135,13 +135,13 @@ class NativeDecodeRunner:
             assert isinstance(mlp, LlamaMLP)  # unsupported_reason refuses experts
             for name, linear in (("qkv", attn.qkv_proj), ("o", attn.o_proj), ("gate_up", mlp.gate_up_proj),
                                  ("down", mlp.down_proj)):
-                if linear.lora is None or linear.lora.packed is None:
+                if linear.lora is None or linear.lora.native is None:
                     return False
                 bindings.append((i, name, linear))
         for i, name, linear in bindings:
             slots = linear.lora
-            assert slots is not None and slots.packed is not None
-            self.stack.set_lora(i, name, slots.packed.native)
+            assert slots is not None and slots.native is not None
+            self.stack.set_lora(i, name, slots.native.pointers)
         self.lora_bound = True
         return True
 

@@ -90,7 +90,7 @@ class LoraStepState:
 
 
 @dataclass
-class PackedSlots:
+class NativeSlots:
     """The slots as the native call reads them, in the stored dtype: each
     slot's A_s [P * R, in] and B_s [P * R, out] as they are (native/lora.cpp
     multiplies by A in dot products and reads each part's block of B in
@@ -100,7 +100,7 @@ class PackedSlots:
 
     a: list[torch.Tensor]
     b: list[torch.Tensor]
-    native: Any = None  # native_gemm.LoraPointers over a and b
+    pointers: Any = None  # native_gemm.LoraPointers over a and b
 
 
 @dataclass(eq=False)
@@ -110,11 +110,11 @@ class LoraSlots:
     a: torch.Tensor  # [S, P * R, in]
     b: torch.Tensor  # [S, P * R, out]
     state: LoraStepState
-    packed: PackedSlots | None = None  # on a CPU with the native kernels
-    # What the packed slots are stored in: the weights' width (bf16 weights
+    native: NativeSlots | None = None  # on a CPU with the native kernels
+    # What the native copies are stored in: the weights' width (bf16 weights
     # computed in float32 read their adapters as bf16 too: a decode step is
     # bound by the bytes it reads).
-    packed_dtype: torch.dtype | None = None
+    native_dtype: torch.dtype | None = None
     # Each part's first output column, then the width (q|k|v: 0, q, q + kv,
     # out; a layer of one part: 0, out).
     columns: tuple[int, ...] = ()
@@ -122,35 +122,35 @@ class LoraSlots:
     def __post_init__(self) -> None:
         self.columns = self.columns or (0, int(self.b.shape[2]))
 
-    def pack(self, slots: list[int] | None = None) -> bool:
+    def prepare_native(self, slots: list[int] | None = None) -> bool:
         """Copy every slot for the native kernel the first time; later only
         `slots` (None: all), in place (the native DecoderStack keeps their
         addresses). A load rewrites its own slot, not all of them: 16 loads
-        into 17 slots were 272 slot packs a layer. False where there is no
+        into 17 slots were 272 slot copies a layer. False where there is no
         native kernel (a GPU, no build)."""
         kernels = cpu_kernels(wait=False) if self.a.device.type == "cpu" else None
         if kernels is None:
             return False
-        dtype = self.packed_dtype or self.a.dtype
-        if self.packed is None:
+        dtype = self.native_dtype or self.a.dtype
+        if self.native is None:
             every = range(self.a.shape[0])
-            packed = PackedSlots([self.a[s].to(dtype, copy=True).contiguous() for s in every],
+            native = NativeSlots([self.a[s].to(dtype, copy=True).contiguous() for s in every],
                                  [self.b[s].to(dtype, copy=True).contiguous() for s in every])
-            packed.native = kernels.LoraPointers(packed.a, packed.b, int(self.a.shape[1]), int(self.a.shape[2]),
+            native.pointers = kernels.LoraPointers(native.a, native.b, int(self.a.shape[1]), int(self.a.shape[2]),
                                                  int(self.b.shape[2]), self.columns)
-            self.packed = packed
+            self.native = native
             return True
         for s in range(self.a.shape[0]) if slots is None else slots:
-            self.packed.a[s].copy_(self.a[s])
-            self.packed.b[s].copy_(self.b[s])
+            self.native.a[s].copy_(self.a[s])
+            self.native.b[s].copy_(self.b[s])
         return True
 
     def _product(self, x: torch.Tensor, slot: int) -> torch.Tensor:
         """x A_s^T B_s: slot s's update of rows x."""
-        if self.packed is not None:  # the native call of mixed rows, added to zeros: one form of the parts' products
+        if self.native is not None:  # the native call of mixed rows, added to zeros: one form of the parts' products
             update = torch.zeros(x.shape[0], self.b.shape[2], dtype=x.dtype)
             slots = torch.full((x.shape[0],), slot, dtype=torch.long)
-            cpu_kernels(wait=False).lora_add_rows(x, update, slots, self.packed.native)  # type: ignore[union-attr]
+            cpu_kernels(wait=False).lora_add_rows(x, update, slots, self.native.pointers)  # type: ignore[union-attr]
             return update
         return (x @ self.a[slot].T) @ self.b[slot]
 
@@ -168,11 +168,11 @@ class LoraSlots:
             return y
         if x.dtype != self.a.dtype:
             x = x.to(self.a.dtype)
-        if self.packed is not None and routing.row_slots is not None and x.dtype == y.dtype and y.is_contiguous():
+        if self.native is not None and routing.row_slots is not None and x.dtype == y.dtype and y.is_contiguous():
             # One native call, one adapter or many: the slots split among the
             # threads (each slot's rows gathered there), the update added in
             # place (no update tensor of the layer's width to add after).
-            cpu_kernels(wait=False).lora_add_rows(x, y, routing.row_slots, self.packed.native)  # type: ignore[union-attr]
+            cpu_kernels(wait=False).lora_add_rows(x, y, routing.row_slots, self.native.pointers)  # type: ignore[union-attr]
             return y
         if routing.all_rows is not None:
             return y + self._product(x, routing.all_rows).to(y.dtype)

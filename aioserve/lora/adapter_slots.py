@@ -39,7 +39,7 @@ class AdapterSlots:
         storage_dtype: torch.dtype | None = None,
     ) -> None:
         """`dtype`: the math's; `storage_dtype`: the weights' when narrower
-        (the CPU's packed slots are kept in it, as the weights are)."""
+        (the CPU's native copies of the slots are kept in it, as the weights are)."""
         self.model, self.model_config, self.config = model, model_config, config
         self.dtype, self.device = dtype, device
         self.state = LoraStepState()
@@ -52,13 +52,13 @@ class AdapterSlots:
                 torch.zeros(num_slots, rows, layer.in_features, dtype=dtype, device=device),
                 torch.zeros(num_slots, rows, layer.out_features, dtype=dtype, device=device),
                 self.state,
-                packed_dtype=storage_dtype if storage_dtype is not None and storage_dtype.itemsize < dtype.itemsize
+                native_dtype=storage_dtype if storage_dtype is not None and storage_dtype.itemsize < dtype.itemsize
                 else None,
                 columns=part_columns(layer),
             )
         self.num_slots = num_slots
         self.slot_adapter: list[int | None] = [None] * num_slots  # which adapter id each slot holds
-        self.packed = False  # the slots also packed for the CPU's native matmul (layers/lora.py)
+        self.native_ready = False  # the slots also copied for the CPU's native kernel (layers/lora.py)
         self._host: OrderedDict[int, HostAdapter] = OrderedDict()
         self._lock = threading.Lock()  # preload runs on the server's threads, loads on the forward's
         self.slot_loads = 0
@@ -110,12 +110,12 @@ class AdapterSlots:
     def apply_loads(self, loads: list[AdapterLoad]) -> None:
         """Copy each load's adapter into its slot (on the forward's thread and
         stream, so in order with the steps: the slot's last user ran before).
-        The packed copies follow whatever was copied, even when a later load fails."""
+        The native copies follow whatever was copied, even when a later load fails."""
         try:
             self._copy_loads(loads)
         finally:
-            if loads and self.packed:
-                self._pack([load.slot for load in loads])
+            if loads and self.native_ready:
+                self._prepare_native([load.slot for load in loads])
 
     def _copy_loads(self, loads: list[AdapterLoad]) -> None:
         for load in loads:
@@ -140,13 +140,14 @@ class AdapterSlots:
             self.slot_adapter[load.slot] = load.adapter_id
             self.slot_loads += 1
 
-    def _pack(self, slots: list[int] | None = None) -> None:
-        """Pack the slots for the native matmul (`slots` again after loads,
+    def _prepare_native(self, slots: list[int] | None = None) -> None:
+        """Copy the slots for the native kernel (`slots` again after loads,
         None: all); once the kernels are built (a server may start before
         its background build lands)."""
         if cpu_kernels(wait=False) is None:
             return
-        self.packed = all([layer.lora.pack(slots) for layer in self.layers.values() if layer.lora is not None])
+        self.native_ready = all([layer.lora.prepare_native(slots) for layer in self.layers.values()
+                                 if layer.lora is not None])
 
     @contextmanager
     def routed(self, routing: LoraRouting | None) -> Iterator[None]:
@@ -162,8 +163,8 @@ class AdapterSlots:
         lora = host_plan.lora
         if lora is None:
             return None
-        if not self.packed and self.device.type == "cpu":
-            self._pack()
+        if not self.native_ready and self.device.type == "cpu":
+            self._prepare_native()
         token_slots: list[int] = []
         for slot, count in zip(lora.request_slots.tolist(), host_plan.extend_lens.tolist()):
             if slot and self.slot_adapter[slot] is None:
