@@ -59,6 +59,7 @@ from aioserve.batch_plan import BatchPlan  # noqa: E402
 from aioserve.cpu.dispatch import choose_math_dtype  # noqa: E402
 from aioserve.cpu.isa import cpu_flags  # noqa: E402
 from aioserve.cpu.native import cpu_kernels  # noqa: E402
+from aioserve.cpu_engine.greedy_screen import GreedyScreen  # noqa: E402
 from aioserve.engine.engine import Engine  # noqa: E402
 from aioserve.scheduler.request import Request  # noqa: E402
 from aioserve.scheduler.sampling_batch import SampleRow, SamplingBatchBuilder  # noqa: E402
@@ -364,7 +365,7 @@ def head_itemsize(engine: Engine, batch: int) -> int | None:
     """Bytes per LM-head weight a greedy step reads: the greedy screen's
     half copy where it serves `batch` rows, else None (the head as stored)."""
     screen = engine.greedy_screen
-    if screen is None or (screen.max_rows is not None and batch > screen.max_rows):
+    if not isinstance(screen, GreedyScreen) or (screen.max_rows is not None and batch > screen.max_rows):
         return None
     return screen.screen.element_size()
 

@@ -38,6 +38,7 @@ from tqdm import tqdm
 from aioserve.batch_plan import BatchPlan
 from aioserve.cli import add_options, engine_config
 from aioserve.config import EngineConfig
+from aioserve.cpu_engine.greedy_screen import GreedyScreen
 from aioserve.engine.engine import Engine
 from aioserve.cpu.native import cpu_kernels
 from aioserve.sampling_params import SamplingParams
@@ -133,7 +134,7 @@ def step_cost(engine: Engine, batch: int, context: int) -> tuple[float, float]:
         matmul_params -= cfg.vocab_size * cfg.hidden_size
         weights -= (cfg.vocab_size - batch) * cfg.hidden_size * engine.dtype.itemsize  # stored in compute dtype
     screen = engine.greedy_screen
-    if screen is not None:  # greedy rows read the LM head's float16 copy, not the float32 head
+    if isinstance(screen, GreedyScreen):  # greedy rows read the LM head's half copy, not the float32 head
         weights -= screen.exact.nbytes - screen.screen.nbytes
     kv_heads = engine.pool.num_kv_heads
     kv_bytes = batch * context * cfg.num_layers * 2 * kv_heads * cfg.head_dim * engine.kv_dtype.itemsize

@@ -29,6 +29,7 @@
 #include <algorithm>
 #include <atomic>
 #include <cstring>
+#include <limits>
 #include <memory>
 #include <utility>
 #include <vector>
@@ -315,19 +316,116 @@ inline Y store_as(float v) {
   }
 }
 
-// A tile's float32 sums (rows x kBlock) into y's rows, with the bias.
+// Where a tile's float32 sums (rows x kBlock, x's rows from `row`, W's
+// columns col0 .. col0 + cols) go: a sink's operator(). The kernels below
+// compute; the sink stores.
+
+// Into y's rows, with the bias: packed_linear's output.
 template <typename X, typename Y, bool Round>
-inline void store_tile(const float* out, int rows, int64_t col0, int64_t cols, int64_t n, const float* bias, Y* y) {
-  for (int r = 0; r < rows; ++r) {
-    Y* dst = y + r * n + col0;
-    const float* src = out + r * kBlock;
-    if (bias != nullptr) {
-      for (int64_t c = 0; c < cols; ++c) dst[c] = store_as<X, Y, Round>(src[c] + bias[col0 + c]);
-    } else {
-      for (int64_t c = 0; c < cols; ++c) dst[c] = store_as<X, Y, Round>(src[c]);
+struct RowsOut {
+  Y* y;
+  int64_t n;
+  const float* bias;
+
+  void operator()(const float* out, int rows, int64_t row, int64_t col0, int64_t cols) const {
+    for (int r = 0; r < rows; ++r) {
+      Y* dst = y + (row + r) * n + col0;
+      const float* src = out + r * kBlock;
+      if (bias != nullptr) {
+        for (int64_t c = 0; c < cols; ++c) dst[c] = store_as<X, Y, Round>(src[c] + bias[col0 + c]);
+      } else {
+        for (int64_t c = 0; c < cols; ++c) dst[c] = store_as<X, Y, Round>(src[c]);
+      }
     }
   }
+};
+
+#if defined(__AVX512F__)
+// 16 float32 values as bf16 holds them, as float32 (store_as<BFloat16, float>:
+// round to nearest even, a NaN as bf16's quiet NaN).
+inline __m512 held_as_bf16(__m512 v) {
+  const __m512i u = _mm512_castps_si512(v);
+  const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+  const __m512i rounded = _mm512_and_si512(_mm512_add_epi32(_mm512_add_epi32(u, _mm512_set1_epi32(0x7fff)), odd),
+                                           _mm512_set1_epi32(static_cast<int>(0xffff0000u)));
+  const __mmask16 nan = _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
+  return _mm512_castsi512_ps(_mm512_mask_mov_epi32(rounded, nan, _mm512_set1_epi32(0x7fc00000)));
 }
+#endif
+
+// Each row's first largest output within each block, as packed_linear's
+// float_out would hold it (with the bias, rounded to X), a NaN counting as
+// the largest: `best` [blocks, m] and `column` [blocks, m], merged across
+// blocks by packed_linear_argmax. Greedy decoding's LM head: no [m, N]
+// float32 logits written and read again (Qwen3-0.6B at 64 rows: 39 MB).
+template <typename X>
+struct BlockArgmax {
+  float* best;
+  int32_t* column;
+  int64_t m;
+  const float* bias;
+
+  void operator()(const float* out, int rows, int64_t row, int64_t col0, int64_t cols) const {
+    const int64_t at = col0 / kBlock * m + row;
+#if defined(__AVX512F__)
+    if constexpr (kBlock == 32 && !std::is_same_v<X, Half>) {
+      if (cols == kBlock) {  // every block but perhaps the last: two vectors a row, no branch but NaN's
+        for (int r = 0; r < rows; ++r) {
+          __m512 a = _mm512_loadu_ps(out + r * kBlock), b = _mm512_loadu_ps(out + r * kBlock + 16);
+          if (bias != nullptr) {
+            a = _mm512_add_ps(a, _mm512_loadu_ps(bias + col0));
+            b = _mm512_add_ps(b, _mm512_loadu_ps(bias + col0 + 16));
+          }
+          if constexpr (std::is_same_v<X, BFloat16>) {
+            a = held_as_bf16(a);
+            b = held_as_bf16(b);
+          }
+          const __mmask16 nan_a = _mm512_cmp_ps_mask(a, a, _CMP_UNORD_Q);
+          const __mmask16 nan_b = _mm512_cmp_ps_mask(b, b, _CMP_UNORD_Q);
+          int where;
+          if (nan_a | nan_b) {  // the first NaN wins (torch.argmax's answer)
+            where = nan_a ? __builtin_ctz(nan_a) : 16 + __builtin_ctz(nan_b);
+          } else {
+            const __m512 top = _mm512_set1_ps(_mm512_reduce_max_ps(_mm512_max_ps(a, b)));
+            const __mmask16 at_a = _mm512_cmp_ps_mask(a, top, _CMP_EQ_OQ);
+            const __mmask16 at_b = _mm512_cmp_ps_mask(b, top, _CMP_EQ_OQ);
+            where = at_a ? __builtin_ctz(at_a) : 16 + __builtin_ctz(at_b);
+          }
+          alignas(64) float row_values[kBlock];
+          _mm512_store_ps(row_values, a);
+          _mm512_store_ps(row_values + 16, b);
+          best[at + r] = row_values[where];
+          column[at + r] = static_cast<int32_t>(col0 + where);
+        }
+        return;
+      }
+    }
+#endif
+    alignas(64) float held[kBlock];
+    for (int r = 0; r < rows; ++r) {
+      // Three short passes the compiler vectorizes (a scalar loop with a
+      // branch a column cost more than the tile's products): the outputs
+      // as held, their max and whether one is NaN, then the first holding it.
+      const float* src = out + r * kBlock;
+      if (bias != nullptr) {
+        for (int64_t c = 0; c < cols; ++c) held[c] = store_as<X, float, true>(src[c] + bias[col0 + c]);
+      } else {
+        for (int64_t c = 0; c < cols; ++c) held[c] = store_as<X, float, true>(src[c]);
+      }
+      float top = -std::numeric_limits<float>::infinity();
+      int nan = 0;
+#pragma omp simd reduction(max : top) reduction(| : nan)
+      for (int64_t c = 0; c < cols; ++c) {
+        top = held[c] > top ? held[c] : top;
+        nan |= held[c] != held[c];
+      }
+      int64_t where = 0;  // the first NaN wins (torch.argmax's answer), else the first max
+      while (nan ? held[where] == held[where] : held[where] != top) ++where;
+      best[at + r] = held[where];
+      column[at + r] = static_cast<int32_t>(col0 + where);
+    }
+  }
+};
 
 #if defined(AIOSERVE_AMX_TILES)
 // packed_linear for bf16 x and pair-packed bf16 W through the tiles (k a
@@ -335,9 +433,8 @@ inline void store_tile(const float* out, int rows, int64_t col0, int64_t cols, i
 // over (fewer than 16: a decode step's, a LoRA slot's) as one smaller tile.
 // x is read where it is, unless its rows are 4 KiB apart (copied apart, as
 // packed_linear_impl does); as many rows per pass over W as fit kChunkBytes.
-template <typename Y, bool Round>
-void packed_linear_tiles(const BFloat16* x, int64_t m, int64_t k, const BFloat16* packed, int64_t n, const float* bias,
-                         Y* y) {
+template <typename Sink>
+void packed_linear_tiles(const BFloat16* x, int64_t m, int64_t k, const BFloat16* packed, int64_t n, const Sink& sink) {
   const int64_t blocks = (n + kBlock - 1) / kBlock;
   const int64_t row_bytes = k * 2;
   const bool aliased = m > 1 && row_bytes % 4096 == 0;
@@ -374,12 +471,12 @@ void packed_linear_tiles(const BFloat16* x, int64_t m, int64_t k, const BFloat16
             tile_amx<1>(xs + r0 * ld_bytes, k, ld_bytes, block, out, std::exchange(next, nullptr));
           }
           const int valid = static_cast<int>(std::min<int64_t>(kPassRows, whole - r0));
-          store_tile<BFloat16, Y, Round>(out, valid, col0, cols, n, bias, y + (row0 + r0) * n);
+          sink(out, valid, row0 + r0, col0, cols);
         }
         if (tail > 0) {
           if (configured != tail) configure_tiles(configured = tail);
           tile_amx<1>(xs + whole * ld_bytes, k, ld_bytes, block, out, next);
-          store_tile<BFloat16, Y, Round>(out, tail, col0, cols, n, bias, y + (row0 + whole) * n);
+          sink(out, tail, row0 + whole, col0, cols);
         }
       }
       _tile_release();
@@ -388,11 +485,11 @@ void packed_linear_tiles(const BFloat16* x, int64_t m, int64_t k, const BFloat16
 }
 #endif
 
-template <Form F, typename X, typename W, typename Y, bool Round = true>
-void packed_linear_impl(const X* x, int64_t m, int64_t k, const W* packed, int64_t n, const float* bias, Y* y) {
+template <Form F, typename X, typename W, typename Sink>
+void packed_linear_impl(const X* x, int64_t m, int64_t k, const W* packed, int64_t n, const Sink& sink) {
 #if defined(AIOSERVE_AMX_TILES)
   if constexpr (F == Form::kDotPairs) {
-    if (k % kTileK == 0 && tiles_on()) return packed_linear_tiles<Y, Round>(x, m, k, packed, n, bias, y);
+    if (k % kTileK == 0 && tiles_on()) return packed_linear_tiles(x, m, k, packed, n, sink);
   }
 #endif
   const int64_t blocks = (n + kBlock - 1) / kBlock;
@@ -441,7 +538,7 @@ void packed_linear_impl(const X* x, int64_t m, int64_t k, const W* packed, int64
         for (int64_t r0 = 0; r0 < rows; r0 += kMaxRows) {
           const int tile_h = static_cast<int>(std::min<int64_t>(kMaxRows, rows - r0));
           tile_rows<F>(tile_h, x_bytes + r0 * ld * 4, k, ld, block, out);
-          store_tile<X, Y, Round>(out, tile_h, col0, cols, n, bias, y + (row0 + r0) * n);
+          sink(out, tile_h, row0 + r0, col0, cols);
         }
       }
     });
@@ -450,15 +547,15 @@ void packed_linear_impl(const X* x, int64_t m, int64_t k, const W* packed, int64
 
 // The packing's form: plain blocks, or bf16 k-pairs (dotted as pairs under
 // bf16 math, split into floats under float32 math).
-template <typename X, typename W, typename Y>
-void run_packed(const X* x, int64_t m, int64_t k, const W* packed, bool pairs, int64_t n, const float* bias, Y* y) {
+template <typename X, typename W, typename Sink>
+void run_packed(const X* x, int64_t m, int64_t k, const W* packed, bool pairs, int64_t n, const Sink& sink) {
   if (!pairs) {
-    packed_linear_impl<Form::kPlain, X, W, Y>(x, m, k, packed, n, bias, y);
+    packed_linear_impl<Form::kPlain>(x, m, k, packed, n, sink);
   } else if constexpr (std::is_same_v<W, BFloat16>) {
     if constexpr (std::is_same_v<X, BFloat16>) {
-      packed_linear_impl<Form::kDotPairs, X, W, Y>(x, m, k, packed, n, bias, y);
+      packed_linear_impl<Form::kDotPairs>(x, m, k, packed, n, sink);
     } else {
-      packed_linear_impl<Form::kSplitPairs, X, W, Y>(x, m, k, packed, n, bias, y);
+      packed_linear_impl<Form::kSplitPairs>(x, m, k, packed, n, sink);
     }
   }
 }
@@ -523,12 +620,12 @@ void packed_linear(const void* x, int x_type, int64_t m, int64_t k, const void* 
     using X = decltype(x_tag);
     dispatch_float(w_type, "packed_linear_w", [&](auto w_tag) {
       using W = decltype(w_tag);
+      const auto* xs = static_cast<const X*>(x);
+      const auto* ws = static_cast<const W*>(packed);
       if (float_out) {
-        run_packed<X, W, float>(static_cast<const X*>(x), m, k, static_cast<const W*>(packed), pairs, n, bias,
-                                static_cast<float*>(y));
+        run_packed(xs, m, k, ws, pairs, n, RowsOut<X, float, true>{static_cast<float*>(y), n, bias});
       } else {
-        run_packed<X, W, X>(static_cast<const X*>(x), m, k, static_cast<const W*>(packed), pairs, n, bias,
-                            static_cast<X*>(y));
+        run_packed(xs, m, k, ws, pairs, n, RowsOut<X, X, true>{static_cast<X*>(y), n, bias});
       }
     });
   });
@@ -539,7 +636,42 @@ void packed_linear(const void* x, int x_type, int64_t m, int64_t k, const void* 
 // packed_linear's are (the greedy screen's dot products).
 void packed_linear_unrounded(const BFloat16* x, int64_t m, int64_t k, const BFloat16* packed, int64_t n, float* y) {
   AIOSERVE_CHECK(kPairs, "packed_linear_unrounded: the weight must be bf16 packed in k-pairs");
-  if (m > 0) packed_linear_impl<Form::kDotPairs, BFloat16, BFloat16, float, false>(x, m, k, packed, n, nullptr, y);
+  if (m > 0) packed_linear_impl<Form::kDotPairs>(x, m, k, packed, n, RowsOut<BFloat16, float, false>{y, n, nullptr});
+}
+
+// Each row's largest output of x W^T (+ b) as packed_linear's float_out holds
+// it, and its first column (a NaN's, if any): row_max_argmax of those
+// logits, without them. Each block's best per row, then the blocks in
+// column order, a later one taking over only when strictly larger.
+void packed_linear_argmax(const void* x, int x_type, int64_t m, int64_t k, const void* packed, int w_type, bool pairs,
+                          int64_t n, const float* bias, float* max_out, int64_t* arg_out) {
+  AIOSERVE_CHECK(x_type != kFloat64 && w_type != kFloat64, "packed_linear_argmax: float64 is not supported");
+  AIOSERVE_CHECK(n > 0 && n <= std::numeric_limits<int32_t>::max(), "packed_linear_argmax: bad N");
+  if (m == 0) return;
+  const int64_t blocks = (n + kBlock - 1) / kBlock;
+  std::unique_ptr<float[]> best(new float[blocks * m]);
+  std::unique_ptr<int32_t[]> column(new int32_t[blocks * m]);
+  dispatch_float(x_type, "packed_linear_argmax_x", [&](auto x_tag) {
+    using X = decltype(x_tag);
+    dispatch_float(w_type, "packed_linear_argmax_w", [&](auto w_tag) {
+      using W = decltype(w_tag);
+      run_packed(static_cast<const X*>(x), m, k, static_cast<const W*>(packed), pairs, n,
+                 BlockArgmax<X>{best.get(), column.get(), m, bias});
+    });
+  });
+  for (int64_t r = 0; r < m; ++r) {
+    float top = best[r];
+    int64_t where = column[r];
+    for (int64_t b = 1; b < blocks && top == top; ++b) {
+      const float v = best[b * m + r];
+      if (v != v || v > top) {
+        top = v;
+        where = column[b * m + r];
+      }
+    }
+    max_out[r] = top;
+    arg_out[r] = where;
+  }
 }
 
 }  // namespace aioserve
@@ -590,11 +722,21 @@ static int packed_linear_direct(const void* x, int x_type, int64_t m, int64_t k,
       [&] { aioserve::packed_linear(x, x_type, m, k, packed, w_type, pairs != 0, n, bias, y, float_out != 0); });
 }
 
+static int packed_linear_argmax_direct(const void* x, int x_type, int64_t m, int64_t k, const void* packed, int w_type,
+                                       int pairs, int64_t n, const float* bias, float* max_out, int64_t* arg_out) {
+  return aioserve::guarded([&] {
+    aioserve::packed_linear_argmax(x, x_type, m, k, packed, w_type, pairs != 0, n, bias, max_out, arg_out);
+  });
+}
+
 }  // extern "C"
 
 extern "C" {
 
 int aioserve_pack_linear_weight(const void* record) { return aioserve::call_packed(pack_linear_weight_direct, record); }
 int aioserve_packed_linear(const void* record) { return aioserve::call_packed(packed_linear_direct, record); }
+int aioserve_packed_linear_argmax(const void* record) {
+  return aioserve::call_packed(packed_linear_argmax_direct, record);
+}
 
 }  // extern "C"

@@ -13,6 +13,8 @@ import torch
 
 from aioserve import LLM, SamplingParams
 from aioserve.cpu.dispatch import PERSONALITIES, CpuDispatch, choose_cpu_dispatch
+from aioserve.cpu_engine.greedy_screen import GreedyScreen
+from aioserve.cpu_engine.head_argmax import HeadArgmax
 from aioserve.cpu.isa import cpu_flags
 from aioserve.cpu.matmul import is_packed
 from aioserve.cpu.native import cpu_kernels
@@ -98,7 +100,8 @@ def test_an_engine_takes_the_paths_its_family_is_given(
                 assert engine.dtype == expected.math_dtype
                 assert is_packed(engine.model.model.layers[0].mlp.down_proj.weight) == expected.packed_matmul
                 assert isinstance(engine.graph_runner, NativeDecodeRunner) == expected.native_decode
-                assert (engine.greedy_screen is not None) == (expected.screen_dtype is not None)
+                assert isinstance(engine.greedy_screen, GreedyScreen) == (expected.screen_dtype is not None)
+                assert isinstance(engine.greedy_screen, HeadArgmax) == expected.head_argmax
                 for line in expected.lines():
                     assert f"CPU path: {line}" in caplog.text
             outputs.append([o.token_ids for o in llm.generate(["Once upon a time", "1 2 3"], params)])

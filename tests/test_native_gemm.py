@@ -55,6 +55,43 @@ def test_packed_linear_matches_torch(x_dtype, w_dtype, n, k, rows) -> None:
     assert torch.equal(into, widened)
 
 
+@pytest.mark.parametrize("x_dtype,w_dtype", [(torch.float32, torch.float32), (torch.float32, torch.bfloat16),
+                                             (torch.float32, torch.float16), (torch.bfloat16, torch.bfloat16)])
+@pytest.mark.parametrize("n,k", [(1, 1), (33, 17), (300, 130), (1000, 1024)])
+@pytest.mark.parametrize("rows", [0, 1, 5, 16, 37])
+@pytest.mark.parametrize("tiles", [True, False], ids=["tiles if any", "no tiles"])
+def test_packed_linear_argmax_is_row_max_argmax_of_the_logits(x_dtype, w_dtype, n, k, rows, tiles) -> None:
+    """The fused greedy head: the (max, first argmax) row_max_argmax gives
+    for packed_linear's float_out logits, bit for bit: ties (equal columns,
+    an all-zero row, bf16 rounding), a bias, and a NaN column."""
+    from aioserve.cpu.native_gemm import matrix_tiles_in_use, use_matrix_tiles
+
+    kernels = cpu_kernels()
+    before = matrix_tiles_in_use()
+    use_matrix_tiles(tiles)
+    try:
+        generator = torch.Generator().manual_seed(n * 1000 + k + rows)
+        weight = torch.randn(n, k, generator=generator)
+        if n > 2:
+            weight[n - 1] = weight[n // 2]  # the same logit twice: the first column wins
+        x = torch.randn(rows, k, generator=generator).to(x_dtype)
+        if rows:
+            x[0] = 0  # every logit 0
+        packed = kernels.pack_linear_weight(weight.to(w_dtype))
+        for bias in (None, torch.randn(n, generator=generator)):
+            logits = kernels.packed_linear(x, packed, bias, n, float_out=True)
+            expected = kernels.row_max_argmax(logits)
+            maxes, argmaxes = kernels.packed_linear_argmax(x, packed, bias, n)
+            assert torch.equal(argmaxes, expected[1]) and torch.equal(maxes, expected[0])
+        if n > 2 and rows:
+            weight[n // 3, 0] = float("nan")  # one NaN logit a row: it is each row's answer
+            packed = kernels.pack_linear_weight(weight.to(w_dtype))
+            maxes, argmaxes = kernels.packed_linear_argmax(x, packed, None, n)
+            assert argmaxes.tolist() == [n // 3] * rows and maxes.isnan().all()
+    finally:
+        use_matrix_tiles(before)
+
+
 @pytest.mark.parametrize("x_dtype,w_dtype", [(torch.float32, torch.float32), (torch.bfloat16, torch.bfloat16),
                                              (torch.float32, torch.bfloat16)])
 def test_rows_past_one_chunk_take_more_passes(x_dtype: torch.dtype, w_dtype: torch.dtype) -> None:
@@ -264,3 +301,36 @@ def test_lora_add_rows_adds_each_rows_own_slot(dtype: torch.dtype, held: torch.d
         kernels.LoraPointers([kernels.pack_linear_weight(w) for w in held_a], held_b, band, k, n, columns)
     with pytest.raises(RuntimeError, match="must be \\[band, out\\]"):  # so is a B transposed
         kernels.LoraPointers(held_a, [w.T.contiguous() for w in held_b], band, k, n, columns)
+
+
+@pytest.mark.parametrize("dtype,options", [("bfloat16", {}), ("bfloat16", {"cpu_half_compute": "float32"}),
+                                           ("float16", {})], ids=["bf16", "bf16 weights float32 math", "fp16"])
+def test_greedy_rows_take_a_half_heads_argmax_with_the_same_tokens(tiny_checkpoints: dict[str, Path], dtype,
+                                                                   options) -> None:
+    """A half model's greedy steps take their tokens from the packed LM head
+    as it computes (HeadArgmax), and they are the tokens the full logits
+    give: the same run with it off. Rows asking for logprobs, or sampling,
+    go through the logits."""
+    from aioserve.cpu_engine.head_argmax import HeadArgmax
+
+    prompts = ["Once upon a time there was a little robot", "The quick brown fox", "a", "1 2 3 4"]
+    greedy = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
+    llm = LLM(str(tiny_checkpoints["qwen3"]), page_size=4, device="cpu", dtype=dtype, **options)
+    try:
+        dispatch = llm.engine.cpu_dispatch
+        if not dispatch.head_argmax:  # e.g. float16 on AMX: oneDNN's layout, not the packed head
+            pytest.skip(f"this CPU takes no packed half head for {dtype}: {dispatch.matmul_reason}")
+        head = llm.engine.greedy_screen
+        assert isinstance(head, HeadArgmax)
+        calls = []
+        original = head.argmax
+        head.argmax = lambda hidden: calls.append(hidden.shape[0]) or original(hidden)  # type: ignore[method-assign]
+        fused = [o.token_ids for o in llm.generate(prompts, greedy)]
+        assert calls and max(calls) == len(prompts)  # every step's rows, decodes and prompts' last tokens
+        calls.clear()
+        with_logprobs = llm.generate(prompts, SamplingParams(max_tokens=24, temperature=0, ignore_eos=True, logprobs=1))
+        assert not calls and [o.token_ids for o in with_logprobs] == fused
+        llm.engine.greedy_screen = None
+        assert [o.token_ids for o in llm.generate(prompts, greedy)] == fused
+    finally:
+        llm.close()

@@ -57,6 +57,9 @@ class CpuDispatch:
     decode_reason: str
     screen_dtype: torch.dtype | None  # the greedy screen's LM-head copy; None: no screen
     screen_reason: str
+    # Greedy rows' tokens from the packed half LM head as it computes them,
+    # no logits written (cpu_engine/head_argmax.py): where there is no screen.
+    head_argmax: bool
     # Weights reordered once into oneDNN's blocked layout (cpu/onednn_weights.py),
     # multiplied by its inner product with no per-call reorder: "always"
     # (--cpu-matmul onednn), "timed" (a candidate beside the BLAS forms, kept
@@ -69,6 +72,8 @@ class CpuDispatch:
                   else "BLAS/oneDNN or oneDNN prepacked" if self.onednn == "timed" else "BLAS/oneDNN")
         decode = "native DecoderStack" if self.native_decode else "modules"
         screen = _name(self.screen_dtype) + " copy" if self.screen_dtype else "off"
+        if self.head_argmax:
+            screen = "off, argmax in the head"
         return [
             f"math {_name(self.math_dtype)}: {self.math_reason}",
             f"matmul {matmul}: {self.matmul_reason}",
@@ -142,9 +147,12 @@ def choose_cpu_dispatch(
     else:
         native_decode, decode_reason = True, "one native call per decode-only step, where the model's layers allow it"
     screen, screen_reason = _choose_screen(flags, weight_dtype, packed, tp_size)
+    head_argmax = screen is None and packed and tp_size == 1
+    if head_argmax:
+        screen_reason += ": greedy rows take the packed head's argmax as it computes, no logits written"
     return CpuDispatch(
         math, math_reason, packed, matmul_reason, matmul_tuning, native_decode, decode_reason, screen, screen_reason,
-        onednn,
+        head_argmax, onednn,
     )
 
 

@@ -171,6 +171,32 @@ def packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | No
     return y
 
 
+def packed_linear_argmax(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None,
+                         n: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(max, first argmax) of each row of packed_linear(x, packed, bias, n,
+    float_out=True), a NaN counting as the max, without those [M, n] logits
+    (greedy decoding's LM head): row_max_argmax's answer, bit for bit."""
+    if x.dim() != 2:
+        raise RuntimeError("packed_linear_argmax: x must be [M, K]")
+    m, k = x.shape
+    pointer, type_code, pairs = packed_fields(packed, k, n, "packed_linear_argmax")
+    x = x.contiguous()
+    bias32 = None
+    if bias is not None:
+        if bias.numel() != n:
+            raise RuntimeError("packed_linear_argmax: bias must have N values")
+        bias32 = bias.to(torch.float32).contiguous()
+    maxes = torch.empty(m, dtype=torch.float32)
+    argmaxes = torch.empty(m, dtype=torch.int64)
+    if m == 0:
+        return maxes, argmaxes
+    lib = library()
+    if lib.packed_linear_argmax(x.data_ptr(), code(x, "packed_linear_argmax"), m, k, pointer, type_code, pairs, n,
+                                bias32.data_ptr() if bias32 is not None else 0, maxes.data_ptr(), argmaxes.data_ptr()):
+        raise lib.fail()
+    return maxes, argmaxes
+
+
 def screened_argmax(x: torch.Tensor, screen: torch.Tensor, slack: torch.Tensor, exact: torch.Tensor, n: int,
                     screen_norms: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Greedy argmax of x W^T from a half-width copy of W, exactly (see

@@ -15,6 +15,7 @@ from aioserve.cpu.native_gemm import (
     lora_add_rows,
     pack_linear_weight,
     packed_linear,
+    packed_linear_argmax,
     screened_argmax,
 )
 from aioserve.cpu.native_lib import library
@@ -38,7 +39,7 @@ def library_path() -> Path:
 
 __all__ = [
     "DecoderStack", "LoraPointers", "library_path", "lora_add_rows", "gemm_block_width", "gemm_fuses_multiply_add",
-    "pack_linear_weight", "packed_linear",
+    "pack_linear_weight", "packed_linear", "packed_linear_argmax",
     "paged_decode_attention", "rms_norm", "rotary_embedding", "row_max_argmax", "screened_argmax", "silu_and_mul",
     "store_kv",
 ]

@@ -30,7 +30,7 @@ import torch
 
 logger = logging.getLogger(__name__)
 
-ABI_VERSION = 6  # module.cpp's aioserve_abi_version()
+ABI_VERSION = 7  # module.cpp's aioserve_abi_version()
 
 # torch's dtypes as native/kernels.h numbers them (DType).
 DTYPE_CODES: dict[torch.dtype, int] = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2, torch.float64: 3}
@@ -51,6 +51,7 @@ PROTOTYPES: dict[str, list[Any]] = {
                                         _i64, _p],
     "aioserve_pack_linear_weight": [_p, _i32, _i64, _i64, _i64, _i64, _i32, _p, _i64],
     "aioserve_packed_linear": [_p, _i32, _i64, _i64, _p, _i32, _i32, _i64, _p, _p, _i32],
+    "aioserve_packed_linear_argmax": [_p, _i32, _i64, _i64, _p, _i32, _i32, _i64, _p, _p, _p],
     "aioserve_screened_argmax": [_p, _i64, _i64, _p, _i32, _i32, _p, _p, _i64, _i64, _p, _p, _p],
     "aioserve_decoder_add_layer": [_p, _p, _i32, _p, _i32, _i32, _p, _p, _i32, _p, _i32, _p, _i32, _i32, _p, _i32,
                                    _p, _i32, _i32, _i64, _p, _i32, _i32, _p, _p, _i32, _i64, _i64],

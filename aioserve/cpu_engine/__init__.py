@@ -2,8 +2,9 @@
 model, its LM head and its KV pool.
 
   greedy_screen.py  greedy rows' argmax from a half copy of the LM head, exact by a rounding bound
+  head_argmax.py    greedy rows' argmax from a half LM head as it computes, no logits written
   decode_stack.py   a decode-only step as one native DecoderStack call
-  fast_paths.py     the three fast paths behind one object, with one upgrade point between steps
+  fast_paths.py     the fast paths behind one object, with one upgrade point between steps
 
 decode_stack and fast_paths read the model's classes and the KV pool, so
 they cannot sit with the kernels in cpu/, below the layers; the engine is

@@ -1,8 +1,9 @@
 """The CPU's fast paths, behind one object: the native packed matmul's
 weights (bf16 ones multiplied on AMX tiles where the CPU has them; or, for
 float16 math on AMX, weights reordered once for oneDNN), the
-decode-only step as one native DecoderStack call, and the greedy screen
-over the LM head.
+decode-only step as one native DecoderStack call, and greedy rows' tokens
+from the LM head (the screen of a float32 head; a half head's argmax as it
+computes).
 
 Which of them apply on this CPU is decided once, with the reasons, in
 cpu/dispatch.py; the model's own limits are checked here. All three need
@@ -24,6 +25,7 @@ from torch import nn
 
 from aioserve.cpu.dispatch import CpuDispatch
 from aioserve.cpu_engine.greedy_screen import GreedyScreen
+from aioserve.cpu_engine.head_argmax import HeadArgmax
 from aioserve.cpu_engine.decode_stack import NativeDecodeRunner, unsupported_reason
 from aioserve.kvcache.kv_pool import KVPool
 from aioserve.layers.moe import FusedMoE
@@ -45,7 +47,7 @@ class CpuFastPaths:
         self.generates = generates
         self.weight_dtype, self.dtype = weight_dtype, dispatch.math_dtype
         self.decode_runner: NativeDecodeRunner | None = None
-        self.greedy_screen: GreedyScreen | None = None
+        self.greedy_screen: GreedyScreen | HeadArgmax | None = None
         # Weights waiting to be packed for the native matmul (the kernels are building).
         self._unpacked: list[MatmulModule] = []
         # A layer holding quantised weights multiplies through its LinearQuant (FP8), never the CPU's.
@@ -104,9 +106,13 @@ class CpuFastPaths:
             return
         self._start_native_decode()
         kernels = cpu_kernels(wait=False)
-        if kernels is not None:
-            # Greedy rows' argmax from a half copy of the LM head (greedy_screen.py).
-            self.greedy_screen = GreedyScreen.build(self.model.lm_head, kernels, self.dispatch.screen_dtype)
+        if kernels is not None and self.model.logits_are_head_outputs:
+            # Greedy rows' argmax from a half copy of a float32 LM head
+            # (greedy_screen.py), or from a half one as it computes (head_argmax.py).
+            lm_head = self.model.lm_head
+            self.greedy_screen = GreedyScreen.build(lm_head, kernels, self.dispatch.screen_dtype)
+            if self.greedy_screen is None and self.dispatch.head_argmax:
+                self.greedy_screen = HeadArgmax.build(lm_head, kernels)
 
     def _start_native_decode(self) -> None:
         """Decode-only steps through the native DecoderStack when this CPU's

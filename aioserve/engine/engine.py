@@ -32,6 +32,7 @@ from aioserve.engine.cuda_graph import Capture, CudaGraphCapture, DecodeGraphRun
 from aioserve.engine.draft_runner import DraftRunner
 from aioserve.engine.eagle3_runner import Eagle3Runner
 from aioserve.cpu_engine.greedy_screen import GreedyScreen
+from aioserve.cpu_engine.head_argmax import HeadArgmax
 from aioserve.engine.image_embeddings import ImageEmbeddings
 from aioserve.engine.loading import describe, load
 from aioserve.engine.pooler import pool_segments, score_head_of
@@ -133,11 +134,13 @@ class Engine:
                 logger.info("tensor parallel: %s", line)
 
     @property
-    def greedy_screen(self) -> GreedyScreen | None:
+    def greedy_screen(self) -> GreedyScreen | HeadArgmax | None:
+        """Greedy rows' tokens without the sampler's full logits, on a CPU
+        (a float32 head's screen, a half head's own argmax); None: off."""
         return self.cpu_paths.greedy_screen if self.cpu_paths is not None else None
 
     @greedy_screen.setter
-    def greedy_screen(self, screen: GreedyScreen | None) -> None:  # tests and benchmarks turn it off
+    def greedy_screen(self, screen: GreedyScreen | HeadArgmax | None) -> None:  # tests and benchmarks turn it off
         if self.cpu_paths is not None:
             self.cpu_paths.greedy_screen = screen
 

@@ -36,6 +36,9 @@ class CausalLM(Protocol):
 
     # True for an encoder: bidirectional attention over whole sequences, no LM head.
     is_encoder: bool
+    # Whether compute_logits returns the LM head's outputs as they are (no
+    # softcap): a greedy token may then be the head's own argmax.
+    logits_are_head_outputs: bool
 
     @property
     def config(self) -> ModelConfig:

@@ -71,6 +71,7 @@ class DecoderLM(nn.Module):
     members (models/causal_lm.py) a family gets by subclassing this."""
 
     is_encoder = False  # causal attention and an LM head (the encoders: models/encoder_lm.py)
+    logits_are_head_outputs = True  # compute_logits is the head's output (Gemma 3's softcap: not)
 
     def __init__(self, config: ModelConfig, model: DecoderModel) -> None:
         super().__init__()

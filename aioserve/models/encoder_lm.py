@@ -32,6 +32,7 @@ class EncoderLM(nn.Module):
     `embed_tokens`, `decoder_layers` and forward."""
 
     is_encoder = True
+    logits_are_head_outputs = False  # no LM head
 
     @property
     def lm_head(self) -> ParallelLMHead:

@@ -113,6 +113,7 @@ class Gemma3ForCausalLM(DecoderLM):
     def __init__(self, config: ModelConfig) -> None:
         super().__init__(config, Gemma3Model(config))
         self.softcap = config.final_logit_softcapping
+        self.logits_are_head_outputs = not self.softcap  # tanh can tie logits the head kept apart
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         logits = super().compute_logits(hidden)
