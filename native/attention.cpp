@@ -164,7 +164,7 @@ void attend_span(const float* q, const KV* kp, const KV* vp, const int32_t* page
   }
 }
 
-#if defined(__AVX512BF16__)
+#if defined(__AVX512F__)
 // Lane i of the result: the sum of v[i]'s 16 lanes, for 16 vectors at once
 // (a fixed tree: 45 instructions where 16 horizontal sums took ~150, and
 // lane i's sum does not depend on the other vectors).
@@ -185,57 +185,135 @@ inline __m512 sum_lanes16(const __m512 (&v)[16]) {
   return _mm512_add_ps(_mm512_shuffle_f32x4(u0, u1, kEven), _mm512_shuffle_f32x4(u0, u1, kOdd));
 }
 
-// bf16 q against a bf16 cache, head dims a multiple of 32 (Chunks = dim / 16
-// float vectors): the measured hot path of half-precision decode (Qwen3-0.6B
-// on a 2-core Sapphire Rapids: the generic span above read the KV of a
-// batch-64 step at ~10 GB/s, 72% of the step once the matmuls ran on AMX).
-// A step's KV is read once and the kernel is cut to few instructions a byte,
-// so that the core keeps more of the (page-scattered) reads in flight:
-// * Scores: each key row dotted with 16 query heads in bf16 pairs
-//   (vdpbf16ps: exact products, float32 sums), the 16 sums reduced together
-//   (sum_lanes16) and kept position-major, 16 heads a vector, so that the
-//   softmax runs across heads in the vector lanes.
-// * Values: the probabilities rounded to bf16 (as a GPU's flash attention
-//   rounds P before its PV product) and multiplied two positions at a time
-//   by the pair dot: two value rows interleaved (each 128-bit block's
-//   halves), 32 products an instruction where the float32 form widened every
-//   value and took 16. The interleave leaves each head's sums in a fixed
-//   order of dims, put back once at the end of the span. Per page, each KV
-//   head's accumulators stay in registers.
+// 32 bf16 values (a 64-byte load) as two float32 vectors, exactly: the even
+// elements (each 32-bit word's low half, shifted up) and the odd ones (its
+// high half, the low half masked off). Two integer instructions, where
+// vdpbf16ps (which widens inside) runs at half the rate of an FMA.
+struct SplitPairs {
+  __m512 even, odd;
+};
+inline SplitPairs split_pairs(const BFloat16* p) {
+  const __m512i x = _mm512_loadu_si512(p);
+  return {_mm512_castsi512_ps(_mm512_slli_epi32(x, 16)),
+          _mm512_castsi512_ps(_mm512_and_si512(x, _mm512_set1_epi32(static_cast<int>(0xffff0000u))))};
+}
+
+// The scores of KV head g's Group query heads against the keys of 16 / Group
+// positions from j (past the span's end: its last position again, the
+// results unused): lane p * Group + i is position j + p's score for query
+// head g * Group + i. Each key vector is loaded and widened once for the
+// group and each query vector once for the positions, and the 16 sums stay
+// in registers (indexed by constants: a sum picked by a loop bound known
+// only at run time went through the stack at every multiply-add).
+// q_split: the query heads' pair vectors split as split_pairs does, scaled.
+template <int Chunks, int Group>
+inline __m512 scores_of_group(const float* q_split, const BFloat16* kp, const int32_t* pages, int64_t page_size,
+                              int64_t kv_stride, int64_t begin, int64_t j, int64_t n, int64_t g) {
+  constexpr int kPositions = 16 / Group, kPairVectors = Chunks / 2, dim = Chunks * 16;
+  const BFloat16* keys[kPositions];
+  for (int p = 0; p < kPositions; ++p)
+    keys[p] = cache_row(kp, pages, page_size, kv_stride, begin + std::min<int64_t>(j + p, n - 1)) + g * dim;
+  __m512 sum[16];
+  for (int i = 0; i < 16; ++i) sum[i] = _mm512_setzero_ps();
+  for (int c = 0; c < kPairVectors; ++c) {
+    for (int p = 0; p < kPositions; ++p) {
+      const SplitPairs k = split_pairs(keys[p] + 32 * c);
+      for (int i = 0; i < Group; ++i) {
+        const float* qh = q_split + (g * Group + i) * dim + 32 * c;
+        sum[p * Group + i] = _mm512_fmadd_ps(k.even, _mm512_loadu_ps(qh), sum[p * Group + i]);
+        sum[p * Group + i] = _mm512_fmadd_ps(k.odd, _mm512_loadu_ps(qh + 16), sum[p * Group + i]);
+      }
+    }
+  }
+  return sum_lanes16(sum);
+}
+
+// The scores of positions [0, n) for every query head, position-major
+// (score[j * lanes + h]); lanes past num_heads are zero.
+template <int Chunks, int Group>
+void span_scores(const float* q_split, const BFloat16* kp, const int32_t* pages, int64_t page_size, int64_t begin,
+                 int64_t n, int64_t num_heads, int64_t num_kv_heads, int64_t lanes, float* score) {
+  constexpr int kPositions = 16 / Group;
+  const int64_t kv_stride = num_kv_heads * Chunks * 16;
+  const int64_t row_bytes = kv_stride * static_cast<int64_t>(sizeof(BFloat16));
+  for (int64_t j = 0; j < n; j += kPositions) {
+    for (int64_t ahead = j + kKeysAhead; ahead < std::min(n, j + kKeysAhead + kPositions); ++ahead)
+      prefetch_bytes(cache_row(kp, pages, page_size, kv_stride, begin + ahead), row_bytes);
+    for (int64_t g = 0; g < num_kv_heads; ++g) {
+      alignas(64) float block[16];
+      _mm512_store_ps(block, scores_of_group<Chunks, Group>(q_split, kp, pages, page_size, kv_stride, begin, j, n, g));
+      for (int p = 0; p < kPositions; ++p)
+        for (int i = 0; i < Group; ++i) score[(j + p) * lanes + g * Group + i] = block[p * Group + i];
+    }
+    if (num_heads < lanes)
+      for (int p = 0; p < kPositions; ++p)
+        std::fill(score + (j + p) * lanes + num_heads, score + (j + p + 1) * lanes, 0.f);
+  }
+}
+
+// span_scores for this GQA group (query heads per KV head), if it has an instance (1-8); false if not.
 template <int Chunks>
-void attend_span_bf16(const BFloat16* q, float scale, const BFloat16* kp, const BFloat16* vp, const int32_t* pages,
+bool span_scores_for(int64_t group, const float* q_split, const BFloat16* kp, const int32_t* pages,
+                     int64_t page_size, int64_t begin, int64_t n, int64_t num_heads, int64_t num_kv_heads,
+                     int64_t lanes, float* score) {
+  switch (group) {
+#define AIOSERVE_GROUP(G)                                                                                         \
+  case G:                                                                                                         \
+    span_scores<Chunks, G>(q_split, kp, pages, page_size, begin, n, num_heads, num_kv_heads, lanes, score);       \
+    return true;
+    AIOSERVE_GROUP(1) AIOSERVE_GROUP(2) AIOSERVE_GROUP(3) AIOSERVE_GROUP(4)
+    AIOSERVE_GROUP(5) AIOSERVE_GROUP(6) AIOSERVE_GROUP(7) AIOSERVE_GROUP(8)
+#undef AIOSERVE_GROUP
+    default: return false;
+  }
+}
+
+// bf16 q against a bf16 cache, head dims a multiple of 32 (Chunks = dim / 16
+// float vectors) and up to 8 query heads a KV head: the measured hot path
+// of half-precision decode (Qwen3-0.6B on a 2-core Sapphire Rapids: the
+// generic span above read the KV of a batch-64 step at ~10 GB/s, 72% of the
+// step once the matmuls ran on AMX). Returns false where it has no instance.
+// * Widening, not vdpbf16ps: each 64-byte load of the cache is split into
+//   two float32 vectors (split_pairs) and multiplied by FMAs, against q
+//   split the same way once a span; the dims' order is put back at the end.
+//   The pair dot does 32 products at half an FMA's rate; this form ran a
+//   span at the same speed with the keys' old loop, and its probabilities
+//   stay float32 (no bf16 rounding of P).
+// * Scores by KV head over blocks of positions (scores_of_group), reduced 16
+//   at a time (sum_lanes16) and kept position-major, so that the softmax
+//   runs across heads in the vector lanes. Dotting each key row with all 16
+//   heads re-loaded every query vector at every position and kept its sums
+//   on the stack: the keys' pass now takes ~60 of a span's ~110 ns a
+//   position where it took ~100 (one thread, cache in L2).
+// * Values a page at a time, each KV head's group of heads with its
+//   accumulators in registers.
+// Measured on a 2-core Emerald Rapids VM, Qwen3-0.6B's heads (16 q, 8 KV,
+// 128 dims), against the pair-dot kernel, interleaved: batch 64 x 512
+// positions 9.66 -> 8.48 ms (min; medians 10.10 -> 9.43), x 128 positions
+// 2.13 -> 2.01 ms, one request of 256 positions on one thread 66 -> 52 us.
+template <int Chunks>
+bool attend_span_bf16(const BFloat16* q, float scale, const BFloat16* kp, const BFloat16* vp, const int32_t* pages,
                       int64_t page_size, int64_t begin, int64_t end, int64_t num_heads, int64_t num_kv_heads,
                       float* maxes, float* sums, float* acc, std::vector<float>& scores) {
   constexpr int64_t dim = Chunks * 16;
-  constexpr int kPairVectors = Chunks / 2;  // 32 bf16 each
+  constexpr int kPairVectors = Chunks / 2;  // 32 bf16 each: 16 even dims, 16 odd dims
   constexpr int kHeadsAtOnce = Chunks >= 16 ? 1 : 16 / Chunks;  // accumulators kept in 16 registers
   const int64_t group = num_heads / num_kv_heads, kv_stride = num_kv_heads * dim, n = end - begin;
-  const int64_t head_bytes = dim * static_cast<int64_t>(sizeof(BFloat16)), row_bytes = num_kv_heads * head_bytes;
+  const int64_t head_bytes = dim * static_cast<int64_t>(sizeof(BFloat16));
   const int64_t lanes = (num_heads + 15) / 16 * 16;  // a position's scores, heads padded to whole vectors
-  // scores: n x lanes float32 sums, then (from `probs` on) n x lanes bf16 probabilities
-  scores.resize(n * lanes + (n * lanes + 1) / 2);
-  float* score = scores.data();
-  BFloat16* probs = reinterpret_cast<BFloat16*>(scores.data() + n * lanes);
+  // scores: q split and scaled [num_heads x dim], then n (+ a block) x lanes scores.
+  scores.resize(num_heads * dim + (n + 16) * lanes);
+  float* q_split = scores.data();
+  float* score = q_split + num_heads * dim;
   const __m512 scale_v = _mm512_set1_ps(scale);
-  int64_t key_offset[kMaxHeads];
-  kv_offsets(num_heads, group, dim, key_offset);
-  for (int64_t j = 0; j < n; ++j) {
-    const BFloat16* keys = cache_row(kp, pages, page_size, kv_stride, begin + j);
-    if (j + kKeysAhead < n)
-      prefetch_bytes(cache_row(kp, pages, page_size, kv_stride, begin + j + kKeysAhead), row_bytes);
-    for (int64_t h0 = 0; h0 < num_heads; h0 += 16) {
-      const int heads = static_cast<int>(std::min<int64_t>(16, num_heads - h0));
-      __m512 sum[16];
-      for (int i = 0; i < 16; ++i) sum[i] = _mm512_setzero_ps();
-      for (int i = 0; i < heads; ++i) {
-        const BFloat16 *k = keys + key_offset[h0 + i], *qh = q + (h0 + i) * dim;
-        for (int c = 0; c < kPairVectors; ++c)
-          sum[i] = _mm512_dpbf16_ps(sum[i], (__m512bh)_mm512_loadu_si512(qh + 32 * c),
-                                    (__m512bh)_mm512_loadu_si512(k + 32 * c));
-      }
-      _mm512_storeu_ps(score + j * lanes + h0, _mm512_mul_ps(sum_lanes16(sum), scale_v));
+  for (int64_t h = 0; h < num_heads; ++h)
+    for (int c = 0; c < kPairVectors; ++c) {
+      const SplitPairs x = split_pairs(q + h * dim + 32 * c);
+      _mm512_storeu_ps(q_split + h * dim + 32 * c, _mm512_mul_ps(x.even, scale_v));
+      _mm512_storeu_ps(q_split + h * dim + 32 * c + 16, _mm512_mul_ps(x.odd, scale_v));
     }
-  }
+  if (!span_scores_for<Chunks>(group, q_split, kp, pages, page_size, begin, n, num_heads, num_kv_heads, lanes, score))
+    return false;
   // Softmax numerators, 16 heads in the lanes: exp(score - the head's max).
   for (int64_t h0 = 0; h0 < lanes; h0 += 16) {
     alignas(64) float top[16], total[16] = {};
@@ -248,7 +326,6 @@ void attend_span_bf16(const BFloat16* q, float scale, const BFloat16* kp, const 
       for (int l = 0; l < 16; ++l) {
         s[l] = aioserve::exp_approx(s[l] - top[l]);
         total[l] += s[l];
-        probs[j * lanes + h0 + l] = from_float<BFloat16>(s[l]);
       }
     }
     for (int l = 0; l < 16 && h0 + l < num_heads; ++l) {
@@ -257,11 +334,6 @@ void attend_span_bf16(const BFloat16* q, float scale, const BFloat16* kp, const 
     }
   }
   std::fill(acc, acc + num_heads * dim, 0.f);
-  // The two probabilities of positions j and j + 1 (0 past the span) for head h, as one bf16 pair.
-  auto prob_pair = [&](int64_t j, int64_t h, bool second) {
-    const uint32_t low = probs[j * lanes + h].x, high = second ? probs[(j + 1) * lanes + h].x : 0;
-    return (__m512bh)_mm512_set1_epi32(static_cast<int>(low | high << 16));
-  };
   for (int64_t j0 = 0; j0 < n; ) {
     const int64_t j1 = std::min(n, j0 + page_size - (begin + j0) % page_size);  // the rest of this page
     const int64_t j2 = std::min(n, j1 + page_size);
@@ -270,27 +342,20 @@ void attend_span_bf16(const BFloat16* q, float scale, const BFloat16* kp, const 
         prefetch_bytes(cache_row(vp, pages, page_size, kv_stride, begin + j) + g * dim, head_bytes);
       for (int64_t h0 = g * group; h0 < (g + 1) * group; h0 += kHeadsAtOnce) {
         const int heads = static_cast<int>(std::min<int64_t>(kHeadsAtOnce, (g + 1) * group - h0));
-        __m512 a[kHeadsAtOnce][Chunks];  // [i][2c]: a pair vector's low halves, [i][2c + 1]: its high halves
+        __m512 a[kHeadsAtOnce][Chunks];  // [i][2c]: pair vector c's even dims, [i][2c + 1]: its odd dims
         for (int i = 0; i < kHeadsAtOnce; ++i)
           if (i < heads)
             for (int c = 0; c < Chunks; ++c) a[i][c] = _mm512_loadu_ps(acc + (h0 + i) * dim + 16 * c);
-        for (int64_t j = j0; j < j1; j += 2) {
-          const bool second = j + 1 < j1;
-          const BFloat16* first_row = cache_row(vp, pages, page_size, kv_stride, begin + j) + g * dim;
-          const BFloat16* second_row = second ? cache_row(vp, pages, page_size, kv_stride, begin + j + 1) + g * dim
-                                              : nullptr;
-          __m512bh w[kHeadsAtOnce];
-          for (int i = 0; i < kHeadsAtOnce; ++i)
-            w[i] = i < heads ? prob_pair(j, h0 + i, second) : (__m512bh)_mm512_setzero_si512();
+        for (int64_t j = j0; j < j1; ++j) {
+          const BFloat16* row = cache_row(vp, pages, page_size, kv_stride, begin + j) + g * dim;
+          __m512 p[kHeadsAtOnce];
+          for (int i = 0; i < kHeadsAtOnce; ++i) p[i] = _mm512_set1_ps(i < heads ? score[j * lanes + h0 + i] : 0.f);
           for (int c = 0; c < kPairVectors; ++c) {
-            const __m512i x0 = _mm512_loadu_si512(first_row + 32 * c);
-            const __m512i x1 = second ? _mm512_loadu_si512(second_row + 32 * c) : _mm512_setzero_si512();
-            const __m512bh low = (__m512bh)_mm512_unpacklo_epi16(x0, x1);
-            const __m512bh high = (__m512bh)_mm512_unpackhi_epi16(x0, x1);
+            const SplitPairs v = split_pairs(row + 32 * c);
             for (int i = 0; i < kHeadsAtOnce; ++i) {
               if (i >= heads) break;
-              a[i][2 * c] = _mm512_dpbf16_ps(a[i][2 * c], low, w[i]);
-              a[i][2 * c + 1] = _mm512_dpbf16_ps(a[i][2 * c + 1], high, w[i]);
+              a[i][2 * c] = _mm512_fmadd_ps(p[i], v.even, a[i][2 * c]);
+              a[i][2 * c + 1] = _mm512_fmadd_ps(p[i], v.odd, a[i][2 * c + 1]);
             }
           }
         }
@@ -301,39 +366,36 @@ void attend_span_bf16(const BFloat16* q, float scale, const BFloat16* kp, const 
     }
     j0 = j1;
   }
-  // Dims back in order: of a pair vector's 32 dims, the low halves hold
-  // each 128-bit block's first 4 (8b + 0..3, b = 0..3), the high its last 4.
-  const __m512i first16 = _mm512_setr_epi32(0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21, 22, 23);
-  const __m512i last16 = _mm512_setr_epi32(8, 9, 10, 11, 24, 25, 26, 27, 12, 13, 14, 15, 28, 29, 30, 31);
+  // Dims back in order: each pair vector's even dims, then its odd ones, interleaved.
+  const __m512i first16 = _mm512_setr_epi32(0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23);
+  const __m512i last16 = _mm512_setr_epi32(8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30, 15, 31);
   for (int64_t h = 0; h < num_heads; ++h) {
     for (int c = 0; c < kPairVectors; ++c) {
       float* pair = acc + h * dim + 32 * c;
-      const __m512 low = _mm512_loadu_ps(pair), high = _mm512_loadu_ps(pair + 16);
-      _mm512_storeu_ps(pair, _mm512_permutex2var_ps(low, first16, high));
-      _mm512_storeu_ps(pair + 16, _mm512_permutex2var_ps(low, last16, high));
+      const __m512 even = _mm512_loadu_ps(pair), odd = _mm512_loadu_ps(pair + 16);
+      _mm512_storeu_ps(pair, _mm512_permutex2var_ps(even, first16, odd));
+      _mm512_storeu_ps(pair + 16, _mm512_permutex2var_ps(even, last16, odd));
     }
   }
+  return true;
 }
 
 // Whether (q, cache) may take attend_span_bf16.
 template <typename T, typename KV>
 constexpr bool kBf16Span = std::is_same_v<T, BFloat16> && std::is_same_v<KV, BFloat16>;
 
-// attend_span_bf16 for this head dim, if it has an instance (64, 128, 256); false if not.
+// attend_span_bf16 for this head dim and group, if it has an instance (dims 64, 128, 256; groups 1-8); false if not.
 inline bool attend_span_bf16_dim(int64_t dim, const BFloat16* q, float scale, const BFloat16* kp, const BFloat16* vp,
                                  const int32_t* pages, int64_t page_size, int64_t begin, int64_t end, int64_t num_heads,
                                  int64_t num_kv_heads, float* maxes, float* sums, float* acc,
                                  std::vector<float>& scores) {
   switch (dim) {
-    case 64: attend_span_bf16<4>(q, scale, kp, vp, pages, page_size, begin, end, num_heads, num_kv_heads, maxes, sums,
-                                 acc, scores);
-      return true;
-    case 128: attend_span_bf16<8>(q, scale, kp, vp, pages, page_size, begin, end, num_heads, num_kv_heads, maxes, sums,
-                                  acc, scores);
-      return true;
-    case 256: attend_span_bf16<16>(q, scale, kp, vp, pages, page_size, begin, end, num_heads, num_kv_heads, maxes,
-                                   sums, acc, scores);
-      return true;
+    case 64: return attend_span_bf16<4>(q, scale, kp, vp, pages, page_size, begin, end, num_heads, num_kv_heads, maxes,
+                                        sums, acc, scores);
+    case 128: return attend_span_bf16<8>(q, scale, kp, vp, pages, page_size, begin, end, num_heads, num_kv_heads, maxes,
+                                         sums, acc, scores);
+    case 256: return attend_span_bf16<16>(q, scale, kp, vp, pages, page_size, begin, end, num_heads, num_kv_heads,
+                                          maxes, sums, acc, scores);
     default: return false;
   }
 }
@@ -371,7 +433,7 @@ void decode_attention_impl(const T* qp, const KV* kp, const KV* vp, const int32_
         std::fill(acc, acc + num_heads * dim, 0.f);
         continue;
       }
-#if defined(__AVX512BF16__)
+#if defined(__AVX512F__)
       if constexpr (kBf16Span<T, KV>) {
         if (attend_span_bf16_dim(dim, qp + b * num_heads * dim, static_cast<float>(scale), kp, vp,
                                  pt + b * pages_per_row, page_size, begin, end, num_heads, num_kv_heads, maxes, sums,

@@ -33,7 +33,7 @@ def decode_plan(lens: list[int], page_size: int, num_pages: int, generator: torc
 @pytest.mark.parametrize("dtype,kv_dtype", [(torch.float32,) * 2, (torch.bfloat16,) * 2, (torch.float32, torch.bfloat16)])
 @pytest.mark.parametrize("heads,kv_heads", [(4, 4), (8, 2), (16, 8)])
 @pytest.mark.parametrize("page_size,window", [(1, None), (16, None), (4, 7)])
-# 64, 128, 256: bf16 q and cache take attention.cpp's bf16 span on AVX512-BF16
+# 64, 128, 256: bf16 q and cache take attention.cpp's bf16 span on AVX-512
 @pytest.mark.parametrize("dim", [32, 64, 128, 256])
 def test_kernel_matches_torch(dtype, kv_dtype, heads, kv_heads, page_size, window, dim) -> None:
     generator = torch.Generator().manual_seed(heads * 31 + page_size + dim)
@@ -52,9 +52,9 @@ def test_kernel_matches_torch(dtype, kv_dtype, heads, kv_heads, page_size, windo
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_kernel_takes_heads_past_one_vector(dtype) -> None:
-    """40 query heads over 8 KV heads: the bf16 span scores 16 heads a
+    """40 query heads over 8 KV heads: the bf16 span keeps 16 heads' scores a
     vector, so 40 are two whole vectors and a part; spans of odd lengths
-    leave a last value row without a partner in the pair products."""
+    end inside a block of positions."""
     generator = torch.Generator().manual_seed(40)
     lens, page_size, heads, kv_heads, dim = [1, 2, 31, 64, 77], 16, 40, 8, 128
     pool = KVPool(1, 60, page_size, kv_heads, dim, dtype, torch.device("cpu"))
@@ -66,6 +66,26 @@ def test_kernel_takes_heads_past_one_vector(dtype) -> None:
     reference = TorchNativeBackend(pool, use_native=False).prepare(plan, plan).attend(0, q, k, v, dim**-0.5, None)
     tolerance = 1e-5 if dtype == torch.float32 else 2e-2
     torch.testing.assert_close(native, reference, atol=tolerance, rtol=tolerance)
+
+
+@pytest.mark.parametrize("heads,kv_heads", [(3, 1), (12, 4), (10, 2), (12, 2), (14, 2), (8, 1), (16, 1)],
+                         ids=["group 3", "group 3 x 4", "group 5", "group 6", "group 7", "group 8", "group 16"])
+@pytest.mark.parametrize("page_size,window", [(16, None), (4, 7)])
+@pytest.mark.parametrize("dim", [64, 256])
+def test_bf16_span_takes_every_group(heads, kv_heads, page_size, window, dim) -> None:
+    """The bf16 span scores a KV head's group of query heads over 16 / group
+    positions at a time (groups 1-8; past 8 the generic span): spans whose
+    lengths are not a multiple of that, and every group size models use."""
+    generator = torch.Generator().manual_seed(heads * 7 + kv_heads + page_size + dim)
+    lens = [1, 2, 3, 17, 50]
+    pool = KVPool(1, 120, page_size, kv_heads, dim, torch.bfloat16, torch.device("cpu"))
+    pool.buffer[:, :, page_size:].normal_(generator=generator)
+    plan = decode_plan(lens, page_size, 120, generator)
+    q = torch.randn(len(lens), heads, dim, generator=generator).to(torch.bfloat16)
+    k, v = torch.randn(2, len(lens), kv_heads, dim, generator=generator).to(torch.bfloat16)
+    native = TorchNativeBackend(pool, use_native=True).prepare(plan, plan).attend(0, q, k, v, dim**-0.5, window)
+    reference = TorchNativeBackend(pool, use_native=False).prepare(plan, plan).attend(0, q, k, v, dim**-0.5, window)
+    torch.testing.assert_close(native, reference, atol=2e-2, rtol=2e-2)
 
 
 @pytest.mark.parametrize("lens,window", [([300], None), ([1000], 200), ([129, 64, 1], None), ([700, 3], 500)])
