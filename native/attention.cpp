@@ -108,11 +108,13 @@ inline void kv_offsets(int64_t num_heads, int64_t group, int64_t dim, int64_t (&
 
 // The cache's reads are asked for ahead of their use: a page's rows are
 // contiguous, but pages lie anywhere, and the hardware prefetchers stop at
-// every 4 KiB (a row of Qwen3-0.6B's keys is 2 KiB), so the kernel read
-// the KV at ~12 GB/s of this machine's ~27 (2-core Sapphire Rapids VM,
-// batch 64 x 512 positions); with the keys 16 positions ahead and each KV
-// head's values of the next page, ~15 GB/s (8 ahead measured the same, 2-4
-// less; the values alone gained nothing without the keys).
+// every 4 KiB (a row of Qwen3-0.6B's keys is 2 KiB): the keys 16 positions
+// ahead, each KV head's values of the next page. Measured with and without
+// in one process (2026-11-28, a 2-core Emerald Rapids VM), they gain 1-2%
+// at most (batch 64 x 512 positions, bf16: 8.80 against 8.92 ms): the
+// kernel is bound by its instructions here (see attend_span_bf16), and the
+// ~12 -> ~15 GB/s once credited to them was the box's drift between runs.
+// Kept: cheap, and a CPU with weaker prefetchers may need them.
 constexpr int64_t kKeysAhead = 16;
 
 inline void prefetch_bytes(const void* data, int64_t bytes) {
