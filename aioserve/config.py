@@ -291,6 +291,12 @@ class EngineConfig:
         help="adapters kept read in host memory, least recently used first out (read again from their folder "
         "when next used); default: every loaded adapter",
     )
+    lora_dtype: str = option(
+        "auto", choices=("auto", "bfloat16", "float16", "float32"), group="LoRA",
+        help="the adapters' weights rounded to this dtype (auto: the base model's); narrower than the math, the "
+        "CPU's native update reads them at that width (a float32 model's 16 rank-16 adapters: half the bytes a "
+        "step), the math staying the model's",
+    )
 
     tp_size: int = option(
         1, aliases=("--tp", "--tensor-parallel-size"), group="distributed",

@@ -24,12 +24,16 @@ class AdapterSource:
     base_model_name: str | None = None
 
 
+LORA_DTYPES = ("auto", "bfloat16", "float16", "float32")  # vLLM's --lora-dtype choices, and float32
+
+
 @dataclass(frozen=True)
 class LoraConfig:
     max_loras: int  # slots: adapters one step can use
     max_lora_rank: int  # the slots' rank
     max_cpu_loras: int | None  # adapters kept read in host memory (None: all)
     adapters: tuple[AdapterSource, ...]  # loaded at start
+    dtype: str | None = None  # --lora-dtype's torch dtype name: the adapters' weights rounded to it (None: the model's)
 
 
 def parse_adapter_source(text: str) -> AdapterSource:
@@ -69,7 +73,10 @@ def resolve_lora(config: EngineConfig) -> LoraConfig | None:
             f"--max-cpu-loras ({config.max_cpu_loras}) must be at least --max-loras ({config.max_loras}): "
             "an adapter in a slot is also held in host memory"
         )
-    return LoraConfig(config.max_loras, config.max_lora_rank, config.max_cpu_loras, adapters)
+    if config.lora_dtype not in LORA_DTYPES:
+        raise ConfigError(f"--lora-dtype must be one of {', '.join(LORA_DTYPES)}, got {config.lora_dtype!r}")
+    dtype = None if config.lora_dtype == "auto" else config.lora_dtype
+    return LoraConfig(config.max_loras, config.max_lora_rank, config.max_cpu_loras, adapters, dtype)
 
 
 class AdapterError(ValueError):

@@ -398,6 +398,9 @@ def test_the_flags_of_vllm_and_sglang_parse_and_round_trip() -> None:
     assert lora is not None and (lora.max_loras, lora.max_lora_rank) == (3, 32)
     assert [(s.name, s.path) for s in lora.adapters] == [("a", "/x"), ("b", "/y"), ("/z", "/z")]
     assert parse_serve_args(serve_argv(args)).engine == args.engine  # what --dp starts its replicas with
+    typed = parse_serve_args(["--enable-lora", "--lora-dtype", "bfloat16"])
+    assert parse_serve_args(serve_argv(typed)).engine == typed.engine
+    assert resolve_lora(typed.engine).dtype == "bfloat16" and resolve_lora(args.engine).dtype is None
     assert resolve_lora(parse_serve_args([]).engine) is None
     with pytest.raises(ConfigError, match="more than once"):
         resolve_lora(parse_serve_args(["--lora-modules", "a=/x", "a=/y"]).engine)
@@ -438,3 +441,36 @@ def test_half_precision_weights_keep_their_adapters_half(setup: dict[str, Any]) 
         llm.close()
     expected = _expected(setup, prompts, choices)
     assert [o.token_ids[0] for o in outputs] == [tokens[0] for tokens in expected]
+
+
+def test_lora_dtype_rounds_the_adapters_and_the_native_step_reads_them_at_that_width(setup: dict[str, Any]) -> None:
+    """vLLM's --lora-dtype: a float32 model's adapters rounded to bf16. Every
+    slot holds exactly the bf16 rounding of what the float32 run holds, the
+    CPU's native copies are bf16 (half the bytes a decode step reads), and
+    the native decode step and the modules (eager) give the same tokens, so
+    both read the same rounded values; the first tokens still equal PEFT's."""
+    prompts, choices = _mixed_batch()
+    runs, slots = {}, {}
+    for name, options in (("float32", {}), ("bf16", {"lora_dtype": "bfloat16"}),
+                          ("bf16 eager", {"lora_dtype": "bfloat16", "cuda_graph": False})):
+        llm = LLM(str(setup["checkpoint"]), dtype="float32", enable_lora=True, lora_modules=_modules(setup), **options)
+        try:
+            runs[name] = [o.token_ids for o in llm.generate(prompts, GREEDY, lora_request=choices)]
+            assert llm.engine.lora is not None
+            layer = next(iter(llm.engine.lora.layers.values()))
+            assert layer.lora is not None and layer.lora.a.dtype == torch.float32
+            slots[name] = (layer.lora.a.clone(), layer.lora.b.clone())
+            if name == "bf16" and cpu_kernels() is not None:
+                assert layer.lora.native is not None and layer.lora.native.a[1].dtype == torch.bfloat16
+        finally:
+            llm.close()
+    a, b = slots["float32"]
+    assert torch.equal(slots["bf16"][0], a.to(torch.bfloat16).float()) and not torch.equal(slots["bf16"][0], a)
+    assert torch.equal(slots["bf16"][1], b.to(torch.bfloat16).float())
+    assert runs["bf16"] == runs["bf16 eager"]
+    expected = _expected(setup, prompts, choices)
+    assert [tokens[0] for tokens in runs["bf16"]] == [tokens[0] for tokens in expected]
+    from aioserve.config import ConfigError
+
+    with pytest.raises(ConfigError, match="--lora-dtype"):
+        LLM(str(setup["checkpoint"]), enable_lora=True, lora_dtype="int8")

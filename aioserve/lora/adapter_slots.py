@@ -39,9 +39,15 @@ class AdapterSlots:
         storage_dtype: torch.dtype | None = None,
     ) -> None:
         """`dtype`: the math's; `storage_dtype`: the weights' when narrower
-        (the CPU's native copies of the slots are kept in it, as the weights are)."""
+        (the CPU's native copies of the slots are kept in it, as the weights are).
+        --lora-dtype (config.dtype) overrides the latter: the adapters are
+        rounded to it as they are read, and kept at that width where narrower."""
         self.model, self.model_config, self.config = model, model_config, config
         self.dtype, self.device = dtype, device
+        # The adapters' own dtype: their values are rounded to it whatever width holds them.
+        self.weights_dtype: torch.dtype | None = getattr(torch, config.dtype) if config.dtype else None
+        if self.weights_dtype is not None:
+            storage_dtype = self.weights_dtype
         self.state = LoraStepState()
         self.layers = adaptable_layers(model)
         num_slots, band = config.max_loras + 1, config.max_lora_rank  # slot 0: the base model, always zero
@@ -72,7 +78,10 @@ class AdapterSlots:
         """Read, check and lay out an adapter (any thread); AdapterError if it cannot be served."""
         adapter = read_peft_adapter(path, self.config.max_lora_rank)
         self.reads += 1
-        return lay_out(adapter, self.model, self.model_config, self.config.max_lora_rank, self.dtype)
+        host = lay_out(adapter, self.model, self.model_config, self.config.max_lora_rank, self.dtype)
+        if self.weights_dtype is not None and self.weights_dtype != self.dtype:
+            host = host.rounded_to(self.weights_dtype)
+        return host
 
     def preload(self, adapter_id: int, path: str) -> None:
         """Read adapter `adapter_id` into the host cache (off the event loop)."""

@@ -37,6 +37,11 @@ class HostAdapter:
     def nbytes(self) -> int:
         return sum(a.nbytes + b.nbytes for a, b in self.layers.values())
 
+    def rounded_to(self, dtype: torch.dtype) -> HostAdapter:
+        """The same adapter with every weight rounded to `dtype` (--lora-dtype), held in its own dtype."""
+        return HostAdapter(self.path, {name: (a.to(dtype).to(a.dtype), b.to(dtype).to(b.dtype))
+                                       for name, (a, b) in self.layers.items()})
+
 
 def adaptable_layers(model: nn.Module) -> dict[str, QuantizableLinear]:
     """The linear layers adapters may adapt: every tensor-parallel projection
