@@ -225,3 +225,19 @@ def test_k_and_v_adjacent_in_a_fused_projection_are_written_in_one_copy() -> Non
         elementwise.ENABLED = saved
     assert torch.equal(pools[0].buffer, pools[1].buffer)
     assert torch.equal(pools[0].keys(0)[slots], k) and torch.equal(pools[0].values(0)[slots], v)
+
+
+def test_a_cpu_pool_asks_for_huge_pages_before_it_is_zeroed() -> None:
+    """The CPU pool is advised into 2 MiB pages before its first touch (where
+    the OS lends them on request or always), and is all zeros either way."""
+    from pathlib import Path
+
+    from aioserve.cpu.huge_pages import advise_huge_pages
+    from aioserve.kvcache.kv_pool import KVPool
+
+    pool = KVPool(2, 300, 16, 8, 128, torch.bfloat16, torch.device("cpu"))  # ~19 MiB
+    thp = Path("/sys/kernel/mm/transparent_hugepage/enabled")
+    lent = thp.exists() and "[never]" not in thp.read_text()
+    assert pool.huge_pages == lent
+    assert not pool.buffer.any()
+    assert not advise_huge_pages(torch.empty(1024))  # too small for a whole huge page

@@ -13,6 +13,7 @@
   native_kernels.py all of them as one module: what cpu_kernels() hands out
   matmul.py         the packed native matmul, or BLAS in a tuned storage order
   elementwise.py    the switch for the native RMSNorm / RoPE / SiLU-and-mul / attention kernels
+  huge_pages.py     2 MiB pages asked for under a large fresh tensor (the KV pool)
 
 All of it sits below the layers (the layers call it) and imports nothing
 above it. What puts these kernels together over a model (the native decode

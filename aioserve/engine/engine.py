@@ -127,8 +127,9 @@ class Engine:
         proposer = self.draft or self.eagle3
         if proposer is not None:
             logger.info("draft's KV pool: the same %d pages (%.0f MiB)", self.num_pages, proposer.pool_bytes / 2**20)
-        logger.info("%s; KV pool: %d pages x %d = %d tokens (%.0f MiB)", describe(loaded), self.num_pages,
-                    self.page_size, self.kv_capacity_tokens, pool_mib)
+        logger.info("%s; KV pool: %d pages x %d = %d tokens (%.0f MiB%s)", describe(loaded), self.num_pages,
+                    self.page_size, self.kv_capacity_tokens, pool_mib,
+                    ", in 2 MiB pages" if self.pool.huge_pages else "")
         if self.tp.size > 1 and self.tp.is_leader:
             for line in layout_lines(self.tp_layout):
                 logger.info("tensor parallel: %s", line)

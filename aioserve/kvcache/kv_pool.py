@@ -10,6 +10,7 @@ from __future__ import annotations
 import torch
 
 from aioserve.cpu.elementwise import elementwise_kernels
+from aioserve.cpu.huge_pages import advise_huge_pages
 
 RESERVED_PAGES = 1
 
@@ -68,8 +69,13 @@ class KVPool:
             # the pool was full: RSS crept ~6-9 KB per request for tens of
             # thousands of requests (issue 31), and a pool larger than the
             # machine could hold was found out hours into serving, not at start.
-            self.buffer = torch.zeros(shape, dtype=dtype, device=device)
+            # In 2 MiB pages where the OS lends them (cpu/huge_pages.py): the
+            # decode attention's scattered page reads missed the TLB every 4 KiB.
+            self.buffer = torch.empty(shape, dtype=dtype, device=device)
+            self.huge_pages = advise_huge_pages(self.buffer)
+            self.buffer.zero_()
         else:  # device memory is reserved by the allocation itself
+            self.huge_pages = False
             self.buffer = torch.empty(shape, dtype=dtype, device=device)
             self.buffer[:, :, : RESERVED_PAGES * page_size].zero_()
 
