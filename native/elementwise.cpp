@@ -209,44 +209,9 @@ void silu_and_mul(const void* x, void* out, int type, int64_t rows, int64_t n) {
   });
 }
 
-namespace {
-
 // ---- row_max_argmax ----------------------------------------------------------
 
-// The first index in p[0, n) holding `target` (a NaN when `nan`), which is
-// there: blocks are tested with a vectorized any(), then one block's elements
-// one by one (a plain scan, which stops early, does not vectorize).
-inline int64_t find_first(const float* p, int64_t n, float target, bool nan) {
-  constexpr int64_t kBlock = 64;
-  int64_t start = 0;
-  for (; start + kBlock <= n; start += kBlock) {
-    int hit = 0;
-#pragma omp simd reduction(| : hit)
-    for (int64_t i = 0; i < kBlock; ++i) hit |= nan ? p[start + i] != p[start + i] : p[start + i] == target;
-    if (hit) break;
-  }
-  while (nan ? !std::isnan(p[start]) : p[start] != target) ++start;
-  return start;
-}
-
-// The max of p[0, n) and the first index holding it; a NaN counts as the max
-// (torch.argmax's answer for a row with NaN is its first NaN), so the
-// sampler sees the row as not finite.
-inline std::pair<float, int64_t> max_argmax(const float* p, int64_t n) {
-  float best = -std::numeric_limits<float>::infinity();
-  int has_nan = 0;
-#pragma omp simd reduction(max : best) reduction(| : has_nan)
-  for (int64_t i = 0; i < n; ++i) {
-    best = p[i] > best ? p[i] : best;
-    has_nan |= p[i] != p[i];
-  }
-  const int64_t index = find_first(p, n, best, has_nan);
-  return {p[index], index};
-}
-
-}  // namespace
-
-// logits [rows, vocab > 0] float32, contiguous.
+// logits [rows, vocab > 0] float32, contiguous (each row's scan: max_argmax, vec_math.h).
 void row_max_argmax(const float* p, int64_t rows, int64_t vocab, float* max_out, int64_t* arg_out) {
   // Fewer rows than threads: split each row into chunks for the others, then
   // merge (a 32k-152k row is worth it; a thread's start costs a few us).
@@ -258,7 +223,7 @@ void row_max_argmax(const float* p, int64_t rows, int64_t vocab, float* max_out,
     for (int64_t task = begin; task < end; ++task) {
       const int64_t row = task / chunks, start = (task % chunks) * chunk_len;
       const int64_t len = std::min(chunk_len, vocab - start);
-      auto [value, index] = max_argmax(p + row * vocab + start, len);
+      auto [value, index] = aioserve::max_argmax(p + row * vocab + start, len);
       found[task] = {value, index + start};
     }
   });

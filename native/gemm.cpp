@@ -403,25 +403,17 @@ struct BlockArgmax {
 #endif
     alignas(64) float held[kBlock];
     for (int r = 0; r < rows; ++r) {
-      // Three short passes the compiler vectorizes (a scalar loop with a
-      // branch a column cost more than the tile's products): the outputs
-      // as held, their max and whether one is NaN, then the first holding it.
+      // Passes the compiler vectorizes (a scalar loop with a branch a column
+      // cost more than the tile's products): the outputs as held, then
+      // max_argmax (vec_math.h), row_max_argmax's own.
       const float* src = out + r * kBlock;
       if (bias != nullptr) {
         for (int64_t c = 0; c < cols; ++c) held[c] = store_as<X, float, true>(src[c] + bias[col0 + c]);
       } else {
         for (int64_t c = 0; c < cols; ++c) held[c] = store_as<X, float, true>(src[c]);
       }
-      float top = -std::numeric_limits<float>::infinity();
-      int nan = 0;
-#pragma omp simd reduction(max : top) reduction(| : nan)
-      for (int64_t c = 0; c < cols; ++c) {
-        top = held[c] > top ? held[c] : top;
-        nan |= held[c] != held[c];
-      }
-      int64_t where = 0;  // the first NaN wins (torch.argmax's answer), else the first max
-      while (nan ? held[where] == held[where] : held[where] != top) ++where;
-      best[at + r] = held[where];
+      const auto [top, where] = aioserve::max_argmax(held, cols);  // a NaN first, else the first max
+      best[at + r] = top;
       column[at + r] = static_cast<int32_t>(col0 + where);
     }
   }

@@ -4,8 +4,11 @@
 #include "half.h"
 
 #include <algorithm>
+#include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <limits>
+#include <utility>
 
 #if defined(__AVX512F__) || defined(__AVX2__)
 #include <immintrin.h>
@@ -56,6 +59,37 @@ inline float exp_approx(float x) {
   float half_scale;
   std::memcpy(&half_scale, &bits, sizeof half_scale);
   return p * half_scale * 2.f;
+}
+
+// The first index in p[0, n) holding `target` (a NaN when `nan`), which is
+// there: blocks are tested with a vectorized any(), then one block's elements
+// one by one (a plain scan, which stops early, does not vectorize).
+inline int64_t find_first(const float* p, int64_t n, float target, bool nan) {
+  constexpr int64_t kBlock = 64;
+  int64_t start = 0;
+  for (; start + kBlock <= n; start += kBlock) {
+    int hit = 0;
+#pragma omp simd reduction(| : hit)
+    for (int64_t i = 0; i < kBlock; ++i) hit |= nan ? p[start + i] != p[start + i] : p[start + i] == target;
+    if (hit) break;
+  }
+  while (nan ? !std::isnan(p[start]) : p[start] != target) ++start;
+  return start;
+}
+
+// The max of p[0, n) and the first index holding it; a NaN counts as the max
+// (torch.argmax's answer for a row with NaN is its first NaN), so the
+// sampler sees the row as not finite.
+inline std::pair<float, int64_t> max_argmax(const float* p, int64_t n) {
+  float best = -std::numeric_limits<float>::infinity();
+  int has_nan = 0;
+#pragma omp simd reduction(max : best) reduction(| : has_nan)
+  for (int64_t i = 0; i < n; ++i) {
+    best = p[i] > best ? p[i] : best;
+    has_nan |= p[i] != p[i];
+  }
+  const int64_t index = find_first(p, n, best, has_nan);
+  return {p[index], index};
 }
 
 }  // namespace aioserve
