@@ -6,7 +6,7 @@ from the LM head (the screen of a float32 head; a half head's argmax as it
 computes).
 
 Which of them apply on this CPU is decided once, with the reasons, in
-cpu/dispatch.py; the model's own limits are checked here. All three need
+cpu/dispatch.py; the model's own limits are checked here. All of them need
 the native kernels (aioserve/cpu/native.py). When they are still
 building, the engine starts with BLAS (tuned) and the torch forms, and
 `upgrade()`, the single point where that changes, called between steps on
