@@ -187,18 +187,7 @@ inline __m512 sum_lanes16(const __m512 (&v)[16]) {
   return _mm512_add_ps(_mm512_shuffle_f32x4(u0, u1, kEven), _mm512_shuffle_f32x4(u0, u1, kOdd));
 }
 
-// 32 bf16 values (a 64-byte load) as two float32 vectors, exactly: the even
-// elements (each 32-bit word's low half, shifted up) and the odd ones (its
-// high half, the low half masked off). Two integer instructions, where
-// vdpbf16ps (which widens inside) runs at half the rate of an FMA.
-struct SplitPairs {
-  __m512 even, odd;
-};
-inline SplitPairs split_pairs(const BFloat16* p) {
-  const __m512i x = _mm512_loadu_si512(p);
-  return {_mm512_castsi512_ps(_mm512_slli_epi32(x, 16)),
-          _mm512_castsi512_ps(_mm512_and_si512(x, _mm512_set1_epi32(static_cast<int>(0xffff0000u))))};
-}
+using aioserve::split_pairs;  // bf16 pairs as even and odd float32 vectors (vec_math.h)
 
 // The scores of KV head g's Group query heads against the keys of 16 / Group
 // positions from j (past the span's end: its last position again, the
@@ -253,20 +242,23 @@ void span_scores(const float* q_split, const BFloat16* kp, const int32_t* pages,
   }
 }
 
-// span_scores for this GQA group (query heads per KV head), if it has an instance (1-8); false if not.
+using SpanScores = void (*)(const float*, const BFloat16*, const int32_t*, int64_t, int64_t, int64_t, int64_t, int64_t,
+                            int64_t, float*);
+
+// span_scores for this GQA group (query heads per KV head), if it has an
+// instance (1-8); nullptr if not: asked before a span does any work.
 template <int Chunks>
-bool span_scores_for(int64_t group, const float* q_split, const BFloat16* kp, const int32_t* pages,
-                     int64_t page_size, int64_t begin, int64_t n, int64_t num_heads, int64_t num_kv_heads,
-                     int64_t lanes, float* score) {
+SpanScores span_scores_for(int64_t group) {
   switch (group) {
-#define AIOSERVE_GROUP(G)                                                                                         \
-  case G:                                                                                                         \
-    span_scores<Chunks, G>(q_split, kp, pages, page_size, begin, n, num_heads, num_kv_heads, lanes, score);       \
-    return true;
-    AIOSERVE_GROUP(1) AIOSERVE_GROUP(2) AIOSERVE_GROUP(3) AIOSERVE_GROUP(4)
-    AIOSERVE_GROUP(5) AIOSERVE_GROUP(6) AIOSERVE_GROUP(7) AIOSERVE_GROUP(8)
-#undef AIOSERVE_GROUP
-    default: return false;
+    case 1: return span_scores<Chunks, 1>;
+    case 2: return span_scores<Chunks, 2>;
+    case 3: return span_scores<Chunks, 3>;
+    case 4: return span_scores<Chunks, 4>;
+    case 5: return span_scores<Chunks, 5>;
+    case 6: return span_scores<Chunks, 6>;
+    case 7: return span_scores<Chunks, 7>;
+    case 8: return span_scores<Chunks, 8>;
+    default: return nullptr;
   }
 }
 
@@ -301,6 +293,8 @@ bool attend_span_bf16(const BFloat16* q, float scale, const BFloat16* kp, const 
   constexpr int kPairVectors = Chunks / 2;  // 32 bf16 each: 16 even dims, 16 odd dims
   constexpr int kHeadsAtOnce = Chunks >= 16 ? 1 : 16 / Chunks;  // accumulators kept in 16 registers
   const int64_t group = num_heads / num_kv_heads, kv_stride = num_kv_heads * dim, n = end - begin;
+  const SpanScores span_scores_of_group = span_scores_for<Chunks>(group);
+  if (span_scores_of_group == nullptr) return false;
   const int64_t head_bytes = dim * static_cast<int64_t>(sizeof(BFloat16));
   const int64_t lanes = (num_heads + 15) / 16 * 16;  // a position's scores, heads padded to whole vectors
   // scores: q split and scaled [num_heads x dim], then n (+ a block) x lanes scores.
@@ -314,8 +308,7 @@ bool attend_span_bf16(const BFloat16* q, float scale, const BFloat16* kp, const 
       _mm512_storeu_ps(q_split + h * dim + 32 * c, _mm512_mul_ps(x.even, scale_v));
       _mm512_storeu_ps(q_split + h * dim + 32 * c + 16, _mm512_mul_ps(x.odd, scale_v));
     }
-  if (!span_scores_for<Chunks>(group, q_split, kp, pages, page_size, begin, n, num_heads, num_kv_heads, lanes, score))
-    return false;
+  span_scores_of_group(q_split, kp, pages, page_size, begin, n, num_heads, num_kv_heads, lanes, score);
   // Softmax numerators, 16 heads in the lanes: exp(score - the head's max).
   for (int64_t h0 = 0; h0 < lanes; h0 += 16) {
     alignas(64) float top[16], total[16] = {};

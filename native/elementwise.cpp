@@ -228,12 +228,11 @@ void row_max_argmax(const float* p, int64_t rows, int64_t vocab, float* max_out,
     }
   });
   for (int64_t row = 0; row < rows; ++row) {
-    // Chunks in order, replaced only by a strictly greater one (or a first
-    // NaN): the first index on ties, as in one pass.
+    // Chunks in order (later_max_wins, vec_math.h): the answer of one pass.
     auto best = found[row * chunks];
-    for (int64_t c = 1; c < chunks && !std::isnan(best.first); ++c) {
+    for (int64_t c = 1; c < chunks; ++c) {
       const auto& next = found[row * chunks + c];
-      if (std::isnan(next.first) || next.first > best.first) best = next;
+      if (aioserve::later_max_wins(best.first, next.first)) best = next;
     }
     max_out[row] = best.first;
     arg_out[row] = best.second;

@@ -139,18 +139,15 @@ inline void tile_dot_pairs(const uint32_t* __restrict x, int64_t pairs, int64_t 
 template <int Rows>
 inline void tile_split_pairs(const float* __restrict x, int64_t k, int64_t ld, const BFloat16* __restrict block,
                              float* __restrict out) {
-  const __m512i high = _mm512_set1_epi32(static_cast<int>(0xFFFF0000u));
   __m512 acc[Rows][2];
   for (int r = 0; r < Rows; ++r) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
   for (int64_t i = 0; i < k / 2; ++i) {
-    const __m512i p0 = _mm512_loadu_si512(block + i * 2 * kBlock);
-    const __m512i p1 = _mm512_loadu_si512(block + i * 2 * kBlock + 2 * kVec);
-    const __m512 even0 = _mm512_castsi512_ps(_mm512_slli_epi32(p0, 16)), odd0 = _mm512_castsi512_ps(_mm512_and_si512(p0, high));
-    const __m512 even1 = _mm512_castsi512_ps(_mm512_slli_epi32(p1, 16)), odd1 = _mm512_castsi512_ps(_mm512_and_si512(p1, high));
+    const aioserve::SplitPairs w0 = aioserve::split_pairs(block + i * 2 * kBlock);  // vec_math.h
+    const aioserve::SplitPairs w1 = aioserve::split_pairs(block + i * 2 * kBlock + 2 * kVec);
     for (int r = 0; r < Rows; ++r) {
       const __m512 a = _mm512_set1_ps(x[r * ld + 2 * i]), b = _mm512_set1_ps(x[r * ld + 2 * i + 1]);
-      acc[r][0] = _mm512_fmadd_ps(b, odd0, _mm512_fmadd_ps(a, even0, acc[r][0]));
-      acc[r][1] = _mm512_fmadd_ps(b, odd1, _mm512_fmadd_ps(a, even1, acc[r][1]));
+      acc[r][0] = _mm512_fmadd_ps(b, w0.odd, _mm512_fmadd_ps(a, w0.even, acc[r][0]));
+      acc[r][1] = _mm512_fmadd_ps(b, w1.odd, _mm512_fmadd_ps(a, w1.even, acc[r][1]));
     }
   }
   for (int r = 0; r < Rows; ++r) {
@@ -634,7 +631,7 @@ void packed_linear_unrounded(const BFloat16* x, int64_t m, int64_t k, const BFlo
 // Each row's largest output of x W^T (+ b) as packed_linear's float_out holds
 // it, and its first column (a NaN's, if any): row_max_argmax of those
 // logits, without them. Each block's best per row, then the blocks in
-// column order, a later one taking over only when strictly larger.
+// column order (later_max_wins, vec_math.h).
 void packed_linear_argmax(const void* x, int x_type, int64_t m, int64_t k, const void* packed, int w_type, bool pairs,
                           int64_t n, const float* bias, float* max_out, int64_t* arg_out) {
   AIOSERVE_CHECK(x_type != kFloat64 && w_type != kFloat64, "packed_linear_argmax: float64 is not supported");
@@ -654,10 +651,9 @@ void packed_linear_argmax(const void* x, int x_type, int64_t m, int64_t k, const
   for (int64_t r = 0; r < m; ++r) {
     float top = best[r];
     int64_t where = column[r];
-    for (int64_t b = 1; b < blocks && top == top; ++b) {
-      const float v = best[b * m + r];
-      if (v != v || v > top) {
-        top = v;
+    for (int64_t b = 1; b < blocks; ++b) {
+      if (aioserve::later_max_wins(top, best[b * m + r])) {
+        top = best[b * m + r];
         where = column[b * m + r];
       }
     }

@@ -24,6 +24,19 @@ inline __m512 load16(const BFloat16* p) {
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bits), 16));
 }
 inline __m512 load16(const Half* p) { return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))); }
+
+// 32 bf16 values (a 64-byte load) as two float32 vectors, exactly: the even
+// elements (each 32-bit word's low half, shifted up) and the odd ones (its
+// high half, the low half masked off). Two integer instructions, where
+// vdpbf16ps (which widens inside) runs at half the rate of an FMA.
+struct SplitPairs {
+  __m512 even, odd;
+};
+inline SplitPairs split_pairs(const BFloat16* p) {
+  const __m512i x = _mm512_loadu_si512(p);
+  return {_mm512_castsi512_ps(_mm512_slli_epi32(x, 16)),
+          _mm512_castsi512_ps(_mm512_and_si512(x, _mm512_set1_epi32(static_cast<int>(0xffff0000u))))};
+}
 #endif
 
 #if defined(__AVX2__) && defined(__F16C__)
@@ -91,5 +104,11 @@ inline std::pair<float, int64_t> max_argmax(const float* p, int64_t n) {
   const int64_t index = find_first(p, n, best, has_nan);
   return {p[index], index};
 }
+
+// Merging max_argmax's answers for consecutive stretches of one row, in
+// order: whether the later stretch's max takes over from the best so far.
+// Only a strictly larger one (the first index wins ties), or a first NaN,
+// which then stays: the answer one pass over the whole row gives.
+inline bool later_max_wins(float best, float later) { return best == best && (later != later || later > best); }
 
 }  // namespace aioserve
