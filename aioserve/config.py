@@ -23,6 +23,8 @@ GROUPS = ("model", "KV cache", "scheduling", "speculative decoding", "LoRA", "im
 # pull in torch and the attention package.
 ATTENTION_BACKENDS = ("auto", "torch_native", "flashinfer")
 
+LORA_DTYPES = ("auto", "bfloat16", "float16", "float32")  # vLLM's --lora-dtype choices, and float32
+
 
 def _json_object(text: str) -> dict[str, Any]:
     """A flag's JSON object; a usage error that says so when it is not one."""
@@ -292,7 +294,7 @@ class EngineConfig:
         "when next used); default: every loaded adapter",
     )
     lora_dtype: str = option(
-        "auto", choices=("auto", "bfloat16", "float16", "float32"), group="LoRA",
+        "auto", choices=LORA_DTYPES, group="LoRA",
         help="the adapters' weights rounded to this dtype (auto: the base model's); narrower than the math, the "
         "CPU's native update reads them at that width (a float32 model's 16 rank-16 adapters: half the bytes a "
         "step), the math staying the model's",

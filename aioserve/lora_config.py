@@ -12,7 +12,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 
-from aioserve.config import ConfigError, EngineConfig
+from aioserve.config import LORA_DTYPES, ConfigError, EngineConfig
 
 
 @dataclass(frozen=True)
@@ -22,9 +22,6 @@ class AdapterSource:
     name: str
     path: str
     base_model_name: str | None = None
-
-
-LORA_DTYPES = ("auto", "bfloat16", "float16", "float32")  # vLLM's --lora-dtype choices, and float32
 
 
 @dataclass(frozen=True)

@@ -130,6 +130,15 @@ def pack_linear_weight(weight: torch.Tensor) -> torch.Tensor:
     return out
 
 
+def float32_bias(bias: torch.Tensor | None, n: int, what: str) -> torch.Tensor | None:
+    """A layer's bias as the kernels read it: N contiguous float32 values (None: none)."""
+    if bias is None:
+        return None
+    if bias.numel() != n:
+        raise RuntimeError(f"{what}: bias must have N values")
+    return bias.to(torch.float32).contiguous()
+
+
 def packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, n: int, float_out: bool = False,
                   out: torch.Tensor | None = None) -> torch.Tensor:
     """x W^T (+ b) with a packed W (CPU): [M, n] in x's dtype, or float32
@@ -158,11 +167,7 @@ def packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | No
         y = out
     else:
         y = torch.empty(m, n, dtype=y_dtype)  # positional sizes: ~1 us less than a tuple
-    bias32 = None
-    if bias is not None:
-        if bias.numel() != n:
-            raise RuntimeError("packed_linear: bias must have N values")
-        bias32 = bias.to(torch.float32).contiguous()
+    bias32 = float32_bias(bias, n, "packed_linear")
     if m == 0:
         return y
     if lib.packed_linear(x.data_ptr(), code(x, "packed_linear"), m, k, packed.data_ptr(), code(packed, "packed_linear"),
@@ -181,11 +186,7 @@ def packed_linear_argmax(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tens
     m, k = x.shape
     pointer, type_code, pairs = packed_fields(packed, k, n, "packed_linear_argmax")
     x = x.contiguous()
-    bias32 = None
-    if bias is not None:
-        if bias.numel() != n:
-            raise RuntimeError("packed_linear_argmax: bias must have N values")
-        bias32 = bias.to(torch.float32).contiguous()
+    bias32 = float32_bias(bias, n, "packed_linear_argmax")
     maxes = torch.empty(m, dtype=torch.float32)
     argmaxes = torch.empty(m, dtype=torch.int64)
     if m == 0:
