@@ -138,13 +138,14 @@ void packed_linear_argmax(const void* x, int x_type, int64_t m, int64_t k, const
 // lora.cpp: a projection's LoRA adapter slots (slot 0: the base model).
 // A fused projection (q|k|v, gate|up) has `parts` parts, each with its own
 // band of band / parts rank rows and its own output columns: slot s's A
-// [band, in] and B [band, out] are held as they are, row by row, and of B
-// only each part's block (its rank rows, its columns) is read, since B is
-// block-diagonal (read whole, a step read 3x the bytes of B for q|k|v, 2x
-// for gate|up).
+// [band, in] is held as it is, row by row, and of B [band, out], which is
+// block-diagonal, only each part's block (its rank rows by its columns),
+// the blocks one after the other (read whole, a step read 3x the bytes of
+// B for q|k|v, 2x for gate|up; read in place, each of a part's rank rows
+// was a short run of its own, far from the next).
 struct LoraSlots {
   const int64_t* a = nullptr;  // addresses of the slots' A [band, k], row by row
-  const int64_t* b = nullptr;  // addresses of the slots' B [band, n], row by row (each part's block read in place)
+  const int64_t* b = nullptr;  // addresses of the slots' B: each part's block [band / parts, its width], one after the other
   int a_type = 0, b_type = 0;
   int64_t slots = 0, band = 0;
   int64_t parts = 1;

@@ -258,7 +258,8 @@ def test_lora_add_rows_adds_each_rows_own_slot(dtype: torch.dtype, held: torch.d
     and multiplied apart: the sum is the whole B's. A and B are held as
     they are; A's products are dot products over k in vector lanes: k = 100
     leaves a partial last lane group (float32: 6 + 4, bf16 pairs: 3 x 32 +
-    4), and parts 96, 52 and 52 wide leave partial column groups. bf16
+    4), and parts 96, 52 and 52 wide leave partial column groups (B held
+    as its parts' blocks one after the other, `lora_part_blocks`). bf16
     weights under float32 math keep their adapters in bf16 (read as such)."""
     kernels = cpu_kernels()
     torch.manual_seed(0)
@@ -270,7 +271,7 @@ def test_lora_add_rows_adds_each_rows_own_slot(dtype: torch.dtype, held: torch.d
         b[:, p * rank : (p + 1) * rank, start:end] = torch.randn(slots, rank, end - start) * 0.1
     a[0], b[0] = 0, 0
     held_a = [a[s].to(held).contiguous() for s in range(slots)]
-    held_b = [b[s].to(held).contiguous() for s in range(slots)]
+    held_b = [kernels.lora_part_blocks(b[s], columns).to(held) for s in range(slots)]
     pointers = kernels.LoraPointers(held_a, held_b, band, k, n, columns)
     for row_slots in ([1, 0, 3, 1, 2, 0, 3, 3, 1], [2] * 5, [0, 0, 0], [3] * 40 + [0]):
         x = torch.randn(len(row_slots), k).to(dtype)
@@ -299,8 +300,8 @@ def test_lora_add_rows_adds_each_rows_own_slot(dtype: torch.dtype, held: torch.d
         kernels.LoraPointers(held_a, held_b, band, k, n, (0, 40, 80, 120, 160, n))  # 5 parts: 8 or 24 rows
     with pytest.raises(RuntimeError, match="must be \\[band, in\\]"):  # an A packed as a weight is refused
         kernels.LoraPointers([kernels.pack_linear_weight(w) for w in held_a], held_b, band, k, n, columns)
-    with pytest.raises(RuntimeError, match="must be \\[band, out\\]"):  # so is a B transposed
-        kernels.LoraPointers(held_a, [w.T.contiguous() for w in held_b], band, k, n, columns)
+    with pytest.raises(RuntimeError, match="parts' blocks"):  # so is a B given whole, not as its parts' blocks
+        kernels.LoraPointers(held_a, [b[s].to(held).contiguous() for s in range(slots)], band, k, n, columns)
 
 
 @pytest.mark.parametrize("dtype,options", [("bfloat16", {}), ("bfloat16", {"cpu_half_compute": "float32"}),

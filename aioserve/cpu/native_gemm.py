@@ -59,14 +59,25 @@ def packed_fields(weight: torch.Tensor, k: int, n: int, what: str) -> tuple[int,
     return weight.data_ptr(), code(weight, "packed_linear"), int(pairs)
 
 
+def lora_part_blocks(b: torch.Tensor, columns: tuple[int, ...]) -> torch.Tensor:
+    """A slot's B [band, out] as the library reads it: each part's block
+    (its band / parts rank rows by its own output columns) flattened, one
+    after the other, [band / parts * out]. A fused projection's B is
+    block-diagonal: the zeros between the blocks are left out."""
+    parts = len(columns) - 1
+    rank = b.shape[0] // parts
+    return torch.cat([b[p * rank : (p + 1) * rank, start:end].reshape(-1)
+                      for p, (start, end) in enumerate(zip(columns, columns[1:]))])
+
+
 @dataclass
 class LoraPointers:
     """A projection's LoRA slots for the library (kernels.h's LoraSlots):
-    each slot's A [band, in] and B [band, out] as they are, contiguous, of
-    one dtype each (native/lora.cpp multiplies by A in dot products, x
-    [M, in] -> [M, band], and reads each part's block of B in place: the
-    part's band / parts rank rows, its output columns). Checked once. The
-    tensors must stay where they are (a slot is rewritten in place)."""
+    each slot's A [band, in] as it is and its B as `lora_part_blocks` lays
+    it out, contiguous, of one dtype each (native/lora.cpp multiplies by A
+    in dot products, x [M, in] -> [M, band], then by each part's block of
+    B). Checked once. The tensors must stay where they are (a slot is
+    rewritten in place)."""
 
     a: list[torch.Tensor]
     b: list[torch.Tensor]
@@ -83,8 +94,8 @@ class LoraPointers:
             raise RuntimeError("lora: the parts' columns, band and B slots do not fit together")
         if any(w.shape != (self.band, self.in_features) or not w.is_contiguous() for w in self.a):
             raise RuntimeError("lora: each slot's A must be [band, in], contiguous")
-        if any(w.shape != (self.band, self.out_features) or not w.is_contiguous() for w in self.b):
-            raise RuntimeError("lora: each slot's B must be [band, out], contiguous")
+        if any(w.shape != (self.band // parts * self.out_features,) or not w.is_contiguous() for w in self.b):
+            raise RuntimeError("lora: each slot's B must be its parts' blocks (lora_part_blocks), contiguous")
         if len({w.dtype for w in self.a}) != 1 or len({w.dtype for w in self.b}) != 1:
             raise RuntimeError("lora: a projection's slots differ in dtype")
         self.a_ptrs = torch.tensor([w.data_ptr() for w in self.a], dtype=torch.int64)

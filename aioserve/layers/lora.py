@@ -135,14 +135,14 @@ class LoraSlots:
         if self.native is None:
             every = range(self.a.shape[0])
             native = NativeSlots([self.a[s].to(dtype, copy=True).contiguous() for s in every],
-                                 [self.b[s].to(dtype, copy=True).contiguous() for s in every])
+                                 [kernels.lora_part_blocks(self.b[s], self.columns).to(dtype) for s in every])
             native.pointers = kernels.LoraPointers(native.a, native.b, int(self.a.shape[1]), int(self.a.shape[2]),
                                                  int(self.b.shape[2]), self.columns)
             self.native = native
             return True
         for s in range(self.a.shape[0]) if slots is None else slots:
             self.native.a[s].copy_(self.a[s])
-            self.native.b[s].copy_(self.b[s])
+            self.native.b[s].copy_(kernels.lora_part_blocks(self.b[s], self.columns))
         return True
 
     def _product(self, x: torch.Tensor, slot: int) -> torch.Tensor:
