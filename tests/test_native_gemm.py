@@ -55,6 +55,31 @@ def test_packed_linear_matches_torch(x_dtype, w_dtype, n, k, rows) -> None:
     assert torch.equal(into, widened)
 
 
+@pytest.mark.parametrize("x_dtype,w_dtype", [(torch.float32, torch.float32), (torch.float32, torch.float16),
+                                             (torch.bfloat16, torch.bfloat16)])
+@pytest.mark.parametrize("n", [2048, 2050], ids=["rows 64-byte aligned", "rows not aligned"])
+def test_large_outputs_are_the_rows_computed_alone(x_dtype, w_dtype, n) -> None:
+    """Outputs past 2 MiB go to memory through non-temporal stores (gemm.cpp's
+    RowsOut::stream) where their rows are 64-byte aligned: the same bits as
+    the same rows computed in a call too small to stream, with and without
+    bias, in x's dtype and as float_out; past a group of blocks and a last
+    partial block (n = 2050), and with a last partial row tile (600 rows)."""
+    kernels = cpu_kernels()
+    generator = torch.Generator().manual_seed(n)
+    k, rows = 256, 600
+    weight = (torch.randn(n, k, generator=generator) * 0.1).to(w_dtype)
+    bias = torch.randn(n, generator=generator)
+    x = torch.randn(rows, k, generator=generator).to(x_dtype)
+    packed = kernels.pack_linear_weight(weight)
+    for b in (None, bias):
+        for float_out in (False, True):
+            whole = kernels.packed_linear(x, packed, b, n, float_out)
+            assert whole.numel() * whole.element_size() > 2 << 20
+            for first in (0, 288, 584):
+                alone = kernels.packed_linear(x[first : first + 16], packed, b, n, float_out)
+                assert torch.equal(whole[first : first + 16], alone)
+
+
 @pytest.mark.parametrize("x_dtype,w_dtype", [(torch.float32, torch.float32), (torch.float32, torch.bfloat16),
                                              (torch.float32, torch.float16), (torch.bfloat16, torch.bfloat16)])
 @pytest.mark.parametrize("n,k", [(1, 1), (33, 17), (300, 130), (1000, 1024)])
