@@ -190,11 +190,24 @@ void silu_and_mul_impl(const T* x, T* out, int64_t rows, int64_t n) {
       const T* gate = x + r * 2 * n;
       const T* up = gate + n;
       T* dst = out + r * n;
+      int64_t j = 0;
+#if defined(__AVX512F__)
+      // 16 at a time, the loop below's operations in its order: as the
+      // compiler vectorized that loop (each division, clamp and rounding
+      // under masks, several times over) it took ~70 cycles per 16 values
+      // (Qwen3-0.6B's 2048 x 3072 at 5.2 ms on 2 cores, torch's two ops 4.4).
+      for (; j + 16 <= n; j += 16) {
+        const __m512 g = load16(gate + j);
+        const __m512 minus_g = _mm512_castsi512_ps(_mm512_xor_si512(_mm512_castps_si512(g), _mm512_set1_epi32(INT32_MIN)));
+        const __m512 silu = round16<T>(_mm512_div_ps(g, _mm512_add_ps(_mm512_set1_ps(1.f), exp_approx16(minus_g))));
+        store16(dst + j, _mm512_mul_ps(silu, load16(up + j)));
+      }
+#endif
 #pragma omp simd
-      for (int64_t j = 0; j < n; ++j) {
-        const float g = to_float(gate[j]);
+      for (int64_t i = j; i < n; ++i) {
+        const float g = to_float(gate[i]);
         // silu rounded to T first, as F.silu(gate) is a T tensor before `* up`.
-        dst[j] = from_float<T>(round_to<T>(g / (1.f + exp_approx(-g))) * to_float(up[j]));
+        dst[i] = from_float<T>(round_to<T>(g / (1.f + exp_approx(-g))) * to_float(up[i]));
       }
     }
   });

@@ -313,18 +313,6 @@ inline Y store_as(float v) {
   }
 }
 
-#if defined(__AVX512F__)
-// 16 float32 values as bf16 holds them, as float32 (store_as<BFloat16, float>:
-// round to nearest even, a NaN as bf16's quiet NaN).
-inline __m512 held_as_bf16(__m512 v) {
-  const __m512i u = _mm512_castps_si512(v);
-  const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
-  const __m512i rounded = _mm512_and_si512(_mm512_add_epi32(_mm512_add_epi32(u, _mm512_set1_epi32(0x7fff)), odd),
-                                           _mm512_set1_epi32(static_cast<int>(0xffff0000u)));
-  const __mmask16 nan = _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
-  return _mm512_castsi512_ps(_mm512_mask_mov_epi32(rounded, nan, _mm512_set1_epi32(0x7fc00000)));
-}
-#endif
 
 // Where a tile's float32 sums (rows x kBlock, x's rows from `row`, W's
 // columns col0 .. col0 + cols) go: a sink's operator(). The kernels below
@@ -372,13 +360,13 @@ struct RowsOut {
       }
       Y* dst = y + (row + r) * n + col0;
       if constexpr (std::is_same_v<Y, BFloat16>) {  // X is bf16 too (Y is X or float)
-        const __m256i lo = _mm512_cvtepi32_epi16(_mm512_srli_epi32(_mm512_castps_si512(held_as_bf16(a)), 16));
-        const __m256i hi = _mm512_cvtepi32_epi16(_mm512_srli_epi32(_mm512_castps_si512(held_as_bf16(b)), 16));
+        const __m256i lo = _mm512_cvtepi32_epi16(_mm512_srli_epi32(_mm512_castps_si512(aioserve::held_as_bf16(a)), 16));
+        const __m256i hi = _mm512_cvtepi32_epi16(_mm512_srli_epi32(_mm512_castps_si512(aioserve::held_as_bf16(b)), 16));
         _mm512_stream_si512(reinterpret_cast<__m512i*>(dst), _mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1));
       } else {
         if constexpr (Round && std::is_same_v<X, BFloat16>) {
-          a = held_as_bf16(a);
-          b = held_as_bf16(b);
+          a = aioserve::held_as_bf16(a);
+          b = aioserve::held_as_bf16(b);
         }
         _mm512_stream_ps(dst, a);
         _mm512_stream_ps(dst + 16, b);
@@ -430,8 +418,8 @@ struct BlockArgmax {
             b = _mm512_add_ps(b, _mm512_loadu_ps(bias + col0 + 16));
           }
           if constexpr (std::is_same_v<X, BFloat16>) {
-            a = held_as_bf16(a);
-            b = held_as_bf16(b);
+            a = aioserve::held_as_bf16(a);
+            b = aioserve::held_as_bf16(b);
           }
           const __mmask16 nan_a = _mm512_cmp_ps_mask(a, a, _CMP_UNORD_Q);
           const __mmask16 nan_b = _mm512_cmp_ps_mask(b, b, _CMP_UNORD_Q);

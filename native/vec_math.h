@@ -8,6 +8,7 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <type_traits>
 #include <utility>
 
 #if defined(__AVX512F__) || defined(__AVX2__)
@@ -36,6 +37,37 @@ inline SplitPairs split_pairs(const BFloat16* p) {
   const __m512i x = _mm512_loadu_si512(p);
   return {_mm512_castsi512_ps(_mm512_slli_epi32(x, 16)),
           _mm512_castsi512_ps(_mm512_and_si512(x, _mm512_set1_epi32(static_cast<int>(0xffff0000u))))};
+}
+
+// 16 float32 values as bf16 holds them, as float32: round_to<BFloat16> 16
+// at a time (round to nearest even, a NaN as bf16's quiet NaN).
+inline __m512 held_as_bf16(__m512 v) {
+  const __m512i u = _mm512_castps_si512(v);
+  const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+  const __m512i rounded = _mm512_and_si512(_mm512_add_epi32(_mm512_add_epi32(u, _mm512_set1_epi32(0x7fff)), odd),
+                                           _mm512_set1_epi32(static_cast<int>(0xffff0000u)));
+  const __mmask16 nan = _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
+  return _mm512_castsi512_ps(_mm512_mask_mov_epi32(rounded, nan, _mm512_set1_epi32(0x7fc00000)));
+}
+
+// round_to<T> and from_float<T> (stored) 16 values at a time, bit for bit.
+template <typename T>
+inline __m512 round16(__m512 v) {
+  if constexpr (std::is_same_v<T, BFloat16>) {
+    return held_as_bf16(v);
+  } else if constexpr (std::is_same_v<T, Half>) {
+    return _mm512_cvtph_ps(_mm512_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+  } else {
+    return v;
+  }
+}
+inline void store16(float* p, __m512 v) { _mm512_storeu_ps(p, v); }
+inline void store16(BFloat16* p, __m512 v) {
+  const __m512i high = _mm512_srli_epi32(_mm512_castps_si512(held_as_bf16(v)), 16);
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm512_cvtepi32_epi16(high));
+}
+inline void store16(Half* p, __m512 v) {
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm512_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
 }
 #endif
 
@@ -73,6 +105,29 @@ inline float exp_approx(float x) {
   std::memcpy(&half_scale, &bits, sizeof half_scale);
   return p * half_scale * 2.f;
 }
+
+#if defined(__AVX512F__)
+// exp_approx 16 values at a time: the same operations in the same order (so
+// the same bits, where the caller does not let the compiler fuse a multiply
+// and an add, as elementwise.cpp does not), the clamps written so that a
+// NaN passes them as std::min and std::max let it.
+inline __m512 exp_approx16(__m512 x) {
+  x = _mm512_min_ps(_mm512_set1_ps(88.8f), _mm512_max_ps(_mm512_set1_ps(-86.6f), x));
+  const __m512 big = _mm512_set1_ps(12582912.f);
+  const __m512 n = _mm512_sub_ps(_mm512_add_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)), big), big);
+  __m512 r = _mm512_sub_ps(x, _mm512_mul_ps(n, _mm512_set1_ps(0.693359375f)));
+  r = _mm512_sub_ps(r, _mm512_mul_ps(n, _mm512_set1_ps(-2.12194440e-4f)));
+  __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+  p = _mm512_add_ps(_mm512_mul_ps(p, r), _mm512_set1_ps(1.3981999507e-3f));
+  p = _mm512_add_ps(_mm512_mul_ps(p, r), _mm512_set1_ps(8.3334519073e-3f));
+  p = _mm512_add_ps(_mm512_mul_ps(p, r), _mm512_set1_ps(4.1665795894e-2f));
+  p = _mm512_add_ps(_mm512_mul_ps(p, r), _mm512_set1_ps(1.6666665459e-1f));
+  p = _mm512_add_ps(_mm512_mul_ps(p, r), _mm512_set1_ps(5.0000001201e-1f));
+  p = _mm512_add_ps(_mm512_add_ps(_mm512_mul_ps(_mm512_mul_ps(p, r), r), r), _mm512_set1_ps(1.f));
+  const __m512i bits = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvttps_epi32(n), _mm512_set1_epi32(126)), 23);
+  return _mm512_mul_ps(_mm512_mul_ps(p, _mm512_castsi512_ps(bits)), _mm512_set1_ps(2.f));
+}
+#endif
 
 // The first index in p[0, n) holding `target` (a NaN when `nan`), which is
 // there: blocks are tested with a vectorized any(), then one block's elements
