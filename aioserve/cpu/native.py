@@ -217,6 +217,12 @@ def enabled() -> bool:
     return os.environ.get("AIOSERVE_NATIVE", "1") != "0" and bool(SOURCES)
 
 
+def build_failure() -> str | None:
+    """Why there are no kernels when their build failed (the error's first
+    line, naming the build log), else None."""
+    return _kernels.failure
+
+
 def cpu_kernels(wait: bool = True) -> ModuleType | None:
     """The compiled CPU kernels, or None (the callers fall back to torch ops).
     With wait=False, None while a build runs (started by this call if needed)."""
