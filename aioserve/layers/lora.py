@@ -92,11 +92,11 @@ class LoraStepState:
 @dataclass
 class NativeSlots:
     """The slots as the native call reads them, in the stored dtype: each
-    slot's A_s [P * R, in] and B_s [P * R, out] as they are (native/lora.cpp
-    multiplies by A in dot products and reads each part's block of B in
-    place: B is block-diagonal, and its zeros are never read), and their
-    addresses for the library (the grouped form's one call, and the
-    DecoderStack)."""
+    slot's A_s [P * R, in] as it is (native/lora.cpp multiplies by A in dot
+    products) and B_s as its parts' blocks one after the other
+    (native_gemm.lora_part_blocks: B is block-diagonal, and its zeros are
+    neither kept nor read), and their addresses for the library (the
+    grouped form's one call, and the DecoderStack)."""
 
     a: list[torch.Tensor]
     b: list[torch.Tensor]
