@@ -215,8 +215,8 @@ inline void configure_tiles(int rows) {
 // RowTiles row tiles of bf16 x (as configured: 16 rows, or a last partial
 // tile's; row stride ld_bytes; k a multiple of 32) against one pair-packed
 // block [k / 2][kBlock][2]: out, a row tile's 16 rows apart, kBlock float32
-// sums a row. `next`, if given, is a block this thread takes next (the
-// same size), asked into L2 a k step at a time: a tile load that misses stalls its
+// sums a row. `next`, if given, is the block after this one (the same size),
+// asked into L2 a k step at a time: a tile load that misses stalls its
 // products, and the hardware prefetchers stop at each 4 KiB, so without it
 // the first pass over a block streamed W from memory at the loads' pace
 // (Qwen3-0.6B's layer at 64 rows 2.82-2.96 -> 2.51-2.66 ms, at 256 rows
@@ -313,7 +313,6 @@ inline Y store_as(float v) {
   }
 }
 
-
 // Where a tile's float32 sums (rows x kBlock, x's rows from `row`, W's
 // columns col0 .. col0 + cols) go: a sink's operator(). The kernels below
 // compute; the sink stores.
@@ -360,9 +359,9 @@ struct RowsOut {
       }
       Y* dst = y + (row + r) * n + col0;
       if constexpr (std::is_same_v<Y, BFloat16>) {  // X is bf16 too (Y is X or float)
-        const __m256i lo = _mm512_cvtepi32_epi16(_mm512_srli_epi32(_mm512_castps_si512(aioserve::held_as_bf16(a)), 16));
-        const __m256i hi = _mm512_cvtepi32_epi16(_mm512_srli_epi32(_mm512_castps_si512(aioserve::held_as_bf16(b)), 16));
-        _mm512_stream_si512(reinterpret_cast<__m512i*>(dst), _mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1));
+        const __m512i both = _mm512_inserti64x4(_mm512_castsi256_si512(aioserve::bf16_bits16(a)),
+                                                aioserve::bf16_bits16(b), 1);
+        _mm512_stream_si512(reinterpret_cast<__m512i*>(dst), both);
       } else {
         if constexpr (Round && std::is_same_v<X, BFloat16>) {
           a = aioserve::held_as_bf16(a);

@@ -61,11 +61,12 @@ inline __m512 round16(__m512 v) {
     return v;
   }
 }
-inline void store16(float* p, __m512 v) { _mm512_storeu_ps(p, v); }
-inline void store16(BFloat16* p, __m512 v) {
-  const __m512i high = _mm512_srli_epi32(_mm512_castps_si512(held_as_bf16(v)), 16);
-  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm512_cvtepi32_epi16(high));
+// 16 values' bf16 bits (from_float<BFloat16> 16 at a time), packed.
+inline __m256i bf16_bits16(__m512 v) {
+  return _mm512_cvtepi32_epi16(_mm512_srli_epi32(_mm512_castps_si512(held_as_bf16(v)), 16));
 }
+inline void store16(float* p, __m512 v) { _mm512_storeu_ps(p, v); }
+inline void store16(BFloat16* p, __m512 v) { _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), bf16_bits16(v)); }
 inline void store16(Half* p, __m512 v) {
   _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm512_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
 }

@@ -3,22 +3,22 @@
 Every native test skips when `cpu_kernels()` is None, which is right on a
 machine without a compiler, and wrong after a compile error in native/: the
 suite would then skip every kernel test and pass. This test tells the two
-apart, and fails with the build log's end."""
+apart, and fails naming the build log."""
 
 from __future__ import annotations
 
 import shutil
-import sys
 from pathlib import Path
 
 import pytest
 
 from aioserve.cpu import native
+from aioserve.cpu.native_build import ninja_path
 
 
 def has_toolchain() -> bool:
-    ninja = shutil.which("ninja") or (Path(sys.executable).with_name("ninja").exists() and "beside python")
-    return bool(shutil.which(native.compiler()) and ninja)
+    """The compiler and the ninja a build would run are there."""
+    return shutil.which(native.compiler()) is not None and Path(ninja_path()).exists()
 
 
 @pytest.mark.skipif(not has_toolchain(), reason="no C++ compiler or ninja here: the torch twins serve")

@@ -172,14 +172,18 @@ def _die_with_parent() -> None:
     os.kill(os.getpid(), signal.SIGKILL)
 
 
+def ninja_path() -> str:
+    """The ninja a build runs: on PATH, or beside this Python (the pip
+    package's, in a venv run by its full path)."""
+    return shutil.which("ninja") or str(Path(sys.executable).with_name("ninja"))
+
+
 def _main(argv: list[str]) -> int:
     request = BuildRequest(**json.loads(argv[0]))
     threading.Thread(target=_die_with_parent, name="aioserve-build-watch", daemon=True).start()
     sys.stdout.flush()
     env = {**os.environ, "NINJA_STATUS": NINJA_STATUS}
-    # On PATH, or beside this Python (the pip package's, in a venv run by its full path).
-    ninja = shutil.which("ninja") or str(Path(sys.executable).with_name("ninja"))
-    return subprocess.run([ninja, "-C", request.folder, "-j", str(request.jobs)], env=env).returncode
+    return subprocess.run([ninja_path(), "-C", request.folder, "-j", str(request.jobs)], env=env).returncode
 
 
 if __name__ == "__main__":
