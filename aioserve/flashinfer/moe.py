@@ -97,6 +97,17 @@ def swap_halves_(w13: torch.Tensor) -> None:
         expert[half:].copy_(first)
 
 
+def failure_line(text: str) -> str:
+    """The line of a failure's text that says what failed: a JIT build's
+    exception opens with "Ninja build failed. Ninja output:" and names the
+    cause (a missing source, a compiler error) further down."""
+    lines = [line.strip() for line in text.splitlines() if line.strip()]
+    for line in lines:
+        if "error" in line.lower() or "no such file" in line.lower():
+            return line[:300]
+    return lines[0][:300] if lines else ""
+
+
 def self_check(fi: ModuleType, w13: torch.Tensor, w2: torch.Tensor, torch_form: TorchForm) -> str | None:
     """Run the kernel and the torch form on synthetic rows over the first
     experts (w13 in aioserve's [gate | up] order); why they disagree, or why
@@ -115,7 +126,8 @@ def self_check(fi: ModuleType, w13: torch.Tensor, w2: torch.Tensor, torch_form: 
     try:
         got = run_kernel(fi, x, expert_ids, routing_weights, gate_up, down).float()
     except Exception as exc:  # noqa: BLE001 - an import, build or launch failure is a reason to use torch
-        return f"the kernel did not run ({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''})"
+        logger.debug("fused_moe: the kernel did not run:\n%s", exc)
+        return f"the kernel did not run ({type(exc).__name__}: {failure_line(str(exc))})"
     if got.shape != reference.shape:
         return f"the kernel returned {tuple(got.shape)} for {tuple(reference.shape)}"
     error = float((got - reference).norm() / reference.norm().clamp_min(1e-12))
