@@ -230,7 +230,9 @@ def test_sampled_tokens_follow_the_models_distribution(tiny_checkpoints: dict[st
     test at p = 0.001; the engine's seed fixes every draw, so it cannot flake."""
     model = tiny_checkpoints["llama"]
     # A prompt that holds its own likely continuation (the model's greedy
-    # one, then its start again): prompt lookup proposes it, and it often stands.
+    # one, then its start again): prompt lookup proposes from it. On this
+    # random model few proposals stand at this temperature, so the rows
+    # compared are mostly verified rows whose proposal was refused.
     base = hf_encode(model, "a b")
     llm = LLM(str(model), page_size=4)
     greedy = llm.generate([base], SamplingParams(max_tokens=40, temperature=0, ignore_eos=True))[0].token_ids
@@ -245,7 +247,8 @@ def test_sampled_tokens_follow_the_models_distribution(tiny_checkpoints: dict[st
             runs.append([o.token_ids for o in llm.generate([prompt] * 600, params)])
             if options:
                 stats = llm.scheduler.speculator.stats
-                assert stats.drafts > 300 and 0 < stats.accepted_tokens < stats.draft_tokens
+                # A quarter of the 600 requests at least (lookups that find nothing back off).
+                assert stats.drafts > 150 and 0 < stats.accepted_tokens < stats.draft_tokens
         finally:
             llm.close()
     plain, speculative = runs
@@ -431,3 +434,46 @@ def test_verification_on_cuda(tmp_path: Path, backend: str, dtype: str) -> None:
         assert tokens[split] in top, (split, tokens[split], top)
         assert abs(logprobs[split] - top[tokens[split]]) < 0.1
         assert abs(top[tokens[split]] - top[reference.token_ids[split]]) < 0.1  # a near-tie, not a wrong token
+
+
+def test_proposals_that_keep_failing_give_overlap_back(tiny_checkpoints: dict[str, Path]) -> None:
+    """A proposer that is always wrong: the outputs stay the plain ones, the
+    request backs off (2**m - 1 chances passed up after m misses in a row),
+    and while it backs off the loop plans the next step before the one in
+    flight lands (overlap), waiting for tokens only around its verifications."""
+    model = tiny_checkpoints["qwen3"]
+    prompts = [hf_encode(model, TEXTS[2])]
+    params = [SamplingParams(max_tokens=64, temperature=0, ignore_eos=True)]
+    plain, _ = _run(model, prompts, params)
+    expected = {tuple(p): out[0] for p, out in zip(prompts, plain)}
+    llm = LLM(str(model), page_size=4, debug_integrity=True, speculative_config=NGRAM, overlap=True)
+    try:
+        oracle = OracleProposer(expected, corrupt=0)
+        wrong = lambda self, request, n: [t + 1 for t in oracle.propose(request, n)]  # every first token wrong
+        llm.scheduler.speculator.proposer = type("Wrong", (), {"propose": wrong})()
+        outs = llm.generate(prompts, params)
+        llm.scheduler.check_integrity()
+        stats, loop = llm.scheduler.speculator.stats, llm.scheduler.stats
+    finally:
+        llm.close()
+    assert same_outputs([(o.token_ids, o.logprobs, o.finish_reason) for o in outs], plain)
+    assert stats.accepted_tokens == 0
+    # 64 tokens: chances 1, 3, 7, 15, 31, 47, 63 propose (1 + 1, 3 + 3, 7 + 7, then every 16th).
+    assert 5 <= stats.drafts <= 8, stats.drafts
+    # A wait before each verification's plan and before the plan after it; none between.
+    assert loop.token_waits <= 2 * stats.drafts + 2 < loop.steps // 2, (loop.token_waits, loop.steps)
+
+
+def test_a_lookup_that_finds_nothing_backs_off_too(tiny_checkpoints: dict[str, Path]) -> None:
+    """Prompt lookup over text with nothing to quote proposes nothing; those
+    chances count as misses, so the loop keeps overlap most steps."""
+    model = tiny_checkpoints["qwen3"]
+    llm = LLM(str(model), page_size=4, speculative_config=NGRAM, overlap=True)
+    try:
+        llm.scheduler.speculator.proposer = type("Nothing", (), {"propose": lambda self, request, n: []})()
+        outs = llm.generate([hf_encode(model, TEXTS[2])], [SamplingParams(max_tokens=64, temperature=0, ignore_eos=True)])
+        stats, loop = llm.scheduler.speculator.stats, llm.scheduler.stats
+    finally:
+        llm.close()
+    assert len(outs[0].token_ids) == 64 and stats.drafts == 0
+    assert loop.token_waits < loop.steps // 3, (loop.token_waits, loop.steps)

@@ -98,14 +98,16 @@ class StepPlanner:
         the next. Requests whose next plan needs that step's tokens (a
         grammar's mask; a proposal, which is made from the newest token) would
         otherwise sit the step out: when speculation is on at this batch
-        size, or at least half of the decoders are constrained with a token
+        size and one of them would propose (not backing off), or at least half of the decoders are constrained with a token
         in flight, waiting gives up overlap for one step but keeps every
         request going. With few such requests among many free ones, skipping
         them is the cheaper of the two."""
         decoding = [r for r in self.table.running if not r.is_prefilling]
         in_flight = [r for r in decoding if r.pending.count]
-        if in_flight and self.speculator is not None and self.speculator.active_for(len(decoding)):
-            return True
+        speculator = self.speculator
+        if speculator is not None and speculator.active_for(len(decoding)):
+            if any(speculator.would_propose(r) for r in in_flight):
+                return True
         waiting = sum(1 for r in in_flight if r.is_constrained or not r.pending.nameable)
         return waiting > 0 and 2 * waiting >= len(decoding)
 

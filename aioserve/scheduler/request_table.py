@@ -27,6 +27,7 @@ logger = logging.getLogger(__name__)
 class SchedulerStats:
     steps: int = 0
     steps_done: int = 0  # steps whose output was processed: what a readiness probe watches advance
+    token_waits: int = 0  # steps planned only after the step in flight landed (overlap given up for it)
     prompt_tokens: int = 0  # prompt tokens of finished-or-running requests, once each
     prefill_tokens: int = 0  # tokens computed by prefill chunks
     cached_tokens: int = 0  # prompt tokens served by the prefix cache

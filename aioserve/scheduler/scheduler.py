@@ -378,6 +378,7 @@ class Scheduler:
             if inflight is not None and self.planner.waits_for_tokens():
                 # Decoders need the in-flight step's tokens (grammar masks,
                 # proposals): let it land first rather than skip them in this step.
+                self.stats.token_waits += 1
                 await self._complete(*inflight)
                 inflight = None
             try:
