@@ -10,6 +10,7 @@ Output tokens per second, and each as a fraction of the base model's.
 
     python benchmarks/lora.py                                   # both shapes
     python benchmarks/lora.py --models tiny-llama --tokens 32 --png lora.png
+    python benchmarks/lora.py --models tiny-llama --lora-dtype bfloat16   # float32 model, bf16 adapters
 """
 
 from __future__ import annotations
@@ -36,6 +37,7 @@ from dummy_model import write_dummy_model  # noqa: E402
 from lora_adapters import write_raw_adapter  # noqa: E402
 
 from aioserve import LLM, SamplingParams  # noqa: E402
+from aioserve.config import LORA_DTYPES  # noqa: E402
 
 logger = logging.getLogger("benchmarks.lora")
 
@@ -64,7 +66,7 @@ def run(name: str, spec: ModelSpec, root: Path, counts: list[int], args: argpars
                 for i in range(most)]
     llm = LLM(str(folder), load_format="dummy" if spec.dummy else "auto", dtype=spec.dtype, enable_lora=True,
               max_loras=most, max_lora_rank=args.rank, max_running_requests=args.concurrency,
-              cuda_graph=not args.enforce_eager,
+              cuda_graph=not args.enforce_eager, lora_dtype=args.lora_dtype,
               lora_modules=[f"a{i}={path}" for i, path in enumerate(adapters)])
     generator = torch.Generator().manual_seed(0)
     vocab = config["vocab_size"]
@@ -136,6 +138,8 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3, help="rounds over the settings; each one's median is kept")
     parser.add_argument("--enforce-eager", action="store_true",
                         help="the base model through the modules too (no CUDA graph, no native decode step)")
+    parser.add_argument("--lora-dtype", default="auto", choices=LORA_DTYPES,
+                        help="the adapters' dtype (bfloat16: half a float32 model's adapter bytes)")
     parser.add_argument("--png", help="write a plot here")
     args = parser.parse_args()
     logging.basicConfig(level=logging.WARNING)
