@@ -120,8 +120,9 @@ def test_kernels_built_by_one_call_are_prebuilt_in_the_next(tmp_path: Path) -> N
     assert done.returncode == 0 and "harvested 3 modules" in done.stdout, done.stdout + done.stderr
 
     next_repo = tmp_path / "next"
-    kept = stage.keep_kernels(tmp_path / "out" / "flashinfer-kernels.tar.gz", next_repo)
-    assert kept == next_repo / stage.KERNELS
+    cache = tmp_path / "cache" / "flashinfer-kernels.tar.gz"
+    kept = stage.keep_kernels(tmp_path / "out" / "flashinfer-kernels.tar.gz", next_repo, cache)
+    assert kept == next_repo / stage.KERNELS and cache.read_bytes() == kept.read_bytes()
     fresh = tmp_path / "fresh-site"
     shutil.copytree(site, fresh, ignore=shutil.ignore_patterns("data"))
     done = gpu_check_function(next_repo, fresh, tmp_path / "work2", tmp_path / "out2", "install_kernels")
@@ -141,7 +142,20 @@ def test_keep_kernels_refuses_what_no_harvest_wrote(tmp_path: Path) -> None:
     with tarfile.open(bogus, "w:gz") as tar:
         tar.add(__file__, arcname="x.so")
     with pytest.raises(ValueError, match="KERNELS_OF"):
-        stage.keep_kernels(bogus, tmp_path / "repo")
+        stage.keep_kernels(bogus, tmp_path / "repo", tmp_path / "cache.tar.gz")
+
+
+def test_a_new_checkout_gets_the_cached_kernels(tmp_path: Path) -> None:
+    """A session's clone has no .gpu_jit/ (git-ignored): staging restores the
+    kernels an earlier session kept, and never overwrites a checkout's own."""
+    cache, repo = tmp_path / "cache" / "k.tar.gz", tmp_path / "repo"
+    assert stage.restore_kernels(repo, cache) is None and not (repo / stage.KERNELS).exists()  # nothing cached
+    cache.parent.mkdir()
+    cache.write_bytes(b"cached")
+    assert stage.restore_kernels(repo, cache) == repo / stage.KERNELS
+    assert (repo / stage.KERNELS).read_bytes() == b"cached"
+    (repo / stage.KERNELS).write_bytes(b"own")
+    assert stage.restore_kernels(repo, cache) is None and (repo / stage.KERNELS).read_bytes() == b"own"
 
 
 def test_a_variant_carries_no_tokenizer_copy_and_unpacks_its_bases(tmp_path: Path) -> None:

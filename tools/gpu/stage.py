@@ -13,7 +13,9 @@ arguments to paste.
 The kernels: a proof call compiles FlashInfer's modules (~4 minutes of nvcc
 on 16 cores, most of a fresh machine's budget) and brings them back as
 flashinfer-kernels.tar.gz; carried in `.gpu_jit/`, the next call installs
-them as prebuilt modules and its JIT step finds them built.
+them as prebuilt modules and its JIT step finds them built. `--kernels`
+also keeps a copy in ~/.cache/aioserve/gpu-kernels/, which staging restores
+into a checkout without `.gpu_jit/` (a new session's clone).
 
 The first call (`proof`) fits a fresh machine in ~8 minutes: install, the
 FlashInfer JIT the tests need, every gpu-marked test isolated, then the
@@ -87,15 +89,37 @@ def size_problem(mib: float, limit_mib: float = DEVICE_LIMIT_MIB, headroom_mib: 
     return None
 
 
-def keep_kernels(harvested: Path, repo: Path = REPO) -> Path:
-    """A call's flashinfer-kernels.tar.gz, kept where the next calls carry it from."""
+def keep_kernels(harvested: Path, repo: Path = REPO, cache: Path | None = None) -> Path:
+    """A call's flashinfer-kernels.tar.gz, kept where the next calls carry it
+    from, and in the user's cache for the next session's checkout (`.gpu_jit/`
+    is git-ignored: a new clone has none, and the proof then spends ~200 s of
+    its lease compiling)."""
     with tarfile.open(harvested) as tar:
         names = tar.getnames()
     if "KERNELS_OF" not in names:
         raise ValueError(f"{harvested} is no harvest of gpu_check.sh (it names no KERNELS_OF)")
     kept = repo / KERNELS
+    for place in (kept, cache or kernels_cache()):
+        place.parent.mkdir(parents=True, exist_ok=True)
+        if place.resolve() != harvested.resolve():
+            shutil.copyfile(harvested, place)
+    return kept
+
+
+def kernels_cache() -> Path:
+    """Where kept kernels outlive a checkout: ~/.cache/aioserve/gpu-kernels/ (or $XDG_CACHE_HOME's)."""
+    root = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
+    return root / "aioserve" / "gpu-kernels" / KERNELS.name
+
+
+def restore_kernels(repo: Path = REPO, cache: Path | None = None) -> Path | None:
+    """The cached kernels copied into a checkout that has none; None when
+    it has its own or the cache is empty."""
+    cached, kept = cache or kernels_cache(), repo / KERNELS
+    if kept.exists() or not cached.exists():
+        return None
     kept.parent.mkdir(parents=True, exist_ok=True)
-    shutil.copyfile(harvested, kept)
+    shutil.copyfile(cached, kept)
     return kept
 
 
@@ -124,7 +148,9 @@ def main() -> int:
     args = parser.parse_args()
     start = time.monotonic()
     if args.kernels:
-        print(f"kernels kept in {keep_kernels(args.kernels)}")
+        print(f"kernels kept in {keep_kernels(args.kernels)} and {kernels_cache()}")
+    elif (restored := restore_kernels()) is not None:
+        print(f"kernels of an earlier session restored from {kernels_cache()} into {restored}")
     if not args.no_build:
         build(args.rebuild)
     mib = travelling_mib(REPO)
