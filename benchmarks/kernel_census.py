@@ -306,6 +306,7 @@ def build_engine(name: str, folder: Path, fake: Any) -> Engine:
     finally:
         engine_module.CpuFastPaths = cpu_paths
     engine.cpu_paths = None
+    engine.greedy_reads_head_dtype = True  # as on a GPU
     engine.attention = FlashInferBackend(engine.pool, engine.attention_shape, fake)
     engine.graph_runner = engine.capture_decode_graphs(EagerCapture())
     return engine
@@ -346,23 +347,27 @@ def sections_of(engine: Engine, counter: KernelCounter) -> Iterator[None]:
     parts.update({"embedding": model.embed_tokens, "final norm": model.final_norm})
     for name, module in parts.items():
         hooks += [module.register_forward_pre_hook(enter(name)), module.register_forward_hook(leave)]
-    original_logits, original_tokens = engine.model.compute_logits, engine._tokens
+    original_logits, original_head, original_tokens = engine.model.compute_logits, engine.model.head_outputs, engine._tokens
 
     def logits(hidden: torch.Tensor) -> torch.Tensor:
         with counter.scoped("lm head"):
             return original_logits(hidden)
 
+    def head(hidden: torch.Tensor) -> torch.Tensor:
+        with counter.scoped("lm head"):
+            return original_head(hidden)
+
     def tokens(*args: Any) -> Any:
         with counter.scoped("sampler"):
             return original_tokens(*args)
 
-    engine.model.compute_logits, engine._tokens = logits, tokens  # type: ignore[method-assign]
+    engine.model.compute_logits, engine.model.head_outputs, engine._tokens = logits, head, tokens  # type: ignore[method-assign]
     try:
         yield
     finally:
         for hook in hooks:
             hook.remove()
-        del engine.model.compute_logits, engine._tokens
+        del engine.model.compute_logits, engine.model.head_outputs, engine._tokens
 
 
 @contextmanager

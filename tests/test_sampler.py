@@ -203,3 +203,45 @@ def test_the_torch_greedy_path_flags_what_the_general_path_flags(monkeypatch: py
     assert fast.token_ids.tolist() == slow.token_ids.tolist() == [0, VOCAB - 1, 0, 0, 0]
     assert torch.equal(fast.logprobs.isnan(), slow.logprobs.isnan())
     assert fast.logprobs.isnan().tolist() == [False, False, True, True, True]
+
+
+def test_the_same_flags_from_half_logits() -> None:
+    """Greedy rows on a GPU read the LM head's bf16 outputs (no float32
+    copy): the same tokens and flags as from their exact float32 copy."""
+    logits = torch.stack([LOGITS, LOGITS.flip(0), LOGITS.clone(), torch.full((VOCAB,), -float("inf"))])
+    logits[2, 3] = float("nan")
+    half = logits.to(torch.bfloat16)
+    raw = tensors(4, temperature=0, wants_logprobs=False)
+    from_half, from_copy = sample(half, raw), sample(half.float(), raw)
+    assert from_half.token_ids.tolist() == from_copy.token_ids.tolist()
+    assert from_half.logprobs.dtype == torch.float32
+    assert torch.equal(from_half.logprobs.isnan(), from_copy.logprobs.isnan())
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+def test_greedy_from_the_heads_own_outputs_equals_the_float32_logits(tiny_checkpoints: dict[str, Path], arch: str) -> None:
+    """The engine's GPU choice (`greedy_reads_head_dtype`) taken on a CPU
+    bf16 model, its native head paths off (torch's matmul writes the head's
+    bf16 outputs, as on a GPU): the same tokens, and rows that want
+    logprobs still get them from float32 logits."""
+    prompts = [[1, 5, 9, 13], [1, 2], [1, 7, 7, 7, 7, 7]]
+    params = [SamplingParams(max_tokens=12, temperature=0, ignore_eos=True),
+              SamplingParams(max_tokens=4, temperature=0, ignore_eos=True, logprobs=1),  # its steps: float32
+              SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)]
+    results = []
+    for reads_head_dtype in (False, True):
+        llm = LLM(str(tiny_checkpoints[arch]), dtype="bfloat16", cpu_half_compute="native", cpu_matmul="blas",
+                  page_size=4)
+        head_dtypes: list[torch.dtype] = []
+        model = llm.engine.model
+        original = model.head_outputs
+        model.head_outputs = lambda hidden: head_dtypes.append((out := original(hidden)).dtype) or out
+        try:
+            llm.engine.greedy_screen = None
+            llm.engine.greedy_reads_head_dtype = reads_head_dtype
+            results.append([(o.token_ids, o.logprobs) for o in llm.generate(prompts, params)])
+        finally:
+            llm.close()
+        # Only steps whose every row is greedy without logprobs read the head's outputs.
+        assert set(head_dtypes) == ({torch.bfloat16} if reads_head_dtype else set())
+    assert results[0] == results[1]

@@ -121,6 +121,11 @@ class Engine:
         elif config.cuda_graph:
             logger.info("CUDA graphs off: the %s attention backend cannot replay", self.attention.name)
         self.previous = PreviousStepTokens(self.device)  # fills the next plan's placeholders
+        # Greedy rows' argmax read from the LM head's own (half) outputs: on a
+        # GPU the float32 copy of [rows, vocab] logits is a kernel and a
+        # write of 4 bytes a logit per step, and the copy is exact. On a CPU
+        # the native argmax reads float32, which the packed head writes directly.
+        self.greedy_reads_head_dtype = self.device.type != "cpu"
         # What every rank holds (gathered from all of them; equal on every rank).
         self.tp_layout = gather_layout(self)
         pool_mib = self.pool.buffer.numel() * self.pool.buffer.element_size() / 2**20
@@ -317,7 +322,10 @@ class Engine:
             if screened is not None:
                 return SamplerOutput(screened, torch.zeros(screened.shape[0]), None, None)
         # The LM head gathers the vocabulary shards: every rank takes part.
-        logits = self.model.compute_logits(rows)
+        if self.greedy_reads_head_dtype and st is not None and st.takes_raw_argmax and self.model.logits_are_head_outputs:
+            logits = self.model.head_outputs(rows)
+        else:
+            logits = self.model.compute_logits(rows)
         if self.tp.is_leader:
             sampled = sample(logits, self._resolved_sampling(plan, host_plan))
         else:

@@ -147,7 +147,8 @@ def sample_from(probs: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
 
 
 def sample(logits: torch.Tensor, st: SamplingTensors) -> SamplerOutput:
-    """Choose one token per row of float32 `logits` [S, V].
+    """Choose one token per row of float32 `logits` [S, V] (greedy rows with
+    no adjustment, `st.takes_raw_argmax`: the LM head's half outputs too).
 
     A row that cannot be sampled gets token 0 and logprob NaN, which no good
     row can have: its raw logits hold a NaN or an infinity (its request's
@@ -157,7 +158,7 @@ def sample(logits: torch.Tensor, st: SamplingTensors) -> SamplerOutput:
     costs no extra device sync, and the token stays a valid id for the next
     step's placeholders. Every operation here works row by row, so the other
     rows sample exactly as they would without it."""
-    kernels = elementwise_kernels() if logits.is_cpu else None
+    kernels = elementwise_kernels() if logits.is_cpu and logits.dtype == torch.float32 else None
     if st.takes_raw_argmax:
         return _greedy(kernels, logits) if kernels is not None else _greedy_in_torch(logits)
     # The grammar mask comes after bias and penalties, so top-k, top-p and

@@ -66,6 +66,10 @@ class CausalLM(Protocol):
         """float32 logits over the whole vocabulary for the given rows, valid
         until the next call (the LM head may reuse their memory)."""
 
+    def head_outputs(self, hidden: torch.Tensor) -> torch.Tensor:
+        """The LM head's outputs in its own dtype (compute_logits before its
+        float32 copy), where `logits_are_head_outputs`."""
+
     # A model is a torch module tree: these two come from torch.nn.Module.
     # The engine walks the modules (experts' kernels, packing the CPU's
     # matmul weights, what a TP rank holds); benchmarks count parameters.

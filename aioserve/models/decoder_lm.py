@@ -113,3 +113,9 @@ class DecoderLM(nn.Module):
         """float32 logits over the whole vocabulary for the given rows, valid
         until the next call (the LM head may reuse their memory)."""
         return self.lm_head(hidden).float()
+
+    def head_outputs(self, hidden: torch.Tensor) -> torch.Tensor:
+        """The LM head's outputs in its own dtype, no float32 copy: what a
+        greedy row's argmax needs where `logits_are_head_outputs` (the
+        copy is exact, so the argmax is the same)."""
+        return self.lm_head(hidden)

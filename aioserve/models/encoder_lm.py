@@ -47,6 +47,9 @@ class EncoderLM(nn.Module):
             f"{type(self).__name__} is an encoder: it computes embeddings or sequence scores, not next-token logits"
         )
 
+    def head_outputs(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.compute_logits(hidden)  # raises: no head
+
     def checkpoint_name(self, name: str) -> str | None:
         """The module path (and parameter) a checkpoint tensor loads into, or None to skip it."""
         raise NotImplementedError
