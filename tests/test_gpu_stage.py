@@ -36,7 +36,7 @@ def test_the_tree_alone_leaves_room_for_the_bundle() -> None:
 
 def test_the_printed_calls_fit_the_device_tool() -> None:
     calls = stage.run_calls()
-    assert list(calls) == ["proof", "figures"]
+    assert list(calls) == ["proof", "figures", "larger"]
     for phase, call in calls.items():
         assert call.command.endswith(f"bash benchmarks/gpu_check.sh {phase}")
         budget = int(call.command.split("GPU_CHECK_BUDGET=")[1].split()[0])
