@@ -510,12 +510,13 @@ for name, rows in runs.items():
                          f"| {fmt(gpu)} | {below} | {r['of_bound']:.2f} | {r['batch'] / r['measured_ms'] * 1e3:.0f} "
                          f"| {r['batch'] / r['bound_ms'] * 1e3:.0f} |")
 lines += ["", "## Speculative decoding at batch 1 (greedy, 128 tokens; agree: share equal to plain before a difference)", "",
-          "| run | method | tok/s | vs plain | acceptance length | agree |", "|---|---|---|---|---|---|"]
+          "| run | method | tok/s | vs plain | acceptance length | agree | overlapped |", "|---|---|---|---|---|---|---|"]
 for name, rows in runs.items():
     if name.startswith("speculative-"):
         for r in rows:
+            overlapped = "" if r.get("overlapped") is None else f"{r['overlapped']:.2f}"
             lines.append(f"| {name[12:]} | {r['method']} | {r['tok_s']:.0f} | {r['vs_plain']:.2f}x | {r['acceptance']:.2f} "
-                             f"| {r.get('agreement', 1.0):.2f} |")
+                             f"| {r.get('agreement', 1.0):.2f} | {overlapped} |")
 lines += ["", "## Serving over HTTP (streamed completions, 256 in / 256 out; benchmarks/serving.py's tables)", ""]
 for name, r in runs.items():
     if name.startswith("serving-"):

@@ -91,6 +91,7 @@ class Row:
     output_tokens: int = 0
     acceptance: float = 0.0  # mean tokens a verification gives (1 = plain)
     agreement: float = 1.0  # share of output equal to plain's before the first difference (lowest repeat)
+    overlapped: float | None = None  # share of steps planned before the last one landed (last repeat); None: overlap off
 
     @property
     def tok_s(self) -> float:
@@ -171,6 +172,18 @@ def run_once(llm: LLM, prompts: list[list[int]], params: SamplingParams) -> tupl
     return time.perf_counter() - start, [o.token_ids for o in outs]
 
 
+def timed_run(llm: LLM, prompts: list[list[int]], params: SamplingParams, row: Row) -> list[list[int]]:
+    """One run into `row`: its seconds, and the share of its steps that kept
+    overlap (a speculating step waits for the one before it to land)."""
+    stats = llm.scheduler.stats
+    steps, waits = stats.steps, stats.token_waits
+    seconds, outs = run_once(llm, prompts, params)
+    row.seconds.append(seconds)
+    ran = stats.steps - steps
+    row.overlapped = 1 - (stats.token_waits - waits) / ran if llm.scheduler.config.overlap and ran else None
+    return outs
+
+
 def measure(args: argparse.Namespace) -> list[Row]:
     spec = {"method": "ngram", "num_speculative_tokens": args.k, "prompt_lookup_max": args.lookup_max,
             "prompt_lookup_min": args.lookup_min, "disable_by_batch_size": args.disable_by_batch_size}
@@ -197,26 +210,23 @@ def measure(args: argparse.Namespace) -> list[Row]:
             runs += [(name, llm, None) for name, llm in drafted.items()]
             by_method = {name: Row(name, concurrency) for name in ["plain", PLAIN_SERIAL, *proposers, *drafted]}
             for _ in tqdm(range(args.repeats), desc=f"concurrency {concurrency}"):
-                seconds, outs = run_once(plain, prompts, params)
-                by_method["plain"].seconds.append(seconds)
+                timed_run(plain, prompts, params, by_method["plain"])
                 # The same engine stepping as a speculating one does (each
                 # step lands before the next is planned): what the proposers'
                 # rows gain or lose against, overlap apart.
                 plain.scheduler.config.overlap = False
                 try:
-                    seconds, outs = run_once(plain, prompts, params)
+                    timed_run(plain, prompts, params, by_method[PLAIN_SERIAL])
                 finally:
                     plain.scheduler.config.overlap = True
-                by_method[PLAIN_SERIAL].seconds.append(seconds)
                 for name, llm, proposer in runs:
                     if proposer is not None:
                         llm.scheduler.speculator.proposer = proposer
                     llm.scheduler.speculator.stats = stats = SpeculationStats()
-                    seconds, outs = run_once(llm, prompts, params)
+                    outs = timed_run(llm, prompts, params, by_method[name])
                     if outs != reference and exact:
                         raise AssertionError(f"{name} at concurrency {concurrency}: outputs differ from plain decoding")
                     by_method[name].agreement = min(by_method[name].agreement, agreement(outs, reference))
-                    by_method[name].seconds.append(seconds)
                     by_method[name].acceptance = stats.mean_acceptance_length
             for row in by_method.values():
                 row.output_tokens = concurrency * args.tokens
@@ -229,11 +239,13 @@ def measure(args: argparse.Namespace) -> list[Row]:
 
 
 def print_table(rows: list[Row]) -> None:
-    print(f"{'method':<21} {'conc':>4} {'tok/s':>8} {'vs plain':>8} {'accept len':>10} {'agree':>6}")
+    print(f"{'method':<21} {'conc':>4} {'tok/s':>8} {'vs plain':>8} {'accept len':>10} {'agree':>6} {'overlapped':>10}")
     plain = {r.concurrency: r.tok_s for r in rows if r.method == "plain"}
     for r in rows:
         accept = f"{r.acceptance:.2f}" if r.method not in ("plain", PLAIN_SERIAL) else "-"
-        print(f"{r.method:<21} {r.concurrency:>4} {r.tok_s:>8.1f} {r.tok_s / plain[r.concurrency]:>7.2f}x {accept:>10} {r.agreement:>6.2f}")
+        overlapped = f"{r.overlapped:.2f}" if r.overlapped is not None else "-"
+        print(f"{r.method:<21} {r.concurrency:>4} {r.tok_s:>8.1f} {r.tok_s / plain[r.concurrency]:>7.2f}x {accept:>10} "
+              f"{r.agreement:>6.2f} {overlapped:>10}")
 
 
 def write_plot(rows: list[Row], path: str) -> None:
@@ -290,7 +302,7 @@ def main() -> None:
         Path(args.json).write_text(json.dumps([
             {"model": args.model, "method": r.method, "concurrency": r.concurrency, "tok_s": r.tok_s,
              "vs_plain": r.tok_s / plain[r.concurrency], "acceptance": r.acceptance,
-             "agreement": r.agreement} for r in rows
+             "agreement": r.agreement, "overlapped": r.overlapped} for r in rows
         ], indent=1))
 
 
