@@ -186,7 +186,7 @@ def test_without_logprobs_wanted_none_are_computed_but_bad_rows_are_still_flagge
 
 def test_the_torch_greedy_path_flags_what_the_general_path_flags(monkeypatch: pytest.MonkeyPatch) -> None:
     """Raw-argmax rows without the CPU's native kernels (a GPU's path) take
-    five torch ops, not sample()'s general nine; they give the same tokens
+    four torch ops, not sample()'s general nine; they give the same tokens
     and flags: NaN, +inf and an all -inf row unusable, the rest their argmax."""
     from aioserve.cpu import elementwise
 

@@ -217,12 +217,15 @@ def _greedy(kernels: ModuleType, logits: torch.Tensor) -> SamplerOutput:
 
 
 def _greedy_in_torch(logits: torch.Tensor) -> SamplerOutput:
-    """`_greedy` in five torch ops (a GPU's kernels: sample() takes nine for
-    these rows). argmax propagates NaN (a row holding one picks it), so the
-    logit it picked is finite exactly when the row's max is: one check covers
-    NaN, +inf and an all -inf row, as sample()'s two do."""
-    token_ids = logits.argmax(dim=-1)
-    usable = logits.gather(1, token_ids[:, None]).squeeze(1).isfinite()
+    """`_greedy` in four torch ops (a GPU's kernels: sample() takes nine for
+    these rows). `max(dim)` gives each row's max and its first index in one
+    reduction (its index is argmax's, ties and all), and propagates NaN (a
+    row holding one gets it), so the max is finite exactly when the row is
+    usable: one check covers NaN, +inf and an all -inf row, as sample()'s
+    two do. The flag's float32 logprobs come from scalars, whatever the
+    logits' dtype (a GPU's greedy rows read the head's bf16 outputs)."""
+    maxes, token_ids = logits.max(dim=-1)
+    usable = maxes.isfinite()
     return SamplerOutput(torch.where(usable, token_ids, 0), torch.where(usable, 0.0, float("nan")), None, None)
 
 
