@@ -347,27 +347,22 @@ def sections_of(engine: Engine, counter: KernelCounter) -> Iterator[None]:
     parts.update({"embedding": model.embed_tokens, "final norm": model.final_norm})
     for name, module in parts.items():
         hooks += [module.register_forward_pre_hook(enter(name)), module.register_forward_hook(leave)]
-    original_logits, original_head, original_tokens = engine.model.compute_logits, engine.model.head_outputs, engine._tokens
 
-    def logits(hidden: torch.Tensor) -> torch.Tensor:
-        with counter.scoped("lm head"):
-            return original_logits(hidden)
+    def scoped(name: str, call: Callable[..., Any]) -> Callable[..., Any]:
+        def counted(*args: Any) -> Any:
+            with counter.scoped(name):
+                return call(*args)
+        return counted
 
-    def head(hidden: torch.Tensor) -> torch.Tensor:
-        with counter.scoped("lm head"):
-            return original_head(hidden)
-
-    def tokens(*args: Any) -> Any:
-        with counter.scoped("sampler"):
-            return original_tokens(*args)
-
-    engine.model.compute_logits, engine.model.head_outputs, engine._tokens = logits, head, tokens  # type: ignore[method-assign]
+    model.compute_logits = scoped("lm head", model.compute_logits)  # type: ignore[method-assign]
+    model.head_outputs = scoped("lm head", model.head_outputs)  # type: ignore[method-assign]
+    engine._tokens = scoped("sampler", engine._tokens)  # type: ignore[method-assign]
     try:
         yield
     finally:
         for hook in hooks:
             hook.remove()
-        del engine.model.compute_logits, engine.model.head_outputs, engine._tokens
+        del model.compute_logits, model.head_outputs, engine._tokens
 
 
 @contextmanager

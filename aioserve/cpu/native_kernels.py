@@ -39,7 +39,8 @@ def library_path() -> Path:
 
 
 __all__ = [
-    "DecoderStack", "LoraPointers", "library_path", "lora_add_rows", "lora_part_blocks", "gemm_block_width", "gemm_fuses_multiply_add",
+    "DecoderStack", "LoraPointers", "library_path", "lora_add_rows", "lora_part_blocks", "gemm_block_width",
+    "gemm_fuses_multiply_add",
     "pack_linear_weight", "packed_linear", "packed_linear_argmax",
     "paged_decode_attention", "rms_norm", "rotary_embedding", "row_max_argmax", "screened_argmax", "silu_and_mul",
     "store_kv",

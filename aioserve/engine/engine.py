@@ -317,12 +317,13 @@ class Engine:
         """The sampled rows' tokens: by the greedy screen when it serves every
         row, else sampled from the full logits on the leader and broadcast."""
         st, screen = host_plan.sampling, self.greedy_screen
-        if screen is not None and st is not None and st.takes_raw_argmax:
+        raw_argmax = st is not None and st.takes_raw_argmax
+        if screen is not None and raw_argmax:
             screened = screen.argmax(rows)
             if screened is not None:
                 return SamplerOutput(screened, torch.zeros(screened.shape[0]), None, None)
         # The LM head gathers the vocabulary shards: every rank takes part.
-        if self.greedy_reads_head_dtype and st is not None and st.takes_raw_argmax and self.model.logits_are_head_outputs:
+        if raw_argmax and self.greedy_reads_head_dtype and self.model.logits_are_head_outputs:
             logits = self.model.head_outputs(rows)
         else:
             logits = self.model.compute_logits(rows)

@@ -98,9 +98,9 @@ class StepPlanner:
         the next. Requests whose next plan needs that step's tokens (a
         grammar's mask; a proposal, which is made from the newest token) would
         otherwise sit the step out: when speculation is on at this batch
-        size and one of them would propose (not backing off), or at least half of the decoders are constrained with a token
-        in flight, waiting gives up overlap for one step but keeps every
-        request going. With few such requests among many free ones, skipping
+        size and one of them would propose (not backing off), or at least
+        half of the decoders are constrained with a token in flight, waiting
+        gives up overlap for one step but keeps every request going. With few such requests among many free ones, skipping
         them is the cheaper of the two."""
         decoding = [r for r in self.table.running if not r.is_prefilling]
         in_flight = [r for r in decoding if r.pending.count]

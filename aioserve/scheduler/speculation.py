@@ -26,12 +26,12 @@ request whose proposals keep failing backs off: after m chances in a row
 that kept no proposed token (a verification that kept none, or a prompt
 lookup that found nothing) it skips the next 2**m - 1 chances to propose
 (at most MAX_BACKOFF_STEPS, or MAX_EMPTY_BACKOFF_STEPS after a lookup that
-found nothing), and any kept token resets it. A chance passes
-at every step the request decodes in, its token landed or not, so while
-every speculating request backs off the loop keeps overlap (planner.py's
+found nothing), and any kept token resets it. A chance passes at every
+step the request decodes in, its token landed or not, so while every
+speculating request backs off the loop keeps overlap (planner.py's
 `waits_for_tokens` asks `would_propose`): on an H200 a step that waits for
-its predecessor's tokens cost Qwen3-0.6B 30% at batch 1 (422 -> 299 tok/s),
-the whole cost of proposals that always fail before this rule.
+its predecessor's tokens cost Qwen3-0.6B 30% at batch 1 (422 -> 299
+tok/s), the whole cost of proposals that always fail before this rule.
 
 Two proposers: prompt lookup (ngram_proposer.py), which names its tokens
 here, and a model in the engine (draft_model_proposer.py: a draft model or
@@ -128,19 +128,18 @@ class Speculator:
             backoff.misses += 1
             backoff.skip = min(2**backoff.misses - 1, most_skipped)
 
-    def _backs_off(self, request: Request) -> bool:
-        """Whether `request` passes up this step's chance (one fewer to pass up)."""
-        backoff = self._backoff.get(request)
-        if backoff is None or not backoff.skip:
-            return False
-        backoff.skip -= 1
-        return True
-
     def would_propose(self, request: Request) -> bool:
         """Whether the next step's plan would ask `request` for a proposal
         (it is not backing off): only then is its token worth waiting for."""
         backoff = self._backoff.get(request)
         return backoff is None or not backoff.skip
+
+    def _backs_off(self, request: Request) -> bool:
+        """Whether `request` passes up this step's chance (one fewer to pass up)."""
+        if self.would_propose(request):
+            return False
+        self._backoff[request].skip -= 1
+        return True
 
     def active_for(self, num_decoding: int) -> bool:
         """Whether a step with this many decoding requests verifies drafts."""
