@@ -317,7 +317,7 @@ phase_retest() {
 # CUDA_LAUNCH_BLOCKING=1; the Qwen3-0.6B figures only if time is left.
 # (What has not passed on a GPU yet goes first: the fused q/k norm + RoPE + KV write kernel, test_qk_rope_store.py,
 # written 2026-11-27; verify graphs and the draft's and head's graphs in the speculative files.)
-GPU_TEST_FILES=(tests/test_qk_rope_store.py tests/test_gpu.py tests/test_gpu_vision.py tests/test_speculative.py
+GPU_TEST_FILES=(tests/test_gate_up_silu.py tests/test_qk_rope_store.py tests/test_gpu.py tests/test_gpu_vision.py tests/test_speculative.py
     tests/test_speculative_draft.py tests/test_speculative_eagle3.py
     tests/test_gpu_fast_path.py tests/test_fp8_kv_cache.py tests/test_fp8_block_gemm.py tests/test_fp8_checkpoints.py
     tests/test_compressed_tensors.py tests/test_flashinfer_moe.py tests/test_gpu_pooling.py tests/test_gpu_lora.py)
@@ -354,6 +354,7 @@ phase_figures() {
     offline qwen3-graphs-overlap "$QWEN"
     roofline qwen3-graphs "$QWEN"
     AIOSERVE_QK_ROPE_STORE=0 roofline qwen3-graphs-separate-qk "$QWEN"   # the fused q/k kernel's gain
+    AIOSERVE_GATE_UP_SILU=0 roofline qwen3-graphs-separate-mlp "$QWEN"   # the fused gate|up + SiLU kernel's
     step serving-qwen3 240 bash -c serving_run
     speculative qwen3 "$QWEN"
     mkdir -p "$OUT/tests"
@@ -373,9 +374,11 @@ phase_figures() {
 phase_larger() {
     ensure_ready
     roofline llama8b-graphs "$LLAMA8B"
-    speculative llama8b "$LLAMA8B"
+    # No draft models and one round: 80 s did not hold all eight 8B engines (2026-11-28).
+    speculative llama8b "$LLAMA8B" --repeats 1
     roofline llama8b-fp8 .gpu_models/llama3-8b-fp8
     offline moe-8b .gpu_models/qwen3-moe-8b
+    [ "$(left)" -gt 40 ] && step harvest 40 bash -c harvest_kernels   # the 8B shapes' prefill modules too
     return 0
 }
 
@@ -396,10 +399,12 @@ roofline() {  # roofline NAME MODEL [extra options]
 # Speculative decoding at batch 1 (issue 40): plain (with and without
 # overlap), ngram, the oracle's ceiling and floor, the target as its own
 # draft, a 1-layer random draft and a random EAGLE-3 head.
-speculative() {  # speculative NAME MODEL
+speculative() {  # speculative NAME MODEL [options; default: --repeats 2 --draft-models]
     local name="$1" model="$2"
+    shift 2
+    [ $# -eq 0 ] && set -- --repeats 2 --draft-models
     step "speculative-$name" 150 "$PY" benchmarks/speculative.py --model "$model" --load-format dummy \
-        --dtype bfloat16 --concurrency 1 --tokens 128 --repeats 2 --draft-models --cuda-graph-max-bs 8 --num-pages 512 \
+        --dtype bfloat16 --concurrency 1 --tokens 128 "$@" --cuda-graph-max-bs 8 --num-pages 512 \
         --json "$RESULTS/speculative-$name.json"
 }
 

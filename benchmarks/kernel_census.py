@@ -49,7 +49,7 @@ from torch.utils._pytree import tree_flatten  # noqa: E402
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "tests"))  # the enforcing FlashInfer fake lives with the tests
 
-from fake_flashinfer import fake_flashinfer, fake_qk_rope_store  # noqa: E402
+from fake_flashinfer import fake_flashinfer, fake_gate_up_silu, fake_qk_rope_store  # noqa: E402
 from roofline import decode_plan  # noqa: E402  (a sibling script: the same decode-only plan)
 
 from aioserve.attention.flashinfer import FlashInferBackend  # noqa: E402
@@ -61,7 +61,7 @@ from aioserve.engine import engine as engine_module  # noqa: E402
 from aioserve.engine.engine import Engine  # noqa: E402
 from aioserve.flashinfer import elementwise as flashinfer_elementwise  # noqa: E402
 from aioserve.flashinfer import loader as flashinfer_loader  # noqa: E402
-from aioserve.flashinfer import qk_rope_store  # noqa: E402
+from aioserve.flashinfer import gate_up_silu, qk_rope_store  # noqa: E402
 from aioserve.layers import linear as linear_module  # noqa: E402
 from aioserve.sampling_params import SamplingParams  # noqa: E402
 from aioserve.scheduler.request import Request  # noqa: E402
@@ -257,14 +257,15 @@ def cuda_code_path(counter: KernelCounter) -> Iterator[Any]:
     """The layers' CUDA choices taken on CPU tensors: FlashInfer's fused ops
     through the counted fake, plain F.linear for every matmul, no native kernels."""
     fake = counted_flashinfer(counter)
-    modules = (flashinfer_loader.FLASHINFER, qk_rope_store.KERNEL)
+    modules = (flashinfer_loader.FLASHINFER, qk_rope_store.KERNEL, gate_up_silu.KERNEL)
     saved = (native_elementwise.ENABLED, flashinfer_elementwise.DEVICE_TYPES, linear_module.cpu_matmul,
              [(m.module, m.tried) for m in modules])
     native_elementwise.ENABLED = False
     flashinfer_elementwise.DEVICE_TYPES = ("cuda", "cpu")
-    # FlashInfer, and aioserve's own Triton kernel: their stand-ins, each call counted as one kernel.
+    # FlashInfer, and aioserve's own Triton kernels: their stand-ins, each call counted as one kernel.
     own = SimpleNamespace(qk_rope_store=counter.kernel_call("aioserve.qk_rope_store", fake_qk_rope_store.qk_rope_store))
-    for module, stand_in in zip(modules, (fake, own)):
+    own_mlp = SimpleNamespace(gate_up_silu=counter.kernel_call("aioserve.gate_up_silu", fake_gate_up_silu.gate_up_silu))
+    for module, stand_in in zip(modules, (fake, own, own_mlp)):
         module.module, module.tried = stand_in, True
     linear_module.cpu_matmul = lambda x, w, choice, bias=None, float_out=False, out=None: F.linear(x, w, bias)
     flashinfer_elementwise.forget_decisions()
@@ -300,7 +301,7 @@ def build_engine(name: str, folder: Path, fake: Any) -> Engine:
     try:
         engine = Engine(EngineConfig(
             model=str(folder), load_format="dummy", dtype="bfloat16", cpu_half_compute="native", device="cpu",
-            num_pages=64, page_size=16, max_model_len=1024, cpu_matmul_tuning=False,
+            num_pages=128, page_size=16, max_model_len=1024, cpu_matmul_tuning=False,
             attention_backend="torch_native", cuda_graph_max_bs=16,
         ))
     finally:

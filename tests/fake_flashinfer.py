@@ -401,3 +401,24 @@ def _qk_rope_store(q, k, v, positions, cos_sin, q_weight, k_weight, eps, k_cache
 
 
 fake_qk_rope_store = SimpleNamespace(qk_rope_store=_qk_rope_store)
+
+
+# -- aioserve's own gate|up + SiLU kernel (aioserve/flashinfer/gate_up_silu.py, Triton on CUDA) ----
+
+def _gate_up_silu(x, weight, block_n):
+    """What the Triton kernel reads and writes, checked as its pointer
+    arithmetic and its one 16-row tile need: rows of x with a dense last
+    dim, a dense [2N, K] weight of x's dtype, a column block tl.dot takes;
+    then the torch form."""
+    from aioserve.flashinfer.gate_up_silu import gate_up_silu_reference
+
+    _half_only(x, weight)
+    _need(x.dim() == 2 and x.stride(1) == 1, "x is read as [rows, K] with a dense last dim")
+    _need(1 <= x.shape[0] <= 16, f"{x.shape[0]} rows: the kernel's tile holds 16")
+    _need(weight.is_contiguous() and weight.shape[1] == x.shape[1] and weight.shape[0] % 2 == 0,
+          "the weight is read as dense [2N, K] rows, gate then up")
+    _need(block_n in (16, 32, 64, 128), f"a column block of {block_n}: tl.dot takes powers of two from 16")
+    return gate_up_silu_reference(x, weight)
+
+
+fake_gate_up_silu = SimpleNamespace(gate_up_silu=_gate_up_silu)

@@ -25,6 +25,7 @@ from aioserve import LLM, SamplingParams
 from aioserve.cpu import elementwise as native_elementwise
 from aioserve.flashinfer import contracts
 from aioserve.flashinfer import elementwise as flashinfer_elementwise
+from aioserve.flashinfer import gate_up_silu
 from aioserve.flashinfer import loader as flashinfer_loader
 from aioserve.layers.activation import gelu_tanh_and_mul, silu_and_mul
 from aioserve.layers.norm import RMSNorm
@@ -42,6 +43,9 @@ def fused_on_cpu(monkeypatch: pytest.MonkeyPatch):
     monkeypatch.setattr(flashinfer_elementwise, "DEVICE_TYPES", ("cuda", "cpu"))
     monkeypatch.setattr(flashinfer_loader.FLASHINFER, "module", fake_flashinfer)
     monkeypatch.setattr(flashinfer_loader.FLASHINFER, "tried", True)
+    # FlashInfer's ops alone: aioserve's gate|up + SiLU kernel (test_gate_up_silu.py) stays out.
+    monkeypatch.setattr(gate_up_silu.KERNEL, "module", None)
+    monkeypatch.setattr(gate_up_silu.KERNEL, "tried", True)
     flashinfer_elementwise.forget_decisions()
     yield
     flashinfer_elementwise.forget_decisions()

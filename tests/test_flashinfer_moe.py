@@ -29,6 +29,7 @@ from aioserve.cpu import elementwise as native_elementwise
 from aioserve.cpu_engine.fast_paths import CpuFastPaths
 from aioserve.flashinfer import contracts
 from aioserve.flashinfer import elementwise as flashinfer_elementwise
+from aioserve.flashinfer import gate_up_silu
 from aioserve.flashinfer import loader as flashinfer_loader
 from aioserve.flashinfer import moe as flashinfer_moe
 from aioserve.layers.moe import FusedMoE, grouped_experts
@@ -83,6 +84,8 @@ def fused_on_cpu(monkeypatch: pytest.MonkeyPatch):
     monkeypatch.setattr(native_elementwise, "ENABLED", False)  # the CPU path would take the elementwise calls
     monkeypatch.setattr(flashinfer_elementwise, "DEVICE_TYPES", ("cuda", "cpu"))
     monkeypatch.setattr(flashinfer_loader.FLASHINFER, "tried", True)
+    monkeypatch.setattr(gate_up_silu.KERNEL, "module", None)  # no Triton kernel on CPU tensors
+    monkeypatch.setattr(gate_up_silu.KERNEL, "tried", True)
     # The experts stay stacked, as on CUDA (the CPU would pack them for its native matmul).
     monkeypatch.setattr(CpuFastPaths, "_pack_experts", lambda self: None)
 

@@ -289,6 +289,12 @@ def test_fused_ops_follow_their_contracts_on_cuda(stories_path: Path, extra_mode
             expected = {op: {"fused": True, "fell_back": []} for op in report}
             if rope_replaced:
                 expected["rope"] = {"fused": False, "fell_back": []}  # never asked
+            # gate_up_silu serves only where its self-check timed it faster than
+            # the GEMM and SiLU-and-mul: a refusal is a timing, never a fault.
+            mlp = report.get("gate_up_silu")
+            if mlp is not None:
+                assert all("us against" in why for why in mlp["fell_back"]), mlp
+                expected["gate_up_silu"] = mlp
             assert report == expected, report
         else:
             assert not report["rope"]["fused"] and not report["silu_and_mul"]["fused"], report

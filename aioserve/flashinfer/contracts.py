@@ -20,6 +20,7 @@ their bindings (csrc/*.cu):
 | fused_moe.cutlass_fused_moe | x, fc1, fc2: one half type; expert ids int32; routing weights float32 | all contiguous: x [T, H], ids and weights [T, k], fc1 [E, 2I, H] ([up, gate] rows), fc2 [E, H, I] | data 16 (rows 16 follow from the shapes) | H and I multiples of 128 (stricter than the 16-byte rows the kernel needs: its tile shapes cannot be checked here); compute capability 9.x on CUDA (the bundle's sm_90) |
 
 | qk_rope_store (aioserve's own, Triton: flashinfer/qk_rope_store.py) | q, k, v, KV pool, norm weights: one half type; cache float32; positions int32/int64; slots int64 | q, k, v 3-D, last dim contiguous; pool [slots, Hk, D] contiguous; cache, positions, slots contiguous | none (Triton specialises on alignment) | head_dim in 32/64/128/256; norm weights [D] or none |
+| gate_up_silu (aioserve's own, Triton: flashinfer/gate_up_silu.py) | x, weight: one half type | x [M, K], last dim contiguous; weight [2N, K] contiguous | none (Triton specialises on alignment) | 1 <= M <= 16 (one tl.dot tile); N >= 16 |
 
 KV append (where qk_rope_store is not taken) and sampling are torch ops in aioserve (kvcache/kv_pool.py,
 engine/sampler.py), not FlashInfer calls, so they have no contract here.
@@ -186,6 +187,28 @@ def qk_rope_store(
         return "the cos/sin cache, positions and KV slots must be contiguous"
     if any(w.shape != (head_dim,) or not w.is_contiguous() for w in weights):
         return f"the norm weights must be contiguous [{head_dim}]"
+    return None
+
+
+GATE_UP_SILU_MAX_ROWS = 16  # rows of one tl.dot tile
+GATE_UP_SILU_MIN_COLUMNS = 16  # the narrowest column block
+
+
+def gate_up_silu(x: torch.Tensor, weight: torch.Tensor) -> str | None:
+    """aioserve's own gate_up_silu (flashinfer/gate_up_silu.py): x [M, K]
+    with a contiguous last dim and 1 <= M <= 16 rows; the fused projection's
+    weight [2N, K] ([gate | up] rows), contiguous, of x's dtype."""
+    if x.dim() != 2 or weight.dim() != 2 or weight.shape[1] != x.shape[1] or weight.shape[0] % 2:
+        return f"x {tuple(x.shape)} and weight {tuple(weight.shape)} must be [M, K] and [2N, K]"
+    if not 1 <= x.shape[0] <= GATE_UP_SILU_MAX_ROWS:
+        return f"{x.shape[0]} rows: the kernel takes 1 to {GATE_UP_SILU_MAX_ROWS} (one tile)"
+    if weight.shape[0] // 2 < GATE_UP_SILU_MIN_COLUMNS:
+        return f"{weight.shape[0] // 2} output columns, fewer than one block of {GATE_UP_SILU_MIN_COLUMNS}"
+    why = _half(("x", x), ("weight", weight)) or _same_device(x, weight)
+    if why:
+        return why
+    if x.stride(1) != 1 or not weight.is_contiguous():
+        return "x's last dim and the weight must be contiguous"
     return None
 
 

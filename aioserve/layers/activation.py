@@ -9,7 +9,9 @@ import torch
 import torch.nn.functional as F
 
 from aioserve.flashinfer.elementwise import GELU_TANH_AND_MUL, SILU_AND_MUL
+from aioserve.flashinfer.gate_up_silu import GATE_UP_SILU
 from aioserve.cpu.elementwise import elementwise_kernels
+from aioserve.layers.linear import MergedColumnParallelLinear
 
 
 def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
@@ -21,6 +23,24 @@ def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
         return fused.activation.silu_and_mul(gate_up)
     gate, up = gate_up.chunk(2, dim=-1)
     return F.silu(gate) * up
+
+
+def gate_up_and_silu(gate_up_proj: MergedColumnParallelLinear, x: torch.Tensor) -> torch.Tensor:
+    """silu(gate) * up of a fused [gate | up] projection of x (SwiGLU's
+    input to the down projection). On a GPU, for the few rows of a small
+    decode batch, one kernel of aioserve's own where the layer is a plain
+    half-precision matmul and the kernel proved itself faster
+    (flashinfer/gate_up_silu.py); else the projection and silu_and_mul."""
+    def separate(rows: torch.Tensor) -> torch.Tensor:
+        return silu_and_mul(gate_up_proj(rows))
+
+    plain = gate_up_proj.quant is None and gate_up_proj.lora is None and gate_up_proj.bias is None
+    if plain and x.dim() == 2 and GATE_UP_SILU.may_take(x):
+        kernels = GATE_UP_SILU.kernel(x, gate_up_proj.weight)
+        fused = None if kernels is None else GATE_UP_SILU.run(kernels, x, gate_up_proj.weight, separate)
+        if fused is not None:
+            return fused
+    return separate(x)
 
 
 def gelu_tanh_and_mul(gate_up: torch.Tensor) -> torch.Tensor:

@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 from aioserve.attention.backend import AttentionMetadata
-from aioserve.layers.activation import silu_and_mul
+from aioserve.layers.activation import gate_up_and_silu
 from aioserve.layers.embedding import VocabParallelEmbedding
 from aioserve.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 from aioserve.flashinfer.qk_rope_store import QK_ROPE_STORE
@@ -95,7 +95,7 @@ class LlamaMLP(nn.Module):
         self.down_proj = RowParallelLinear(size, config.hidden_size)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
+        return self.down_proj(gate_up_and_silu(self.gate_up_proj, x))
 
 
 # The feed-forward block of layer `layer_id`: the dense MLP, or experts (MoE models).
