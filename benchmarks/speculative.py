@@ -141,20 +141,33 @@ def pages_for_run(args: argparse.Namespace, page_size: int = 16) -> int:
     return max(args.concurrency) * per_request + 8
 
 
+# --draft-models' choices: (row name, method) each.
+DRAFTS = {"target": ("draft = target", "draft_model"), "random": ("draft 1-layer random", "draft_model"),
+          "eagle3": ("eagle3 random head", "eagle3")}
+
+
+def draft_path(choice: str, model: str, folder: Path) -> str:
+    """The checkpoint of a --draft-models choice, written into `folder` where it is made here."""
+    target = resolve_model_path(model)
+    if choice == "target":
+        return str(target)
+    if choice == "random":
+        return str(random_draft(model, folder / "draft"))
+    return str(build_eagle3_head(folder / "eagle3", target, seed=0))
+
+
 def draft_engines(args: argparse.Namespace, folder: Path) -> dict[str, LLM]:
-    """The draft_model method's engines, by row name (none without --draft-models)."""
-    if not args.draft_models:
+    """The draft_model and eagle3 methods' engines, by row name: none without
+    --draft-models, all three with it alone, else the ones it names."""
+    if args.draft_models is None:
         return {}
-    target = resolve_model_path(args.model)
-    drafts = {"draft = target": ("draft_model", str(target)),
-              "draft 1-layer random": ("draft_model", str(random_draft(args.model, folder / "draft"))),
-              "eagle3 random head": ("eagle3", str(build_eagle3_head(folder / "eagle3", target, seed=0)))}
-    return {
-        name: LLM(args.model, **engine_options(args), speculative_config={
-            "method": method, "model": path, "num_speculative_tokens": args.k,
+    engines = {}
+    for choice in args.draft_models or list(DRAFTS):
+        name, method = DRAFTS[choice]
+        engines[name] = LLM(args.model, **engine_options(args), speculative_config={
+            "method": method, "model": draft_path(choice, args.model, folder), "num_speculative_tokens": args.k,
             "disable_by_batch_size": args.disable_by_batch_size})
-        for name, (method, path) in drafts.items()
-    }
+    return engines
 
 
 def agreement(outs: list[list[int]], reference: list[list[int]]) -> float:
@@ -278,9 +291,9 @@ def main() -> None:
     parser.add_argument("--lookup-min", type=int, default=DEFAULT_LOOKUP_MIN)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--threads", type=int, default=None)
-    parser.add_argument("--draft-models", action="store_true",
+    parser.add_argument("--draft-models", nargs="*", choices=DRAFTS, default=None,
                         help="also the draft_model method (the target as its own draft, a 1-layer random draft) and the "
-                        "eagle3 method (a random head)")
+                        "eagle3 method (a random head); naming some runs only those (an 8B shape: `target`)")
     parser.add_argument("--load-format", default="auto", choices=("auto", "safetensors", "dummy"),
                         help="dummy: random weights of the config's shapes (a GPU run carries no weights)")
     parser.add_argument("--dtype", default="auto")

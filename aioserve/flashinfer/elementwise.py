@@ -98,6 +98,8 @@ class SelfCheckedOp(FusedOp):
     self-check's verdict per key (a shape, a dtype; None: it passed), run once
     each. A failed self-check counts as a fall-back in the report."""
 
+    refusal_level = logging.WARNING  # a failed self-check is a fault worth seeing, unless the op says otherwise
+
     def __init__(self, name: str, contract: Callable[..., str | None]) -> None:
         super().__init__(name, contract)
         self.verdicts: dict[Hashable, str | None] = {}
@@ -109,7 +111,7 @@ class SelfCheckedOp(FusedOp):
             why = self_check()
             self.verdicts[key] = why
             if why is not None:
-                logger.warning("%s: the torch form, not the fused kernel, because %s", self.name, why)
+                logger.log(self.refusal_level, "%s: the torch form, not the fused kernel, because %s", self.name, why)
             else:
                 logger.info("%s: the fused kernel serves %s", self.name, serves)
         return self.verdicts[key]
