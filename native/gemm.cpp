@@ -666,6 +666,8 @@ namespace aioserve {
 
 bool gemm_fuses_multiply_add() { return kFused; }
 
+bool amx_tiles_on() { return tiles_on(); }
+
 void packed_linear(const void* x, int x_type, int64_t m, int64_t k, const void* packed, int w_type, bool pairs,
                    int64_t n, const float* bias, void* y, bool float_out) {
   AIOSERVE_CHECK(x_type != kFloat64 && w_type != kFloat64, "packed_linear: float64 is not supported");

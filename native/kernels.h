@@ -161,6 +161,12 @@ void lora_add_rows(const void* x, int type, int64_t batch, int64_t k, const int6
                    const LoraSlots& lora, void* y, int64_t n);
 
 // attention.cpp: q [batch, heads, dim] contiguous; out like q.
+bool amx_tiles_on();  // gemm.cpp: built with the tiles, permitted by Linux, not turned off (AIOSERVE_AMX=0)
+void causal_prefill_attention(const void* q, int64_t q_tok, int64_t q_head, const void* k, int64_t k_tok,
+                              int64_t k_head, const void* v, int64_t v_tok, int64_t v_head, int64_t count,
+                              int64_t q_len, int64_t kv_len, int64_t heads, int64_t kv_heads, int64_t dim, double scale,
+                              void* out);
+
 void paged_decode_attention(const void* q, int q_type, const void* k_cache, const void* v_cache, int kv_type,
                             const int32_t* page_table, int64_t pages_per_row, const int64_t* seq_lens, int64_t batch,
                             int64_t num_heads, int64_t num_kv_heads, int64_t dim, int64_t page_size, double scale,

@@ -161,3 +161,42 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     ):
         raise lib.fail()
     return out
+
+
+def prefill_tiles_ready() -> bool:
+    """Whether causal_prefill_attention runs here: the library built with
+    AMX tiles (native/prefill_attention.cpp) and the tiles in use (the CPU
+    has them, Linux permits them, AIOSERVE_AMX is not 0)."""
+    lib = library()
+    return lib.prefill_tiles_built and lib.tiles_in_use()
+
+
+def causal_prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, count: int, scale: float,
+                             out: torch.Tensor | None = None) -> torch.Tensor:
+    """bf16 causal attention of `count` requests' chunks of equal length on
+    AMX tiles: q [count * q_len, H, D], k and v [count * kv_len, Hk, D]
+    (views are fine: the last dim contiguous); query i of a chunk sits at
+    i + kv_len - q_len and sees the keys up to it. Returns [count * q_len,
+    H, D] bf16, contiguous (`out`, if given: written in place). D a
+    multiple of 32 up to 256."""
+    if q.dim() != 3 or k.dim() != 3 or v.shape != k.shape or q.shape[2] != k.shape[2]:
+        raise RuntimeError("causal_prefill_attention: q [T, H, D], k and v [T', Hk, D]")
+    if not (q.dtype == k.dtype == v.dtype == torch.bfloat16):
+        raise RuntimeError("causal_prefill_attention: bf16 q, k and v")
+    if any(t.stride(2) != 1 for t in (q, k, v)):
+        raise RuntimeError("causal_prefill_attention: the last dim of q, k and v must be contiguous")
+    if count <= 0 or q.shape[0] % count or k.shape[0] % count:
+        raise RuntimeError(f"causal_prefill_attention: {q.shape[0]} query and {k.shape[0]} key rows over {count} requests")
+    q_len, kv_len = q.shape[0] // count, k.shape[0] // count
+    heads, kv_heads, dim = q.shape[1], k.shape[1], q.shape[2]
+    if out is None:
+        out = torch.empty(q.shape[0], heads, dim, dtype=torch.bfloat16)
+    elif out.shape != q.shape or out.dtype != torch.bfloat16 or not out.is_contiguous():
+        raise RuntimeError("causal_prefill_attention: out must be contiguous bf16 of q's shape")
+    lib = library()
+    if lib.causal_prefill_attention(
+        q.data_ptr(), q.stride(0), q.stride(1), k.data_ptr(), k.stride(0), k.stride(1), v.data_ptr(), v.stride(0),
+        v.stride(1), count, q_len, kv_len, heads, kv_heads, dim, scale, out.data_ptr(),
+    ):
+        raise lib.fail()
+    return out

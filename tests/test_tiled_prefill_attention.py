@@ -1,0 +1,141 @@
+"""bf16 prompt attention on AMX tiles (native/prefill_attention.cpp): equal
+to attention written out in float32 within bf16's rounding, for grouped KV
+heads, head dims 32 to 256, chunk lengths that are not whole blocks, chunks
+after a cached prefix, several requests at once and views of a projection;
+taken by the torch_native backend for plain causal chunks only (a window or
+image rows keep torch's SDPA), and through the Python API the same tokens
+and prompt logprobs within rounding as SDPA gives. Runs where the CPU has
+AMX (and the tiles are not turned off); its checks of the arguments run
+everywhere."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from aioserve import LLM, SamplingParams
+from aioserve.attention import torch_native
+from aioserve.attention.torch_native import TorchNativeBackend
+from aioserve.cpu.native import cpu_kernels
+from aioserve.kvcache.kv_pool import KVPool
+from hf_reference import hf_encode
+from test_prefill_attention import extend_plan, reference
+from tiny_models import build_checkpoint
+
+
+def _kernels():  # type: ignore[no-untyped-def]
+    kernels = cpu_kernels()
+    if kernels is None:
+        pytest.skip("the native kernels do not build here")
+    return kernels
+
+
+def _tiles():  # type: ignore[no-untyped-def]
+    kernels = _kernels()
+    if not kernels.prefill_tiles_ready():
+        pytest.skip("no AMX tiles here (or AIOSERVE_AMX=0): SDPA serves bf16 prompts")
+    return kernels
+
+
+# (requests, query heads, KV heads, chunk length, cached prefix, head dim)
+SHAPES = [(1, 2, 1, 5, 0, 32), (1, 4, 2, 40, 0, 64), (2, 4, 2, 33, 7, 128), (3, 6, 3, 70, 30, 64),
+          (1, 2, 2, 100, 200, 256), (2, 16, 8, 96, 0, 128)]
+
+
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))
+def test_the_kernel_equals_attention_written_out(shape: tuple[int, ...]) -> None:
+    kernels = _tiles()
+    count, heads, kv_heads, length, prefix, dim = shape
+    gen = torch.Generator().manual_seed(length + prefix)
+    # q as a view of a q|k|v projection (its rows strided), as a layer has it.
+    qkv = torch.randn(count * length, (heads + 2 * kv_heads) * dim, generator=gen).bfloat16()
+    q = qkv[:, : heads * dim].view(count * length, heads, dim)
+    kv = torch.randn(count * (prefix + length), 2, kv_heads, dim, generator=gen).bfloat16()
+    k, v = kv[:, 0], kv[:, 1]
+    scale = dim**-0.5
+    got = kernels.causal_prefill_attention(q, k, v, count, scale)
+    into = torch.full_like(got, float("nan"))
+    kernels.causal_prefill_attention(q, k, v, count, scale, into)
+    assert torch.equal(into, got)  # written in place, every element
+    for r in range(count):
+        rows, keys = slice(r * length, (r + 1) * length), slice(r * (prefix + length), (r + 1) * (prefix + length))
+        expected = reference(q[rows], k[keys], v[keys], prefix, [], None, scale)
+        torch.testing.assert_close(got[rows].float(), expected, atol=2e-2, rtol=2e-2)
+
+
+def test_the_arguments_are_checked() -> None:
+    kernels = _kernels()
+    q = torch.zeros(8, 2, 64, dtype=torch.bfloat16)
+    k = torch.zeros(8, 1, 64, dtype=torch.bfloat16)
+    with pytest.raises(RuntimeError, match="bf16"):
+        kernels.causal_prefill_attention(q.float(), k.float(), k.float(), 1, 0.1)
+    with pytest.raises(RuntimeError, match="last dim"):
+        kernels.causal_prefill_attention(q.transpose(0, 2).contiguous().transpose(0, 2), k, k, 1, 0.1)
+    with pytest.raises(RuntimeError, match="over 3 requests"):
+        kernels.causal_prefill_attention(q, k, k, 3, 0.1)
+    with pytest.raises(RuntimeError, match="contiguous bf16"):
+        kernels.causal_prefill_attention(q, k, k, 1, 0.1, torch.zeros(8, 2, 64))
+
+
+@pytest.mark.parametrize("window", [None, 16])
+def test_the_backend_takes_plain_causal_chunks_only(monkeypatch: pytest.MonkeyPatch, window: int | None) -> None:
+    """Fresh chunks side by side, a lone one, a long chunk after a cached
+    prefix: the tiles take each (with a window, none), and the result equals
+    SDPA's within rounding."""
+    kernels = _tiles()
+    calls: list[int] = []
+    original = kernels.causal_prefill_attention
+    monkeypatch.setattr(kernels, "causal_prefill_attention",
+                        lambda *args: calls.append(args[3]) or original(*args))
+    chunks = [(0, 40), (0, 40), (0, 17), (24, 64)]
+    heads, kv_heads, dim = 8, 2, 64
+    gen = torch.Generator().manual_seed(3)
+    pool = KVPool(1, 120, 4, kv_heads, dim, torch.bfloat16, torch.device("cpu"))
+    pool.buffer[:, :, 4:].normal_(generator=gen)
+    tokens = sum(n for _, n in chunks)
+    q, k, v = (torch.randn(tokens, h, dim, generator=gen).bfloat16() for h in (heads, kv_heads, kv_heads))
+    plan = extend_plan(chunks, first_page=1)
+    results = {}
+    for tiled in (True, False):
+        monkeypatch.setattr(torch_native, "TILED_PREFILL", tiled)
+        pool_copy = KVPool(1, 120, 4, kv_heads, dim, torch.bfloat16, torch.device("cpu"))
+        pool_copy.buffer.copy_(pool.buffer)
+        results[tiled] = TorchNativeBackend(pool_copy).prepare(plan, plan).attend(0, q, k, v, dim**-0.5, window)
+    torch.testing.assert_close(results[True].float(), results[False].float(), atol=2e-2, rtol=2e-2)
+    assert calls == ([] if window else [2, 1, 1])  # the two 40s as one run, the 17, the chunk after the prefix
+
+
+@pytest.fixture(scope="module")
+def qwen3_hd64(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return build_checkpoint("qwen3", tmp_path_factory.mktemp("tiled") / "qwen3", overrides={"head_dim": 64})
+
+
+def _run(model: Path, prompts: list[list[int]], tiled: bool, monkeypatch: pytest.MonkeyPatch) -> list:
+    monkeypatch.setattr(torch_native, "TILED_PREFILL", tiled)
+    llm = LLM(str(model), dtype="bfloat16", page_size=4, debug_integrity=True)
+    try:
+        params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True, prompt_logprobs=0)
+        return llm.generate(prompts, params)
+    finally:
+        llm.close()
+
+
+def test_through_the_python_api_prompts_follow_sdpa(qwen3_hd64: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    kernels = _tiles()
+    calls: list[int] = []
+    original = kernels.causal_prefill_attention
+    monkeypatch.setattr(kernels, "causal_prefill_attention", lambda *args: calls.append(args[3]) or original(*args))
+    texts = ["Once upon a time there was a little fox who", "1 2 3 4 5 6 7 8 9 10 11 12", "the cat sat on the mat"]
+    prompts = [hf_encode(qwen3_hd64, t) for t in texts]
+    tiled = _run(qwen3_hd64, prompts, True, monkeypatch)
+    assert calls, "the tiles never served a prompt"
+    taken = len(calls)
+    plain = _run(qwen3_hd64, prompts, False, monkeypatch)
+    assert len(calls) == taken
+    for a, b in zip(tiled, plain):
+        got = [entry[0] for entry in a.prompt_logprobs if entry is not None]
+        want = [entry[0] for entry in b.prompt_logprobs if entry is not None]
+        assert len(got) == len(want) and max(abs(x - y) for x, y in zip(got, want)) < 0.05
+    assert sum(a.token_ids[:4] == b.token_ids[:4] for a, b in zip(tiled, plain)) >= 2
