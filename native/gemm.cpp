@@ -23,6 +23,7 @@
 #include "half.h"
 #include "kernels.h"
 #include "parallel.h"
+#include "tile_config.h"
 #include "vec_math.h"
 #include <immintrin.h>
 
@@ -188,14 +189,6 @@ bool tiles_permitted() {
   return permitted;
 }
 
-struct alignas(64) TileConfig {
-  uint8_t palette = 1;
-  uint8_t start_row = 0;
-  uint8_t reserved[14] = {};
-  uint16_t bytes_per_row[16] = {};
-  uint8_t rows[16] = {};
-};
-
 // Tiles of 64-byte rows: 0-3 the sums (two row tiles by two half blocks),
 // 4-5 x's row tiles, 6-7 the weights' half blocks (16 pairs of k). The sums
 // and x's tiles have `rows` rows (16, or fewer for a last partial tile: its
@@ -204,7 +197,7 @@ struct alignas(64) TileConfig {
 // other code on the thread (oneDNN's AMX kernels) may have configured the
 // tiles its own way in between.
 inline void configure_tiles(int rows) {
-  TileConfig config;
+  aioserve::TileConfig config;
   for (int t = 0; t < 8; ++t) {
     config.bytes_per_row[t] = 64;
     config.rows[t] = static_cast<uint8_t>(t < 6 ? rows : kTileRows);

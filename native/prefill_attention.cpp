@@ -20,6 +20,7 @@
 
 #include "kernels.h"
 #include "parallel.h"
+#include "tile_config.h"
 
 #include <limits>
 #include <vector>
@@ -37,17 +38,9 @@ namespace {
 constexpr int64_t kRows = 32;  // query rows of a block: two 16-row tiles
 constexpr int64_t kKeys = 32;  // keys of a block: two 16-column tiles (and one 16-pair k step of P V)
 
-struct alignas(64) PrefillTileConfig {
-  uint8_t palette = 1;
-  uint8_t start_row = 0;
-  uint8_t reserved[14] = {};
-  uint16_t bytes_per_row[16] = {};
-  uint8_t rows[16] = {};
-};
-
 // Every tile 16 rows of 64 bytes: 0-3 sums, 4-5 A (Q or P), 6-7 B (K^T or V).
 inline void configure() {
-  PrefillTileConfig config;
+  TileConfig config;
   for (int t = 0; t < 8; ++t) {
     config.bytes_per_row[t] = 64;
     config.rows[t] = 16;

@@ -19,14 +19,11 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from aioserve import LLM, SamplingParams
-from aioserve.attention.flashinfer import FlashInferBackend
 from aioserve.flashinfer import contracts
 from aioserve.flashinfer import gate_up_silu as op
 from aioserve.flashinfer.gate_up_silu import GATE_UP_SILU, gate_up_silu_reference, self_check
 from fake_flashinfer import KernelFault, fake_gate_up_silu
-from hf_reference import hf_encode
-from tiny_models import build_checkpoint
+from own_kernel_runs import check_the_kernel_follows_the_separate_ones, head_dim_64_models
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 
@@ -129,51 +126,14 @@ def test_the_op_decides_once_per_row_bucket_and_never_while_capturing(monkeypatc
         GATE_UP_SILU.forget()
 
 
-def _bf16_run(model: Path, prompts: list[list[int]], fused: bool, **options: object) -> tuple[list, list, bool]:
-    """bfloat16 through the CUDA code path on CPU, the kernel's stand-in in
-    place or not: each prompt's logprobs, 12 greedy tokens, and whether the
-    kernel served."""
-    from aioserve.engine import engine as engine_module
-
-    with kernel_census.cuda_code_path(kernel_census.KernelCounter()):
-        if not fused:
-            op.KERNEL.module = None  # (cuda_code_path restores it)
-        cpu_paths, engine_module.CpuFastPaths = engine_module.CpuFastPaths, kernel_census.NoCpuFastPaths
-        try:
-            llm = LLM(str(model), dtype="bfloat16", cpu_half_compute="native", cpu_matmul_tuning=False,
-                      page_size=4, cuda_graph=False, debug_integrity=True, **options)
-        finally:
-            engine_module.CpuFastPaths = cpu_paths
-        try:
-            engine = llm.engine
-            engine.cpu_paths = None
-            engine.attention = FlashInferBackend(engine.pool, engine.attention_shape, kernel_census.fake_flashinfer)
-            params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True, prompt_logprobs=0)
-            outs = llm.generate(prompts, params)
-            taken = GATE_UP_SILU.fused()
-        finally:
-            llm.close()
-    logprobs = [[entry[0] for entry in o.prompt_logprobs if entry is not None] for o in outs]
-    return logprobs, [o.token_ids for o in outs], taken
-
-
 @pytest.fixture(scope="module")
 def dense_models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    root = tmp_path_factory.mktemp("mlp")
-    return {arch: build_checkpoint(arch, root / arch, overrides={"head_dim": 64}) for arch in ("qwen3", "llama3-rope")}
+    return head_dim_64_models(tmp_path_factory.mktemp("mlp"))
 
 
 @pytest.mark.parametrize("arch", ["qwen3", "llama3-rope"])
 def test_decode_rows_take_it_and_follow_the_separate_kernels(dense_models: dict[str, Path], arch: str) -> None:
-    model = dense_models[arch]
-    prompts = [hf_encode(model, t) for t in ("Once upon a time there was", "1 2 3 4 5 6 7 8", "the cat sat on")]
-    fused_lp, fused_tokens, taken = _bf16_run(model, prompts, fused=True)
-    separate_lp, separate_tokens, separate_taken = _bf16_run(model, prompts, fused=False)
-    assert taken and not separate_taken
-    for got, expected in zip(fused_lp, separate_lp):
-        assert len(got) == len(expected)
-        assert max(abs(a - b) for a, b in zip(got, expected)) < 0.05  # bf16 rounding, not a wrong product
-    assert sum(a[:4] == b[:4] for a, b in zip(fused_tokens, separate_tokens)) >= 2
+    check_the_kernel_follows_the_separate_ones(dense_models[arch], op.KERNEL, GATE_UP_SILU)
 
 
 def test_layers_with_lora_or_many_rows_keep_the_separate_kernels() -> None:

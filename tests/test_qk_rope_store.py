@@ -15,21 +15,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from aioserve import LLM, SamplingParams
-from aioserve.attention.flashinfer import FlashInferBackend
 from aioserve.flashinfer import contracts
 from aioserve.flashinfer import qk_rope_store as op
 from aioserve.flashinfer.qk_rope_store import QK_ROPE_STORE, qk_rope_store_reference, self_check
 from aioserve.kvcache.kv_pool import KVPool
 from aioserve.layers.norm import RMSNorm
 from aioserve.layers.rotary import RopeScaling, RotaryEmbedding
-from fake_flashinfer import fake_flashinfer
-from hf_reference import hf_encode
-from tiny_models import build_checkpoint
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
-
-import kernel_census  # noqa: E402  (the CUDA code path on CPU)
+from own_kernel_runs import check_the_kernel_follows_the_separate_ones, head_dim_64_models
 
 
 def _projection(tokens: int, hq: int, hk: int, d: int, dtype: torch.dtype, seed: int = 0):
@@ -112,51 +104,14 @@ def test_the_self_check_runs_the_kernel_against_the_torch_form() -> None:
     assert "failed" in self_check(SimpleNamespace(qk_rope_store=failing), torch.bfloat16, 64, True, cpu)
 
 
-def _bf16_run(model: Path, prompts: list[list[int]], fused: bool) -> tuple[list, list]:
-    """bfloat16 through the CUDA code path on CPU, the fused kernel's
-    stand-in in place or not: each prompt's logprobs and 12 greedy tokens."""
-    from aioserve.engine import engine as engine_module
-
-    with kernel_census.cuda_code_path(kernel_census.KernelCounter()):
-        if not fused:
-            op.KERNEL.module = None  # (cuda_code_path restores it)
-        # The GPU's path: the modules in bfloat16, no packed weights or native decode step.
-        cpu_paths, engine_module.CpuFastPaths = engine_module.CpuFastPaths, kernel_census.NoCpuFastPaths
-        try:
-            llm = LLM(str(model), dtype="bfloat16", cpu_half_compute="native", cpu_matmul_tuning=False,
-                      page_size=4, cuda_graph=False, debug_integrity=True)
-        finally:
-            engine_module.CpuFastPaths = cpu_paths
-        try:
-            engine = llm.engine
-            engine.cpu_paths = None
-            engine.attention = FlashInferBackend(engine.pool, engine.attention_shape, fake_flashinfer)
-            params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True, prompt_logprobs=0)
-            outs = llm.generate(prompts, params)
-            taken = QK_ROPE_STORE.fused()
-        finally:
-            llm.close()
-    assert taken == fused
-    logprobs = [[entry[0] for entry in o.prompt_logprobs if entry is not None] for o in outs]
-    return logprobs, [o.token_ids for o in outs]
-
-
 @pytest.fixture(scope="module")
 def head_dim_64(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    root = tmp_path_factory.mktemp("qk")
-    return {arch: build_checkpoint(arch, root / arch, overrides={"head_dim": 64}) for arch in ("qwen3", "llama3-rope")}
+    return head_dim_64_models(tmp_path_factory.mktemp("qk"))
 
 
 @pytest.mark.parametrize("arch", ["qwen3", "llama3-rope"])
 def test_layers_take_it_and_follow_the_separate_kernels(head_dim_64: dict[str, Path], arch: str) -> None:
-    model = head_dim_64[arch]
-    prompts = [hf_encode(model, t) for t in ("Once upon a time there was", "1 2 3 4 5 6 7 8", "the cat sat on")]
-    fused_lp, fused_tokens = _bf16_run(model, prompts, fused=True)
-    separate_lp, separate_tokens = _bf16_run(model, prompts, fused=False)
-    for got, expected in zip(fused_lp, separate_lp):
-        assert len(got) == len(expected)
-        assert max(abs(a - b) for a, b in zip(got, expected)) < 0.05  # bf16 rounding, not a wrong rotation
-    assert sum(a[:4] == b[:4] for a, b in zip(fused_tokens, separate_tokens)) >= 2
+    check_the_kernel_follows_the_separate_ones(head_dim_64[arch], op.KERNEL, QK_ROPE_STORE)
 
 
 INTERPRETED = """
