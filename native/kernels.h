@@ -165,7 +165,7 @@ bool amx_tiles_on();  // gemm.cpp: built with the tiles, permitted by Linux, not
 void causal_prefill_attention(const void* q, int64_t q_tok, int64_t q_head, const void* k, int64_t k_tok,
                               int64_t k_head, const void* v, int64_t v_tok, int64_t v_head, int64_t count,
                               int64_t q_len, int64_t kv_len, int64_t heads, int64_t kv_heads, int64_t dim, double scale,
-                              void* out);
+                              int64_t window, void* out);
 
 void paged_decode_attention(const void* q, int q_type, const void* k_cache, const void* v_cache, int kv_type,
                             const int32_t* page_table, int64_t pages_per_row, const int64_t* seq_lens, int64_t batch,

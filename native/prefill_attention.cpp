@@ -15,7 +15,9 @@
 // V are laid out that way once per call (their rows rounded up to 32 with
 // zeros), shared by the query heads of its group and all its query blocks.
 // Queries see the keys up to their own position: query i of a chunk sits at
-// i + (kv_len - q_len) (a chunk after a cached prefix). Sums are float32;
+// i + (kv_len - q_len) (a chunk after a cached prefix); with a sliding
+// window, none `window` or more behind it (Gemma 3's local layers: the
+// blocks wholly before a query block's window are skipped). Sums are float32;
 // the result is rounded to bf16 once, as torch's kernel does.
 
 #include "kernels.h"
@@ -168,12 +170,12 @@ inline __m512 reduce16(const __m512* v, Op op) {
 }
 
 // The online softmax of 16 query rows of a block: scores [16][kKeys]
-// float32 sums, scaled; row i sees the keys up to last0 + i (those past
-// it masked). Each row's max and sum are updated, its probabilities written
+// float32 sums, scaled; row i sees the keys up to last0 + i, and with a
+// window (> 0) none `window` or more behind that (the others masked). Each row's max and sum are updated, its probabilities written
 // as bf16 to probs [16][kKeys], and the factor its output must be scaled by
 // to factors (1 where the max did not move).
-inline void softmax_rows16(const float* scores, float scale, int64_t first_key, int64_t last0, float* row_max,
-                           float* row_sum, uint16_t* probs, float* factors) {
+inline void softmax_rows16(const float* scores, float scale, int64_t first_key, int64_t last0, int64_t window,
+                           float* row_max, float* row_sum, uint16_t* probs, float* factors) {
   const __m512i lanes = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
   const __m512i upper = _mm512_add_epi32(lanes, _mm512_set1_epi32(16));
   const __m512 minus_inf = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
@@ -182,8 +184,10 @@ inline void softmax_rows16(const float* scores, float scale, int64_t first_key, 
   __m512 part[16];
   for (int i = 0; i < 16; ++i) {
     const __m512i limit = _mm512_set1_epi32(static_cast<int>(last0 + i - first_key));
-    in0[i] = _mm512_cmple_epi32_mask(lanes, limit);
-    in1[i] = _mm512_cmple_epi32_mask(upper, limit);
+    const __m512i floor = _mm512_set1_epi32(window > 0 ? static_cast<int>(last0 + i - window + 1 - first_key)
+                                                       : std::numeric_limits<int>::min());
+    in0[i] = _mm512_cmple_epi32_mask(lanes, limit) & _mm512_cmpge_epi32_mask(lanes, floor);
+    in1[i] = _mm512_cmple_epi32_mask(upper, limit) & _mm512_cmpge_epi32_mask(upper, floor);
     part[i] = _mm512_max_ps(_mm512_mask_mul_ps(minus_inf, in0[i], _mm512_loadu_ps(scores + i * kKeys), scale_v),
                             _mm512_mask_mul_ps(minus_inf, in1[i], _mm512_loadu_ps(scores + i * kKeys + 16), scale_v));
   }
@@ -211,6 +215,7 @@ inline void softmax_rows16(const float* scores, float scale, int64_t first_key, 
 struct Shapes {
   int64_t count, q_len, kv_len, heads, kv_heads, dim;
   int64_t q_tok, q_head, k_tok, k_head, v_tok, v_head;
+  int64_t window;  // > 0: a query sees no key `window` or more behind it
   float scale;
 };
 
@@ -236,7 +241,9 @@ void attend_block(const Shapes& s, const uint16_t* q, const uint32_t* kt, const 
   std::memset(acc, 0, sizeof(float) * kRows * dim);
   const int64_t q_row_bytes = dim * 2, acc_row_bytes = dim * 4;
   const int64_t keys_end = std::min(s.kv_len, offset + q0 + rows);  // the last row's keys
-  for (int64_t k0 = 0; k0 < keys_end; k0 += kKeys) {
+  // The first row's window: the blocks before it hold no key any row sees.
+  const int64_t keys_begin = s.window > 0 ? std::max<int64_t>(0, offset + q0 - s.window + 1) / kKeys * kKeys : 0;
+  for (int64_t k0 = keys_begin; k0 < keys_end; k0 += kKeys) {
     // S = Q K^T: tiles 0, 1 rows 0-15 (keys 0-15, 16-31), 2, 3 rows 16-31.
     _tile_zero(0);
     _tile_zero(1);
@@ -257,8 +264,8 @@ void attend_block(const Shapes& s, const uint16_t* q, const uint32_t* kt, const 
     _tile_stored(2, scores + 16 * kKeys, kKeys * 4);
     _tile_stored(3, scores + 16 * kKeys + 16, kKeys * 4);
     alignas(64) float factors[kRows];
-    softmax_rows16(scores, s.scale, k0, offset + q0, row_max, row_sum, probs, factors);
-    softmax_rows16(scores + 16 * kKeys, s.scale, k0, offset + q0 + 16, row_max + 16, row_sum + 16,
+    softmax_rows16(scores, s.scale, k0, offset + q0, s.window, row_max, row_sum, probs, factors);
+    softmax_rows16(scores + 16 * kKeys, s.scale, k0, offset + q0 + 16, s.window, row_max + 16, row_sum + 16,
                    probs + 16 * kKeys, factors + 16);
     for (int64_t i = 0; i < kRows; ++i) {
       if (factors[i] != 1.f) {
@@ -313,14 +320,14 @@ bool prefill_attention_tiles_built() {
 void causal_prefill_attention(const void* q, int64_t q_tok, int64_t q_head, const void* k, int64_t k_tok,
                               int64_t k_head, const void* v, int64_t v_tok, int64_t v_head, int64_t count,
                               int64_t q_len, int64_t kv_len, int64_t heads, int64_t kv_heads, int64_t dim, double scale,
-                              void* out) {
+                              int64_t window, void* out) {
 #if defined(AIOSERVE_PREFILL_TILES)
   AIOSERVE_CHECK(amx_tiles_on(), "causal_prefill_attention: AMX tiles are not in use");
   AIOSERVE_CHECK(dim % 32 == 0 && dim <= 256, "causal_prefill_attention: head dim ", dim, " (a multiple of 32, <= 256)");
   AIOSERVE_CHECK(heads % kv_heads == 0, "causal_prefill_attention: query heads a multiple of KV heads");
   AIOSERVE_CHECK(kv_len >= q_len && q_len > 0, "causal_prefill_attention: kv_len >= q_len > 0");
   const Shapes s{count, q_len, kv_len, heads, kv_heads, dim, q_tok, q_head, k_tok, k_head, v_tok, v_head,
-                 static_cast<float>(scale)};
+                 window, static_cast<float>(scale)};
   // kt and vp of a (request, KV head) pair: `half` 32-bit words each (padded keys x dim bf16).
   const int64_t padded = round_up(kv_len, kKeys), half = padded * dim / 2;
   const auto words = static_cast<size_t>(count * kv_heads * 2 * half);
@@ -351,7 +358,7 @@ void causal_prefill_attention(const void* q, int64_t q_tok, int64_t q_head, cons
   }, 2);
 #else
   (void)q, (void)q_tok, (void)q_head, (void)k, (void)k_tok, (void)k_head, (void)v, (void)v_tok, (void)v_head;
-  (void)count, (void)q_len, (void)kv_len, (void)heads, (void)kv_heads, (void)dim, (void)scale, (void)out;
+  (void)count, (void)q_len, (void)kv_len, (void)heads, (void)kv_heads, (void)dim, (void)scale, (void)window, (void)out;
   fail("causal_prefill_attention: built without AMX tiles");
 #endif
 }
@@ -361,10 +368,10 @@ void causal_prefill_attention(const void* q, int64_t q_tok, int64_t q_head, cons
 static int causal_prefill_attention_direct(const void* q, int64_t q_tok, int64_t q_head, const void* k, int64_t k_tok,
                                            int64_t k_head, const void* v, int64_t v_tok, int64_t v_head, int64_t count,
                                            int64_t q_len, int64_t kv_len, int64_t heads, int64_t kv_heads, int64_t dim,
-                                           double scale, void* out) {
+                                           double scale, int64_t window, void* out) {
   return aioserve::guarded([&] {
     aioserve::causal_prefill_attention(q, q_tok, q_head, k, k_tok, k_head, v, v_tok, v_head, count, q_len, kv_len,
-                                       heads, kv_heads, dim, scale, out);
+                                       heads, kv_heads, dim, scale, window, out);
   });
 }
 

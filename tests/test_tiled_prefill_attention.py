@@ -1,10 +1,11 @@
 """bf16 prompt attention on AMX tiles (native/prefill_attention.cpp): equal
 to attention written out in float32 within bf16's rounding, for grouped KV
 heads, head dims 32 to 256, chunk lengths that are not whole blocks, chunks
-after a cached prefix, several requests at once and views of a projection;
-taken by the torch_native backend for plain causal chunks only (a window or
-image rows keep torch's SDPA), and through the Python API the same tokens
-and prompt logprobs within rounding as SDPA gives. Runs where the CPU has
+after a cached prefix, sliding windows, several requests at once and views
+of a projection; taken by the torch_native backend for causal chunks (image
+rows that attend both ways keep torch's SDPA), and through the Python API
+(Qwen3; Gemma 3's and Mistral's windows) the same tokens and prompt
+logprobs within rounding as SDPA gives. Runs where the CPU has
 AMX (and the tiles are not turned off); its checks of the arguments run
 everywhere."""
 
@@ -39,15 +40,16 @@ def _tiles():  # type: ignore[no-untyped-def]
     return kernels
 
 
-# (requests, query heads, KV heads, chunk length, cached prefix, head dim)
-SHAPES = [(1, 2, 1, 5, 0, 32), (1, 4, 2, 40, 0, 64), (2, 4, 2, 33, 7, 128), (3, 6, 3, 70, 30, 64),
-          (1, 2, 2, 100, 200, 256), (2, 16, 8, 96, 0, 128)]
+# (requests, query heads, KV heads, chunk length, cached prefix, head dim, sliding window)
+SHAPES = [(1, 2, 1, 5, 0, 32, None), (1, 4, 2, 40, 0, 64, None), (2, 4, 2, 33, 7, 128, None),
+          (3, 6, 3, 70, 30, 64, None), (1, 2, 2, 100, 200, 256, None), (2, 16, 8, 96, 0, 128, None),
+          (1, 4, 2, 100, 0, 64, 17), (2, 4, 1, 45, 70, 128, 40), (1, 2, 2, 64, 0, 256, 1)]
 
 
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))
-def test_the_kernel_equals_attention_written_out(shape: tuple[int, ...]) -> None:
+def test_the_kernel_equals_attention_written_out(shape: tuple) -> None:
     kernels = _tiles()
-    count, heads, kv_heads, length, prefix, dim = shape
+    count, heads, kv_heads, length, prefix, dim, window = shape
     gen = torch.Generator().manual_seed(length + prefix)
     # q as a view of a q|k|v projection (its rows strided), as a layer has it.
     qkv = torch.randn(count * length, (heads + 2 * kv_heads) * dim, generator=gen).bfloat16()
@@ -55,13 +57,13 @@ def test_the_kernel_equals_attention_written_out(shape: tuple[int, ...]) -> None
     kv = torch.randn(count * (prefix + length), 2, kv_heads, dim, generator=gen).bfloat16()
     k, v = kv[:, 0], kv[:, 1]
     scale = dim**-0.5
-    got = kernels.causal_prefill_attention(q, k, v, count, scale)
+    got = kernels.causal_prefill_attention(q, k, v, count, scale, None, window)
     into = torch.full_like(got, float("nan"))
-    kernels.causal_prefill_attention(q, k, v, count, scale, into)
+    kernels.causal_prefill_attention(q, k, v, count, scale, into, window)
     assert torch.equal(into, got)  # written in place, every element
     for r in range(count):
         rows, keys = slice(r * length, (r + 1) * length), slice(r * (prefix + length), (r + 1) * (prefix + length))
-        expected = reference(q[rows], k[keys], v[keys], prefix, [], None, scale)
+        expected = reference(q[rows], k[keys], v[keys], prefix, [], window, scale)
         torch.testing.assert_close(got[rows].float(), expected, atol=2e-2, rtol=2e-2)
 
 
@@ -80,10 +82,10 @@ def test_the_arguments_are_checked() -> None:
 
 
 @pytest.mark.parametrize("window", [None, 16])
-def test_the_backend_takes_plain_causal_chunks_only(monkeypatch: pytest.MonkeyPatch, window: int | None) -> None:
+def test_the_backend_takes_causal_chunks(monkeypatch: pytest.MonkeyPatch, window: int | None) -> None:
     """Fresh chunks side by side, a lone one, a long chunk after a cached
-    prefix: the tiles take each (with a window, none), and the result equals
-    SDPA's within rounding."""
+    prefix: the tiles take each (with a window, a chunk at a time), and the
+    result equals SDPA's within rounding."""
     kernels = _tiles()
     calls: list[int] = []
     original = kernels.causal_prefill_attention
@@ -104,12 +106,18 @@ def test_the_backend_takes_plain_causal_chunks_only(monkeypatch: pytest.MonkeyPa
         pool_copy.buffer.copy_(pool.buffer)
         results[tiled] = TorchNativeBackend(pool_copy).prepare(plan, plan).attend(0, q, k, v, dim**-0.5, window)
     torch.testing.assert_close(results[True].float(), results[False].float(), atol=2e-2, rtol=2e-2)
-    assert calls == ([] if window else [2, 1, 1])  # the two 40s as one run, the 17, the chunk after the prefix
+    # The two 40s as one run (with a window, one by one), the 17, the chunk after the prefix.
+    assert calls == ([1, 1, 1, 1] if window else [2, 1, 1])
 
 
 @pytest.fixture(scope="module")
-def qwen3_hd64(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return build_checkpoint("qwen3", tmp_path_factory.mktemp("tiled") / "qwen3", overrides={"head_dim": 64})
+def models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """Qwen3 at head dim 64; Gemma 3 (a 12-token window on its local layers)
+    and Mistral (a 24-token window) at 32."""
+    root = tmp_path_factory.mktemp("tiled")
+    return {"qwen3": build_checkpoint("qwen3", root / "qwen3", overrides={"head_dim": 64}),
+            "gemma3": build_checkpoint("gemma3", root / "gemma3"),
+            "mistral": build_checkpoint("mistral", root / "mistral", overrides={"head_dim": 32})}
 
 
 def _run(model: Path, prompts: list[list[int]], tiled: bool, monkeypatch: pytest.MonkeyPatch) -> list:
@@ -122,17 +130,21 @@ def _run(model: Path, prompts: list[list[int]], tiled: bool, monkeypatch: pytest
         llm.close()
 
 
-def test_through_the_python_api_prompts_follow_sdpa(qwen3_hd64: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize("arch", ["qwen3", "gemma3", "mistral"])
+def test_through_the_python_api_prompts_follow_sdpa(models: dict[str, Path], arch: str,
+                                                     monkeypatch: pytest.MonkeyPatch) -> None:
     kernels = _tiles()
     calls: list[int] = []
     original = kernels.causal_prefill_attention
     monkeypatch.setattr(kernels, "causal_prefill_attention", lambda *args: calls.append(args[3]) or original(*args))
-    texts = ["Once upon a time there was a little fox who", "1 2 3 4 5 6 7 8 9 10 11 12", "the cat sat on the mat"]
-    prompts = [hf_encode(qwen3_hd64, t) for t in texts]
-    tiled = _run(qwen3_hd64, prompts, True, monkeypatch)
+    model = models[arch]
+    # The second prompt outruns both windows.
+    texts = ["Once upon a time there was a little fox who", " ".join(str(i) for i in range(1, 31)), "the cat sat on"]
+    prompts = [hf_encode(model, t) for t in texts]
+    tiled = _run(model, prompts, True, monkeypatch)
     assert calls, "the tiles never served a prompt"
     taken = len(calls)
-    plain = _run(qwen3_hd64, prompts, False, monkeypatch)
+    plain = _run(model, prompts, False, monkeypatch)
     assert len(calls) == taken
     for a, b in zip(tiled, plain):
         got = [entry[0] for entry in a.prompt_logprobs if entry is not None]

@@ -11,8 +11,8 @@ same pages, whose KV is stored before any is read. Longer extends (prefill
 chunks) are attended one request at a time with a causal mask shifted by
 the cached prefix, so a long prompt never pads the short ones; side-by-side chunks of one length with nothing
 cached before them (a burst of equal prompts) attend as one batch. On a CPU
-with AMX, bf16 chunks that are plain causal (fresh, or after a cached
-prefix: no window, no image rows) go to native/prefill_attention.cpp's
+with AMX, bf16 chunks that are causal (fresh, or after a cached prefix, a
+sliding window or none; no image rows) go to native/prefill_attention.cpp's
 kernel on the tiles instead of SDPA, written straight into the output.
 
 A non-causal backend (encoders: `causal=False`) attends each sequence's
@@ -56,10 +56,10 @@ class _Extend:
     both_ways: list[tuple[int, int]] = field(default_factory=list)
     masks: dict[int | None, torch.Tensor | None] = field(default_factory=dict)
 
-    def plain_causal(self, window: int | None) -> bool:
-        """Whether each new token sees exactly the keys up to itself (the
-        prefix's and its own), no window bounding it, nothing both ways."""
-        return window is None and not self.both_ways
+    def plain_causal(self) -> bool:
+        """Whether each new token sees the keys up to itself (the prefix's and
+        its own; a window may bound them from behind), nothing both ways."""
+        return not self.both_ways
 
     def mask(self, window: int | None) -> torch.Tensor | None:
         """[length, prefix + length] bool; None means plain causal (no
@@ -268,8 +268,8 @@ class TorchNativeMetadata(AttentionMetadata):
                 else:
                     ek = keys.index_select(0, ext.slots).to(q.dtype)
                     ev = values.index_select(0, ext.slots).to(q.dtype)
-                if tiled is not None and ext.plain_causal(sliding_window):
-                    tiled.causal_prefill_attention(q[rows], ek, ev, 1, scale, out[rows])
+                if tiled is not None and ext.plain_causal():
+                    tiled.causal_prefill_attention(q[rows], ek, ev, 1, scale, out[rows], sliding_window)
                 else:
                     out[rows] = self._attend_extend(q[rows], ek, ev, ext.mask(sliding_window), scale, self.causal)
         return out

@@ -50,7 +50,7 @@ PROTOTYPES: dict[str, list[Any]] = {
     "aioserve_paged_decode_attention": [_p, _i32, _p, _p, _i32, _p, _i64, _p, _i64, _i64, _i64, _i64, _i64, _f64,
                                         _i64, _p],
     "aioserve_causal_prefill_attention": [_p, _i64, _i64, _p, _i64, _i64, _p, _i64, _i64, _i64, _i64, _i64, _i64,
-                                          _i64, _i64, _f64, _p],
+                                          _i64, _i64, _f64, _i64, _p],
     "aioserve_pack_linear_weight": [_p, _i32, _i64, _i64, _i64, _i64, _i32, _p, _i64],
     "aioserve_packed_linear": [_p, _i32, _i64, _i64, _p, _i32, _i32, _i64, _p, _p, _i32],
     "aioserve_packed_linear_argmax": [_p, _i32, _i64, _i64, _p, _i32, _i32, _i64, _p, _p, _p],

@@ -172,11 +172,12 @@ def prefill_tiles_ready() -> bool:
 
 
 def causal_prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, count: int, scale: float,
-                             out: torch.Tensor | None = None) -> torch.Tensor:
+                             out: torch.Tensor | None = None, window: int | None = None) -> torch.Tensor:
     """bf16 causal attention of `count` requests' chunks of equal length on
     AMX tiles: q [count * q_len, H, D], k and v [count * kv_len, Hk, D]
     (views are fine: the last dim contiguous); query i of a chunk sits at
-    i + kv_len - q_len and sees the keys up to it. Returns [count * q_len,
+    i + kv_len - q_len and sees the keys up to it (with a `window`, none
+    `window` or more behind it: Gemma 3's local layers). Returns [count * q_len,
     H, D] bf16, contiguous (`out`, if given: written in place). D a
     multiple of 32 up to 256."""
     if q.dim() != 3 or k.dim() != 3 or v.shape != k.shape or q.shape[2] != k.shape[2]:
@@ -196,7 +197,7 @@ def causal_prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, 
     lib = library()
     if lib.causal_prefill_attention(
         q.data_ptr(), q.stride(0), q.stride(1), k.data_ptr(), k.stride(0), k.stride(1), v.data_ptr(), v.stride(0),
-        v.stride(1), count, q_len, kv_len, heads, kv_heads, dim, scale, out.data_ptr(),
+        v.stride(1), count, q_len, kv_len, heads, kv_heads, dim, scale, window or 0, out.data_ptr(),
     ):
         raise lib.fail()
     return out
