@@ -56,11 +56,6 @@ class _Extend:
     both_ways: list[tuple[int, int]] = field(default_factory=list)
     masks: dict[int | None, torch.Tensor | None] = field(default_factory=dict)
 
-    def plain_causal(self) -> bool:
-        """Whether each new token sees the keys up to itself (the prefix's and
-        its own; a window may bound them from behind), nothing both ways."""
-        return not self.both_ways
-
     def mask(self, window: int | None) -> torch.Tensor | None:
         """[length, prefix + length] bool; None means plain causal (no
         prefix, no window, nothing both ways). A window bounds how far back
@@ -268,7 +263,7 @@ class TorchNativeMetadata(AttentionMetadata):
                 else:
                     ek = keys.index_select(0, ext.slots).to(q.dtype)
                     ev = values.index_select(0, ext.slots).to(q.dtype)
-                if tiled is not None and ext.plain_causal():
+                if tiled is not None and not ext.both_ways:  # causal rows only (a window the kernel takes)
                     tiled.causal_prefill_attention(q[rows], ek, ev, 1, scale, out[rows], sliding_window)
                 else:
                     out[rows] = self._attend_extend(q[rows], ek, ev, ext.mask(sliding_window), scale, self.causal)

@@ -35,8 +35,8 @@ def gate_up_and_silu(gate_up_proj: MergedColumnParallelLinear, x: torch.Tensor) 
         return silu_and_mul(gate_up_proj(rows))
 
     plain = gate_up_proj.quant is None and gate_up_proj.lora is None and gate_up_proj.bias is None
-    if plain and x.dim() == 2 and GATE_UP_SILU.may_take(x):
-        kernels = GATE_UP_SILU.kernel(x, gate_up_proj.weight)
+    if plain and x.dim() == 2:
+        kernels = GATE_UP_SILU.kernel(x, gate_up_proj.weight)  # None off a GPU, past 16 rows, or refused
         fused = None if kernels is None else GATE_UP_SILU.run(kernels, x, gate_up_proj.weight, separate)
         if fused is not None:
             return fused
