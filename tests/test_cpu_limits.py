@@ -106,6 +106,12 @@ def test_quick_run_on_the_demo_model(tmp_path: Path, forced: list[str]) -> None:
     assert [r["goal"] for r in report["rows"]] == [0.80, 0.50, 0.60]
     for row in report["rows"]:
         assert row["measured_ms"] > 0 and row["bound_ms"] > 0 and row["fraction"] > 0
+        # the bound comes from the limit measured beside the step; the start-of-run limits give the other fraction
+        assert row["limit_beside"] > 0 and row["start_bound_ms"] > 0 and row["start_fraction"] > 0
+        work = row["nbytes"] if row["bound_by"] == "bandwidth" else row["flops"]
+        assert row["bound_ms"] == pytest.approx(work / row["limit_beside"] * 1e3)
+    assert [r["bound_by"] for r in report["rows"]][0] == "bandwidth"  # batch 1: against bandwidth alone
+    assert report["rows"][2]["bound_by"].endswith("matmul")
     assert report["machine"]["bandwidth"] > 0 and set(report["machine"]["matmul"]) >= {"float32", "bfloat16"}
     (breakdown,) = report["breakdown"]
     assert breakdown["batch"] == 4 and {"matmul", "attention", "norms"} <= set(breakdown["shares"])
