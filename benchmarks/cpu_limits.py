@@ -16,7 +16,8 @@ benchmarks/roofline.py does, each set against its bound:
 * prefill: FLOPs / the weights' matmul peak. Goal >= 60%.
 
 `fraction` is bound time / measured time, the bound taken from its limit
-measured again beside the step (the two alternated, best of each): a
+measured again beside the step (before, between and after the step's
+repeats, the best of each): a
 shared machine's speed drifts within minutes, so the limits of the run's
 start alone made the same step 56% of the peak in one run and 108% in the
 next; that fraction is printed beside it. The goals belong to the
@@ -301,8 +302,7 @@ class Probe:
     speed it offers drifts within minutes (on a 2-core Emerald Rapids VM
     one core's AMX tiles ran the same in-L1 loop at 490-1624 GFLOP/s from
     one run to the next), so a step's fraction is taken against what the
-    machine gave while that step ran, the probe's calls alternated with the
-    step's."""
+    machine gave while that step ran (best_beside)."""
 
     limit: str  # "bandwidth" or "<dtype> matmul"
     work: float  # bytes read or FLOPs done by one call
@@ -332,18 +332,29 @@ def matmul_probe(machine: Machine, dtype: str) -> Probe:
     return Probe(f"{dtype} matmul", 2 * m * k * n, call)
 
 
-def best_beside(step: Callable[[], object], probe: Probe, repeats: int) -> tuple[float, float]:
-    """(the step's best seconds, the probe's best rate), their calls alternated."""
+def best_beside(step: Callable[[], object], probe: Probe, repeats: int, rounds: int = 2) -> tuple[float, float]:
+    """(the step's best seconds, the probe's best rate): `rounds` times the
+    probe twice, then the step `repeats` times back to back (so that, as
+    before, a step may find what the one before it left in the caches: a
+    small model's weights stay in L3 while it serves), and the probe once
+    more at the end."""
     step()
-    probe.call()
     step_s = probe_s = float("inf")
-    for _ in range(repeats):
-        start = time.perf_counter()
-        probe.call()
-        probe_s = min(probe_s, time.perf_counter() - start)
-        start = time.perf_counter()
-        step()
-        step_s = min(step_s, time.perf_counter() - start)
+
+    def time_probe() -> None:
+        nonlocal probe_s
+        for _ in range(2):
+            start = time.perf_counter()
+            probe.call()
+            probe_s = min(probe_s, time.perf_counter() - start)
+
+    for _ in range(rounds):
+        time_probe()
+        for _ in range(max(1, repeats // rounds)):
+            start = time.perf_counter()
+            step()
+            step_s = min(step_s, time.perf_counter() - start)
+    time_probe()
     return step_s, probe.work / probe_s
 
 
