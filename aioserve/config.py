@@ -196,7 +196,7 @@ class EngineConfig:
     kv_cache_dtype: str = option(
         "auto", group="KV cache",
         help="auto | float32 | bfloat16 | float16 | fp8_e4m3 (auto: the weights' dtype when --dtype is given, else "
-        "the math's; fp8_e4m3, alias fp8: CUDA only, values saturated at +-448, no scales)",
+        "the math's; fp8_e4m3, alias fp8: half a 16-bit cache's memory and reads, values saturated at +-448, no scales)",
     )
     cache: str = option(
         "radix", choices=("radix", "naive"), help="prefix cache", group="KV cache",

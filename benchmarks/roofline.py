@@ -221,7 +221,11 @@ def fill_kv(engine: Engine, plan: BatchPlan) -> None:
     buffer = getattr(engine.pool, "buffer", None)
     if isinstance(buffer, torch.Tensor) and buffer.dim() >= 3:
         used_slots = (int(plan.page_table.max()) + 1) * engine.page_size
-        buffer[:, :, :used_slots].uniform_(-1, 1)
+        if buffer.dtype.itemsize > 1:
+            buffer[:, :, :used_slots].uniform_(-1, 1)
+            return
+        for layer in buffer[:, :, :used_slots]:  # an FP8 cache (no uniform_ for float8): a layer at a time
+            layer.copy_(torch.empty(layer.shape, device=layer.device).uniform_(-1, 1))
 
 
 def measure(engine: Engine, batches: list[int], context: int, repeats: int) -> list[Row]:

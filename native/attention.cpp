@@ -1,7 +1,7 @@
 // paged_decode_attention: one query token per request against its KV pages,
 //   read in place (no gather copy), GQA by grouping query heads under their
 //   KV head, optional sliding window; the cache may be half precision under
-//   a float32 query.
+//   a float32 query, or FP8 (e4m3) under any query.
 
 #include "half.h"
 #include "kernels.h"
@@ -42,6 +42,23 @@ inline __m512 load16(const T* p) {
   for (int i = 0; i < 16; ++i) f[i] = static_cast<float>(p[i]);
   return _mm512_load_ps(f);
 }
+
+// 16 e4m3 values widened through fp16 bits, each 2^-8 times its value: the
+// byte shifted up by 8 puts the sign in place and, shifted up by 7, the
+// exponent and mantissa (e4m3's bias is 8 below fp16's; subnormals
+// included, as vcvtph2ps widens them exactly). load16 scales by 2^8; the
+// vector span folds it into q and its sums instead (RowVectors::kUnit).
+// S.1111.111 (e4m3's NaN) would read as +-480: the KV store never writes it
+// for a finite value (it saturates at +-448), and a NaN key or value has
+// already made the step's activations NaN.
+inline __m512 widen_fp8_e4m3_x16(const Float8E4M3* p) {
+  const __m256i bytes = _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  const __m256i half_bits = _mm256_or_si256(_mm256_and_si256(_mm256_slli_epi16(bytes, 8), _mm256_set1_epi16(-0x8000)),
+                                            _mm256_and_si256(_mm256_slli_epi16(bytes, 7), _mm256_set1_epi16(0x3F80)));
+  return _mm512_cvtph_ps(half_bits);
+}
+
+inline __m512 load16(const Float8E4M3* p) { return _mm512_mul_ps(widen_fp8_e4m3_x16(p), _mm512_set1_ps(256.f)); }
 
 // Head dims that are whole vectors: two independent sums (one sum's
 // dependent adds bounded the loop by the add latency) and the vector
@@ -112,7 +129,7 @@ inline void kv_offsets(int64_t num_heads, int64_t group, int64_t dim, int64_t (&
 // ahead, each KV head's values of the next page. Measured with and without
 // in one process (2026-11-28, a 2-core Emerald Rapids VM), they gain 1-2%
 // at most (batch 64 x 512 positions, bf16: 8.80 against 8.92 ms): the
-// kernel is bound by its instructions here (see attend_span_bf16), and the
+// kernel is bound by its instructions here (see attend_span_vec), and the
 // ~12 -> ~15 GB/s once credited to them was the box's drift between runs.
 // Kept: cheap, and a CPU with weaker prefetchers may need them.
 constexpr int64_t kKeysAhead = 16;
@@ -189,30 +206,68 @@ inline __m512 sum_lanes16(const __m512 (&v)[16]) {
 
 using aioserve::split_pairs;  // bf16 pairs as even and odd float32 vectors (vec_math.h)
 
+// A cache row's elements as float32 vectors in the kernel's dim order, one
+// load at a time: bf16 rows a 64-byte load of 32 dims split into its pairs'
+// even and odd dims (split_pairs), two vectors; FP8 rows 16 dims a load, in
+// order. The query is laid out the same way once a span (query_vectors), so
+// dim d of q always meets dim d of k.
+template <typename KV>
+struct RowVectors;
+
+template <>
+struct RowVectors<BFloat16> {
+  static constexpr int kPerLoad = 2, kElems = 32;  // vectors a load, elements a load
+  static constexpr float kUnit = 1.f;              // a loaded value is the cached one / kUnit
+  static void load(const BFloat16* p, __m512 (&out)[kPerLoad]) {
+    const SplitPairs x = split_pairs(p);
+    out[0] = x.even;
+    out[1] = x.odd;
+  }
+};
+
+template <>
+struct RowVectors<Float8E4M3> {
+  static constexpr int kPerLoad = 1, kElems = 16;
+  static constexpr float kUnit = 256.f;  // q is scaled up by as much and the sums at the end: both exact
+  static void load(const Float8E4M3* p, __m512 (&out)[kPerLoad]) { out[0] = widen_fp8_e4m3_x16(p); }
+};
+
+// One load's worth of q (T) as RowVectors<KV> orders a cache row's dims.
+template <typename T, typename KV>
+inline void query_vectors(const T* p, __m512 (&out)[RowVectors<KV>::kPerLoad]) {
+  if constexpr (std::is_same_v<KV, BFloat16>) {
+    RowVectors<BFloat16>::load(p, out);  // T is bf16 here (kVecSpan)
+  } else {
+    out[0] = load16(p);  // in order
+  }
+}
+
 // The scores of KV head g's Group query heads against the keys of 16 / Group
 // positions from j (past the span's end: its last position again, the
 // results unused): lane p * Group + i is position j + p's score for query
-// head g * Group + i. Each key vector is loaded and widened once for the
+// head g * Group + i. Each key vector is loaded (and widened) once for the
 // group and each query vector once for the positions, and the 16 sums stay
 // in registers (indexed by constants: a sum picked by a loop bound known
 // only at run time went through the stack at every multiply-add).
-// q_split: the query heads' pair vectors split as split_pairs does, scaled.
-template <int Chunks, int Group>
-inline __m512 scores_of_group(const float* q_split, const BFloat16* kp, const int32_t* pages, int64_t page_size,
+// q_split: the query heads laid out as RowVectors<KV> reads a row, scaled.
+template <typename KV, int Chunks, int Group>
+inline __m512 scores_of_group(const float* q_split, const KV* kp, const int32_t* pages, int64_t page_size,
                               int64_t kv_stride, int64_t begin, int64_t j, int64_t n, int64_t g) {
-  constexpr int kPositions = 16 / Group, kPairVectors = Chunks / 2, dim = Chunks * 16;
-  const BFloat16* keys[kPositions];
+  using Row = RowVectors<KV>;
+  constexpr int kPositions = 16 / Group, kLoads = Chunks / Row::kPerLoad, dim = Chunks * 16;
+  const KV* keys[kPositions];
   for (int p = 0; p < kPositions; ++p)
     keys[p] = cache_row(kp, pages, page_size, kv_stride, begin + std::min<int64_t>(j + p, n - 1)) + g * dim;
   __m512 sum[16];
   for (int i = 0; i < 16; ++i) sum[i] = _mm512_setzero_ps();
-  for (int c = 0; c < kPairVectors; ++c) {
+  for (int c = 0; c < kLoads; ++c) {
     for (int p = 0; p < kPositions; ++p) {
-      const SplitPairs k = split_pairs(keys[p] + 32 * c);
+      __m512 k[Row::kPerLoad];
+      Row::load(keys[p] + Row::kElems * c, k);
       for (int i = 0; i < Group; ++i) {
-        const float* qh = q_split + (g * Group + i) * dim + 32 * c;
-        sum[p * Group + i] = _mm512_fmadd_ps(k.even, _mm512_loadu_ps(qh), sum[p * Group + i]);
-        sum[p * Group + i] = _mm512_fmadd_ps(k.odd, _mm512_loadu_ps(qh + 16), sum[p * Group + i]);
+        const float* qh = q_split + (g * Group + i) * dim + Row::kElems * c;
+        for (int u = 0; u < Row::kPerLoad; ++u)
+          sum[p * Group + i] = _mm512_fmadd_ps(k[u], _mm512_loadu_ps(qh + 16 * u), sum[p * Group + i]);
       }
     }
   }
@@ -221,18 +276,18 @@ inline __m512 scores_of_group(const float* q_split, const BFloat16* kp, const in
 
 // The scores of positions [0, n) for every query head, position-major
 // (score[j * lanes + h]); lanes past num_heads are zero.
-template <int Chunks, int Group>
-void span_scores(const float* q_split, const BFloat16* kp, const int32_t* pages, int64_t page_size, int64_t begin,
+template <typename KV, int Chunks, int Group>
+void span_scores(const float* q_split, const KV* kp, const int32_t* pages, int64_t page_size, int64_t begin,
                  int64_t n, int64_t num_heads, int64_t num_kv_heads, int64_t lanes, float* score) {
   constexpr int kPositions = 16 / Group;
   const int64_t kv_stride = num_kv_heads * Chunks * 16;
-  const int64_t row_bytes = kv_stride * static_cast<int64_t>(sizeof(BFloat16));
+  const int64_t row_bytes = kv_stride * static_cast<int64_t>(sizeof(KV));
   for (int64_t j = 0; j < n; j += kPositions) {
     for (int64_t ahead = j + kKeysAhead; ahead < std::min(n, j + kKeysAhead + kPositions); ++ahead)
       prefetch_bytes(cache_row(kp, pages, page_size, kv_stride, begin + ahead), row_bytes);
     for (int64_t g = 0; g < num_kv_heads; ++g) {
       alignas(64) float block[16];
-      _mm512_store_ps(block, scores_of_group<Chunks, Group>(q_split, kp, pages, page_size, kv_stride, begin, j, n, g));
+      _mm512_store_ps(block, scores_of_group<KV, Chunks, Group>(q_split, kp, pages, page_size, kv_stride, begin, j, n, g));
       for (int p = 0; p < kPositions; ++p)
         for (int i = 0; i < Group; ++i) score[(j + p) * lanes + g * Group + i] = block[p * Group + i];
     }
@@ -242,37 +297,40 @@ void span_scores(const float* q_split, const BFloat16* kp, const int32_t* pages,
   }
 }
 
-using SpanScores = void (*)(const float*, const BFloat16*, const int32_t*, int64_t, int64_t, int64_t, int64_t, int64_t,
+template <typename KV>
+using SpanScores = void (*)(const float*, const KV*, const int32_t*, int64_t, int64_t, int64_t, int64_t, int64_t,
                             int64_t, float*);
 
 // span_scores for this GQA group (query heads per KV head), if it has an
 // instance (1-8); nullptr if not: asked before a span does any work.
-template <int Chunks>
-SpanScores span_scores_for(int64_t group) {
+template <typename KV, int Chunks>
+SpanScores<KV> span_scores_for(int64_t group) {
   switch (group) {
-    case 1: return span_scores<Chunks, 1>;
-    case 2: return span_scores<Chunks, 2>;
-    case 3: return span_scores<Chunks, 3>;
-    case 4: return span_scores<Chunks, 4>;
-    case 5: return span_scores<Chunks, 5>;
-    case 6: return span_scores<Chunks, 6>;
-    case 7: return span_scores<Chunks, 7>;
-    case 8: return span_scores<Chunks, 8>;
+    case 1: return span_scores<KV, Chunks, 1>;
+    case 2: return span_scores<KV, Chunks, 2>;
+    case 3: return span_scores<KV, Chunks, 3>;
+    case 4: return span_scores<KV, Chunks, 4>;
+    case 5: return span_scores<KV, Chunks, 5>;
+    case 6: return span_scores<KV, Chunks, 6>;
+    case 7: return span_scores<KV, Chunks, 7>;
+    case 8: return span_scores<KV, Chunks, 8>;
     default: return nullptr;
   }
 }
 
-// bf16 q against a bf16 cache, head dims a multiple of 32 (Chunks = dim / 16
-// float vectors) and up to 8 query heads a KV head: the measured hot path
-// of half-precision decode (Qwen3-0.6B on a 2-core Sapphire Rapids: the
+// q against a bf16 cache (q bf16, head dims a multiple of 32) or an FP8 one
+// (q of any float type, head dims a multiple of 16), Chunks = dim / 16
+// float vectors, up to 8 query heads a KV head: the measured hot path of
+// half-precision decode (Qwen3-0.6B on a 2-core Sapphire Rapids: the
 // generic span above read the KV of a batch-64 step at ~10 GB/s, 72% of the
 // step once the matmuls ran on AMX). Returns false where it has no instance.
-// * Widening, not vdpbf16ps: each 64-byte load of the cache is split into
-//   two float32 vectors (split_pairs) and multiplied by FMAs, against q
+// * Widening, not vdpbf16ps: each 64-byte load of a bf16 cache is split into
+//   two float32 vectors (RowVectors) and multiplied by FMAs, against q
 //   split the same way once a span; the dims' order is put back at the end.
 //   The pair dot does 32 products at half an FMA's rate; this form ran a
 //   span at the same speed with the keys' old loop, and its probabilities
-//   stay float32 (no bf16 rounding of P).
+//   stay float32 (no bf16 rounding of P). An FP8 cache's 16 bytes widen to
+//   one vector in order.
 // * Scores by KV head over blocks of positions (scores_of_group), reduced 16
 //   at a time (sum_lanes16) and kept position-major, so that the softmax
 //   runs across heads in the vector lanes. Dotting each key row with all 16
@@ -285,28 +343,31 @@ SpanScores span_scores_for(int64_t group) {
 // 128 dims), against the pair-dot kernel, interleaved: batch 64 x 512
 // positions 9.66 -> 8.48 ms (min; medians 10.10 -> 9.43), x 128 positions
 // 2.13 -> 2.01 ms, one request of 256 positions on one thread 66 -> 52 us.
-template <int Chunks>
-bool attend_span_bf16(const BFloat16* q, float scale, const BFloat16* kp, const BFloat16* vp, const int32_t* pages,
-                      int64_t page_size, int64_t begin, int64_t end, int64_t num_heads, int64_t num_kv_heads,
-                      float* maxes, float* sums, float* acc, std::vector<float>& scores) {
+template <typename T, typename KV, int Chunks>
+bool attend_span_vec(const T* q, float scale, const KV* kp, const KV* vp, const int32_t* pages, int64_t page_size,
+                     int64_t begin, int64_t end, int64_t num_heads, int64_t num_kv_heads, float* maxes, float* sums,
+                     float* acc, std::vector<float>& scores) {
+  using Row = RowVectors<KV>;
   constexpr int64_t dim = Chunks * 16;
-  constexpr int kPairVectors = Chunks / 2;  // 32 bf16 each: 16 even dims, 16 odd dims
+  constexpr int kLoads = Chunks / Row::kPerLoad;  // a head's loads: 32 bf16 (16 even dims, 16 odd), or 16 FP8
+  static_assert(kLoads * Row::kPerLoad == Chunks, "a head's dims are whole loads");
   constexpr int kHeadsAtOnce = Chunks >= 16 ? 1 : 16 / Chunks;  // accumulators kept in 16 registers
   const int64_t group = num_heads / num_kv_heads, kv_stride = num_kv_heads * dim, n = end - begin;
-  const SpanScores span_scores_of_group = span_scores_for<Chunks>(group);
+  const SpanScores<KV> span_scores_of_group = span_scores_for<KV, Chunks>(group);
   if (span_scores_of_group == nullptr) return false;
-  const int64_t head_bytes = dim * static_cast<int64_t>(sizeof(BFloat16));
+  const int64_t head_bytes = dim * static_cast<int64_t>(sizeof(KV));
   const int64_t lanes = (num_heads + 15) / 16 * 16;  // a position's scores, heads padded to whole vectors
   // scores: q split and scaled [num_heads x dim], then n (+ a block) x lanes scores.
   scores.resize(num_heads * dim + (n + 16) * lanes);
   float* q_split = scores.data();
   float* score = q_split + num_heads * dim;
-  const __m512 scale_v = _mm512_set1_ps(scale);
+  const __m512 scale_v = _mm512_set1_ps(scale * Row::kUnit);
   for (int64_t h = 0; h < num_heads; ++h)
-    for (int c = 0; c < kPairVectors; ++c) {
-      const SplitPairs x = split_pairs(q + h * dim + 32 * c);
-      _mm512_storeu_ps(q_split + h * dim + 32 * c, _mm512_mul_ps(x.even, scale_v));
-      _mm512_storeu_ps(q_split + h * dim + 32 * c + 16, _mm512_mul_ps(x.odd, scale_v));
+    for (int c = 0; c < kLoads; ++c) {
+      __m512 x[Row::kPerLoad];
+      query_vectors<T, KV>(q + h * dim + Row::kElems * c, x);
+      for (int u = 0; u < Row::kPerLoad; ++u)
+        _mm512_storeu_ps(q_split + h * dim + Row::kElems * c + 16 * u, _mm512_mul_ps(x[u], scale_v));
     }
   span_scores_of_group(q_split, kp, pages, page_size, begin, n, num_heads, num_kv_heads, lanes, score);
   // Softmax numerators, 16 heads in the lanes: exp(score - the head's max).
@@ -342,15 +403,16 @@ bool attend_span_bf16(const BFloat16* q, float scale, const BFloat16* kp, const 
           if (i < heads)
             for (int c = 0; c < Chunks; ++c) a[i][c] = _mm512_loadu_ps(acc + (h0 + i) * dim + 16 * c);
         for (int64_t j = j0; j < j1; ++j) {
-          const BFloat16* row = cache_row(vp, pages, page_size, kv_stride, begin + j) + g * dim;
+          const KV* row = cache_row(vp, pages, page_size, kv_stride, begin + j) + g * dim;
           __m512 p[kHeadsAtOnce];
           for (int i = 0; i < kHeadsAtOnce; ++i) p[i] = _mm512_set1_ps(i < heads ? score[j * lanes + h0 + i] : 0.f);
-          for (int c = 0; c < kPairVectors; ++c) {
-            const SplitPairs v = split_pairs(row + 32 * c);
+          for (int c = 0; c < kLoads; ++c) {
+            __m512 v[Row::kPerLoad];
+            Row::load(row + Row::kElems * c, v);
             for (int i = 0; i < kHeadsAtOnce; ++i) {
               if (i >= heads) break;
-              a[i][2 * c] = _mm512_fmadd_ps(p[i], v.even, a[i][2 * c]);
-              a[i][2 * c + 1] = _mm512_fmadd_ps(p[i], v.odd, a[i][2 * c + 1]);
+              for (int u = 0; u < Row::kPerLoad; ++u)
+                a[i][Row::kPerLoad * c + u] = _mm512_fmadd_ps(p[i], v[u], a[i][Row::kPerLoad * c + u]);
             }
           }
         }
@@ -361,36 +423,44 @@ bool attend_span_bf16(const BFloat16* q, float scale, const BFloat16* kp, const 
     }
     j0 = j1;
   }
-  // Dims back in order: each pair vector's even dims, then its odd ones, interleaved.
-  const __m512i first16 = _mm512_setr_epi32(0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23);
-  const __m512i last16 = _mm512_setr_epi32(8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30, 15, 31);
-  for (int64_t h = 0; h < num_heads; ++h) {
-    for (int c = 0; c < kPairVectors; ++c) {
-      float* pair = acc + h * dim + 32 * c;
-      const __m512 even = _mm512_loadu_ps(pair), odd = _mm512_loadu_ps(pair + 16);
-      _mm512_storeu_ps(pair, _mm512_permutex2var_ps(even, first16, odd));
-      _mm512_storeu_ps(pair + 16, _mm512_permutex2var_ps(even, last16, odd));
+  if constexpr (Row::kUnit != 1.f) {
+    const __m512 unit = _mm512_set1_ps(Row::kUnit);
+    for (int64_t i = 0; i < num_heads * dim; i += 16) _mm512_storeu_ps(acc + i, _mm512_mul_ps(unit, _mm512_loadu_ps(acc + i)));
+  }
+  if constexpr (Row::kPerLoad == 2) {
+    // Dims back in order: each pair vector's even dims, then its odd ones, interleaved.
+    const __m512i first16 = _mm512_setr_epi32(0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23);
+    const __m512i last16 = _mm512_setr_epi32(8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30, 15, 31);
+    for (int64_t h = 0; h < num_heads; ++h) {
+      for (int c = 0; c < kLoads; ++c) {
+        float* pair = acc + h * dim + 32 * c;
+        const __m512 even = _mm512_loadu_ps(pair), odd = _mm512_loadu_ps(pair + 16);
+        _mm512_storeu_ps(pair, _mm512_permutex2var_ps(even, first16, odd));
+        _mm512_storeu_ps(pair + 16, _mm512_permutex2var_ps(even, last16, odd));
+      }
     }
   }
   return true;
 }
 
-// Whether (q, cache) may take attend_span_bf16.
+// Whether (q, cache) may take attend_span_vec: a bf16 cache under bf16 q, or
+// an FP8 cache under any q.
 template <typename T, typename KV>
-constexpr bool kBf16Span = std::is_same_v<T, BFloat16> && std::is_same_v<KV, BFloat16>;
+constexpr bool kVecSpan = (std::is_same_v<T, BFloat16> && std::is_same_v<KV, BFloat16>) ||
+                          (std::is_same_v<KV, Float8E4M3> && !std::is_same_v<T, double>);
 
-// attend_span_bf16 for this head dim and group, if it has an instance (dims 64, 128, 256; groups 1-8); false if not.
-inline bool attend_span_bf16_dim(int64_t dim, const BFloat16* q, float scale, const BFloat16* kp, const BFloat16* vp,
-                                 const int32_t* pages, int64_t page_size, int64_t begin, int64_t end, int64_t num_heads,
-                                 int64_t num_kv_heads, float* maxes, float* sums, float* acc,
-                                 std::vector<float>& scores) {
+// attend_span_vec for this head dim and group, if it has an instance (dims 64, 128, 256; groups 1-8); false if not.
+template <typename T, typename KV>
+bool attend_span_vec_dim(int64_t dim, const T* q, float scale, const KV* kp, const KV* vp, const int32_t* pages,
+                         int64_t page_size, int64_t begin, int64_t end, int64_t num_heads, int64_t num_kv_heads,
+                         float* maxes, float* sums, float* acc, std::vector<float>& scores) {
   switch (dim) {
-    case 64: return attend_span_bf16<4>(q, scale, kp, vp, pages, page_size, begin, end, num_heads, num_kv_heads, maxes,
-                                        sums, acc, scores);
-    case 128: return attend_span_bf16<8>(q, scale, kp, vp, pages, page_size, begin, end, num_heads, num_kv_heads, maxes,
-                                         sums, acc, scores);
-    case 256: return attend_span_bf16<16>(q, scale, kp, vp, pages, page_size, begin, end, num_heads, num_kv_heads,
-                                          maxes, sums, acc, scores);
+    case 64: return attend_span_vec<T, KV, 4>(q, scale, kp, vp, pages, page_size, begin, end, num_heads,
+                                              num_kv_heads, maxes, sums, acc, scores);
+    case 128: return attend_span_vec<T, KV, 8>(q, scale, kp, vp, pages, page_size, begin, end, num_heads,
+                                               num_kv_heads, maxes, sums, acc, scores);
+    case 256: return attend_span_vec<T, KV, 16>(q, scale, kp, vp, pages, page_size, begin, end, num_heads,
+                                                num_kv_heads, maxes, sums, acc, scores);
     default: return false;
   }
 }
@@ -429,10 +499,10 @@ void decode_attention_impl(const T* qp, const KV* kp, const KV* vp, const int32_
         continue;
       }
 #if defined(__AVX512F__)
-      if constexpr (kBf16Span<T, KV>) {
-        if (attend_span_bf16_dim(dim, qp + b * num_heads * dim, static_cast<float>(scale), kp, vp,
-                                 pt + b * pages_per_row, page_size, begin, end, num_heads, num_kv_heads, maxes, sums,
-                                 acc, scores)) {
+      if constexpr (kVecSpan<T, KV>) {
+        if (attend_span_vec_dim<T, KV>(dim, qp + b * num_heads * dim, static_cast<float>(scale), kp, vp,
+                                       pt + b * pages_per_row, page_size, begin, end, num_heads, num_kv_heads, maxes,
+                                       sums, acc, scores)) {
           continue;
         }
       }
@@ -487,6 +557,17 @@ void paged_decode_attention(const void* q, int q_type, const void* k_cache, cons
                             const int32_t* page_table, int64_t pages_per_row, const int64_t* seq_lens, int64_t batch,
                             int64_t num_heads, int64_t num_kv_heads, int64_t dim, int64_t page_size, double scale,
                             int64_t window, void* out) {
+  if (kv_type == kFloat8E4M3) {  // an FP8 cache under q of the model's own type
+    const auto* kp = static_cast<const Float8E4M3*>(k_cache);
+    const auto* vp = static_cast<const Float8E4M3*>(v_cache);
+    dispatch_float(q_type, "paged_decode_attention", [&](auto q_tag) {
+      using T = decltype(q_tag);
+      decode_attention_impl<T, Float8E4M3>(static_cast<const T*>(q), kp, vp, page_table, pages_per_row, seq_lens,
+                                           batch, num_heads, num_kv_heads, dim, page_size, scale, window,
+                                           static_cast<T*>(out));
+    });
+    return;
+  }
   AIOSERVE_CHECK(q_type == kv_type || q_type == kFloat32, "q must have the caches' dtype, or be float32");
   switch (kv_type) {
     case kFloat32: return attention_for<float>(q, q_type, k_cache, v_cache, page_table, pages_per_row, seq_lens, batch,

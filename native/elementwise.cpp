@@ -5,7 +5,7 @@
 //     place); also serves Qwen3's per-head q/k norm on a [T, H, D] view.
 //   rotary_embedding: RoPE ("rotate half") on q and k in place.
 //   store_kv: new keys and values into their cache slots, converted to the
-//     cache's dtype.
+//     cache's dtype (FP8 e4m3 too: saturated, as the pool's torch path does).
 //   silu_and_mul: SwiGLU over a fused [gate | up] projection.
 //   row_max_argmax: greedy sampling's max and first argmax of each row in one
 //     pass (torch.argmax is slow on CPU, and the max was a second pass).
@@ -206,6 +206,10 @@ void store_kv(const void* src, Rows sr, int src_type, void* cache, int cache_typ
   check_indices(slots, heads > 0 ? sr.count / heads : 0, limit, "store_kv: slot ");
   dispatch_float(src_type, "store_kv", [&](auto s_tag) {
     using S = decltype(s_tag);
+    if (cache_type == kFloat8E4M3) {  // an FP8 cache: saturated, rounded to nearest even (half.h)
+      store_impl<S, Float8E4M3>(static_cast<const S*>(src), sr, static_cast<Float8E4M3*>(cache), slots, heads, dim);
+      return;
+    }
     dispatch_float(cache_type, "store_kv", [&](auto c_tag) {
       using C = decltype(c_tag);
       store_impl<S, C>(static_cast<const S*>(src), sr, static_cast<C*>(cache), slots, heads, dim);

@@ -23,9 +23,11 @@
 namespace aioserve {
 
 // Element types, as aioserve/cpu/native_lib.py numbers torch's dtypes.
-enum DType : int { kFloat32 = 0, kBFloat16 = 1, kFloat16 = 2, kFloat64 = 3 };
+enum DType : int { kFloat32 = 0, kBFloat16 = 1, kFloat16 = 2, kFloat64 = 3, kFloat8E4M3 = 4 };
 
-inline int64_t element_size(int type) { return type == kFloat64 ? 8 : type == kFloat32 ? 4 : 2; }
+inline int64_t element_size(int type) {
+  return type == kFloat64 ? 8 : type == kFloat32 ? 4 : type == kFloat8E4M3 ? 1 : 2;
+}
 
 struct FreeDeleter {
   void operator()(void* p) const { std::free(p); }

@@ -17,7 +17,6 @@ import pytest
 from conftest import STORIES
 
 REFUSED: dict[str, tuple[list[str], str]] = {
-    "fp8 KV cache on a CPU": (["--kv-cache-dtype", "fp8", "--device", "cpu"], "--kv-cache-dtype fp8 needs a CUDA device"),
     "fp8_e5m2 KV cache": (["--kv-cache-dtype", "fp8_e5m2"], "fp8_e5m2 is not supported"),
     "FlashInfer on a CPU": (["--attention-backend", "flashinfer", "--device", "cpu"], "flashinfer: it needs CUDA"),
     "an unknown dtype": (["--dtype", "float64"], "unknown dtype 'float64'"),

@@ -33,7 +33,10 @@ logger = logging.getLogger(__name__)
 ABI_VERSION = 8  # module.cpp's aioserve_abi_version()
 
 # torch's dtypes as native/kernels.h numbers them (DType).
-DTYPE_CODES: dict[torch.dtype, int] = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2, torch.float64: 3}
+DTYPE_CODES: dict[torch.dtype, int] = {
+    torch.float32: 0, torch.bfloat16: 1, torch.float16: 2, torch.float64: 3,
+    torch.float8_e4m3fn: 4,  # an FP8 KV cache's (store_kv, paged_decode_attention)
+}
 
 _i64, _i32, _f64, _p = ctypes.c_int64, ctypes.c_int, ctypes.c_double, ctypes.c_void_p
 

@@ -140,8 +140,8 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         raise RuntimeError("q [B,H,D], caches [slots,Hk,D]")
     if k_cache.dtype != v_cache.dtype:
         raise RuntimeError("the K and V caches must share a dtype")
-    if q.dtype != k_cache.dtype and q.dtype != torch.float32:
-        raise RuntimeError("q must have the caches' dtype, or be float32")
+    if q.dtype != k_cache.dtype and q.dtype != torch.float32 and k_cache.dtype != torch.float8_e4m3fn:
+        raise RuntimeError("q must have the caches' dtype, or be float32 (any q over an FP8 cache)")
     if not k_cache.is_contiguous() or not v_cache.is_contiguous():
         raise RuntimeError("caches must be contiguous")
     if page_table.dtype != torch.int32 or seq_lens.dtype != torch.int64:

@@ -166,10 +166,10 @@ def load(config: EngineConfig, tp_size: int) -> LoadedModel:
     dispatch = cpu_dispatch(config, weight_dtype, tp_size) if device.type == "cpu" else None
     dtype = dispatch.math_dtype if dispatch is not None else weight_dtype
     kv_dtype = kv_cache_dtype(config.kv_cache_dtype, config.dtype, weight_dtype, dtype)
-    if kv_dtype == FP8_KV and device.type != "cuda":
+    if kv_dtype == FP8_KV and device.type not in ("cuda", "cpu"):
         raise ConfigError(
-            f"--kv-cache-dtype {config.kv_cache_dtype} needs a CUDA device (an FP8 KV cache is read by FlashInfer's "
-            f"kernels or the torch backend on a GPU); on {device.type} use auto, bfloat16, float16 or float32"
+            f"--kv-cache-dtype {config.kv_cache_dtype} needs a CUDA device or the CPU (FlashInfer's kernels or the "
+            f"native ones read an FP8 cache); on {device.type} use auto, bfloat16, float16 or float32"
         )
     model = build_model(
         model_config, model_path, dtype, device, config.load_format, config.seed,

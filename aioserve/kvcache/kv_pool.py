@@ -15,7 +15,7 @@ from aioserve.cpu.huge_pages import advise_huge_pages
 RESERVED_PAGES = 1
 
 
-FP8_KV = torch.float8_e4m3fn  # --kv-cache-dtype fp8_e4m3 (CUDA only: engine/loading.py)
+FP8_KV = torch.float8_e4m3fn  # --kv-cache-dtype fp8_e4m3 (CUDA and CPU: engine/loading.py)
 
 
 def to_cache_dtype(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -91,7 +91,7 @@ class KVPool:
 
     def store(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         """k and v [T, Hk, D] into `slots`, rounded to the cache's dtype."""
-        kernels = elementwise_kernels() if self.buffer.is_cpu and self.dtype != FP8_KV else None
+        kernels = elementwise_kernels() if self.buffer.is_cpu else None
         if kernels is not None:  # one pass converting into the slots, no copies of k and v
             kernels.store_kv(k, v, self.buffer[layer, 0], self.buffer[layer, 1], slots)
             return
