@@ -240,44 +240,83 @@ def best_seconds(fn: Callable[[], object], repeats: int) -> float:
     return best
 
 
-def read_bandwidth(megabytes: int, repeats: int) -> dict[str, float]:
-    """Bytes/s of two reads of `megabytes` (reads only, as a decode step's
-    weights and KV are): a float32 sum, and a float32 GEMV (torch.mv) over a
-    weight of that size, a decode step's own access pattern."""
-    buffer = torch.ones(megabytes * (1 << 20) // 4, dtype=torch.float32)
-    nbytes = buffer.numel() * 4
+@dataclass
+class Probe:
+    """A limit measured again beside each step: on a shared machine the
+    speed it offers drifts within minutes (on a 2-core Emerald Rapids VM
+    one core's AMX tiles ran the same in-L1 loop at 490-1624 GFLOP/s from
+    one run to the next), so a step's fraction is taken against what the
+    machine gave while that step ran (best_beside)."""
+
+    limit: str  # "bandwidth" or "<dtype> matmul"
+    work: float  # bytes read or FLOPs done by one call
+    call: Callable[[], object]
+
+
+def bandwidth_probe(buffer: torch.Tensor) -> Probe:
+    """A float32 GEMV (torch.mv) over `buffer` as a weight, a decode step's
+    own access pattern: read_bandwidth's best, and the bandwidth probe."""
     weight = buffer.view(-1, 4096) if buffer.numel() % 4096 == 0 else buffer.view(1, -1)
     vector = torch.ones(weight.shape[1])
+    return Probe("bandwidth", buffer.numel() * 4, lambda: torch.mv(weight, vector))
+
+
+def read_buffer(megabytes: int) -> torch.Tensor:
+    """`megabytes` of float32 ones: far larger than the last-level cache at the default 1024."""
+    return torch.ones(megabytes * (1 << 20) // 4, dtype=torch.float32)
+
+
+def read_bandwidth(megabytes: int, repeats: int) -> dict[str, float]:
+    """Bytes/s of two reads of `megabytes` (reads only, as a decode step's
+    weights and KV are): a float32 sum, and a float32 GEMV over a weight of
+    that size (bandwidth_probe)."""
+    buffer = read_buffer(megabytes)
+    gemv = bandwidth_probe(buffer)
     return {
-        "float32 sum": nbytes / best_seconds(lambda: buffer.sum(), repeats),
-        "float32 GEMV": nbytes / best_seconds(lambda: torch.mv(weight, vector), repeats),
+        "float32 sum": gemv.work / best_seconds(lambda: buffer.sum(), repeats),
+        "float32 GEMV": gemv.work / best_seconds(gemv.call, repeats),
     }
+
+
+def matmul_calls(dtype: torch.dtype, shape: tuple[int, int, int],
+                 flags: frozenset[str]) -> dict[str, Callable[[], object]]:
+    """x[M, K] @ W[K, N] on each path timed, by name: torch's matmul, and the
+    native packed kernel with activations in the engine's math dtype for
+    these weights (float32 where the CPU has no half units: half weights are
+    widened in registers), which is how the engine multiplies them. Where the
+    CPU has no half units torch's half matmul is emulated (minutes at 2048^3
+    on 2 AVX2 cores, ten times slower than the native kernel): left out."""
+    math_dtype, _ = choose_math_dtype(flags, dtype)
+    kernels = cpu_kernels(wait=True)
+    m, k, n = shape
+    x, w = torch.randn(m, k).to(dtype), torch.randn(k, n).to(dtype)
+    calls: dict[str, Callable[[], object]] = {}
+    if math_dtype == dtype or kernels is None:
+        calls["torch"] = lambda: x @ w
+    if kernels is not None:
+        packed = kernels.pack_linear_weight(w.t().contiguous())  # [N, K], as a Linear's weight
+        xm = x.to(math_dtype)
+        calls["native packed"] = lambda: kernels.packed_linear(xm, packed, None, n)
+    return calls
 
 
 def matmul_rates(dtype: torch.dtype, shapes: list[tuple[int, int, int]], repeats: int,
                  flags: frozenset[str]) -> list[dict[str, Any]]:
-    """FLOP/s of x[M, K] @ W[K, N] per shape, by torch and by the native packed
-    kernel with activations in the engine's math dtype for these weights
-    (float32 where the CPU has no half units: half weights are widened in
-    registers), which is how the engine multiplies them. Where the CPU has
-    no half units torch's half matmul is emulated (minutes at 2048^3 on 2
-    AVX2 cores, ten times slower than the native kernel): not timed."""
-    math_dtype, _ = choose_math_dtype(flags, dtype)
-    kernels = cpu_kernels(wait=True)
+    """FLOP/s of each shape on each path of matmul_calls."""
     results = []
     for m, k, n in shapes:
-        x, w = torch.randn(m, k).to(dtype), torch.randn(k, n).to(dtype)
-        flops = 2 * m * k * n
-        if math_dtype == dtype or kernels is None:
-            results.append({"dtype": _name(dtype), "shape": [m, k, n], "path": "torch",
-                            "flops": flops / best_seconds(lambda: x @ w, repeats)})
-        if kernels is not None:
-            packed = kernels.pack_linear_weight(w.t().contiguous())  # [N, K], as a Linear's weight
-            xm = x.to(math_dtype)
-            seconds = best_seconds(lambda: kernels.packed_linear(xm, packed, None, n), repeats)
-            results.append({"dtype": _name(dtype), "shape": [m, k, n], "path": "native packed",
-                            "flops": flops / seconds})
+        for path, call in matmul_calls(dtype, (m, k, n), flags).items():
+            results.append({"dtype": _name(dtype), "shape": [m, k, n], "path": path,
+                            "flops": 2 * m * k * n / best_seconds(call, repeats)})
     return results
+
+
+def matmul_probe(machine: Machine, dtype: str) -> Probe:
+    """The shape and path at which measure_machine found `dtype`'s peak."""
+    best = max((d for d in machine.matmul_detail if d["dtype"] == dtype), key=lambda d: d["flops"])
+    m, k, n = best["shape"]
+    calls = matmul_calls(getattr(torch, dtype), (m, k, n), frozenset(machine.flags))
+    return Probe(f"{dtype} matmul", 2 * m * k * n, calls[best["path"]])
 
 
 def measure_machine(machine: Machine, bandwidth_mb: int, shapes: list[tuple[int, int, int]], repeats: int) -> None:
@@ -294,42 +333,6 @@ def measure_machine(machine: Machine, bandwidth_mb: int, shapes: list[tuple[int,
 
 def _name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
-
-
-@dataclass
-class Probe:
-    """A limit measured again beside each step: on a shared machine the
-    speed it offers drifts within minutes (on a 2-core Emerald Rapids VM
-    one core's AMX tiles ran the same in-L1 loop at 490-1624 GFLOP/s from
-    one run to the next), so a step's fraction is taken against what the
-    machine gave while that step ran (best_beside)."""
-
-    limit: str  # "bandwidth" or "<dtype> matmul"
-    work: float  # bytes read or FLOPs done by one call
-    call: Callable[[], object]
-
-
-def bandwidth_probe(megabytes: int) -> Probe:
-    """The float32 GEMV of read_bandwidth (the best pattern there)."""
-    weight = torch.ones(megabytes * (1 << 20) // 4 // 4096, 4096)
-    vector = torch.ones(4096)
-    return Probe("bandwidth", weight.numel() * 4, lambda: torch.mv(weight, vector))
-
-
-def matmul_probe(machine: Machine, dtype: str) -> Probe:
-    """The shape and path at which measure_machine found `dtype`'s peak."""
-    best = max((d for d in machine.matmul_detail if d["dtype"] == dtype), key=lambda d: d["flops"])
-    m, k, n = best["shape"]
-    torch_dtype = getattr(torch, dtype)
-    x, w = torch.randn(m, k).to(torch_dtype), torch.randn(k, n).to(torch_dtype)
-    call: Callable[[], object] = lambda: x @ w  # noqa: E731
-    if best["path"] == "native packed":
-        kernels = cpu_kernels(wait=True)
-        assert kernels is not None
-        packed = kernels.pack_linear_weight(w.t().contiguous())
-        xm = x.to(choose_math_dtype(frozenset(machine.flags), torch_dtype)[0])
-        call = lambda: kernels.packed_linear(xm, packed, None, n)  # noqa: E731
-    return Probe(f"{dtype} matmul", 2 * m * k * n, call)
 
 
 def best_beside(step: Callable[[], object], probe: Probe, repeats: int, rounds: int = 2) -> tuple[float, float]:
@@ -662,7 +665,7 @@ def measure_model(llm: LLM, name: str, sizes: Sizes, machine: Machine) -> tuple[
 
     def steps() -> tuple[list[Row], tuple[dict[str, float], float]]:
         peak_dtype = _name(engine.weight_dtype)
-        probes = {"bandwidth": bandwidth_probe(sizes.bandwidth_mb),
+        probes = {"bandwidth": bandwidth_probe(read_buffer(sizes.bandwidth_mb)),
                   f"{peak_dtype} matmul": matmul_probe(machine, peak_dtype)}
         with tqdm(total=4, desc=name) as bar:
             rows = [decode_row(engine, name, 1, sizes.context, sizes.decode_repeats * 2, "decode b1", machine, probes)]
@@ -707,7 +710,8 @@ def rows_table(rows: list[Row]) -> str:
              "|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         mark = "met" if r.fraction >= r.goal else "not met"
-        unit = f"{r.limit_beside / 1e9:.1f} GB/s" if r.bound_by == "bandwidth" else f"{r.limit_beside / 1e9:.0f} GFLOP/s"
+        rate = r.limit_beside / 1e9
+        unit = f"{rate:.1f} GB/s" if r.bound_by == "bandwidth" else f"{rate:.0f} GFLOP/s"
         lines.append(f"| {r.model} | {r.step} | {r.measured_ms:.2f} | {r.per_second} | {r.bound_ms:.2f} | "
                      f"{r.bound_by}, {unit} | {r.fraction:.0%} | {r.start_fraction:.0%} | {r.goal:.0%} ({mark}) |")
     return "\n".join(lines)
@@ -726,7 +730,8 @@ def breakdown_table(parts: list[Breakdown]) -> str:
 def report_json(machine: Machine, rows: list[Row], parts: list[Breakdown], dispatch: dict[str, list[str]]) -> dict:
     return {
         "machine": asdict(machine),
-        "rows": [asdict(r) | {"fraction": r.fraction, "start_fraction": r.start_fraction, "goal": r.goal} for r in rows],
+        "rows": [asdict(r) | {"fraction": r.fraction, "start_fraction": r.start_fraction, "goal": r.goal}
+                 for r in rows],
         "breakdown": [asdict(b) for b in parts],
         "cpu_dispatch": dispatch,
     }

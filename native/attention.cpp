@@ -318,9 +318,9 @@ SpanScores<KV> span_scores_for(int64_t group) {
   }
 }
 
-// q against a bf16 cache (q bf16, head dims a multiple of 32) or an FP8 one
-// (q of any float type, head dims a multiple of 16), Chunks = dim / 16
-// float vectors, up to 8 query heads a KV head: the measured hot path of
+// q against a bf16 cache (q bf16) or an FP8 one (q of any float type), head
+// dims 64, 128 or 256 (Chunks = dim / 16 float vectors), up to 8 query
+// heads a KV head: the measured hot path of
 // half-precision decode (Qwen3-0.6B on a 2-core Sapphire Rapids: the
 // generic span above read the KV of a batch-64 step at ~10 GB/s, 72% of the
 // step once the matmuls ran on AMX). Returns false where it has no instance.
@@ -537,14 +537,21 @@ void decode_attention_impl(const T* qp, const KV* kp, const KV* vp, const int32_
 
 }  // namespace
 
-// The cache may be narrower than q (half-precision KV under float32 math).
+// The cache may be narrower than q (half-precision KV under float32 math);
+// an FP8 cache is read under q of any float type, the model's own.
 template <typename KV>
 void attention_for(const void* q, int q_type, const void* k_cache, const void* v_cache, const int32_t* page_table,
                    int64_t pages_per_row, const int64_t* seq_lens, int64_t batch, int64_t num_heads,
                    int64_t num_kv_heads, int64_t dim, int64_t page_size, double scale, int64_t window, void* out) {
   const KV* kp = static_cast<const KV*>(k_cache);
   const KV* vp = static_cast<const KV*>(v_cache);
-  if (q_type == kFloat32) {
+  if constexpr (std::is_same_v<KV, Float8E4M3>) {
+    dispatch_float(q_type, "paged_decode_attention", [&](auto q_tag) {
+      using T = decltype(q_tag);
+      decode_attention_impl<T, KV>(static_cast<const T*>(q), kp, vp, page_table, pages_per_row, seq_lens, batch,
+                                   num_heads, num_kv_heads, dim, page_size, scale, window, static_cast<T*>(out));
+    });
+  } else if (q_type == kFloat32) {
     decode_attention_impl<float, KV>(static_cast<const float*>(q), kp, vp, page_table, pages_per_row, seq_lens, batch,
                                      num_heads, num_kv_heads, dim, page_size, scale, window, static_cast<float*>(out));
   } else {
@@ -557,18 +564,8 @@ void paged_decode_attention(const void* q, int q_type, const void* k_cache, cons
                             const int32_t* page_table, int64_t pages_per_row, const int64_t* seq_lens, int64_t batch,
                             int64_t num_heads, int64_t num_kv_heads, int64_t dim, int64_t page_size, double scale,
                             int64_t window, void* out) {
-  if (kv_type == kFloat8E4M3) {  // an FP8 cache under q of the model's own type
-    const auto* kp = static_cast<const Float8E4M3*>(k_cache);
-    const auto* vp = static_cast<const Float8E4M3*>(v_cache);
-    dispatch_float(q_type, "paged_decode_attention", [&](auto q_tag) {
-      using T = decltype(q_tag);
-      decode_attention_impl<T, Float8E4M3>(static_cast<const T*>(q), kp, vp, page_table, pages_per_row, seq_lens,
-                                           batch, num_heads, num_kv_heads, dim, page_size, scale, window,
-                                           static_cast<T*>(out));
-    });
-    return;
-  }
-  AIOSERVE_CHECK(q_type == kv_type || q_type == kFloat32, "q must have the caches' dtype, or be float32");
+  AIOSERVE_CHECK(q_type == kv_type || q_type == kFloat32 || kv_type == kFloat8E4M3,
+                 "q must have the caches' dtype, or be float32 (any q over an FP8 cache)");
   switch (kv_type) {
     case kFloat32: return attention_for<float>(q, q_type, k_cache, v_cache, page_table, pages_per_row, seq_lens, batch,
                                                num_heads, num_kv_heads, dim, page_size, scale, window, out);
@@ -578,6 +575,9 @@ void paged_decode_attention(const void* q, int q_type, const void* k_cache, cons
                                               num_heads, num_kv_heads, dim, page_size, scale, window, out);
     case kFloat64: return attention_for<double>(q, q_type, k_cache, v_cache, page_table, pages_per_row, seq_lens,
                                                 batch, num_heads, num_kv_heads, dim, page_size, scale, window, out);
+    case kFloat8E4M3: return attention_for<Float8E4M3>(q, q_type, k_cache, v_cache, page_table, pages_per_row,
+                                                       seq_lens, batch, num_heads, num_kv_heads, dim, page_size, scale,
+                                                       window, out);
     default: fail("paged_decode_attention: unsupported dtype");
   }
 }
