@@ -304,7 +304,7 @@ class LLM:
         def on_event(event: RequestEvent) -> None:
             if stream.finished:
                 return
-            stream.add(event)
+            stream.fold(event)
             if stream.finished:
                 output.text = stream.text
                 output.token_ids = stream.token_ids

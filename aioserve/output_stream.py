@@ -71,10 +71,20 @@ class OutputStream:
         return self.finish_reason is not None
 
     def add(self, event: RequestEvent, delta: OutputDelta | None = None) -> OutputDelta:
-        """Fold one event into the stream (and into `delta`, to group several)."""
+        """Fold one event into the stream and into `delta` (a new one if
+        none: pass the last to group several); returns it."""
         delta = delta or OutputDelta()
+        self._fold(event, delta)
+        return delta
+
+    def fold(self, event: RequestEvent) -> None:
+        """Fold one event into the stream only: for a consumer that reads the
+        stream's totals, not deltas (the offline API, at every token)."""
+        self._fold(event, None)
+
+    def _fold(self, event: RequestEvent, delta: OutputDelta | None) -> None:
         if self.finished:
-            return delta  # tokens computed after a stop string, or a late abort echo
+            return  # tokens computed after a stop string, or a late abort echo
         if event.num_cached_tokens is not None:
             self.num_cached_tokens = event.num_cached_tokens
         if event.speculation is not None:
@@ -105,9 +115,9 @@ class OutputStream:
                 self.matched_stop = event.token_id  # EOS or a stop token id
             text += self._stops.flush()
         self.text += text
-        delta.text += text
-        delta.finish_reason = self.finish_reason
-        return delta
+        if delta is not None:
+            delta.text += text
+            delta.finish_reason = self.finish_reason
 
     def end(self, reason: str) -> None:
         """Finished without a final event (its reader left): for bookkeeping."""
@@ -120,10 +130,10 @@ class OutputStream:
             self.text, self.token_ids, self.logprobs, self.top_logprobs, self.text_offsets, self.finish_reason
         )
 
-    def _add_token(self, token_id: int, event: RequestEvent, delta: OutputDelta) -> None:
+    def _add_token(self, token_id: int, event: RequestEvent, delta: OutputDelta | None) -> None:
         assert event.logprob is not None  # a token's event carries its logprob (OutputProcessor._event)
         offset = len(self._detok_text)
-        for stream in (self, delta):
+        for stream in (self, delta) if delta is not None else (self,):
             stream.token_ids.append(token_id)
             stream.logprobs.append(event.logprob)
             stream.top_logprobs.append(event.top_logprobs)

@@ -31,6 +31,11 @@ class RequestKV:
     def pages(self) -> list[int]:
         return self.prefix.pages + self.own_pages
 
+    def page(self, index: int) -> int:
+        """Page `index` of `pages`, without building that list."""
+        cached = self.prefix.pages
+        return cached[index] if index < len(cached) else self.own_pages[index - len(cached)]
+
     @property
     def num_pages(self) -> int:
         return len(self.prefix.pages) + len(self.own_pages)

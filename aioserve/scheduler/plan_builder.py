@@ -189,7 +189,12 @@ class PlanBuilder:
         # (the page table's row for it: the KV manager writes both alike).
         positions: list[int] = []
         out_cache_loc: list[int] = []
+        plain_positions = not self.explicit_positions and not self.position_shifts
         for i, (entry, start, end) in enumerate(zip(self.entries, self.starts, seq_lens)):
+            if end - start == 1 and plain_positions:  # a decode (most rows of most steps): one slot
+                positions.append(start)
+                out_cache_loc.append(entry.kv.page(start // ps) * ps + start % ps)
+                continue
             pages = entry.kv.pages
             explicit = self.explicit_positions.get(i)
             if explicit is None:

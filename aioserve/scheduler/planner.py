@@ -126,13 +126,15 @@ class StepPlanner:
         newest running requests while the pool cannot; returns the decoders
         still running."""
         while True:
-            short = sum(self.kv.pages_short(r.admitted_kv, r.kv_len + 1) for r in decoders)
-            if short <= self.kv.num_available_pages or not self.table.running:
+            # Most decoders have room on their last page (15 steps of 16):
+            # only those short of a page are extended below.
+            short = [(r, n) for r in decoders if (n := self.kv.pages_short(r.admitted_kv, r.kv_len + 1))]
+            if sum(n for _, n in short) <= self.kv.num_available_pages or not self.table.running:
                 break
             victim = self.table.running[-1]
             self.table.preempt(victim)
             decoders = [r for r in decoders if r is not victim]
-        for request in decoders:
+        for request, _ in short:
             if not self.kv.extend(request.admitted_kv, request.kv_len + 1):
                 raise RuntimeError("KV pool exhausted after preemption")  # the loop above rules it out
         return decoders

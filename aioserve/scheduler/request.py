@@ -126,7 +126,7 @@ class Request:
     @property
     def num_generated(self) -> int:
         """Output tokens including those still in flight."""
-        return self.num_output_tokens + self.pending.count
+        return len(self.all_ids) - len(self.prompt_ids) + self.pending.count
 
     @property
     def seq_len(self) -> int:
@@ -152,9 +152,12 @@ class Request:
         A request that generates nothing (max_tokens 0: prompt logprobs, a
         pooling request) computes its prompt's last token as prompt too: were
         a chunk to leave only that one, no decode would ever compute it."""
+        # kv_len and seq_len spelled out: three calls a running request a step.
+        kv_len = self.kv.kv_len if self.kv is not None else 0
+        seq_len = len(self.all_ids) + self.pending.count
         if self.max_new_tokens == 0 and self.status is Status.RUNNING:
-            return self.kv_len < self.seq_len
-        return self.kv_len < self.seq_len - 1
+            return kv_len < seq_len
+        return kv_len < seq_len - 1
 
     @property
     def wants_prompt_logprobs(self) -> bool:
