@@ -23,6 +23,7 @@
 #include "kernels.h"
 #include "parallel.h"
 #include "tile_config.h"
+#include "vec_math.h"
 
 #include <limits>
 #include <vector>
@@ -124,49 +125,6 @@ inline __m512 exp_probability16(__m512 x) {
   p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f));
   p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f));
   return _mm512_scalef_ps(p, n);
-}
-
-// Sixteen vectors' horizontal reductions (max or sum) into one vector, lane
-// i for vector i: a tree of 15 merges, each two shuffles and one operation
-// (16 separate reductions take four shuffles and four operations apiece,
-// each waiting on the last). The tree leaves the rows permuted; one
-// permute, its index found once by running the tree on vectors 0..15, puts
-// them in order.
-template <typename Op>
-inline __m512 reduce16_unordered(const __m512* v, Op op) {
-  __m512 a[8], b[4], c[2];
-  for (int i = 0; i < 8; ++i) {  // 512 -> 256 bits a vector, two vectors a register
-    a[i] = op(_mm512_shuffle_f32x4(v[2 * i], v[2 * i + 1], 0x44), _mm512_shuffle_f32x4(v[2 * i], v[2 * i + 1], 0xEE));
-  }
-  for (int i = 0; i < 4; ++i) {  // -> 128 bits
-    b[i] = op(_mm512_shuffle_f32x4(a[2 * i], a[2 * i + 1], 0x88), _mm512_shuffle_f32x4(a[2 * i], a[2 * i + 1], 0xDD));
-  }
-  for (int i = 0; i < 2; ++i) {  // -> 64 bits
-    c[i] = op(_mm512_shuffle_ps(b[2 * i], b[2 * i + 1], 0x44), _mm512_shuffle_ps(b[2 * i], b[2 * i + 1], 0xEE));
-  }
-  return op(_mm512_shuffle_ps(c[0], c[1], 0x88), _mm512_shuffle_ps(c[0], c[1], 0xDD));  // -> 32 bits
-}
-
-inline __m512 max_op(__m512 x, __m512 y) { return _mm512_max_ps(x, y); }
-inline __m512 add_op(__m512 x, __m512 y) { return _mm512_add_ps(x, y); }
-
-// The permute that puts reduce16_unordered's lanes in row order.
-inline __m512i reduce16_order() {
-  static const __m512i order = [] {
-    __m512 rows[16];
-    for (int i = 0; i < 16; ++i) rows[i] = _mm512_set1_ps(static_cast<float>(i));
-    alignas(64) float where[16];
-    _mm512_store_ps(where, reduce16_unordered(rows, max_op));
-    alignas(64) int32_t index[16];
-    for (int lane = 0; lane < 16; ++lane) index[static_cast<int>(where[lane])] = lane;
-    return _mm512_load_si512(index);
-  }();
-  return order;
-}
-
-template <typename Op>
-inline __m512 reduce16(const __m512* v, Op op) {
-  return _mm512_permutexvar_ps(reduce16_order(), reduce16_unordered(v, op));
 }
 
 // The online softmax of 16 query rows of a block: scores [16][kKeys]

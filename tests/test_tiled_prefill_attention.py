@@ -71,13 +71,15 @@ def test_the_arguments_are_checked() -> None:
     kernels = _kernels()
     q = torch.zeros(8, 2, 64, dtype=torch.bfloat16)
     k = torch.zeros(8, 1, 64, dtype=torch.bfloat16)
-    with pytest.raises(RuntimeError, match="bf16"):
-        kernels.causal_prefill_attention(q.float(), k.float(), k.float(), 1, 0.1)
+    with pytest.raises(RuntimeError, match="bf16 or float32"):
+        kernels.causal_prefill_attention(q.half(), k.half(), k.half(), 1, 0.1)
+    with pytest.raises(RuntimeError, match="all one dtype"):
+        kernels.causal_prefill_attention(q, k.float(), k.float(), 1, 0.1)
     with pytest.raises(RuntimeError, match="last dim"):
         kernels.causal_prefill_attention(q.transpose(0, 2).contiguous().transpose(0, 2), k, k, 1, 0.1)
     with pytest.raises(RuntimeError, match="over 3 requests"):
         kernels.causal_prefill_attention(q, k, k, 3, 0.1)
-    with pytest.raises(RuntimeError, match="contiguous bf16"):
+    with pytest.raises(RuntimeError, match="q's shape and dtype"):
         kernels.causal_prefill_attention(q, k, k, 1, 0.1, torch.zeros(8, 2, 64))
 
 
@@ -101,7 +103,7 @@ def test_the_backend_takes_causal_chunks(monkeypatch: pytest.MonkeyPatch, window
     plan = extend_plan(chunks, first_page=1)
     results = {}
     for tiled in (True, False):
-        monkeypatch.setattr(torch_native, "TILED_PREFILL", tiled)
+        monkeypatch.setattr(torch_native, "NATIVE_PREFILL", tiled)
         pool_copy = KVPool(1, 120, 4, kv_heads, dim, torch.bfloat16, torch.device("cpu"))
         pool_copy.buffer.copy_(pool.buffer)
         results[tiled] = TorchNativeBackend(pool_copy).prepare(plan, plan).attend(0, q, k, v, dim**-0.5, window)
@@ -121,7 +123,7 @@ def models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
 
 
 def _run(model: Path, prompts: list[list[int]], tiled: bool, monkeypatch: pytest.MonkeyPatch) -> list:
-    monkeypatch.setattr(torch_native, "TILED_PREFILL", tiled)
+    monkeypatch.setattr(torch_native, "NATIVE_PREFILL", tiled)
     llm = LLM(str(model), dtype="bfloat16", page_size=4, debug_integrity=True)
     try:
         params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True, prompt_logprobs=0)

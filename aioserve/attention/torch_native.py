@@ -115,19 +115,24 @@ def _fresh_runs(extends: list[_Extend]) -> list[list[_Extend]]:
     return runs
 
 
-# AIOSERVE_PREFILL_ATTENTION=0 keeps bf16 prompts on torch's SDPA where AMX tiles would serve them.
-TILED_PREFILL = os.environ.get("AIOSERVE_PREFILL_ATTENTION", "1") != "0"
+# AIOSERVE_PREFILL_ATTENTION=0 keeps prompts on torch's SDPA where a native kernel would serve them.
+NATIVE_PREFILL = os.environ.get("AIOSERVE_PREFILL_ATTENTION", "1") != "0"
 
 
-def tiled_prefill_fits(kernels: ModuleType | None, q: torch.Tensor, k: torch.Tensor) -> bool:
-    """Whether native/prefill_attention.cpp (bf16 causal attention on AMX
-    tiles, ~1.5x torch's SDPA on a 2-core Emerald Rapids VM) can take these
-    chunks: the kernels built with the tiles and the tiles in use, bf16 on
-    CPU, a head dim that is whole 32-element tile rows."""
-    if not TILED_PREFILL or kernels is None or not q.is_cpu or q.dtype != torch.bfloat16 or k.dtype != torch.bfloat16:
+def native_prefill_fits(kernels: ModuleType | None, q: torch.Tensor, k: torch.Tensor) -> bool:
+    """Whether a native causal prompt kernel can take these chunks: bf16 on
+    AMX tiles (native/prefill_attention.cpp, ~1.5x torch's SDPA on a 2-core
+    Emerald Rapids VM; a head dim of whole 32-element tile rows, the tiles
+    in use), or float32 on AVX-512 FMAs (native/prefill_attention_f32.cpp,
+    ~2.5x SDPA there; a head dim of whole vectors)."""
+    if not NATIVE_PREFILL or kernels is None or not q.is_cpu or q.dtype != k.dtype:
         return False
     dim = q.shape[-1]
-    return dim % 32 == 0 and dim <= 256 and bool(kernels.prefill_tiles_ready())
+    if q.dtype == torch.bfloat16:
+        return dim % 32 == 0 and dim <= 256 and bool(kernels.prefill_tiles_ready())
+    if q.dtype == torch.float32:
+        return dim % 16 == 0 and dim <= 256 and bool(kernels.prefill_f32_ready())
+    return False
 
 
 class GatherWorkspace:
@@ -245,14 +250,14 @@ class TorchNativeMetadata(AttentionMetadata):
             out.index_copy_(0, self.paged_rows, attended)
         elif nd:
             out[:nd] = self._attend_decodes(q[:nd], keys, values, scale, sliding_window)
-        # bf16 prompts on AMX tiles where they can (native/prefill_attention.cpp), written into out.
-        fits = self.causal and bool(self.extend_runs) and out.is_contiguous() and tiled_prefill_fits(self.kernels, q, k)
-        tiled = self.kernels if fits else None
+        # Prompts through a native kernel where one fits (native_prefill_fits), written into out.
+        fits = self.causal and bool(self.extend_runs) and out.is_contiguous() and native_prefill_fits(self.kernels, q, k)
+        native = self.kernels if fits else None
         for run in self.extend_runs:
             if len(run) > 1 and run[0].mask(sliding_window) is None:
                 rows = slice(run[0].start, run[-1].start + run[-1].length)
-                if tiled is not None:
-                    tiled.causal_prefill_attention(q[rows], k[rows], v[rows], len(run), scale, out[rows])
+                if native is not None:
+                    native.causal_prefill_attention(q[rows], k[rows], v[rows], len(run), scale, out[rows])
                 else:
                     out[rows] = self._attend_fresh(q[rows], k[rows], v[rows], len(run), scale, self.causal)
                 continue
@@ -263,8 +268,8 @@ class TorchNativeMetadata(AttentionMetadata):
                 else:
                     ek = keys.index_select(0, ext.slots).to(q.dtype)
                     ev = values.index_select(0, ext.slots).to(q.dtype)
-                if tiled is not None and not ext.both_ways:  # causal rows only (a window the kernel takes)
-                    tiled.causal_prefill_attention(q[rows], ek, ev, 1, scale, out[rows], sliding_window)
+                if native is not None and not ext.both_ways:  # causal rows only (a window the kernel takes)
+                    native.causal_prefill_attention(q[rows], ek, ev, 1, scale, out[rows], sliding_window)
                 else:
                     out[rows] = self._attend_extend(q[rows], ek, ev, ext.mask(sliding_window), scale, self.causal)
         return out

@@ -23,6 +23,7 @@ from aioserve.cpu.native_lib import library
 from aioserve.cpu.native_ops import (
     causal_prefill_attention,
     paged_decode_attention,
+    prefill_f32_ready,
     prefill_tiles_ready,
     rms_norm,
     rotary_embedding,
@@ -41,7 +42,7 @@ def library_path() -> Path:
 
 
 __all__ = [
-    "DecoderStack", "LoraPointers", "causal_prefill_attention", "library_path", "prefill_tiles_ready", "lora_add_rows", "lora_part_blocks", "gemm_block_width",
+    "DecoderStack", "LoraPointers", "causal_prefill_attention", "library_path", "prefill_f32_ready", "prefill_tiles_ready", "lora_add_rows", "lora_part_blocks", "gemm_block_width",
     "gemm_fuses_multiply_add",
     "pack_linear_weight", "packed_linear", "packed_linear_argmax",
     "paged_decode_attention", "rms_norm", "rotary_embedding", "row_max_argmax", "screened_argmax", "silu_and_mul",

@@ -30,7 +30,7 @@ import torch
 
 logger = logging.getLogger(__name__)
 
-ABI_VERSION = 8  # module.cpp's aioserve_abi_version()
+ABI_VERSION = 9  # module.cpp's aioserve_abi_version()
 
 # torch's dtypes as native/kernels.h numbers them (DType).
 DTYPE_CODES: dict[torch.dtype, int] = {
@@ -54,6 +54,8 @@ PROTOTYPES: dict[str, list[Any]] = {
                                         _i64, _p],
     "aioserve_causal_prefill_attention": [_p, _i64, _i64, _p, _i64, _i64, _p, _i64, _i64, _i64, _i64, _i64, _i64,
                                           _i64, _i64, _f64, _i64, _p],
+    "aioserve_causal_prefill_attention_f32": [_p, _i64, _i64, _p, _i64, _i64, _p, _i64, _i64, _i64, _i64, _i64,
+                                              _i64, _i64, _i64, _f64, _i64, _p],
     "aioserve_pack_linear_weight": [_p, _i32, _i64, _i64, _i64, _i64, _i32, _p, _i64],
     "aioserve_packed_linear": [_p, _i32, _i64, _i64, _p, _i32, _i32, _i64, _p, _p, _i32],
     "aioserve_packed_linear_argmax": [_p, _i32, _i64, _i64, _p, _i32, _i32, _i64, _p, _p, _p],
@@ -96,6 +98,7 @@ class NativeLibrary:
         self.packs_bf16_pairs = bool(_constant(holding, "aioserve_gemm_packs_bf16_pairs", _i32))
         self.fuses_multiply_add = bool(_constant(holding, "aioserve_gemm_fuses_multiply_add", _i32))
         self.prefill_tiles_built = bool(_constant(holding, "aioserve_prefill_attention_tiles_built", _i32))
+        self.prefill_f32_built = bool(_constant(holding, "aioserve_prefill_attention_f32_built", _i32))
         self._use_tiles = holding.aioserve_gemm_use_tiles
         self._use_tiles.argtypes, self._use_tiles.restype = [_i32], _i32
         self._tiles_in_use = holding.aioserve_gemm_tiles_in_use

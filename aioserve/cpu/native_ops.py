@@ -171,19 +171,26 @@ def prefill_tiles_ready() -> bool:
     return lib.prefill_tiles_built and lib.tiles_in_use()
 
 
+def prefill_f32_ready() -> bool:
+    """Whether causal_prefill_attention takes float32 here: the library
+    built with AVX-512 (native/prefill_attention_f32.cpp)."""
+    return library().prefill_f32_built
+
+
 def causal_prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, count: int, scale: float,
                              out: torch.Tensor | None = None, window: int | None = None) -> torch.Tensor:
-    """bf16 causal attention of `count` requests' chunks of equal length on
-    AMX tiles: q [count * q_len, H, D], k and v [count * kv_len, Hk, D]
-    (views are fine: the last dim contiguous); query i of a chunk sits at
-    i + kv_len - q_len and sees the keys up to it (with a `window`, none
-    `window` or more behind it: Gemma 3's local layers). Returns [count * q_len,
-    H, D] bf16, contiguous (`out`, if given: written in place). D a
-    multiple of 32 up to 256."""
+    """Causal attention of `count` requests' chunks of equal length: bf16 on
+    AMX tiles (D a multiple of 32 up to 256), float32 on AVX-512 FMAs (D a
+    multiple of 16 up to 256). q [count * q_len, H, D], k and v [count *
+    kv_len, Hk, D] (views are fine: the last dim contiguous); query i of a
+    chunk sits at i + kv_len - q_len and sees the keys up to it (with a
+    `window`, none `window` or more behind it: Gemma 3's local layers).
+    Returns [count * q_len, H, D] in q's dtype, contiguous (`out`, if given:
+    written in place)."""
     if q.dim() != 3 or k.dim() != 3 or v.shape != k.shape or q.shape[2] != k.shape[2]:
         raise RuntimeError("causal_prefill_attention: q [T, H, D], k and v [T', Hk, D]")
-    if not (q.dtype == k.dtype == v.dtype == torch.bfloat16):
-        raise RuntimeError("causal_prefill_attention: bf16 q, k and v")
+    if not (q.dtype == k.dtype == v.dtype) or q.dtype not in (torch.bfloat16, torch.float32):
+        raise RuntimeError("causal_prefill_attention: bf16 or float32 q, k and v, all one dtype")
     if any(t.stride(2) != 1 for t in (q, k, v)):
         raise RuntimeError("causal_prefill_attention: the last dim of q, k and v must be contiguous")
     if count <= 0 or q.shape[0] % count or k.shape[0] % count:
@@ -191,11 +198,12 @@ def causal_prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, 
     q_len, kv_len = q.shape[0] // count, k.shape[0] // count
     heads, kv_heads, dim = q.shape[1], k.shape[1], q.shape[2]
     if out is None:
-        out = torch.empty(q.shape[0], heads, dim, dtype=torch.bfloat16)
-    elif out.shape != q.shape or out.dtype != torch.bfloat16 or not out.is_contiguous():
-        raise RuntimeError("causal_prefill_attention: out must be contiguous bf16 of q's shape")
+        out = torch.empty(q.shape[0], heads, dim, dtype=q.dtype)
+    elif out.shape != q.shape or out.dtype != q.dtype or not out.is_contiguous():
+        raise RuntimeError("causal_prefill_attention: out must be contiguous, of q's shape and dtype")
     lib = library()
-    if lib.causal_prefill_attention(
+    kernel = lib.causal_prefill_attention if q.dtype == torch.bfloat16 else lib.causal_prefill_attention_f32
+    if kernel(
         q.data_ptr(), q.stride(0), q.stride(1), k.data_ptr(), k.stride(0), k.stride(1), v.data_ptr(), v.stride(0),
         v.stride(1), count, q_len, kv_len, heads, kv_heads, dim, scale, window or 0, out.data_ptr(),
     ):
