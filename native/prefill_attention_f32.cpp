@@ -60,15 +60,18 @@ void pack_keys(const float* k, int64_t k_tok, int64_t kv_len, int64_t padded, in
   }
 }
 
-// scores [kRows][kKeys] = the block's queries (rows of `dim`, kRows of them)
-// against keys k0 .. k0 + 31 (two transposed blocks of 16).
-inline void block_scores(const float* qb, int64_t dim, const float* kt0, const float* kt1, float* scores) {
+// scores [kRows][kKeys] = the block's queries (transposed: qt [dim][kRows],
+// so each step's kRows broadcasts read one line from one pointer; rows of
+// their own took a register each, more than there are, and the loop
+// reloaded spilled ones) against keys k0 .. k0 + 31 (two transposed blocks
+// of 16).
+inline void block_scores(const float* qt, int64_t dim, const float* kt0, const float* kt1, float* scores) {
   __m512 acc[kRows][2];
   for (int r = 0; r < kRows; ++r) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
   for (int64_t d = 0; d < dim; ++d) {
     const __m512 k0 = _mm512_loadu_ps(kt0 + d * 16), k1 = _mm512_loadu_ps(kt1 + d * 16);
     for (int r = 0; r < kRows; ++r) {
-      const __m512 q = _mm512_set1_ps(qb[r * dim + d]);
+      const __m512 q = _mm512_set1_ps(qt[d * kRows + r]);
       acc[r][0] = _mm512_fmadd_ps(q, k0, acc[r][0]);
       acc[r][1] = _mm512_fmadd_ps(q, k1, acc[r][1]);
     }
@@ -164,7 +167,7 @@ void attend_block(const Shapes& s, const float* q, const float* kt, const float*
                   float* out) {
   const int64_t dim = s.dim, rows = std::min(kRows, s.q_len - q0), offset = s.kv_len - s.q_len;
   const int64_t group = s.heads / s.kv_heads;
-  alignas(64) float qb[kRows * kMaxDim];  // the block's queries, rows past `rows` zero
+  alignas(64) float qt[kMaxDim * kRows];  // the block's queries transposed, rows past `rows` zero
   alignas(64) float scores[kRows * kKeys];
   alignas(64) float probs[kRows * kKeys];
   alignas(64) float acc[kRows * kMaxDim];
@@ -174,12 +177,8 @@ void attend_block(const Shapes& s, const float* q, const float* kt, const float*
     row_sum[i] = 0.f;
   }
   for (int64_t i = 0; i < kRows; ++i) {
-    float* dst = qb + i * dim;
-    if (i < rows) {
-      std::memcpy(dst, q + (r * s.q_len + q0 + i) * s.q_tok + h * s.q_head, dim * sizeof(float));
-    } else {
-      std::memset(dst, 0, dim * sizeof(float));
-    }
+    const float* row = q + (r * s.q_len + q0 + i) * s.q_tok + h * s.q_head;
+    for (int64_t d = 0; d < dim; ++d) qt[d * kRows + i] = i < rows ? row[d] : 0.f;
     row_max[i] = -std::numeric_limits<float>::infinity();
     row_sum[i] = 0.f;
   }
@@ -189,7 +188,7 @@ void attend_block(const Shapes& s, const float* q, const float* kt, const float*
   // The first row's window: the blocks before it hold no key any row sees.
   const int64_t keys_begin = s.window > 0 ? std::max<int64_t>(0, offset + q0 - s.window + 1) / kKeys * kKeys : 0;
   for (int64_t k0 = keys_begin; k0 < keys_end; k0 += kKeys) {
-    block_scores(qb, dim, kt + (k0 / 16) * dim * 16, kt + (k0 / 16 + 1) * dim * 16, scores);
+    block_scores(qt, dim, kt + (k0 / 16) * dim * 16, kt + (k0 / 16 + 1) * dim * 16, scores);
     softmax_rows(scores, s.scale, k0, offset + q0, rows, s.window, row_max, row_sum, probs, factors);
     for (int64_t i = 0; i < rows; ++i) {
       if (factors[i] != 1.f) {
