@@ -124,7 +124,7 @@ def native_prefill_fits(kernels: ModuleType | None, q: torch.Tensor, k: torch.Te
     AMX tiles (native/prefill_attention.cpp, ~1.5x torch's SDPA on a 2-core
     Emerald Rapids VM; a head dim of whole 32-element tile rows, the tiles
     in use), or float32 on AVX-512 FMAs (native/prefill_attention_f32.cpp,
-    ~2.5x SDPA there; a head dim of whole vectors)."""
+    1.3-1.6x SDPA there; a head dim of whole vectors)."""
     if not NATIVE_PREFILL or kernels is None or not q.is_cpu or q.dtype != k.dtype:
         return False
     dim = q.shape[-1]
