@@ -23,6 +23,7 @@
 #include "kernels.h"
 #include "parallel.h"
 #include "tile_config.h"
+#include "causal_blocks.h"
 #include "vec_math.h"
 
 #include <limits>
@@ -134,26 +135,18 @@ inline __m512 exp_probability16(__m512 x) {
 // to factors (1 where the max did not move).
 inline void softmax_rows16(const float* scores, float scale, int64_t first_key, int64_t last0, int64_t window,
                            float* row_max, float* row_sum, uint16_t* probs, float* factors) {
-  const __m512i lanes = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
-  const __m512i upper = _mm512_add_epi32(lanes, _mm512_set1_epi32(16));
-  const __m512 minus_inf = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
   const __m512 scale_v = _mm512_set1_ps(scale);
   __mmask16 in0[16], in1[16];
   __m512 part[16];
   for (int i = 0; i < 16; ++i) {
-    const __m512i limit = _mm512_set1_epi32(static_cast<int>(last0 + i - first_key));
-    const __m512i floor = _mm512_set1_epi32(window > 0 ? static_cast<int>(last0 + i - window + 1 - first_key)
-                                                       : std::numeric_limits<int>::min());
-    in0[i] = _mm512_cmple_epi32_mask(lanes, limit) & _mm512_cmpge_epi32_mask(lanes, floor);
-    in1[i] = _mm512_cmple_epi32_mask(upper, limit) & _mm512_cmpge_epi32_mask(upper, floor);
-    part[i] = _mm512_max_ps(_mm512_mask_mul_ps(minus_inf, in0[i], _mm512_loadu_ps(scores + i * kKeys), scale_v),
-                            _mm512_mask_mul_ps(minus_inf, in1[i], _mm512_loadu_ps(scores + i * kKeys + 16), scale_v));
+    const VisibleKeys visible = visible_keys(last0 + i, first_key, window);
+    in0[i] = visible.lo;
+    in1[i] = visible.hi;
+    part[i] = visible_max(scores + i * kKeys, scale_v, visible);
   }
   const __m512 old_max = _mm512_loadu_ps(row_max);
   const __m512 top = _mm512_max_ps(old_max, reduce16(part, max_op));
-  // exp(old - top): 0 on a row's first block (old = -inf), exactly 1 where the max stayed.
-  const __mmask16 seen = _mm512_cmp_ps_mask(old_max, minus_inf, _CMP_NEQ_OQ);
-  const __m512 factor = _mm512_maskz_mov_ps(seen, exp_probability16(_mm512_sub_ps(old_max, top)));
+  const __m512 factor = rescale_factors(old_max, top, exp_probability16);
   alignas(64) float tops[16];
   _mm512_store_ps(tops, top);
   for (int i = 0; i < 16; ++i) {

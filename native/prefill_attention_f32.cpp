@@ -22,6 +22,7 @@
 // float32 (no rounding to a narrower type), so the result differs from
 // torch's only in the order of the additions.
 
+#include "causal_blocks.h"
 #include "kernels.h"
 #include "parallel.h"
 #include "vec_math.h"
@@ -113,46 +114,31 @@ inline void add_values(const float* probs, int64_t keys, const float* v, int64_t
 // products.
 inline void softmax_rows(const float* scores, float scale, int64_t k0, int64_t pos0, int64_t rows, int64_t window,
                          float* row_max, float* row_sum, float* probs, float* factors) {
-  const __m512i lanes = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
-  const __m512i upper = _mm512_add_epi32(lanes, _mm512_set1_epi32(16));
-  const __m512 minus_inf = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
   const __m512 scale_v = _mm512_set1_ps(scale);
-  __mmask16 in0[kRows], in1[kRows];
+  VisibleKeys visible[kRows];
   __m512 part[16];
-  for (int i = 0; i < 16; ++i) part[i] = minus_inf;
+  for (int i = 0; i < 16; ++i) part[i] = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
   for (int i = 0; i < kRows; ++i) {
-    if (i >= rows) {
-      in0[i] = in1[i] = 0;
-      continue;
-    }
-    const int64_t position = pos0 + i;
-    const __m512i limit = _mm512_set1_epi32(static_cast<int>(std::min<int64_t>(position - k0, kKeys)));
-    const __m512i floor = _mm512_set1_epi32(
-        window > 0 ? static_cast<int>(std::max<int64_t>(position - window + 1 - k0, -1)) : -1);
-    in0[i] = _mm512_cmple_epi32_mask(lanes, limit) & _mm512_cmpge_epi32_mask(lanes, floor);
-    in1[i] = _mm512_cmple_epi32_mask(upper, limit) & _mm512_cmpge_epi32_mask(upper, floor);
-    part[i] = _mm512_max_ps(_mm512_mask_mul_ps(minus_inf, in0[i], _mm512_loadu_ps(scores + i * kKeys), scale_v),
-                            _mm512_mask_mul_ps(minus_inf, in1[i], _mm512_loadu_ps(scores + i * kKeys + 16), scale_v));
+    visible[i] = i < rows ? visible_keys(pos0 + i, k0, window) : VisibleKeys{0, 0};
+    if (i < rows) part[i] = visible_max(scores + i * kKeys, scale_v, visible[i]);
   }
   const __m512 old_max = _mm512_loadu_ps(row_max);
   const __m512 top = _mm512_max_ps(old_max, reduce16(part, max_op));
-  // exp(old - top): 0 before a row's first key (old = -inf), exactly 1 where the max stayed.
-  const __mmask16 seen = _mm512_cmp_ps_mask(old_max, minus_inf, _CMP_NEQ_OQ);
-  const __m512 factor = _mm512_maskz_mov_ps(seen, exp_approx16(_mm512_sub_ps(old_max, top)));
+  const __m512 factor = rescale_factors(old_max, top, exp_approx16);
   alignas(64) float tops[16];
   _mm512_store_ps(tops, top);
   for (int i = 0; i < 16; ++i) part[i] = _mm512_setzero_ps();
   for (int i = 0; i < kRows; ++i) {
     float* p = probs + i * kKeys;
-    if ((in0[i] | in1[i]) == 0) {  // no key of this block (or no row): nothing added
+    if ((visible[i].lo | visible[i].hi) == 0) {  // no key of this block (or no row): nothing added
       std::memset(p, 0, sizeof(float) * kKeys);
       continue;
     }
     const __m512 t = _mm512_set1_ps(tops[i]);
     const __m512 s0 = _mm512_mul_ps(_mm512_loadu_ps(scores + i * kKeys), scale_v);
     const __m512 s1 = _mm512_mul_ps(_mm512_loadu_ps(scores + i * kKeys + 16), scale_v);
-    const __m512 p0 = _mm512_maskz_mov_ps(in0[i], exp_approx16(_mm512_sub_ps(s0, t)));
-    const __m512 p1 = _mm512_maskz_mov_ps(in1[i], exp_approx16(_mm512_sub_ps(s1, t)));
+    const __m512 p0 = _mm512_maskz_mov_ps(visible[i].lo, exp_approx16(_mm512_sub_ps(s0, t)));
+    const __m512 p1 = _mm512_maskz_mov_ps(visible[i].hi, exp_approx16(_mm512_sub_ps(s1, t)));
     _mm512_storeu_ps(p, p0);
     _mm512_storeu_ps(p + 16, p1);
     part[i] = _mm512_add_ps(p0, p1);
