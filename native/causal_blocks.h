@@ -23,7 +23,9 @@ struct VisibleKeys {
 inline VisibleKeys visible_keys(int64_t position, int64_t k0, int64_t window) {
   const __m512i lanes = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
   const __m512i upper = _mm512_add_epi32(lanes, _mm512_set1_epi32(16));
-  auto lane_of = [k0](int64_t key) { return _mm512_set1_epi32(static_cast<int>(std::clamp<int64_t>(key - k0, -1, 32))); };
+  auto lane_of = [k0](int64_t key) {  // the key's lane in the block, -1 before it, 32 after
+    return _mm512_set1_epi32(static_cast<int>(std::clamp<int64_t>(key - k0, -1, 32)));
+  };
   const __m512i last = lane_of(position), first = lane_of(window > 0 ? position - window + 1 : k0 - 1);
   return {static_cast<__mmask16>(_mm512_cmple_epi32_mask(lanes, last) & _mm512_cmpge_epi32_mask(lanes, first)),
           static_cast<__mmask16>(_mm512_cmple_epi32_mask(upper, last) & _mm512_cmpge_epi32_mask(upper, first))};

@@ -215,7 +215,8 @@ void causal_prefill_attention_f32(const float* q, int64_t q_tok, int64_t q_head,
 #if defined(__AVX512F__)
   AIOSERVE_CHECK(dim % 16 == 0 && dim > 0 && dim <= kMaxDim,
                  "causal_prefill_attention_f32: head dim ", dim, " (a multiple of 16, <= 256)");
-  AIOSERVE_CHECK(kv_heads > 0 && heads % kv_heads == 0, "causal_prefill_attention_f32: query heads a multiple of KV heads");
+  AIOSERVE_CHECK(kv_heads > 0 && heads % kv_heads == 0,
+                 "causal_prefill_attention_f32: query heads a multiple of KV heads");
   AIOSERVE_CHECK(kv_len >= q_len && q_len > 0, "causal_prefill_attention_f32: kv_len >= q_len > 0");
   const Shapes s{count, q_len, kv_len, heads, kv_heads, dim, q_tok, q_head, k_tok, k_head, v_tok, v_head,
                  window, static_cast<float>(scale)};

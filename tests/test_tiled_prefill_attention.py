@@ -1,13 +1,14 @@
-"""bf16 prompt attention on AMX tiles (native/prefill_attention.cpp): equal
-to attention written out in float32 within bf16's rounding, for grouped KV
-heads, head dims 32 to 256, chunk lengths that are not whole blocks, chunks
-after a cached prefix, sliding windows, several requests at once and views
-of a projection; taken by the torch_native backend for causal chunks (image
-rows that attend both ways keep torch's SDPA), and through the Python API
-(Qwen3; Gemma 3's and Mistral's windows) the same tokens and prompt
-logprobs within rounding as SDPA gives. Runs where the CPU has
-AMX (and the tiles are not turned off); its checks of the arguments run
-everywhere."""
+"""Native prompt attention: bf16 on AMX tiles (native/prefill_attention.cpp)
+equal to attention written out in float32 within bf16's rounding, for
+grouped KV heads, head dims 32 to 256, chunk lengths that are not whole
+blocks, chunks after a cached prefix, sliding windows, several requests at
+once and views of a projection (the float32 kernel's own checks are in
+test_f32_prefill_attention.py); both kernels taken by the torch_native
+backend for causal chunks (image rows that attend both ways keep torch's
+SDPA), and through the Python API (bf16: Qwen3, Gemma 3's and Mistral's
+windows; float32: Llama, Mistral) the same tokens and prompt logprobs within
+rounding as SDPA gives. Each runs where its kernel does (AMX tiles in use;
+AVX-512); the checks of the arguments run everywhere."""
 
 from __future__ import annotations
 
@@ -83,12 +84,28 @@ def test_the_arguments_are_checked() -> None:
         kernels.causal_prefill_attention(q, k, k, 1, 0.1, torch.zeros(8, 2, 64))
 
 
+def _native(dtype: torch.dtype):  # type: ignore[no-untyped-def]
+    """The kernels, where the prompt kernel for `dtype` runs here."""
+    if dtype == torch.bfloat16:
+        return _tiles()
+    kernels = _kernels()
+    if not kernels.prefill_f32_ready():
+        pytest.skip("the kernels are built without AVX-512 here: SDPA serves float32 prompts")
+    return kernels
+
+
+# How close the native kernel comes to SDPA: bf16's rounding, float32's.
+TOLERANCE = {torch.bfloat16: 2e-2, torch.float32: 1e-5}
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "f32"])
 @pytest.mark.parametrize("window", [None, 16])
-def test_the_backend_takes_causal_chunks(monkeypatch: pytest.MonkeyPatch, window: int | None) -> None:
+def test_the_backend_takes_causal_chunks(monkeypatch: pytest.MonkeyPatch, window: int | None,
+                                         dtype: torch.dtype) -> None:
     """Fresh chunks side by side, a lone one, a long chunk after a cached
-    prefix: the tiles take each (with a window, a chunk at a time), and the
-    result equals SDPA's within rounding."""
-    kernels = _tiles()
+    prefix: the native kernel takes each (with a window, a chunk at a time),
+    and the result equals SDPA's within rounding."""
+    kernels = _native(dtype)
     calls: list[int] = []
     original = kernels.causal_prefill_attention
     monkeypatch.setattr(kernels, "causal_prefill_attention",
@@ -96,18 +113,19 @@ def test_the_backend_takes_causal_chunks(monkeypatch: pytest.MonkeyPatch, window
     chunks = [(0, 40), (0, 40), (0, 17), (24, 64)]
     heads, kv_heads, dim = 8, 2, 64
     gen = torch.Generator().manual_seed(3)
-    pool = KVPool(1, 120, 4, kv_heads, dim, torch.bfloat16, torch.device("cpu"))
+    pool = KVPool(1, 120, 4, kv_heads, dim, dtype, torch.device("cpu"))
     pool.buffer[:, :, 4:].normal_(generator=gen)
     tokens = sum(n for _, n in chunks)
-    q, k, v = (torch.randn(tokens, h, dim, generator=gen).bfloat16() for h in (heads, kv_heads, kv_heads))
+    q, k, v = (torch.randn(tokens, h, dim, generator=gen).to(dtype) for h in (heads, kv_heads, kv_heads))
     plan = extend_plan(chunks, first_page=1)
     results = {}
-    for tiled in (True, False):
-        monkeypatch.setattr(torch_native, "NATIVE_PREFILL", tiled)
-        pool_copy = KVPool(1, 120, 4, kv_heads, dim, torch.bfloat16, torch.device("cpu"))
+    for native in (True, False):
+        monkeypatch.setattr(torch_native, "NATIVE_PREFILL", native)
+        pool_copy = KVPool(1, 120, 4, kv_heads, dim, dtype, torch.device("cpu"))
         pool_copy.buffer.copy_(pool.buffer)
-        results[tiled] = TorchNativeBackend(pool_copy).prepare(plan, plan).attend(0, q, k, v, dim**-0.5, window)
-    torch.testing.assert_close(results[True].float(), results[False].float(), atol=2e-2, rtol=2e-2)
+        results[native] = TorchNativeBackend(pool_copy).prepare(plan, plan).attend(0, q, k, v, dim**-0.5, window)
+    tolerance = TOLERANCE[dtype]
+    torch.testing.assert_close(results[True].float(), results[False].float(), atol=tolerance, rtol=tolerance)
     # The two 40s as one run (with a window, one by one), the 17, the chunk after the prefix.
     assert calls == ([1, 1, 1, 1] if window else [2, 1, 1])
 
@@ -115,16 +133,18 @@ def test_the_backend_takes_causal_chunks(monkeypatch: pytest.MonkeyPatch, window
 @pytest.fixture(scope="module")
 def models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     """Qwen3 at head dim 64; Gemma 3 (a 12-token window on its local layers)
-    and Mistral (a 24-token window) at 32."""
+    and Mistral (a 24-token window) at 32; Llama at its 16."""
     root = tmp_path_factory.mktemp("tiled")
     return {"qwen3": build_checkpoint("qwen3", root / "qwen3", overrides={"head_dim": 64}),
             "gemma3": build_checkpoint("gemma3", root / "gemma3"),
-            "mistral": build_checkpoint("mistral", root / "mistral", overrides={"head_dim": 32})}
+            "mistral": build_checkpoint("mistral", root / "mistral", overrides={"head_dim": 32}),
+            "llama": build_checkpoint("llama", root / "llama")}
 
 
-def _run(model: Path, prompts: list[list[int]], tiled: bool, monkeypatch: pytest.MonkeyPatch) -> list:
-    monkeypatch.setattr(torch_native, "NATIVE_PREFILL", tiled)
-    llm = LLM(str(model), dtype="bfloat16", page_size=4, debug_integrity=True)
+def _run(model: Path, prompts: list[list[int]], dtype: torch.dtype, native: bool,
+         monkeypatch: pytest.MonkeyPatch) -> list:
+    monkeypatch.setattr(torch_native, "NATIVE_PREFILL", native)
+    llm = LLM(str(model), dtype=str(dtype).removeprefix("torch."), page_size=4, debug_integrity=True)
     try:
         params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True, prompt_logprobs=0)
         return llm.generate(prompts, params)
@@ -132,10 +152,15 @@ def _run(model: Path, prompts: list[list[int]], tiled: bool, monkeypatch: pytest
         llm.close()
 
 
-@pytest.mark.parametrize("arch", ["qwen3", "gemma3", "mistral"])
-def test_through_the_python_api_prompts_follow_sdpa(models: dict[str, Path], arch: str,
+@pytest.mark.parametrize("arch, dtype", [("qwen3", torch.bfloat16), ("gemma3", torch.bfloat16),
+                                         ("mistral", torch.bfloat16), ("llama", torch.float32),
+                                         ("mistral", torch.float32)], ids=lambda v: str(v).removeprefix("torch."))
+def test_through_the_python_api_prompts_follow_sdpa(models: dict[str, Path], arch: str, dtype: torch.dtype,
                                                      monkeypatch: pytest.MonkeyPatch) -> None:
-    kernels = _tiles()
+    """The same prompts with the native kernel and with SDPA: bf16's prompt
+    logprobs within its rounding and most first tokens alike; float32's
+    tokens all alike and its logprobs within float32's rounding."""
+    kernels = _native(dtype)
     calls: list[int] = []
     original = kernels.causal_prefill_attention
     monkeypatch.setattr(kernels, "causal_prefill_attention", lambda *args: calls.append(args[3]) or original(*args))
@@ -143,13 +168,17 @@ def test_through_the_python_api_prompts_follow_sdpa(models: dict[str, Path], arc
     # The second prompt outruns both windows.
     texts = ["Once upon a time there was a little fox who", " ".join(str(i) for i in range(1, 31)), "the cat sat on"]
     prompts = [hf_encode(model, t) for t in texts]
-    tiled = _run(model, prompts, True, monkeypatch)
-    assert calls, "the tiles never served a prompt"
+    native = _run(model, prompts, dtype, True, monkeypatch)
+    assert calls, "the native kernel never served a prompt"
     taken = len(calls)
-    plain = _run(model, prompts, False, monkeypatch)
+    plain = _run(model, prompts, dtype, False, monkeypatch)
     assert len(calls) == taken
-    for a, b in zip(tiled, plain):
+    within = 0.05 if dtype == torch.bfloat16 else 1e-4
+    for a, b in zip(native, plain):
         got = [entry[0] for entry in a.prompt_logprobs if entry is not None]
         want = [entry[0] for entry in b.prompt_logprobs if entry is not None]
-        assert len(got) == len(want) and max(abs(x - y) for x, y in zip(got, want)) < 0.05
-    assert sum(a.token_ids[:4] == b.token_ids[:4] for a, b in zip(tiled, plain)) >= 2
+        assert len(got) == len(want) and max(abs(x - y) for x, y in zip(got, want)) < within
+    if dtype == torch.float32:
+        assert all(a.token_ids == b.token_ids for a, b in zip(native, plain))
+    else:
+        assert sum(a.token_ids[:4] == b.token_ids[:4] for a, b in zip(native, plain)) >= 2
