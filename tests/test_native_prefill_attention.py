@@ -1,14 +1,14 @@
-"""Native prompt attention: bf16 on AMX tiles (native/prefill_attention.cpp)
-equal to attention written out in float32 within bf16's rounding, for
-grouped KV heads, head dims 32 to 256, chunk lengths that are not whole
-blocks, chunks after a cached prefix, sliding windows, several requests at
-once and views of a projection (the float32 kernel's own checks are in
-test_f32_prefill_attention.py); both kernels taken by the torch_native
-backend for causal chunks (image rows that attend both ways keep torch's
-SDPA), and through the Python API (bf16: Qwen3, Gemma 3's and Mistral's
-windows; float32: Llama, Mistral) the same tokens and prompt logprobs within
-rounding as SDPA gives. Each runs where its kernel does (AMX tiles in use;
-AVX-512); the checks of the arguments run everywhere."""
+"""Native prompt attention: bf16 on AMX tiles (native/prefill_attention.cpp),
+float32 on AVX-512 FMAs (native/prefill_attention_f32.cpp). Each equal to
+attention written out within its dtype's rounding, for grouped KV heads,
+head dims 32 to 256 (float32 from 16, and 48: two vectors and one), chunk
+lengths that are not whole blocks, chunks after a cached prefix, sliding
+windows, several requests at once and views of a projection; taken by the
+torch_native backend for causal chunks (image rows that attend both ways
+keep torch's SDPA), and through the Python API (bf16: Qwen3, Gemma 3's and
+Mistral's windows; float32: Llama, Mistral) the same tokens and prompt
+logprobs within rounding as SDPA gives. Each runs where its kernel does
+(AMX tiles in use; AVX-512); the checks of the arguments run everywhere."""
 
 from __future__ import annotations
 
@@ -41,31 +41,50 @@ def _tiles():  # type: ignore[no-untyped-def]
     return kernels
 
 
+def _native(dtype: torch.dtype):  # type: ignore[no-untyped-def]
+    """The kernels, where the prompt kernel for `dtype` runs here."""
+    if dtype == torch.bfloat16:
+        return _tiles()
+    kernels = _kernels()
+    if not kernels.prefill_f32_ready():
+        pytest.skip("the kernels are built without AVX-512 here: SDPA serves float32 prompts")
+    return kernels
+
+
+# How close the native kernels come to attention written out, and to SDPA: bf16's rounding, float32's.
+TOLERANCE = {torch.bfloat16: 2e-2, torch.float32: 1e-5}
+
 # (requests, query heads, KV heads, chunk length, cached prefix, head dim, sliding window)
 SHAPES = [(1, 2, 1, 5, 0, 32, None), (1, 4, 2, 40, 0, 64, None), (2, 4, 2, 33, 7, 128, None),
           (3, 6, 3, 70, 30, 64, None), (1, 2, 2, 100, 200, 256, None), (2, 16, 8, 96, 0, 128, None),
           (1, 4, 2, 100, 0, 64, 17), (2, 4, 1, 45, 70, 128, 40), (1, 2, 2, 64, 0, 256, 1)]
+# Head dims only the float32 kernel takes (whole vectors, not whole tile rows).
+F32_SHAPES = [(3, 6, 3, 70, 30, 48, None), (2, 6, 6, 96, 0, 16, None), (2, 4, 1, 45, 70, 48, 40)]
+CASES = [(torch.bfloat16, s) for s in SHAPES] + [(torch.float32, s) for s in SHAPES + F32_SHAPES]
 
 
-@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))
-def test_the_kernel_equals_attention_written_out(shape: tuple) -> None:
-    kernels = _tiles()
+@pytest.mark.parametrize("dtype, shape", CASES,
+                         ids=lambda v: "x".join(map(str, v)) if isinstance(v, tuple) else str(v).removeprefix("torch."))
+def test_the_kernel_equals_attention_written_out(dtype: torch.dtype, shape: tuple) -> None:
+    kernels = _native(dtype)
     count, heads, kv_heads, length, prefix, dim, window = shape
     gen = torch.Generator().manual_seed(length + prefix)
     # q as a view of a q|k|v projection (its rows strided), as a layer has it.
-    qkv = torch.randn(count * length, (heads + 2 * kv_heads) * dim, generator=gen).bfloat16()
+    qkv = torch.randn(count * length, (heads + 2 * kv_heads) * dim, generator=gen).to(dtype)
     q = qkv[:, : heads * dim].view(count * length, heads, dim)
-    kv = torch.randn(count * (prefix + length), 2, kv_heads, dim, generator=gen).bfloat16()
+    kv = torch.randn(count * (prefix + length), 2, kv_heads, dim, generator=gen).to(dtype)
     k, v = kv[:, 0], kv[:, 1]
     scale = dim**-0.5
     got = kernels.causal_prefill_attention(q, k, v, count, scale, None, window)
+    assert got.dtype == dtype
     into = torch.full_like(got, float("nan"))
     kernels.causal_prefill_attention(q, k, v, count, scale, into, window)
     assert torch.equal(into, got)  # written in place, every element
+    tolerance = TOLERANCE[dtype]
     for r in range(count):
         rows, keys = slice(r * length, (r + 1) * length), slice(r * (prefix + length), (r + 1) * (prefix + length))
         expected = reference(q[rows], k[keys], v[keys], prefix, [], window, scale)
-        torch.testing.assert_close(got[rows].float(), expected, atol=2e-2, rtol=2e-2)
+        torch.testing.assert_close(got[rows].float(), expected, atol=tolerance, rtol=tolerance)
 
 
 def test_the_arguments_are_checked() -> None:
@@ -84,18 +103,16 @@ def test_the_arguments_are_checked() -> None:
         kernels.causal_prefill_attention(q, k, k, 1, 0.1, torch.zeros(8, 2, 64))
 
 
-def _native(dtype: torch.dtype):  # type: ignore[no-untyped-def]
-    """The kernels, where the prompt kernel for `dtype` runs here."""
-    if dtype == torch.bfloat16:
-        return _tiles()
-    kernels = _kernels()
-    if not kernels.prefill_f32_ready():
-        pytest.skip("the kernels are built without AVX-512 here: SDPA serves float32 prompts")
-    return kernels
-
-
-# How close the native kernel comes to SDPA: bf16's rounding, float32's.
-TOLERANCE = {torch.bfloat16: 2e-2, torch.float32: 1e-5}
+def test_the_float32_kernels_arguments_are_checked() -> None:
+    kernels = _native(torch.float32)
+    q = torch.zeros(8, 2, 40)
+    with pytest.raises(RuntimeError, match="multiple of 16"):
+        kernels.causal_prefill_attention(q, q[:, :1], q[:, :1], 1, 0.1)
+    q = torch.zeros(8, 3, 32)
+    with pytest.raises(RuntimeError, match="multiple of KV heads"):
+        kernels.causal_prefill_attention(q, q[:, :2], q[:, :2], 1, 0.1)
+    with pytest.raises(RuntimeError, match="kv_len >= q_len"):
+        kernels.causal_prefill_attention(q, q[:4], q[:4], 1, 0.1)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "f32"])
