@@ -163,8 +163,12 @@ void attend_block(const Shapes& s, const float* q, const float* kt, const float*
     row_sum[i] = 0.f;
   }
   for (int64_t i = 0; i < kRows; ++i) {
-    const float* row = q + (r * s.q_len + q0 + i) * s.q_tok + h * s.q_head;
-    for (int64_t d = 0; d < dim; ++d) qt[d * kRows + i] = i < rows ? row[d] : 0.f;
+    if (i < rows) {
+      const float* row = q + (r * s.q_len + q0 + i) * s.q_tok + h * s.q_head;
+      for (int64_t d = 0; d < dim; ++d) qt[d * kRows + i] = row[d];
+    } else {
+      for (int64_t d = 0; d < dim; ++d) qt[d * kRows + i] = 0.f;
+    }
     row_max[i] = -std::numeric_limits<float>::infinity();
     row_sum[i] = 0.f;
   }
