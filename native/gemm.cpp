@@ -571,6 +571,16 @@ void packed_linear_tiles(const BFloat16* x, int64_t m, int64_t k, const BFloat16
 
 template <Form F, typename X, typename W, typename Sink>
 void packed_linear_impl(const X* x, int64_t m, int64_t k, const W* packed, int64_t n, const Sink& sink) {
+  if (k == 0) {  // empty sums: every output 0 (and the bias); the passes below divide by k's bytes
+    alignas(64) float zeros[kMaxRows * kBlock] = {};
+    for (int64_t col0 = 0; col0 < n; col0 += kBlock) {
+      for (int64_t r0 = 0; r0 < m; r0 += kMaxRows) {
+        const int rows = static_cast<int>(std::min<int64_t>(kMaxRows, m - r0));
+        sink(zeros, rows, r0, col0, std::min<int64_t>(kBlock, n - col0));
+      }
+    }
+    return;
+  }
 #if defined(AIOSERVE_AMX_TILES)
   if constexpr (F == Form::kDotPairs) {
     if (k % kTileK == 0 && tiles_on()) return packed_linear_tiles(x, m, k, packed, n, sink);

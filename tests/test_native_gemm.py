@@ -164,6 +164,19 @@ def test_a_row_does_not_depend_on_its_batch(k: int, dtype: torch.dtype) -> None:
         assert torch.equal(kernels.packed_linear(x[i : i + 1], packed, None, 200)[0], together[i])
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_an_empty_sum_gives_the_bias(dtype: torch.dtype) -> None:
+    """K = 0: every output is the bias (its passes divide by a row's bytes:
+    a zero there had stopped the process)."""
+    kernels = cpu_kernels()
+    packed = kernels.pack_linear_weight(torch.zeros(70, 0, dtype=dtype))
+    bias = torch.arange(70.0).to(dtype)
+    out = kernels.packed_linear(torch.zeros(13, 0, dtype=dtype), packed, bias, 70)
+    assert torch.equal(out, bias.expand(13, 70))
+    maxes, tokens = kernels.packed_linear_argmax(torch.zeros(13, 0, dtype=dtype), packed, None, 70)
+    assert torch.equal(tokens, torch.zeros(13, dtype=torch.long)) and not maxes.any()
+
+
 def test_bad_arguments_are_refused() -> None:
     kernels = cpu_kernels()
     packed = kernels.pack_linear_weight(torch.randn(40, 8))
