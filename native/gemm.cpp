@@ -109,9 +109,13 @@ struct NextBlockFetch {
   int64_t first = std::numeric_limits<int64_t>::max();  // none: never due
   int64_t stride = 1;
 
-  inline void row(int64_t i) const {
-    const char* at = next + i * row_bytes;
-    for (int64_t line = 0; line < row_bytes; line += 64) _mm_prefetch(at + line, _MM_HINT_T1);
+  // At the tile's loop iteration i: the next block's row i, if this pass's
+  // turn (`due`: the iteration it next fetches at, starting from `first`).
+  inline void at(int64_t i, int64_t& due) const {
+    if (i != due) return;
+    const char* row = next + i * row_bytes;
+    for (int64_t line = 0; line < row_bytes; line += 64) _mm_prefetch(row + line, _MM_HINT_T1);
+    due += stride;
   }
 };
 
@@ -123,10 +127,7 @@ inline void tile(const float* __restrict x, int64_t k, int64_t ld, const W* __re
   Vec acc[Rows][2];
   for (int r = 0; r < Rows; ++r) acc[r][0] = acc[r][1] = vzero();
   for (int64_t i = 0, due = fetch.first; i < k; ++i) {
-    if (i == due) {
-      fetch.row(i);
-      due += fetch.stride;
-    }
+    fetch.at(i, due);
     const Vec w0 = vload(block + i * kBlock), w1 = vload(block + i * kBlock + kVec);
     for (int r = 0; r < Rows; ++r) {
       const Vec b = vset1(x[r * ld + i]);
@@ -151,10 +152,7 @@ inline void tile_dot_pairs(const uint32_t* __restrict x, int64_t pairs, int64_t 
   __m512 acc[Rows][2];
   for (int r = 0; r < Rows; ++r) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
   for (int64_t i = 0, due = fetch.first; i < pairs; ++i) {
-    if (i == due) {
-      fetch.row(i);
-      due += fetch.stride;
-    }
+    fetch.at(i, due);
     const __m512bh w0 = (__m512bh)_mm512_loadu_si512(block + i * 2 * kBlock);
     const __m512bh w1 = (__m512bh)_mm512_loadu_si512(block + i * 2 * kBlock + 2 * kVec);
     for (int r = 0; r < Rows; ++r) {
@@ -177,10 +175,7 @@ inline void tile_split_pairs(const float* __restrict x, int64_t k, int64_t ld, c
   __m512 acc[Rows][2];
   for (int r = 0; r < Rows; ++r) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
   for (int64_t i = 0, due = fetch.first; i < k / 2; ++i) {
-    if (i == due) {
-      fetch.row(i);
-      due += fetch.stride;
-    }
+    fetch.at(i, due);
     const aioserve::SplitPairs w0 = aioserve::split_pairs(block + i * 2 * kBlock);  // vec_math.h
     const aioserve::SplitPairs w1 = aioserve::split_pairs(block + i * 2 * kBlock + 2 * kVec);
     for (int r = 0; r < Rows; ++r) {
@@ -603,6 +598,8 @@ void packed_linear_impl(const X* x, int64_t m, int64_t k, const W* packed, int64
   const int64_t row_elems = F == Form::kDotPairs ? k / 2 : k;
   const bool aliased = m > 1 && (row_elems * 4) % 4096 == 0;
   const int64_t ld = aliased ? row_elems + 16 : row_elems;
+  const int64_t loop_rows = F == Form::kPlain ? k : k / 2;  // a tile's loop iterations
+  const int64_t block_row_bytes = k * kBlock * static_cast<int64_t>(sizeof(W)) / loop_rows;  // NextBlockFetch's
   std::vector<uint32_t> staged;
   for (int64_t row0 = 0; row0 < m; row0 += chunk_rows) {
     const int64_t rows = std::min(chunk_rows, m - row0);
@@ -625,8 +622,6 @@ void packed_linear_impl(const X* x, int64_t m, int64_t k, const W* packed, int64
     // Threads take contiguous runs of blocks as pieces (parallel.h): each
     // piece streams its own stretch of W.
     const int64_t tile_passes = (rows + kMaxRows - 1) / kMaxRows;
-    const int64_t loop_rows = F == Form::kPlain ? k : k / 2;  // a tile's loop iterations
-    const int64_t block_row_bytes = k * kBlock * static_cast<int64_t>(sizeof(W)) / loop_rows;
     aioserve::parallel_pieces(blocks, 1, [&](int64_t first, int64_t last) {
       alignas(64) float out[kMaxRows * kBlock];
       for (int64_t b = first; b < last; ++b) {
