@@ -40,7 +40,7 @@ namespace aioserve {
 namespace {
 
 constexpr int64_t kRows = 32;  // query rows of a block: two 16-row tiles
-constexpr int64_t kKeys = 32;  // keys of a block: two 16-column tiles (and one 16-pair k step of P V)
+constexpr int64_t kKeys = kBlockKeys;  // keys of a block: two 16-column tiles (and one 16-pair k step of P V)
 
 // Every tile 16 rows of 64 bytes: 0-3 sums, 4-5 A (Q or P), 6-7 B (K^T or V).
 inline void configure() {
@@ -136,13 +136,11 @@ inline __m512 exp_probability16(__m512 x) {
 inline void softmax_rows16(const float* scores, float scale, int64_t first_key, int64_t last0, int64_t window,
                            float* row_max, float* row_sum, uint16_t* probs, float* factors) {
   const __m512 scale_v = _mm512_set1_ps(scale);
-  __mmask16 in0[16], in1[16];
+  VisibleKeys visible[16];
   __m512 part[16];
   for (int i = 0; i < 16; ++i) {
-    const VisibleKeys visible = visible_keys(last0 + i, first_key, window);
-    in0[i] = visible.lo;
-    in1[i] = visible.hi;
-    part[i] = visible_max(scores + i * kKeys, scale_v, visible);
+    visible[i] = visible_keys(last0 + i, first_key, window);
+    part[i] = visible_max(scores + i * kKeys, scale_v, visible[i]);
   }
   const __m512 old_max = _mm512_loadu_ps(row_max);
   const __m512 top = _mm512_max_ps(old_max, reduce16(part, max_op));
@@ -153,8 +151,8 @@ inline void softmax_rows16(const float* scores, float scale, int64_t first_key, 
     const __m512 t = _mm512_set1_ps(tops[i]);
     const __m512 s0 = _mm512_mul_ps(_mm512_loadu_ps(scores + i * kKeys), scale_v);
     const __m512 s1 = _mm512_mul_ps(_mm512_loadu_ps(scores + i * kKeys + 16), scale_v);
-    const __m512 p0 = _mm512_maskz_mov_ps(in0[i], exp_probability16(_mm512_sub_ps(s0, t)));
-    const __m512 p1 = _mm512_maskz_mov_ps(in1[i], exp_probability16(_mm512_sub_ps(s1, t)));
+    const __m512 p0 = _mm512_maskz_mov_ps(visible[i].lo, exp_probability16(_mm512_sub_ps(s0, t)));
+    const __m512 p1 = _mm512_maskz_mov_ps(visible[i].hi, exp_probability16(_mm512_sub_ps(s1, t)));
     _mm512_storeu_si512(probs + i * kKeys, (__m512i)_mm512_cvtne2ps_pbh(p1, p0));
     part[i] = _mm512_add_ps(p0, p1);
   }
@@ -163,16 +161,10 @@ inline void softmax_rows16(const float* scores, float scale, int64_t first_key, 
   _mm512_storeu_ps(factors, factor);
 }
 
-struct Shapes {
-  int64_t count, q_len, kv_len, heads, kv_heads, dim;
-  int64_t q_tok, q_head, k_tok, k_head, v_tok, v_head;
-  int64_t window;  // > 0: a query sees no key `window` or more behind it
-  float scale;
-};
 
 // One (request, query head, block of kRows query rows): out's rows written.
-void attend_block(const Shapes& s, const uint16_t* q, const uint32_t* kt, const uint32_t* vp, int64_t r, int64_t h,
-                  int64_t q0, uint16_t* out) {
+void attend_block(const CausalShapes& s, const uint16_t* q, const uint32_t* kt, const uint32_t* vp, int64_t r,
+                  int64_t h, int64_t q0, uint16_t* out) {
   const int64_t dim = s.dim, rows = std::min(kRows, s.q_len - q0), offset = s.kv_len - s.q_len;
   alignas(64) uint16_t qb[kRows * 256];  // the block's queries, rows past `rows` zero
   alignas(64) float scores[kRows * kKeys];
@@ -192,9 +184,7 @@ void attend_block(const Shapes& s, const uint16_t* q, const uint32_t* kt, const 
   std::memset(acc, 0, sizeof(float) * kRows * dim);
   const int64_t q_row_bytes = dim * 2, acc_row_bytes = dim * 4;
   const int64_t keys_end = std::min(s.kv_len, offset + q0 + rows);  // the last row's keys
-  // The first row's window: the blocks before it hold no key any row sees.
-  const int64_t keys_begin = s.window > 0 ? std::max<int64_t>(0, offset + q0 - s.window + 1) / kKeys * kKeys : 0;
-  for (int64_t k0 = keys_begin; k0 < keys_end; k0 += kKeys) {
+  for (int64_t k0 = first_key_block(offset + q0, s.window); k0 < keys_end; k0 += kKeys) {
     // S = Q K^T: tiles 0, 1 rows 0-15 (keys 0-15, 16-31), 2, 3 rows 16-31.
     _tile_zero(0);
     _tile_zero(1);
@@ -218,13 +208,7 @@ void attend_block(const Shapes& s, const uint16_t* q, const uint32_t* kt, const 
     softmax_rows16(scores, s.scale, k0, offset + q0, s.window, row_max, row_sum, probs, factors);
     softmax_rows16(scores + 16 * kKeys, s.scale, k0, offset + q0 + 16, s.window, row_max + 16, row_sum + 16,
                    probs + 16 * kKeys, factors + 16);
-    for (int64_t i = 0; i < kRows; ++i) {
-      if (factors[i] != 1.f) {
-        const __m512 f = _mm512_set1_ps(factors[i]);
-        float* a = acc + i * dim;
-        for (int64_t d = 0; d < dim; d += 16) _mm512_storeu_ps(a + d, _mm512_mul_ps(f, _mm512_loadu_ps(a + d)));
-      }
-    }
+    rescale_rows(acc, dim, factors, kRows);
     // O += P V, summed into the output rows by the tiles.
     _tile_loadd(4, probs, kKeys * 2);
     _tile_loadd(5, probs + 16 * kKeys, kKeys * 2);
@@ -277,7 +261,7 @@ void causal_prefill_attention(const void* q, int64_t q_tok, int64_t q_head, cons
   AIOSERVE_CHECK(dim % 32 == 0 && dim <= 256, "causal_prefill_attention: head dim ", dim, " (a multiple of 32, <= 256)");
   AIOSERVE_CHECK(heads % kv_heads == 0, "causal_prefill_attention: query heads a multiple of KV heads");
   AIOSERVE_CHECK(kv_len >= q_len && q_len > 0, "causal_prefill_attention: kv_len >= q_len > 0");
-  const Shapes s{count, q_len, kv_len, heads, kv_heads, dim, q_tok, q_head, k_tok, k_head, v_tok, v_head,
+  const CausalShapes s{count, q_len, kv_len, heads, kv_heads, dim, q_tok, q_head, k_tok, k_head, v_tok, v_head,
                  window, static_cast<float>(scale)};
   // kt and vp of a (request, KV head) pair: `half` 32-bit words each (padded keys x dim bf16).
   const int64_t padded = round_up(kv_len, kKeys), half = padded * dim / 2;

@@ -38,15 +38,9 @@ namespace aioserve {
 namespace {
 
 constexpr int64_t kRows = 12;  // query rows of a block: 12 x 32 scores, 24 accumulators
-constexpr int64_t kKeys = 32;  // keys of a block: two vectors a row
+constexpr int64_t kKeys = kBlockKeys;  // keys of a block: two vectors a row
 constexpr int64_t kMaxDim = 256;
 
-struct Shapes {
-  int64_t count, q_len, kv_len, heads, kv_heads, dim;
-  int64_t q_tok, q_head, k_tok, k_head, v_tok, v_head;
-  int64_t window;  // > 0: a query sees no key `window` or more behind it
-  float scale;
-};
 
 // One (request, KV head)'s keys as [padded / 16][dim][16], keys past kv_len zero.
 void pack_keys(const float* k, int64_t k_tok, int64_t kv_len, int64_t padded, int64_t dim, float* kt) {
@@ -149,8 +143,8 @@ inline void softmax_rows(const float* scores, float scale, int64_t k0, int64_t p
 }
 
 // One (request, query head, block of kRows query rows): out's rows written.
-void attend_block(const Shapes& s, const float* q, const float* kt, const float* v, int64_t r, int64_t h, int64_t q0,
-                  float* out) {
+void attend_block(const CausalShapes& s, const float* q, const float* kt, const float* v, int64_t r, int64_t h,
+                  int64_t q0, float* out) {
   const int64_t dim = s.dim, rows = std::min(kRows, s.q_len - q0), offset = s.kv_len - s.q_len;
   const int64_t group = s.heads / s.kv_heads;
   alignas(64) float qt[kMaxDim * kRows];  // the block's queries transposed, rows past `rows` zero
@@ -175,18 +169,10 @@ void attend_block(const Shapes& s, const float* q, const float* kt, const float*
   std::memset(acc, 0, sizeof(float) * kRows * dim);
   const float* values = v + r * s.kv_len * s.v_tok + (h / group) * s.v_head;
   const int64_t keys_end = std::min(s.kv_len, offset + q0 + rows);  // the last row's keys
-  // The first row's window: the blocks before it hold no key any row sees.
-  const int64_t keys_begin = s.window > 0 ? std::max<int64_t>(0, offset + q0 - s.window + 1) / kKeys * kKeys : 0;
-  for (int64_t k0 = keys_begin; k0 < keys_end; k0 += kKeys) {
+  for (int64_t k0 = first_key_block(offset + q0, s.window); k0 < keys_end; k0 += kKeys) {
     block_scores(qt, dim, kt + (k0 / 16) * dim * 16, kt + (k0 / 16 + 1) * dim * 16, scores);
     softmax_rows(scores, s.scale, k0, offset + q0, rows, s.window, row_max, row_sum, probs, factors);
-    for (int64_t i = 0; i < rows; ++i) {
-      if (factors[i] != 1.f) {
-        const __m512 f = _mm512_set1_ps(factors[i]);
-        float* a = acc + i * dim;
-        for (int64_t d = 0; d < dim; d += 16) _mm512_storeu_ps(a + d, _mm512_mul_ps(f, _mm512_loadu_ps(a + d)));
-      }
-    }
+    rescale_rows(acc, dim, factors, rows);
     const int64_t keys = std::min(kKeys, s.kv_len - k0);  // V has no rows past kv_len
     const float* block_values = values + k0 * s.v_tok;
     int64_t d0 = 0;
@@ -222,7 +208,7 @@ void causal_prefill_attention_f32(const float* q, int64_t q_tok, int64_t q_head,
   AIOSERVE_CHECK(kv_heads > 0 && heads % kv_heads == 0,
                  "causal_prefill_attention_f32: query heads a multiple of KV heads");
   AIOSERVE_CHECK(kv_len >= q_len && q_len > 0, "causal_prefill_attention_f32: kv_len >= q_len > 0");
-  const Shapes s{count, q_len, kv_len, heads, kv_heads, dim, q_tok, q_head, k_tok, k_head, v_tok, v_head,
+  const CausalShapes s{count, q_len, kv_len, heads, kv_heads, dim, q_tok, q_head, k_tok, k_head, v_tok, v_head,
                  window, static_cast<float>(scale)};
   // K^T of a (request, KV head) pair: padded keys x dim floats. Padded to a
   // whole score block, so the last block's second half reads zeros.
