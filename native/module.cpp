@@ -36,6 +36,6 @@ extern "C" {
 const char* aioserve_last_error() { return last_error.c_str(); }
 
 // Which interface this library speaks: aioserve/cpu/native_lib.py refuses another.
-int aioserve_abi_version() { return 9; }
+int aioserve_abi_version() { return 10; }
 
 }  // extern "C"

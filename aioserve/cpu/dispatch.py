@@ -20,6 +20,7 @@ decides what the machine and the options allow.
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 import torch
@@ -31,6 +32,7 @@ HALF_UNITS = {
 }
 AMX_HALF = frozenset({"amx_bf16", "amx_fp16"})
 AMX_BF16 = "amx_bf16"  # the packed kernel multiplies bf16 on the tiles (native/gemm.cpp) where this is set
+AMX_INT8 = "amx_int8"  # the bf16 LM head's int8 screen runs on the tiles (native/int8_head_screen.cpp)
 BF16_PAIR_DOTS = "avx512_bf16"  # the native kernels dot bf16 pairs (vdpbf16ps) where this is set
 
 _AVX2 = frozenset({"sse4_2", "avx", "avx2", "fma", "f16c"})
@@ -65,6 +67,9 @@ class CpuDispatch:
     # (--cpu-matmul onednn), "timed" (a candidate beside the BLAS forms, kept
     # per weight shape where it is faster: half math on AMX), or "off".
     onednn: str = "off"
+    # With head_argmax on AMX-INT8, steps of 1-8 greedy rows screen an int8
+    # copy of the bf16 head (cpu_engine/int8_head_screen.py); AIOSERVE_INT8_HEAD_SCREEN=0: off.
+    int8_head_screen: bool = False
 
     def lines(self) -> list[str]:
         """One log line per choice."""
@@ -73,7 +78,7 @@ class CpuDispatch:
         decode = "native DecoderStack" if self.native_decode else "modules"
         screen = _name(self.screen_dtype) + " copy" if self.screen_dtype else "off"
         if self.head_argmax:
-            screen = "off, argmax in the head"
+            screen = "off, argmax in the head" + (" (1-8 rows: an int8 copy screened first)" if self.int8_head_screen else "")
         return [
             f"math {_name(self.math_dtype)}: {self.math_reason}",
             f"matmul {matmul}: {self.matmul_reason}",
@@ -148,11 +153,16 @@ def choose_cpu_dispatch(
         native_decode, decode_reason = True, "one native call per decode-only step, where the model's layers allow it"
     screen, screen_reason = _choose_screen(flags, weight_dtype, packed, tp_size)
     head_argmax = screen is None and packed and tp_size == 1
+    int8_head_screen = False
     if head_argmax:
         screen_reason += ": greedy rows take the packed head's argmax as it computes, no logits written"
+        int8_head_screen = (math == torch.bfloat16 and AMX_BF16 in flags and AMX_INT8 in flags
+                            and os.environ.get("AIOSERVE_INT8_HEAD_SCREEN", "1") != "0")
+        if int8_head_screen:
+            screen_reason += "; steps of 1-8 rows first screen an int8 copy on the AMX-INT8 tiles (half its bytes)"
     return CpuDispatch(
         math, math_reason, packed, matmul_reason, matmul_tuning, native_decode, decode_reason, screen, screen_reason,
-        head_argmax, onednn,
+        head_argmax, onednn, int8_head_screen,
     )
 
 

@@ -1,4 +1,4 @@
-"""The packed matmul and the greedy screen (native/gemm.cpp,
+"""The packed matmul and the greedy screens (native/gemm.cpp, int8_head_screen.cpp,
 native/greedy_screen.cpp) for torch tensors: checks (the torch extension's
 RuntimeError messages), output allocation, pointers to the library."""
 
@@ -255,5 +255,75 @@ def screened_argmax(x: torch.Tensor, screen: torch.Tensor, slack: torch.Tensor, 
     if lib.screened_argmax(x.data_ptr(), m, k, screen.data_ptr(), code(screen, "screened_argmax"), int(bf16),
                            slack.data_ptr(), exact.data_ptr(), n, exact.shape[2], norms_ptr, tokens.data_ptr(),
                            ok.data_ptr()):
+        raise lib.fail()
+    return tokens, ok
+
+
+INT8_SCREEN_MAX_ROWS = 8  # native/int8_head_screen.cpp: one A tile of two digit rows each
+
+
+def int8_screen_ready() -> bool:
+    """Whether int8_screened_argmax runs here: built with AMX-INT8 tiles, and
+    the bf16 tiles in use (the blocks it keeps are computed again on them)."""
+    lib = library()
+    return lib.int8_head_screen_built and lib.tiles_in_use()
+
+
+@dataclass
+class Int8HeadCopy:
+    """An int8 copy of a bf16 LM head and its bound's per-column constants
+    (native/int8_head_screen.cpp)."""
+
+    screen: torch.Tensor  # int8 [blocks, K / 4, 32, 4]
+    scales: torch.Tensor  # [N] float32 s_j: w~_j = s_j q_j
+    slack: torch.Tensor  # [N] float32 ||w_j - w~_j|| + gamma' ||w_j||, rounded up
+    norms: torch.Tensor  # [N] float32 ||w~_j||, rounded up
+
+
+def int8_quantize_head(exact: torch.Tensor, n: int) -> Int8HeadCopy | None:
+    """The int8 copy of the bf16 head `exact` (packed in k-pairs [blocks,
+    K / 2, 32, 2], N columns); None if a weight is not finite."""
+    if exact.dtype != torch.bfloat16 or exact.dim() != 4 or exact.shape[2:] != (32, 2) or not exact.is_contiguous():
+        raise RuntimeError("int8_quantize_head: the head must be bf16 packed in k-pairs, 32 columns a block")
+    blocks, k = exact.shape[0], 2 * exact.shape[1]
+    if k % 64 or not (blocks - 1) * 32 < n <= blocks * 32:
+        raise RuntimeError("int8_quantize_head: K must be a multiple of 64, N within the packed blocks")
+    columns = [torch.empty(n, dtype=torch.float32) for _ in range(3)]
+    copy = Int8HeadCopy(torch.empty(blocks, k // 4, 32, 4, dtype=torch.int8), *columns)
+    finite = torch.zeros(1, dtype=torch.bool)
+    lib = library()
+    if lib.int8_quantize_head(exact.data_ptr(), n, k, copy.screen.data_ptr(), copy.scales.data_ptr(),
+                              copy.slack.data_ptr(), copy.norms.data_ptr(), finite.data_ptr()):
+        raise lib.fail()
+    return copy if bool(finite) else None
+
+
+def int8_screened_argmax(x: torch.Tensor, screen: torch.Tensor, scales: torch.Tensor, slack: torch.Tensor,
+                         norms: torch.Tensor, exact: torch.Tensor, n: int,
+                         max_blocks: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Greedy argmax of the bf16 head `exact` (packed in k-pairs) from its
+    int8 copy `screen` [blocks, K / 4, 32, 4], exactly: packed_linear_argmax's
+    tokens (native/int8_head_screen.cpp). (tokens [M] int64, ok [M] bool); a
+    row with ok false (not finite, or more than `max_blocks` blocks to
+    compute again) is left to the caller."""
+    if x.dim() != 2 or x.dtype != torch.bfloat16 or not 1 <= x.shape[0] <= INT8_SCREEN_MAX_ROWS:
+        raise RuntimeError(f"int8_screened_argmax: x must be bf16 [M, K], 1 <= M <= {INT8_SCREEN_MAX_ROWS}")
+    m, k = x.shape
+    pointer, _, pairs = packed_fields(exact, k, n, "int8_screened_argmax")
+    block = gemm_block_width()
+    if not pairs or block != 32:
+        raise RuntimeError("int8_screened_argmax: the head must be bf16 packed in k-pairs, 32 columns a block")
+    if (screen.dtype != torch.int8 or not screen.is_contiguous()
+            or tuple(screen.shape) != (exact.shape[0], k // 4, block, 4) or k % 64):
+        raise RuntimeError("int8_screened_argmax: the screen must be int8 [blocks, K / 4, 32, 4], K a multiple of 64")
+    for name, column in (("scales", scales), ("slack", slack), ("norms", norms)):
+        if column.dtype != torch.float32 or column.shape != (n,) or not column.is_contiguous():
+            raise RuntimeError(f"int8_screened_argmax: {name} must be float32 [N]")
+    x = x.contiguous()
+    tokens = torch.zeros(m, dtype=torch.int64)
+    ok = torch.zeros(m, dtype=torch.bool)
+    lib = library()
+    if lib.int8_screened_argmax(x.data_ptr(), m, k, screen.data_ptr(), scales.data_ptr(), slack.data_ptr(),
+                                norms.data_ptr(), pointer, n, max_blocks, tokens.data_ptr(), ok.data_ptr()):
         raise lib.fail()
     return tokens, ok

@@ -12,6 +12,9 @@ from aioserve.cpu.native_gemm import (
     LoraPointers,
     gemm_block_width,
     gemm_fuses_multiply_add,
+    int8_quantize_head,
+    int8_screen_ready,
+    int8_screened_argmax,
     lora_add_rows,
     lora_part_blocks,
     pack_linear_weight,
@@ -43,7 +46,8 @@ def library_path() -> Path:
 
 __all__ = [
     "DecoderStack", "LoraPointers", "causal_prefill_attention", "library_path", "prefill_f32_ready", "prefill_tiles_ready", "lora_add_rows", "lora_part_blocks", "gemm_block_width",
-    "gemm_fuses_multiply_add",
+    "gemm_fuses_multiply_add", "int8_quantize_head", "int8_screen_ready",
+    "int8_screened_argmax",
     "pack_linear_weight", "packed_linear", "packed_linear_argmax",
     "paged_decode_attention", "rms_norm", "rotary_embedding", "row_max_argmax", "screened_argmax", "silu_and_mul",
     "store_kv",

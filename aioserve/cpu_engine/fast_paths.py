@@ -112,7 +112,7 @@ class CpuFastPaths:
             lm_head = self.model.lm_head
             self.greedy_screen = GreedyScreen.build(lm_head, kernels, self.dispatch.screen_dtype)
             if self.greedy_screen is None and self.dispatch.head_argmax:
-                self.greedy_screen = HeadArgmax.build(lm_head, kernels)
+                self.greedy_screen = HeadArgmax.build(lm_head, kernels, self.dispatch.int8_head_screen)
 
     def _start_native_decode(self) -> None:
         """Decode-only steps through the native DecoderStack when this CPU's

@@ -21,6 +21,9 @@ packed head of half width on one rank, for the steps whose every row is
 greedy (`SamplingTensors.takes_raw_argmax`). A row whose largest logit is
 not finite sends the step to the full logits, so the sampler's own handling
 of such rows stays the only one.
+
+Steps of 1 to 8 rows on AMX-INT8 first ask an int8 copy of the head
+(int8_head_screen.py): the same tokens from half the bytes.
 """
 
 from __future__ import annotations
@@ -32,6 +35,8 @@ from typing import cast
 
 import torch
 
+from aioserve.cpu_engine.int8_head_screen import Int8HeadScreen
+
 logger = logging.getLogger(__name__)
 
 
@@ -40,19 +45,28 @@ class HeadArgmax:
     kernels: ModuleType  # the native module
     weight: torch.Tensor  # the LM head's packed weight (shared, not copied)
     features: int  # N, the vocabulary
+    int8: Int8HeadScreen | None = None  # asked first for steps of 1-8 rows
 
     @classmethod
-    def build(cls, lm_head: torch.nn.Module, kernels: ModuleType) -> HeadArgmax | None:
-        """For a packed half-width LM head; None where it is not one."""
+    def build(cls, lm_head: torch.nn.Module, kernels: ModuleType, int8_screen: bool = False) -> HeadArgmax | None:
+        """For a packed half-width LM head; None where it is not one.
+        `int8_screen`: with an int8 copy of a bf16 head where the CPU runs it
+        (cpu/dispatch.py's choice)."""
         choice = getattr(lm_head, "matmul_choice", None)
         weight = cast(torch.Tensor, lm_head.weight).data
         if choice is None or choice.packed_features is None or weight.dtype not in (torch.bfloat16, torch.float16):
             return None
         logger.info("greedy rows take the LM head's argmax as it computes (no logits written)")
-        return cls(kernels, weight, choice.packed_features)
+        features = choice.packed_features
+        int8 = Int8HeadScreen.build(weight, features, kernels) if int8_screen else None
+        return cls(kernels, weight, features, int8)
 
     def argmax(self, hidden: torch.Tensor) -> torch.Tensor | None:
         """The greedy token of each row of `hidden` [S, K], or None when some
         row's largest logit is not finite (the full logits then go to the sampler)."""
+        if self.int8 is not None:
+            tokens = self.int8.argmax(hidden)
+            if tokens is not None:
+                return tokens
         maxes, tokens = self.kernels.packed_linear_argmax(hidden, self.weight, None, self.features)
         return tokens if bool(maxes.isfinite().all()) else None
