@@ -10,7 +10,7 @@
 //
 // The screen. x (a row of bf16 hidden states) is held as two int8 digits a
 // value, x~ = sx (q1 + q2 / 254), close to exact; the two digit rows of x's
-// row r are rows 2r and 2r + 1 of one A tile, so each TDPBSSD sums both
+// row r are rows 2r and 2r + 1 of an A tile, so each TDPBSSD sums both
 // against 64 k of 16 columns, exactly (int32: |sum| <= k 127^2 < 2^31 for
 // k < 2^17). A_j = sx s_j (I1_j + I2_j / 254) = x~ . w~_j, formed in double.
 //
@@ -34,7 +34,7 @@
 // above is within 2^-40 of (|A_j| + r_j) of its exact value (a few
 // roundings of 2^-53); L is lowered and p compared with that margin.
 //
-// Rows: 1 to 8 (one A tile); a step with more goes to the full head. A row
+// Rows: 1 to 16 (two A tiles); a step with more goes to the full head. A row
 // that is not finite, or too many blocks to compute again, is left to the
 // caller (ok false).
 
@@ -61,7 +61,7 @@ namespace {
 using aioserve::BFloat16;
 
 constexpr int64_t kBlock = 32;       // columns per packed block: gemm.cpp's (checked by the caller)
-constexpr int64_t kMaxRows = 8;      // rows of x: two digit rows each in one 16-row A tile
+constexpr int64_t kMaxRows = 16;     // rows of x: two digit rows each, in two 16-row A tiles at most
 constexpr int64_t kStepK = 64;       // k per tile step: 64 int8 a row of A, 16 quads of k in B
 constexpr double kDigit = 254.0;     // the second digit's weight: x~ = sx (q1 + q2 / kDigit)
 constexpr double kMargin = 0x1p-40;  // the doubles' error, relative to |A_j| + r_j (see above)
@@ -142,13 +142,17 @@ struct BlockBounds {
 };
 
 #if defined(AIOSERVE_INT8_TILES)
-// Tiles: 0-1 the int32 sums of a block's two halves (2m rows), 2 x's digit
-// rows, 3-4 the halves' weights (16 quads of k by 16 columns, 64 bytes).
-void configure_int8_tiles(int rows) {
+// Tiles: 0-1 the int32 sums of a block's two halves for x's first 8 rows
+// (their 16 digit rows, or fewer), 2-3 those of rows 8-15 (if any), 4-5
+// the digit rows of each, 6-7 the halves' weights (16 quads of k by 16
+// columns, 64 bytes).
+void configure_int8_tiles(int digit_rows) {
   aioserve::TileConfig config;
-  for (int t = 0; t < 5; ++t) {
-    config.bytes_per_row[t] = 64;
-    config.rows[t] = static_cast<uint8_t>(t < 3 ? rows : 16);
+  const int first = std::min(digit_rows, 16), second = digit_rows - first;
+  const int rows[8] = {first, first, second, second, first, second, 16, 16};
+  for (int t = 0; t < 8; ++t) {
+    config.bytes_per_row[t] = rows[t] > 0 ? 64 : 0;
+    config.rows[t] = static_cast<uint8_t>(rows[t]);
   }
   _tile_loadconfig(&config);
 }
@@ -156,25 +160,40 @@ void configure_int8_tiles(int rows) {
 // The block's sums, int32 [2m][kBlock], from its quad-packed int8 weights
 // [k / 4][kBlock][4]; `next` (if given), the block after it, asked into L2
 // a step at a time (the hardware prefetchers stop at each 4 KiB).
+// TwoTiles: x has more than 8 rows (a second A tile).
+template <bool TwoTiles>
 inline void block_sums(const int8_t* a, int64_t k, const int8_t* block, const int8_t* next, int32_t* sums) {
   constexpr int64_t kQuadRowBytes = kBlock * 4;
   constexpr int64_t kStepBytes = kStepK / 4 * kQuadRowBytes;
   _tile_zero(0);
   _tile_zero(1);
+  if constexpr (TwoTiles) {
+    _tile_zero(2);
+    _tile_zero(3);
+  }
   for (int64_t k0 = 0; k0 < k; k0 += kStepK) {
     const int8_t* quads = block + k0 * kBlock;
     if (next != nullptr) {
       const char* ahead = reinterpret_cast<const char*>(next + k0 * kBlock);
       for (int64_t line = 0; line < kStepBytes; line += 64) _mm_prefetch(ahead + line, _MM_HINT_T1);
     }
-    _tile_loadd(3, quads, kQuadRowBytes);
-    _tile_loadd(4, quads + 64, kQuadRowBytes);
-    _tile_loadd(2, a + k0, k);
-    _tile_dpbssd(0, 2, 3);
-    _tile_dpbssd(1, 2, 4);
+    _tile_loadd(6, quads, kQuadRowBytes);
+    _tile_loadd(7, quads + 64, kQuadRowBytes);
+    _tile_loadd(4, a + k0, k);
+    _tile_dpbssd(0, 4, 6);
+    _tile_dpbssd(1, 4, 7);
+    if constexpr (TwoTiles) {
+      _tile_loadd(5, a + 16 * k + k0, k);
+      _tile_dpbssd(2, 5, 6);
+      _tile_dpbssd(3, 5, 7);
+    }
   }
   _tile_stored(0, sums, kBlock * 4);
   _tile_stored(1, sums + 16, kBlock * 4);
+  if constexpr (TwoTiles) {
+    _tile_stored(2, sums + 16 * kBlock, kBlock * 4);
+    _tile_stored(3, sums + 16 * kBlock + 16, kBlock * 4);
+  }
 }
 
 // One row's BlockBounds over a block's `cols` columns from its digit sums.
@@ -212,7 +231,7 @@ constexpr bool int8_tiles_built() {
 
 }  // namespace
 
-// x [m, k] bf16 contiguous (1 <= m <= 8, k a multiple of 64); screen: the
+// x [m, k] bf16 contiguous (1 <= m <= 16, k a multiple of 64); screen: the
 // head's int8 copy packed [blocks][k / 4][32][4]; scales, slack, norms [n]
 // float32 (see above); exact: the head packed by pack_linear_weight (bf16
 // k-pairs). Writes tokens [m] int64 and ok [m] bool.
@@ -239,7 +258,12 @@ void int8_screened_argmax(const BFloat16* x, int64_t m, int64_t k, const int8_t*
     configure_int8_tiles(static_cast<int>(2 * m));
     for (int64_t b = first; b < last; ++b) {
       const int8_t* block = screen + b * k * kBlock;
-      block_sums(a.data(), k, block, b + 1 < last ? block + k * kBlock : nullptr, sums);
+      const int8_t* next = b + 1 < last ? block + k * kBlock : nullptr;
+      if (m > 8) {
+        block_sums<true>(a.data(), k, block, next, sums);
+      } else {
+        block_sums<false>(a.data(), k, block, next, sums);
+      }
       const int64_t col0 = b * kBlock, cols = std::min(kBlock, n - col0);
       for (int64_t r = 0; r < m; ++r) {
         bounds[b * m + r] = row_bounds(sums + 2 * r * kBlock, sums + (2 * r + 1) * kBlock, cols, rows[r].scale,

@@ -67,7 +67,7 @@ class CpuDispatch:
     # (--cpu-matmul onednn), "timed" (a candidate beside the BLAS forms, kept
     # per weight shape where it is faster: half math on AMX), or "off".
     onednn: str = "off"
-    # With head_argmax on AMX-INT8, steps of 1-8 greedy rows screen an int8
+    # With head_argmax on AMX-INT8, steps of 1-12 greedy rows screen an int8
     # copy of the bf16 head (cpu_engine/int8_head_screen.py); AIOSERVE_INT8_HEAD_SCREEN=0: off.
     int8_head_screen: bool = False
 
@@ -78,7 +78,7 @@ class CpuDispatch:
         decode = "native DecoderStack" if self.native_decode else "modules"
         screen = _name(self.screen_dtype) + " copy" if self.screen_dtype else "off"
         if self.head_argmax:
-            screen = "off, argmax in the head" + (" (1-8 rows: an int8 copy screened first)" if self.int8_head_screen else "")
+            screen = "off, argmax in the head" + (" (1-12 rows: an int8 copy screened first)" if self.int8_head_screen else "")
         return [
             f"math {_name(self.math_dtype)}: {self.math_reason}",
             f"matmul {matmul}: {self.matmul_reason}",
@@ -159,7 +159,7 @@ def choose_cpu_dispatch(
         int8_head_screen = (math == torch.bfloat16 and AMX_BF16 in flags and AMX_INT8 in flags
                             and os.environ.get("AIOSERVE_INT8_HEAD_SCREEN", "1") != "0")
         if int8_head_screen:
-            screen_reason += "; steps of 1-8 rows first screen an int8 copy on the AMX-INT8 tiles (half its bytes)"
+            screen_reason += "; steps of 1-12 rows first screen an int8 copy on the AMX-INT8 tiles (half its bytes)"
     return CpuDispatch(
         math, math_reason, packed, matmul_reason, matmul_tuning, native_decode, decode_reason, screen, screen_reason,
         head_argmax, onednn, int8_head_screen,

@@ -259,7 +259,7 @@ def screened_argmax(x: torch.Tensor, screen: torch.Tensor, slack: torch.Tensor, 
     return tokens, ok
 
 
-INT8_SCREEN_MAX_ROWS = 8  # native/int8_head_screen.cpp: one A tile of two digit rows each
+INT8_SCREEN_MAX_ROWS = 16  # native/int8_head_screen.cpp: two A tiles of two digit rows each
 
 
 def int8_screen_ready() -> bool:

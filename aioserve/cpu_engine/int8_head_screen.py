@@ -9,11 +9,15 @@ bf16 logit can be from its screened value, and hands the few 32-column
 blocks that could still hold the token to packed_linear_argmax itself: the
 token is the one the bf16 head gives, bit for bit, ties and all.
 
-It serves steps of 1 to 8 greedy rows (`SamplingTensors.takes_raw_argmax`),
-where the head's bytes set its time; more rows go to the bf16 head
-(head_argmax.py). Measured on a 2-core Emerald Rapids VM, Qwen3-0.6B's head
-[151936, 1024] at random weights: 1 row 12.6 -> 6.7 ms, 4 and 8 rows 15.1
--> 8.0 ms (min of 15).
+It serves steps of 1 to SERVED_ROWS greedy rows
+(`SamplingTensors.takes_raw_argmax`), where the head's bytes set its time;
+more rows go to the bf16 head (head_argmax.py). Measured on a 2-core
+Emerald Rapids VM, Qwen3-0.6B's head [151936, 1024] at random weights,
+bf16 head -> screen, alternated, min (median) of 12: 1 row 11.5 (13.8) ->
+6.6 (7.6) ms, 8 rows 12.2 (15.5) -> 8.7 (9.5), 12 rows 12.8 (13.7) -> 10.7
+(11.3), 16 rows 13.7 (14.2) -> 13.1 (13.8): past 12 rows the blocks kept
+for every row (each row keeps its own few) and the second A tile take back
+what the bytes save.
 """
 
 from __future__ import annotations
@@ -29,6 +33,8 @@ from aioserve.cpu.native_gemm import INT8_SCREEN_MAX_ROWS, Int8HeadCopy
 
 logger = logging.getLogger(__name__)
 
+SERVED_ROWS = 12  # the most rows a step may have for the screen to pay (measured above)
+assert SERVED_ROWS <= INT8_SCREEN_MAX_ROWS
 # Blocks computed again past which the screen gives up and the full head runs
 # (rows whose bound cannot separate their top columns): an eighth of the head.
 KEPT_FRACTION = 8
@@ -62,7 +68,7 @@ class Int8HeadScreen:
             return None
         logger.info(
             "greedy steps of 1-%d rows screen an int8 copy of the LM head (%.0f MiB, made in %.2f s)",
-            INT8_SCREEN_MAX_ROWS, copy.screen.nbytes / 2**20, time.perf_counter() - started,
+            SERVED_ROWS, copy.screen.nbytes / 2**20, time.perf_counter() - started,
         )
         return cls(kernels, copy, exact, features)
 
@@ -70,7 +76,7 @@ class Int8HeadScreen:
         """The greedy token of each row of bf16 `hidden` [S, K], or None when
         the screen does not take the step or settle some row (the caller
         runs the head)."""
-        if hidden.dtype != torch.bfloat16 or not 1 <= hidden.shape[0] <= INT8_SCREEN_MAX_ROWS:
+        if hidden.dtype != torch.bfloat16 or not 1 <= hidden.shape[0] <= SERVED_ROWS:
             return None
         copy = self.copy
         tokens, ok = self.kernels.int8_screened_argmax(
