@@ -65,6 +65,8 @@ from aioserve.cpu.dispatch import choose_math_dtype  # noqa: E402
 from aioserve.cpu.isa import cpu_flags  # noqa: E402
 from aioserve.cpu.native import cpu_kernels  # noqa: E402
 from aioserve.cpu_engine.greedy_screen import GreedyScreen  # noqa: E402
+from aioserve.cpu_engine.head_argmax import HeadArgmax  # noqa: E402
+from aioserve.cpu_engine.int8_head_screen import SERVED_ROWS  # noqa: E402
 from aioserve.engine.engine import Engine  # noqa: E402
 from aioserve.scheduler.request import Request  # noqa: E402
 from aioserve.scheduler.sampling_batch import SampleRow, SamplingBatchBuilder  # noqa: E402
@@ -439,8 +441,12 @@ def _rows(n: int) -> list[SampleRow]:
 
 def head_itemsize(engine: Engine, batch: int) -> int | None:
     """Bytes per LM-head weight a greedy step reads: the greedy screen's
-    half copy where it serves `batch` rows, else None (the head as stored)."""
+    half copy, or a bf16 head's int8 copy, where it serves `batch` rows,
+    else None (the head as stored). (The int8 screen's kept blocks, a few
+    of the head's, are not counted.)"""
     screen = engine.greedy_screen
+    if isinstance(screen, HeadArgmax) and screen.int8 is not None and batch <= SERVED_ROWS:
+        return screen.int8.copy.screen.element_size()
     if not isinstance(screen, GreedyScreen) or (screen.max_rows is not None and batch > screen.max_rows):
         return None
     return screen.screen.element_size()

@@ -96,6 +96,23 @@ inline const KV* cache_row(const KV* cache, const int32_t* pages, int64_t page_s
   return cache + (static_cast<int64_t>(pages[pos / page_size]) * page_size + pos % page_size) * kv_stride;
 }
 
+// The cache slots of positions [begin, begin + n), a page at a time: the
+// vector span reads each position's row once per KV head, and cache_row's
+// division by the page size at each read (two a position and KV head, with
+// the prefetches') cost as much as the products (Qwen3-0.6B's heads, one
+// thread, the cache in L2: ~110 cycles a position and KV head).
+inline void span_slots(const int32_t* pages, int64_t page_size, int64_t begin, int64_t n, std::vector<int64_t>& slots) {
+  slots.resize(n);
+  for (int64_t j = 0, pos = begin; j < n;) {
+    const int64_t page = pos / page_size, offset = pos % page_size;
+    const int64_t run = std::min(n - j, page_size - offset);
+    const int64_t first = static_cast<int64_t>(pages[page]) * page_size + offset;
+    for (int64_t i = 0; i < run; ++i) slots[j + i] = first + i;
+    j += run;
+    pos += run;
+  }
+}
+
 // Each head's n scores (head-major) -> exp(score - max) in place, with the
 // head's max and the sum of its exponentials: a chunk's unnormalized softmax.
 inline void softmax_numerators(float* scores, int64_t n, int64_t num_heads, float* maxes, float* sums) {
@@ -251,13 +268,13 @@ inline void query_vectors(const T* p, __m512 (&out)[RowVectors<KV>::kPerLoad]) {
 // only at run time went through the stack at every multiply-add).
 // q_split: the query heads laid out as RowVectors<KV> reads a row, scaled.
 template <typename KV, int Chunks, int Group>
-inline __m512 scores_of_group(const float* q_split, const KV* kp, const int32_t* pages, int64_t page_size,
-                              int64_t kv_stride, int64_t begin, int64_t j, int64_t n, int64_t g) {
+inline __m512 scores_of_group(const float* q_split, const KV* kp, const int64_t* slots, int64_t kv_stride, int64_t j,
+                              int64_t n, int64_t g) {
   using Row = RowVectors<KV>;
   constexpr int kPositions = 16 / Group, kLoads = Chunks / Row::kPerLoad, dim = Chunks * 16;
   const KV* keys[kPositions];
   for (int p = 0; p < kPositions; ++p)
-    keys[p] = cache_row(kp, pages, page_size, kv_stride, begin + std::min<int64_t>(j + p, n - 1)) + g * dim;
+    keys[p] = kp + slots[std::min<int64_t>(j + p, n - 1)] * kv_stride + g * dim;
   __m512 sum[16];
   for (int i = 0; i < 16; ++i) sum[i] = _mm512_setzero_ps();
   for (int c = 0; c < kLoads; ++c) {
@@ -277,17 +294,17 @@ inline __m512 scores_of_group(const float* q_split, const KV* kp, const int32_t*
 // The scores of positions [0, n) for every query head, position-major
 // (score[j * lanes + h]); lanes past num_heads are zero.
 template <typename KV, int Chunks, int Group>
-void span_scores(const float* q_split, const KV* kp, const int32_t* pages, int64_t page_size, int64_t begin,
-                 int64_t n, int64_t num_heads, int64_t num_kv_heads, int64_t lanes, float* score) {
+void span_scores(const float* q_split, const KV* kp, const int64_t* slots, int64_t n, int64_t num_heads,
+                 int64_t num_kv_heads, int64_t lanes, float* score) {
   constexpr int kPositions = 16 / Group;
   const int64_t kv_stride = num_kv_heads * Chunks * 16;
   const int64_t row_bytes = kv_stride * static_cast<int64_t>(sizeof(KV));
   for (int64_t j = 0; j < n; j += kPositions) {
     for (int64_t ahead = j + kKeysAhead; ahead < std::min(n, j + kKeysAhead + kPositions); ++ahead)
-      prefetch_bytes(cache_row(kp, pages, page_size, kv_stride, begin + ahead), row_bytes);
+      prefetch_bytes(kp + slots[ahead] * kv_stride, row_bytes);
     for (int64_t g = 0; g < num_kv_heads; ++g) {
       alignas(64) float block[16];
-      _mm512_store_ps(block, scores_of_group<KV, Chunks, Group>(q_split, kp, pages, page_size, kv_stride, begin, j, n, g));
+      _mm512_store_ps(block, scores_of_group<KV, Chunks, Group>(q_split, kp, slots, kv_stride, j, n, g));
       for (int p = 0; p < kPositions; ++p)
         for (int i = 0; i < Group; ++i) score[(j + p) * lanes + g * Group + i] = block[p * Group + i];
     }
@@ -298,8 +315,7 @@ void span_scores(const float* q_split, const KV* kp, const int32_t* pages, int64
 }
 
 template <typename KV>
-using SpanScores = void (*)(const float*, const KV*, const int32_t*, int64_t, int64_t, int64_t, int64_t, int64_t,
-                            int64_t, float*);
+using SpanScores = void (*)(const float*, const KV*, const int64_t*, int64_t, int64_t, int64_t, int64_t, float*);
 
 // span_scores for this GQA group (query heads per KV head), if it has an
 // instance (1-8); nullptr if not: asked before a span does any work.
@@ -346,7 +362,7 @@ SpanScores<KV> span_scores_for(int64_t group) {
 template <typename T, typename KV, int Chunks>
 bool attend_span_vec(const T* q, float scale, const KV* kp, const KV* vp, const int32_t* pages, int64_t page_size,
                      int64_t begin, int64_t end, int64_t num_heads, int64_t num_kv_heads, float* maxes, float* sums,
-                     float* acc, std::vector<float>& scores) {
+                     float* acc, std::vector<float>& scores, std::vector<int64_t>& slots) {
   using Row = RowVectors<KV>;
   constexpr int64_t dim = Chunks * 16;
   constexpr int kLoads = Chunks / Row::kPerLoad;  // a head's loads: 32 bf16 (16 even dims, 16 odd), or 16 FP8
@@ -369,7 +385,8 @@ bool attend_span_vec(const T* q, float scale, const KV* kp, const KV* vp, const 
       for (int u = 0; u < Row::kPerLoad; ++u)
         _mm512_storeu_ps(q_split + h * dim + Row::kElems * c + 16 * u, _mm512_mul_ps(x[u], scale_v));
     }
-  span_scores_of_group(q_split, kp, pages, page_size, begin, n, num_heads, num_kv_heads, lanes, score);
+  span_slots(pages, page_size, begin, n, slots);
+  span_scores_of_group(q_split, kp, slots.data(), n, num_heads, num_kv_heads, lanes, score);
   // Softmax numerators, 16 heads in the lanes: exp(score - the head's max).
   for (int64_t h0 = 0; h0 < lanes; h0 += 16) {
     alignas(64) float top[16], total[16] = {};
@@ -395,7 +412,7 @@ bool attend_span_vec(const T* q, float scale, const KV* kp, const KV* vp, const 
     const int64_t j2 = std::min(n, j1 + page_size);
     for (int64_t g = 0; g < num_kv_heads; ++g) {
       for (int64_t j = j1; j < j2; ++j)  // this KV head's values of the next page
-        prefetch_bytes(cache_row(vp, pages, page_size, kv_stride, begin + j) + g * dim, head_bytes);
+        prefetch_bytes(vp + slots[j] * kv_stride + g * dim, head_bytes);
       for (int64_t h0 = g * group; h0 < (g + 1) * group; h0 += kHeadsAtOnce) {
         const int heads = static_cast<int>(std::min<int64_t>(kHeadsAtOnce, (g + 1) * group - h0));
         __m512 a[kHeadsAtOnce][Chunks];  // [i][2c]: pair vector c's even dims, [i][2c + 1]: its odd dims
@@ -403,7 +420,7 @@ bool attend_span_vec(const T* q, float scale, const KV* kp, const KV* vp, const 
           if (i < heads)
             for (int c = 0; c < Chunks; ++c) a[i][c] = _mm512_loadu_ps(acc + (h0 + i) * dim + 16 * c);
         for (int64_t j = j0; j < j1; ++j) {
-          const KV* row = cache_row(vp, pages, page_size, kv_stride, begin + j) + g * dim;
+          const KV* row = vp + slots[j] * kv_stride + g * dim;
           __m512 p[kHeadsAtOnce];
           for (int i = 0; i < kHeadsAtOnce; ++i) p[i] = _mm512_set1_ps(i < heads ? score[j * lanes + h0 + i] : 0.f);
           for (int c = 0; c < kLoads; ++c) {
@@ -453,14 +470,15 @@ constexpr bool kVecSpan = (std::is_same_v<T, BFloat16> && std::is_same_v<KV, BFl
 template <typename T, typename KV>
 bool attend_span_vec_dim(int64_t dim, const T* q, float scale, const KV* kp, const KV* vp, const int32_t* pages,
                          int64_t page_size, int64_t begin, int64_t end, int64_t num_heads, int64_t num_kv_heads,
-                         float* maxes, float* sums, float* acc, std::vector<float>& scores) {
+                         float* maxes, float* sums, float* acc, std::vector<float>& scores,
+                         std::vector<int64_t>& slots) {
   switch (dim) {
     case 64: return attend_span_vec<T, KV, 4>(q, scale, kp, vp, pages, page_size, begin, end, num_heads,
-                                              num_kv_heads, maxes, sums, acc, scores);
+                                              num_kv_heads, maxes, sums, acc, scores, slots);
     case 128: return attend_span_vec<T, KV, 8>(q, scale, kp, vp, pages, page_size, begin, end, num_heads,
-                                               num_kv_heads, maxes, sums, acc, scores);
+                                               num_kv_heads, maxes, sums, acc, scores, slots);
     case 256: return attend_span_vec<T, KV, 16>(q, scale, kp, vp, pages, page_size, begin, end, num_heads,
-                                                num_kv_heads, maxes, sums, acc, scores);
+                                                num_kv_heads, maxes, sums, acc, scores, slots);
     default: return false;
   }
 }
@@ -484,6 +502,7 @@ void decode_attention_impl(const T* qp, const KV* kp, const KV* vp, const int32_
 
   aioserve::parallel_pieces(batch * splits, 1, [&](int64_t first_task, int64_t last_task) {
     std::vector<float> qf(num_heads * dim), scores;
+    std::vector<int64_t> slots;
     for (int64_t task = first_task; task < last_task; ++task) {
       const int64_t b = task / splits, split = task % splits;
       const int64_t len = lens[b];
@@ -502,7 +521,7 @@ void decode_attention_impl(const T* qp, const KV* kp, const KV* vp, const int32_
       if constexpr (kVecSpan<T, KV>) {
         if (attend_span_vec_dim<T, KV>(dim, qp + b * num_heads * dim, static_cast<float>(scale), kp, vp,
                                        pt + b * pages_per_row, page_size, begin, end, num_heads, num_kv_heads, maxes,
-                                       sums, acc, scores)) {
+                                       sums, acc, scores, slots)) {
           continue;
         }
       }

@@ -98,8 +98,9 @@ RowDigits digits(const BFloat16* x, int64_t k, int8_t* first, int8_t* second) {
     norm2 += values[i] * values[i];
     diff2 += (values[i] - held) * (values[i] - held);
   }
-  row.norm = std::sqrt(norm2) * (1 + 0x1p-40);
-  row.diff = std::sqrt(diff2) * (1 + 0x1p-40) + row.scale * 0x1p-40;  // held's own rounding
+  // Rounded up past the sums' own rounding (k 2^-53 relative) and held's (2^-52 |held_i|).
+  row.norm = std::sqrt(norm2) * (1 + 0x1p-30);
+  row.diff = std::sqrt(diff2) * (1 + 0x1p-30) + row.scale * 0x1p-30 * std::sqrt(static_cast<double>(k));
   return row;
 }
 
