@@ -78,7 +78,9 @@ class CpuDispatch:
         decode = "native DecoderStack" if self.native_decode else "modules"
         screen = _name(self.screen_dtype) + " copy" if self.screen_dtype else "off"
         if self.head_argmax:
-            screen = "off, argmax in the head" + (" (1-12 rows: an int8 copy screened first)" if self.int8_head_screen else "")
+            screen = "off, argmax in the head"
+            if self.int8_head_screen:
+                screen += " (1-12 rows: an int8 copy screened first)"
         return [
             f"math {_name(self.math_dtype)}: {self.math_reason}",
             f"matmul {matmul}: {self.matmul_reason}",
