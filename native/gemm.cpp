@@ -485,6 +485,18 @@ struct BlockArgmax {
   }
 };
 
+// Where block b of a packed W lies: the b-th block, or, given a list, the
+// list[b]-th (the int8 head screen's kept blocks, int8_head_screen.cpp,
+// computed again where they lie: copied side by side first, a step kept
+// ~1 MB of the head a row and copied it before reading it).
+template <typename W>
+struct PackedBlocks {
+  const W* packed;
+  int64_t block_elems;  // k x kBlock
+  const int64_t* list = nullptr;
+  const W* operator[](int64_t b) const { return packed + (list != nullptr ? list[b] : b) * block_elems; }
+};
+
 #if defined(AIOSERVE_AMX_TILES)
 constexpr int64_t kGroupBytes = 512 << 10;  // of W's blocks, taken together (packed_linear_tiles)
 
@@ -494,7 +506,8 @@ constexpr int64_t kGroupBytes = 512 << 10;  // of W's blocks, taken together (pa
 // x is read where it is, unless its rows are 4 KiB apart (copied apart, as
 // packed_linear_impl does); as many rows per pass over W as fit kChunkBytes.
 template <typename Sink>
-void packed_linear_tiles(const BFloat16* x, int64_t m, int64_t k, const BFloat16* packed, int64_t n, const Sink& sink) {
+void packed_linear_tiles(const BFloat16* x, int64_t m, int64_t k, const PackedBlocks<BFloat16>& packed, int64_t n,
+                         const Sink& sink) {
   const int64_t blocks = (n + kBlock - 1) / kBlock;
   const int64_t row_bytes = k * 2;
   const bool aliased = m > 1 && row_bytes % 4096 == 0;
@@ -531,12 +544,12 @@ void packed_linear_tiles(const BFloat16* x, int64_t m, int64_t k, const BFloat16
         if (whole > 0 && configured != kTileRows) configure_tiles(configured = kTileRows);
         for (int64_t r0 = 0; r0 < whole; r0 += kPassRows) {
           for (int64_t b = g0; b < g1; ++b) {
-            const BFloat16* block = packed + b * k * kBlock;
+            const BFloat16* block = packed[b];
             const int64_t col0 = b * kBlock, cols = std::min<int64_t>(kBlock, n - col0);
             // The block after this one, fetched during the first pass over
             // this one (fetching the next group's counterpart instead left a
             // piece's first group unfetched: 7-15% slower at 1-64 rows).
-            const BFloat16* next = r0 == 0 && b + 1 < last ? block + k * kBlock : nullptr;
+            const BFloat16* next = r0 == 0 && b + 1 < last ? packed[b + 1] : nullptr;
             if (whole - r0 >= kPassRows) {
               tile_amx<2>(xs + r0 * ld_bytes, k, ld_bytes, block, out, next);
             } else {
@@ -549,9 +562,9 @@ void packed_linear_tiles(const BFloat16* x, int64_t m, int64_t k, const BFloat16
         if (tail > 0) {
           if (configured != tail) configure_tiles(configured = tail);
           for (int64_t b = g0; b < g1; ++b) {
-            const BFloat16* block = packed + b * k * kBlock;
+            const BFloat16* block = packed[b];
             const int64_t col0 = b * kBlock, cols = std::min<int64_t>(kBlock, n - col0);
-            const BFloat16* next = whole == 0 && b + 1 < last ? block + k * kBlock : nullptr;
+            const BFloat16* next = whole == 0 && b + 1 < last ? packed[b + 1] : nullptr;
             tile_amx<1>(xs + whole * ld_bytes, k, ld_bytes, block, out, next);
             sink(out, tail, row0 + whole, col0, cols);
           }
@@ -565,7 +578,7 @@ void packed_linear_tiles(const BFloat16* x, int64_t m, int64_t k, const BFloat16
 #endif
 
 template <Form F, typename X, typename W, typename Sink>
-void packed_linear_impl(const X* x, int64_t m, int64_t k, const W* packed, int64_t n, const Sink& sink) {
+void packed_linear_impl(const X* x, int64_t m, int64_t k, const PackedBlocks<W>& packed, int64_t n, const Sink& sink) {
   if (k == 0) {  // empty sums: every output 0 (and the bias); the passes below divide by k's bytes
     alignas(64) float zeros[kMaxRows * kBlock] = {};
     for (int64_t col0 = 0; col0 < n; col0 += kBlock) {
@@ -625,13 +638,13 @@ void packed_linear_impl(const X* x, int64_t m, int64_t k, const W* packed, int64
     aioserve::parallel_pieces(blocks, 1, [&](int64_t first, int64_t last) {
       alignas(64) float out[kMaxRows * kBlock];
       for (int64_t b = first; b < last; ++b) {
-        const W* block = packed + b * k * kBlock;
+        const W* block = packed[b];
         const int64_t col0 = b * kBlock, cols = std::min<int64_t>(kBlock, n - col0);
         for (int64_t r0 = 0; r0 < rows; r0 += kMaxRows) {
           const int tile_h = static_cast<int>(std::min<int64_t>(kMaxRows, rows - r0));
           NextBlockFetch fetch;
           if (b + 1 < last) {  // the piece's own next block: the next piece is another thread's
-            fetch = {reinterpret_cast<const char*>(block + k * kBlock), block_row_bytes, r0 / kMaxRows, tile_passes};
+            fetch = {reinterpret_cast<const char*>(packed[b + 1]), block_row_bytes, r0 / kMaxRows, tile_passes};
           }
           tile_rows<F>(tile_h, x_bytes + r0 * ld * 4, k, ld, block, out, fetch);
           sink(out, tile_h, row0 + r0, col0, cols);
@@ -645,7 +658,9 @@ void packed_linear_impl(const X* x, int64_t m, int64_t k, const W* packed, int64
 // The packing's form: plain blocks, or bf16 k-pairs (dotted as pairs under
 // bf16 math, split into floats under float32 math).
 template <typename X, typename W, typename Sink>
-void run_packed(const X* x, int64_t m, int64_t k, const W* packed, bool pairs, int64_t n, const Sink& sink) {
+void run_packed(const X* x, int64_t m, int64_t k, const W* weight, bool pairs, int64_t n, const Sink& sink,
+                const int64_t* block_list = nullptr) {
+  const PackedBlocks<W> packed{weight, k * kBlock, block_list};
   if (!pairs) {
     packed_linear_impl<Form::kPlain>(x, m, k, packed, n, sink);
   } else if constexpr (std::is_same_v<W, BFloat16>) {
@@ -737,15 +752,19 @@ void packed_linear(const void* x, int x_type, int64_t m, int64_t k, const void* 
 // packed_linear's are (the greedy screen's dot products).
 void packed_linear_unrounded(const BFloat16* x, int64_t m, int64_t k, const BFloat16* packed, int64_t n, float* y) {
   AIOSERVE_CHECK(kPairs, "packed_linear_unrounded: the weight must be bf16 packed in k-pairs");
-  if (m > 0) packed_linear_impl<Form::kDotPairs>(x, m, k, packed, n, RowsOut<BFloat16, float, false>{y, n, nullptr});
+  if (m > 0) {
+    packed_linear_impl<Form::kDotPairs>(x, m, k, PackedBlocks<BFloat16>{packed, k * kBlock}, n,
+                                        RowsOut<BFloat16, float, false>{y, n, nullptr});
+  }
 }
 
 // Each row's largest output of x W^T (+ b) as packed_linear's float_out holds
 // it, and its first column (a NaN's, if any): row_max_argmax of those
 // logits, without them. Each block's best per row, then the blocks in
-// column order (later_max_wins, vec_math.h).
+// column order (later_max_wins, vec_math.h). With a block list, W is the
+// listed blocks side by side (n their columns), as they lie in `packed`.
 void packed_linear_argmax(const void* x, int x_type, int64_t m, int64_t k, const void* packed, int w_type, bool pairs,
-                          int64_t n, const float* bias, float* max_out, int64_t* arg_out) {
+                          int64_t n, const float* bias, float* max_out, int64_t* arg_out, const int64_t* block_list) {
   AIOSERVE_CHECK(x_type != kFloat64 && w_type != kFloat64, "packed_linear_argmax: float64 is not supported");
   AIOSERVE_CHECK(n > 0 && n <= std::numeric_limits<int32_t>::max(), "packed_linear_argmax: bad N");
   if (m == 0) return;
@@ -757,7 +776,7 @@ void packed_linear_argmax(const void* x, int x_type, int64_t m, int64_t k, const
     dispatch_float(w_type, "packed_linear_argmax_w", [&](auto w_tag) {
       using W = decltype(w_tag);
       run_packed(static_cast<const X*>(x), m, k, static_cast<const W*>(packed), pairs, n,
-                 BlockArgmax<X>{best.get(), column.get(), m, bias});
+                 BlockArgmax<X>{best.get(), column.get(), m, bias}, block_list);
     });
   });
   for (int64_t r = 0; r < m; ++r) {

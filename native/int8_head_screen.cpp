@@ -28,9 +28,9 @@
 // b is the largest bf16 value <= L and p the bf16 value below b. V_m >= b
 // (rounding to nearest is monotone), and a column with A_j + r_j < p has
 // E_j < p, so V_j <= p < b <= V_m: it is not the token, not even on a tie.
-// The 32-column blocks holding the others (a few per row) are copied side by
-// side and handed to packed_linear_argmax itself: the same tiles make the
-// same sums, so its first largest among them is the head's. Every double
+// The 32-column blocks holding the others (a few per row) are handed, as a
+// list, to packed_linear_argmax itself: the same tiles make the same sums,
+// so its first largest among them is the head's. Every double
 // above is within 2^-40 of (|A_j| + r_j) of its exact value (a few
 // roundings of 2^-53); L is lowered and p compared with that margin.
 //
@@ -295,16 +295,12 @@ void int8_screened_argmax(const BFloat16* x, int64_t m, int64_t k, const int8_t*
     }
   }
   if (kept.empty() || static_cast<int64_t>(kept.size()) > max_blocks) return;
-  // The kept blocks side by side, in column order (a partial last block last).
-  const int64_t block_elems = k * kBlock;
-  std::unique_ptr<BFloat16[]> gathered(new BFloat16[kept.size() * block_elems]);
-  for (size_t i = 0; i < kept.size(); ++i)
-    std::memcpy(gathered.get() + i * block_elems, exact + kept[i] * block_elems, block_elems * sizeof(BFloat16));
+  // The kept blocks side by side, in column order (a partial last block last), read where they lie.
   const int64_t width = static_cast<int64_t>(kept.size()) * kBlock - (kept.back() == blocks - 1 ? blocks * kBlock - n : 0);
   std::vector<float> maxes(m);
   std::vector<int64_t> columns(m);
-  aioserve::packed_linear_argmax(x, aioserve::kBFloat16, m, k, gathered.get(), aioserve::kBFloat16, true, width,
-                                 nullptr, maxes.data(), columns.data());
+  aioserve::packed_linear_argmax(x, aioserve::kBFloat16, m, k, exact, aioserve::kBFloat16, true, width, nullptr,
+                                 maxes.data(), columns.data(), kept.data());
   for (int64_t r = 0; r < m; ++r) {
     if (!std::isfinite(maxes[r])) continue;
     tokens[r] = kept[columns[r] / kBlock] * kBlock + columns[r] % kBlock;

@@ -133,9 +133,11 @@ void check_indices(const int64_t* values, int64_t count, int64_t limit, const ch
 bool gemm_fuses_multiply_add();
 void packed_linear(const void* x, int x_type, int64_t m, int64_t k, const void* packed, int w_type, bool pairs,
                    int64_t n, const float* bias, void* y, bool float_out);
-// Each row's max of those float_out outputs and its first column (a NaN's, if any).
+// Each row's max of those float_out outputs and its first column (a NaN's, if any);
+// given `block_list`, W is those packed blocks side by side (n their columns).
 void packed_linear_argmax(const void* x, int x_type, int64_t m, int64_t k, const void* packed, int w_type, bool pairs,
-                          int64_t n, const float* bias, float* max_out, int64_t* arg_out);
+                          int64_t n, const float* bias, float* max_out, int64_t* arg_out,
+                          const int64_t* block_list = nullptr);
 
 // lora.cpp: a projection's LoRA adapter slots (slot 0: the base model).
 // A fused projection (q|k|v, gate|up) has `parts` parts, each with its own

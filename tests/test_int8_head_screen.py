@@ -174,3 +174,22 @@ def test_greedy_steps_of_up_to_eight_rows_take_the_screens_tokens(tiny_checkpoin
         assert [[o.token_ids for o in llm.generate(prompts, greedy)] for prompts in (few, many)] == screened_tokens
     finally:
         llm.close()
+
+
+def test_a_step_it_gives_back_rests_it_for_a_while() -> None:
+    """After a step the screen cannot settle, the next steps go straight to
+    the bf16 head (1, then 2, 4, ... in a row), and one it settles resets it."""
+    from aioserve.cpu_engine.int8_head_screen import Int8HeadScreen
+
+    weight = head(500, 64, seed=11)
+    packed = kernels.pack_linear_weight(weight)
+    screen = Int8HeadScreen.build(packed, 500, kernels)
+    assert screen is not None
+    good = torch.randn(2, 64).bfloat16()
+    bad = good.clone()
+    bad[0, 0] = float("nan")
+    assert torch.equal(screen.argmax(good), heads_tokens(good, weight))
+    answers = [screen.argmax(bad) for _ in range(4)]  # miss, rest 1, miss, rest 2 (of which one here)
+    assert answers == [None] * 4 and (screen.rest, screen.backoff) == (1, 4)
+    assert screen.argmax(good) is None and screen.rest == 0  # resting: not asked
+    assert torch.equal(screen.argmax(good), heads_tokens(good, weight)) and screen.backoff == 1

@@ -13,11 +13,13 @@ It serves steps of 1 to SERVED_ROWS greedy rows
 (`SamplingTensors.takes_raw_argmax`), where the head's bytes set its time;
 more rows go to the bf16 head (head_argmax.py). Measured on a 2-core
 Emerald Rapids VM, Qwen3-0.6B's head [151936, 1024] at random weights,
-bf16 head -> screen, alternated, min (median) of 12: 1 row 11.5 (13.8) ->
-6.6 (7.6) ms, 8 rows 12.2 (15.5) -> 8.7 (9.5), 12 rows 12.8 (13.7) -> 10.7
-(11.3), 16 rows 13.7 (14.2) -> 13.1 (13.8): past 12 rows the blocks kept
-for every row (each row keeps its own few) and the second A tile take back
-what the bytes save.
+bf16 head -> screen, alternated, min (median) of 12: 1 row 9.9 (10.2) ->
+6.0 (6.1) ms, 8 rows 9.9 (10.5) -> 6.4 (6.9), 12 rows 10.5 (10.7) -> 8.0
+(8.2), 16 rows 10.8 (11.4) -> 8.7 (9.1); Llama-3-8B's shape [128256,
+4096]: 1 row 36 -> 21 ms, 4 rows 36 -> 24, 12 rows 36 -> 37. Past 12 rows
+the blocks kept for every row (each row keeps its own few) and the second A
+tile take back what the bytes save; the bound's slack grows as sqrt(K),
+so a wide head keeps more.
 """
 
 from __future__ import annotations
@@ -39,6 +41,12 @@ assert SERVED_ROWS <= INT8_SCREEN_MAX_ROWS
 # (rows whose bound cannot separate their top columns): an eighth of the head.
 KEPT_FRACTION = 8
 MIN_KEPT = 8  # a small head (a test model's) may keep this many whatever its size
+# A step the screen gives back cost its int8 pass and then the whole bf16
+# head: after one, the next `rest` steps go straight to the head, `rest`
+# doubling with each miss in a row (up to MAX_REST) and back to 1 after a
+# step it settles. (Random weights at K = 4096, 12 rows: ~2000 blocks of
+# 4008 kept; a real model's confident rows keep a few.)
+MAX_REST = 256
 
 
 @dataclass
@@ -47,6 +55,8 @@ class Int8HeadScreen:
     copy: Int8HeadCopy  # the int8 copy and its bound's constants
     exact: torch.Tensor  # the LM head's packed bf16 weight (shared, not copied)
     features: int  # N, the vocabulary
+    rest: int = 0  # steps left to go straight to the bf16 head
+    backoff: int = 1  # the rest after the next miss
 
     @classmethod
     def build(cls, exact: torch.Tensor, features: int, kernels: ModuleType) -> Int8HeadScreen | None:
@@ -78,9 +88,16 @@ class Int8HeadScreen:
         runs the head)."""
         if hidden.dtype != torch.bfloat16 or not 1 <= hidden.shape[0] <= SERVED_ROWS:
             return None
+        if self.rest > 0:
+            self.rest -= 1
+            return None
         copy = self.copy
         tokens, ok = self.kernels.int8_screened_argmax(
             hidden, copy.screen, copy.scales, copy.slack, copy.norms, self.exact, self.features,
             max(MIN_KEPT, self.exact.shape[0] // KEPT_FRACTION),
         )
-        return tokens if bool(ok.all()) else None
+        if bool(ok.all()):
+            self.backoff = 1
+            return tokens
+        self.rest, self.backoff = self.backoff, min(2 * self.backoff, MAX_REST)
+        return None
