@@ -30,9 +30,9 @@
 // E_j < p, so V_j <= p < b <= V_m: it is not the token, not even on a tie.
 // The 32-column blocks holding the others (a few per row) are handed, as a
 // list, to packed_linear_argmax itself: the same tiles make the same sums,
-// so its first largest among them is the head's. Every double
-// above is within 2^-40 of (|A_j| + r_j) of its exact value (a few
-// roundings of 2^-53); L is lowered and p compared with that margin.
+// so its first largest among them is the head's. Every double above is
+// within 2^-40 (|A_j| + r_j) of its exact value (a few roundings of
+// 2^-53); L is lowered and p compared with that margin.
 //
 // Rows: 1 to 16 (two A tiles); a step with more goes to the full head. A row
 // that is not finite, or too many blocks to compute again, is left to the
@@ -295,7 +295,7 @@ void int8_screened_argmax(const BFloat16* x, int64_t m, int64_t k, const int8_t*
     }
   }
   if (kept.empty() || static_cast<int64_t>(kept.size()) > max_blocks) return;
-  // The kept blocks side by side, in column order (a partial last block last), read where they lie.
+  // The kept blocks as one weight, their columns in order (a partial last block last), read where they lie.
   const int64_t width = static_cast<int64_t>(kept.size()) * kBlock - (kept.back() == blocks - 1 ? blocks * kBlock - n : 0);
   std::vector<float> maxes(m);
   std::vector<int64_t> columns(m);
