@@ -52,7 +52,7 @@ using aioserve::to_float;
 // ---- rms_norm ----------------------------------------------------------------
 
 #if defined(__AVX512F__)
-// One row of rms_norm_impl 16 values at a time, the same roundings in the
+// Rows of rms_norm_impl 16 values at a time, the same roundings in the
 // same order but for the sum of squares: 16 lanes' partial sums, then one
 // fixed reduction (the compiler's `omp simd` reduction summed the lanes one
 // by one through memory, a chain of 16 dependent adds; a Qwen3 head's row of
