@@ -51,9 +51,17 @@
 #include <limits>
 #include <vector>
 
-#if defined(__AMX_TILE__) && defined(__AMX_INT8__) && defined(__AVX512F__) && defined(__linux__)
-#define AIOSERVE_INT8_TILES 1
+#if defined(__AVX512F__)
 #include <immintrin.h>
+#if defined(__AMX_TILE__) && defined(__AMX_INT8__) && defined(__linux__)
+#define AIOSERVE_INT8_TILES 1  // the screen's sums on AMX-INT8 tiles
+#endif
+#if defined(__AVX512VNNI__)
+#define AIOSERVE_INT8_VNNI 1  // ... or on AVX512-VNNI dot products (where the bf16 tiles are off or absent)
+#endif
+#if defined(AIOSERVE_INT8_TILES) || defined(AIOSERVE_INT8_VNNI)
+#define AIOSERVE_INT8_SCREEN 1
+#endif
 #endif
 
 namespace {
@@ -62,6 +70,7 @@ using aioserve::BFloat16;
 
 constexpr int64_t kBlock = 32;       // columns per packed block: gemm.cpp's (checked by the caller)
 constexpr int64_t kMaxRows = 16;     // rows of x: two digit rows each, in two 16-row A tiles at most
+constexpr int64_t kVnniRows = 4;     // rows of x on the VNNI form: 2 x 4 digit rows x 2 vectors of sums in registers
 constexpr int64_t kStepK = 64;       // k per tile step: 64 int8 a row of A, 16 quads of k in B
 constexpr double kDigit = 254.0;     // the second digit's weight: x~ = sx (q1 + q2 / kDigit)
 constexpr double kMargin = 0x1p-40;  // the doubles' error, relative to |A_j| + r_j (see above)
@@ -197,6 +206,45 @@ inline void block_sums(const int8_t* a, int64_t k, const int8_t* block, const in
   }
 }
 
+#endif
+
+#if defined(AIOSERVE_INT8_VNNI)
+// The VNNI form of block_sums, for CPUs without the tiles (AMD Zen 4,
+// Ice Lake) and for rows 1-4: each 32-bit lane of vpdpbusd sums four
+// products of unsigned bytes by signed ones, so the digits go in shifted by
+// 128 (u = q + 128) and 128 times each column's sum of q is taken off again
+// (`column_sums`, made with the copy): the same exact int32 sums.
+template <int DigitRows>
+inline void block_sums_vnni(const uint8_t* a, int64_t k, const int8_t* block, const int8_t* next,
+                            const int32_t* column_sums, int32_t* sums) {
+  __m512i acc[DigitRows][2];
+  for (int r = 0; r < DigitRows; ++r) acc[r][0] = acc[r][1] = _mm512_setzero_si512();
+  constexpr int64_t kQuadRowBytes = kBlock * 4;
+  for (int64_t i = 0; i < k / 4; ++i) {
+    if (next != nullptr && i % 16 == 0) {
+      const char* ahead = reinterpret_cast<const char*>(next + i * kQuadRowBytes);
+      for (int64_t line = 0; line < 16 * kQuadRowBytes; line += 64) _mm_prefetch(ahead + line, _MM_HINT_T1);
+    }
+    const __m512i w0 = _mm512_loadu_si512(block + i * kQuadRowBytes);
+    const __m512i w1 = _mm512_loadu_si512(block + i * kQuadRowBytes + 64);
+    for (int r = 0; r < DigitRows; ++r) {
+      int32_t quad;
+      std::memcpy(&quad, a + r * k + 4 * i, sizeof quad);
+      const __m512i u = _mm512_set1_epi32(quad);
+      acc[r][0] = _mm512_dpbusd_epi32(acc[r][0], u, w0);
+      acc[r][1] = _mm512_dpbusd_epi32(acc[r][1], u, w1);
+    }
+  }
+  const __m512i shift0 = _mm512_slli_epi32(_mm512_loadu_si512(column_sums), 7);
+  const __m512i shift1 = _mm512_slli_epi32(_mm512_loadu_si512(column_sums + 16), 7);
+  for (int r = 0; r < DigitRows; ++r) {
+    _mm512_storeu_si512(sums + r * kBlock, _mm512_sub_epi32(acc[r][0], shift0));
+    _mm512_storeu_si512(sums + r * kBlock + 16, _mm512_sub_epi32(acc[r][1], shift1));
+  }
+}
+#endif
+
+#if defined(AIOSERVE_INT8_SCREEN)
 // One row's BlockBounds over a block's `cols` columns from its digit sums.
 inline BlockBounds row_bounds(const int32_t* first, const int32_t* second, int64_t cols, double sx,
                               const RowDigits& row, double underflow, const float* scales, const float* slack,
@@ -222,12 +270,16 @@ inline BlockBounds row_bounds(const int32_t* first, const int32_t* second, int64
 }
 #endif
 
-constexpr bool int8_tiles_built() {
+// Which forms of the screen the library has: 1 the tiles, 2 VNNI.
+constexpr int int8_forms_built() {
+  int forms = 0;
 #if defined(AIOSERVE_INT8_TILES)
-  return true;
-#else
-  return false;
+  forms |= 1;
 #endif
+#if defined(AIOSERVE_INT8_VNNI)
+  forms |= 2;
+#endif
+  return forms;
 }
 
 }  // namespace
@@ -235,16 +287,21 @@ constexpr bool int8_tiles_built() {
 // x [m, k] bf16 contiguous (1 <= m <= 16, k a multiple of 64); screen: the
 // head's int8 copy packed [blocks][k / 4][32][4]; scales, slack, norms [n]
 // float32 (see above); exact: the head packed by pack_linear_weight (bf16
-// k-pairs). Writes tokens [m] int64 and ok [m] bool.
+// k-pairs); column_sums [blocks * 32] int32 (each column's sum of q, 0
+// past n: the VNNI form's). Where the bf16 tiles are in use the screen's
+// sums are tile products, else VNNI's (1-4 rows). Writes tokens [m] int64
+// and ok [m] bool.
 void int8_screened_argmax(const BFloat16* x, int64_t m, int64_t k, const int8_t* screen, const float* scales,
-                          const float* slack, const float* norms, const BFloat16* exact, int64_t n, int64_t max_blocks,
-                          int64_t* tokens, bool* ok) {
+                          const float* slack, const float* norms, const int32_t* column_sums, const BFloat16* exact,
+                          int64_t n, int64_t max_blocks, int64_t* tokens, bool* ok) {
   AIOSERVE_CHECK(m >= 1 && m <= kMaxRows, "int8_screened_argmax: 1 to ", kMaxRows, " rows, not ", m);
   AIOSERVE_CHECK(k > 0 && k % kStepK == 0 && k < (1 << 17), "int8_screened_argmax: K must be a multiple of 64");
   std::fill(ok, ok + m, false);
-#if defined(AIOSERVE_INT8_TILES)
-  // The bf16 tiles in use (permitted by Linux, not turned off): the blocks kept are computed again on them.
-  AIOSERVE_CHECK(aioserve::amx_tiles_on(), "int8_screened_argmax: the AMX tiles are not in use");
+#if defined(AIOSERVE_INT8_SCREEN)
+  // The tiles where the bf16 head's products run on them (permitted by Linux, not turned off), else VNNI.
+  const bool tiles = (int8_forms_built() & 1) != 0 && aioserve::amx_tiles_on();
+  AIOSERVE_CHECK(tiles || ((int8_forms_built() & 2) != 0 && m <= kVnniRows),
+                 "int8_screened_argmax: without the AMX tiles in use, 1 to ", kVnniRows, " rows on VNNI, not ", m);
   std::vector<int8_t> a(2 * m * k);
   std::vector<RowDigits> rows(m);
   for (int64_t r = 0; r < m; ++r) {
@@ -254,16 +311,34 @@ void int8_screened_argmax(const BFloat16* x, int64_t m, int64_t k, const int8_t*
   const double underflow = 2.0 * static_cast<double>(k) * 0x1p-126;
   const int64_t blocks = (n + kBlock - 1) / kBlock;
   std::vector<BlockBounds> bounds(blocks * m);
+  std::vector<uint8_t> shifted(tiles ? 0 : a.size());  // VNNI's unsigned digits: q + 128
+  for (size_t i = 0; i < shifted.size(); ++i) shifted[i] = static_cast<uint8_t>(a[i] ^ 0x80);
   aioserve::parallel_pieces(blocks, 1, [&](int64_t first, int64_t last) {
     alignas(64) int32_t sums[2 * kMaxRows * kBlock];
-    configure_int8_tiles(static_cast<int>(2 * m));
+#if defined(AIOSERVE_INT8_TILES)
+    if (tiles) configure_int8_tiles(static_cast<int>(2 * m));
+#endif
     for (int64_t b = first; b < last; ++b) {
       const int8_t* block = screen + b * k * kBlock;
       const int8_t* next = b + 1 < last ? block + k * kBlock : nullptr;
-      if (m > 8) {
-        block_sums<true>(a.data(), k, block, next, sums);
+      if (tiles) {
+#if defined(AIOSERVE_INT8_TILES)
+        if (m > 8) {
+          block_sums<true>(a.data(), k, block, next, sums);
+        } else {
+          block_sums<false>(a.data(), k, block, next, sums);
+        }
+#endif
       } else {
-        block_sums<false>(a.data(), k, block, next, sums);
+#if defined(AIOSERVE_INT8_VNNI)
+        const int32_t* block_sums_of_q = column_sums + b * kBlock;
+        switch (m) {
+          case 1: block_sums_vnni<2>(shifted.data(), k, block, next, block_sums_of_q, sums); break;
+          case 2: block_sums_vnni<4>(shifted.data(), k, block, next, block_sums_of_q, sums); break;
+          case 3: block_sums_vnni<6>(shifted.data(), k, block, next, block_sums_of_q, sums); break;
+          default: block_sums_vnni<8>(shifted.data(), k, block, next, block_sums_of_q, sums); break;
+        }
+#endif
       }
       const int64_t col0 = b * kBlock, cols = std::min(kBlock, n - col0);
       for (int64_t r = 0; r < m; ++r) {
@@ -271,7 +346,9 @@ void int8_screened_argmax(const BFloat16* x, int64_t m, int64_t k, const int8_t*
                                        rows[r], underflow, scales + col0, slack + col0, norms + col0);
       }
     }
-    _tile_release();
+#if defined(AIOSERVE_INT8_TILES)
+    if (tiles) _tile_release();
+#endif
   });
   // Each row's threshold p (lowered by the margin), then the blocks any row keeps.
   std::vector<double> thresholds(m);
@@ -307,18 +384,20 @@ void int8_screened_argmax(const BFloat16* x, int64_t m, int64_t k, const int8_t*
     ok[r] = true;
   }
 #else
-  (void)x, (void)screen, (void)scales, (void)slack, (void)norms, (void)exact, (void)n, (void)max_blocks, (void)tokens;
-  aioserve::fail("int8_screened_argmax: built without AMX-INT8 tiles");
+  (void)x, (void)screen, (void)scales, (void)slack, (void)norms, (void)column_sums, (void)exact, (void)n,
+      (void)max_blocks, (void)tokens;
+  aioserve::fail("int8_screened_argmax: built without AMX-INT8 tiles or AVX512-VNNI");
 #endif
 }
 
 // The int8 copy of a bf16 head packed in k-pairs ([blocks][k / 2][32][2]):
 // screen [blocks][k / 4][32][4] (zero past column n), and per column [n]
 // its scale s_j (float32: q_j = round(w_j / s_j), |q| <= 127), slack_j and
-// norms_j (see above), rounded up. Weights below bf16's normal range count
-// as zero, as the tiles read them. False: a weight is not finite.
+// norms_j (see above), rounded up, and [blocks * 32] each column's sum of q
+// (0 past n). Weights below bf16's normal range count as zero, as the
+// tiles read them. False: a weight is not finite.
 bool int8_quantize_head(const BFloat16* exact, int64_t n, int64_t k, int8_t* screen, float* scales, float* slack,
-                        float* norms) {
+                        float* norms, int32_t* column_sums) {
   AIOSERVE_CHECK(k > 0 && k % kStepK == 0 && k < (1 << 17), "int8_quantize_head: K must be a multiple of 64");
   const double gamma = k * 0x1p-23 / (1 - k * 0x1p-23);
   const int64_t blocks = (n + kBlock - 1) / kBlock;
@@ -342,16 +421,19 @@ bool int8_quantize_head(const BFloat16* exact, int64_t n, int64_t k, int8_t* scr
         }
         const float scale = largest > 0.0 ? static_cast<float>(largest / 127.0) : 1.f;
         double error2 = 0.0, norm2 = 0.0, held2 = 0.0;
+        int32_t sum_of_q = 0;  // |sum| <= 127 k < 2^24
         bool column_finite = std::isfinite(largest);
         for (int64_t i = 0; i < k; ++i) {
           const double q = j < n ? std::clamp(std::nearbyint(w[i] / scale), -127.0, 127.0) : 0.0;
           column_finite &= std::isfinite(w[i]);
           quads[(i / 4) * 4 * kBlock + 4 * c + i % 4] = static_cast<int8_t>(q);
+          sum_of_q += static_cast<int32_t>(q);
           const double held = q * scale;  // exact: 8 bits times 24
           error2 += (w[i] - held) * (w[i] - held);
           norm2 += w[i] * w[i];
           held2 += held * held;
         }
+        column_sums[j] = sum_of_q;  // 0 past n (all q 0 there)
         if (j >= n) continue;
         if (!column_finite) finite.store(false, std::memory_order_relaxed);
         scales[j] = scale;
@@ -364,26 +446,26 @@ bool int8_quantize_head(const BFloat16* exact, int64_t n, int64_t k, int8_t* scr
 }
 
 static int int8_quantize_head_direct(const void* exact, int64_t n, int64_t k, void* screen, float* scales,
-                                     float* slack, float* norms, bool* finite) {
+                                     float* slack, float* norms, int32_t* column_sums, bool* finite) {
   return aioserve::guarded([&] {
     *finite = int8_quantize_head(static_cast<const BFloat16*>(exact), n, k, static_cast<int8_t*>(screen), scales,
-                                 slack, norms);
+                                 slack, norms, column_sums);
   });
 }
 
 static int int8_screened_argmax_direct(const void* x, int64_t m, int64_t k, const void* screen, const float* scales,
-                                       const float* slack, const float* norms, const void* exact, int64_t n,
-                                       int64_t max_blocks, int64_t* tokens, bool* ok) {
+                                       const float* slack, const float* norms, const int32_t* column_sums,
+                                       const void* exact, int64_t n, int64_t max_blocks, int64_t* tokens, bool* ok) {
   return aioserve::guarded([&] {
     int8_screened_argmax(static_cast<const BFloat16*>(x), m, k, static_cast<const int8_t*>(screen), scales, slack,
-                         norms, static_cast<const BFloat16*>(exact), n, max_blocks, tokens, ok);
+                         norms, column_sums, static_cast<const BFloat16*>(exact), n, max_blocks, tokens, ok);
   });
 }
 
 extern "C" {
 
-// Whether the library has the int8 screen (built with AMX-INT8 tiles on Linux).
-int aioserve_int8_head_screen_built() { return int8_tiles_built() ? 1 : 0; }
+// The forms of the int8 screen the library has: 1 AMX-INT8 tiles (Linux), 2 AVX512-VNNI.
+int aioserve_int8_head_screen_built() { return int8_forms_built(); }
 
 int aioserve_int8_quantize_head(const void* record) { return aioserve::call_packed(int8_quantize_head_direct, record); }
 

@@ -1,7 +1,9 @@
 """The int8 screen of a bf16 LM head (native/int8_head_screen.cpp,
 cpu_engine/int8_head_screen.py) gives the tokens packed_linear_argmax gives,
 exact ties and near-ties included, and hands back the rows it cannot settle.
-It runs where the CPU has AMX-INT8 tiles (Sapphire Rapids and later)."""
+It runs where the CPU has AMX-INT8 tiles (Sapphire Rapids and later) or
+AVX512-VNNI (its form for 1-4 rows, also taken with the tiles turned off:
+tested here wherever the library has it)."""
 
 from __future__ import annotations
 
@@ -13,10 +15,29 @@ import torch
 
 from aioserve import LLM, SamplingParams
 from aioserve.cpu.native import cpu_kernels
+from aioserve.cpu.native_lib import library
 
 kernels = cpu_kernels()
 pytestmark = pytest.mark.skipif(kernels is None or not kernels.int8_screen_ready(),
-                                reason="no AMX-INT8 tiles in use here (or no native kernels)")
+                                reason="no AMX-INT8 tiles in use and no AVX512-VNNI here (or no native kernels)")
+VNNI_BUILT = kernels is not None and bool(library().int8_head_screen_forms & 2)
+
+
+@pytest.fixture(params=["as built", "vnni"])
+def form(request: pytest.FixtureRequest):
+    """The screen's form: as this CPU takes it (the tiles where the bf16
+    products run on them), then VNNI's, with the tiles turned off."""
+    if request.param == "as built":
+        yield request.param
+        return
+    if not VNNI_BUILT:
+        pytest.skip("no AVX512-VNNI here")
+    had = library().tiles_in_use()
+    library().use_tiles(False)
+    try:
+        yield request.param
+    finally:
+        library().use_tiles(had)
 
 
 def head(n: int, k: int, seed: int = 0, std: float = 0.02) -> torch.Tensor:
@@ -27,8 +48,7 @@ def head(n: int, k: int, seed: int = 0, std: float = 0.02) -> torch.Tensor:
 def screened(x: torch.Tensor, weight: torch.Tensor, max_blocks: int = 1 << 20) -> tuple[torch.Tensor, torch.Tensor]:
     packed = kernels.pack_linear_weight(weight)
     copy = kernels.int8_quantize_head(packed, weight.shape[0])
-    return kernels.int8_screened_argmax(x, copy.screen, copy.scales, copy.slack, copy.norms, packed,
-                                        weight.shape[0], max_blocks)
+    return kernels.int8_screened_argmax(x, copy, packed, weight.shape[0], max_blocks)
 
 
 def heads_tokens(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
@@ -36,8 +56,10 @@ def heads_tokens(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("n,k", [(328, 64), (1000, 128), (4101, 256), (32 * 40, 1024)])
-@pytest.mark.parametrize("rows", [1, 3, 8, 9, 16])
-def test_tokens_are_the_bf16_heads(n: int, k: int, rows: int) -> None:
+@pytest.mark.parametrize("rows", [1, 3, 4, 8, 9, 16])
+def test_tokens_are_the_bf16_heads(n: int, k: int, rows: int, form: str) -> None:
+    if rows > kernels.int8_screen_rows():
+        pytest.skip(f"the {form} form takes {kernels.int8_screen_rows()} rows")
     weight = head(n, k, seed=n + rows)
     for scale in (0.05, 1.0, 30.0):
         x = (torch.randn(rows, k) * scale).bfloat16()
@@ -46,7 +68,7 @@ def test_tokens_are_the_bf16_heads(n: int, k: int, rows: int) -> None:
         assert torch.equal(tokens, heads_tokens(x, weight))
 
 
-def test_exact_ties_go_to_the_first_column_and_near_ties_to_the_heads_choice() -> None:
+def test_exact_ties_go_to_the_first_column_and_near_ties_to_the_heads_choice(form: str) -> None:
     """Columns equal to each other tie exactly in bf16: the first wins, in
     whichever block it is. Columns a bf16 step apart in one weight: whatever
     the bf16 head says."""
@@ -66,7 +88,7 @@ def test_exact_ties_go_to_the_first_column_and_near_ties_to_the_heads_choice() -
         assert ok.all() and torch.equal(tokens, heads_tokens(rows, near))
 
 
-def test_the_token_in_a_partial_last_block_and_an_outlier_column() -> None:
+def test_the_token_in_a_partial_last_block_and_an_outlier_column(form: str) -> None:
     """The last block holds 5 columns (the rest packed as zeros, never a
     token); a column with one huge weight quantizes badly, and its bound
     still keeps it."""
@@ -88,7 +110,7 @@ def test_the_token_in_a_partial_last_block_and_an_outlier_column() -> None:
         assert ok.all() and torch.equal(tokens, heads_tokens(rows, w))
 
 
-def test_rows_it_cannot_settle_are_left_to_the_caller() -> None:
+def test_rows_it_cannot_settle_are_left_to_the_caller(form: str) -> None:
     weight = head(500, 64, seed=7)
     x = torch.randn(3, 64).bfloat16()
     x[1, 5] = float("inf")
@@ -122,30 +144,37 @@ def test_the_copy_is_a_scale_per_column_and_bounds_its_error() -> None:
     assert (copy.slack.double() >= (w - held).norm(dim=1) + gamma * w.norm(dim=1)).all()
     assert (copy.norms.double() >= held.norm(dim=1)).all()
     assert copy.slack[11] == 0 or copy.slack[11] < 1e-30
+    assert torch.equal(copy.column_sums[:n].long(), q.sum(dim=1).long()) and not copy.column_sums[n:].any()
     weight[20, 0] = float("nan")
     assert kernels.int8_quantize_head(kernels.pack_linear_weight(weight), n) is None
 
 
-def test_bad_arguments_are_refused() -> None:
+def test_bad_arguments_are_refused(form: str) -> None:
+    import dataclasses
+
     weight = head(100, 64)
     packed = kernels.pack_linear_weight(weight)
     copy = kernels.int8_quantize_head(packed, 100)
-    args = (copy.screen, copy.scales, copy.slack, copy.norms, packed, 100, 8)
-    with pytest.raises(RuntimeError, match="1 <= M <= 16"):
-        kernels.int8_screened_argmax(torch.randn(17, 64).bfloat16(), *args)
+    args = (copy, packed, 100, 8)
+    limit = kernels.int8_screen_rows()
+    with pytest.raises(RuntimeError, match=f"1 <= M <= {limit}"):
+        kernels.int8_screened_argmax(torch.randn(limit + 1, 64).bfloat16(), *args)
     with pytest.raises(RuntimeError, match="bf16"):
         kernels.int8_screened_argmax(torch.randn(1, 64), *args)
     with pytest.raises(RuntimeError, match="multiple of 64"):
         kernels.int8_quantize_head(kernels.pack_linear_weight(head(100, 96)), 100)
     with pytest.raises(RuntimeError, match="float32 \\[N\\]"):
-        kernels.int8_screened_argmax(torch.randn(1, 64).bfloat16(), copy.screen, copy.scales[:50], copy.slack,
-                                     copy.norms, packed, 100, 8)
+        kernels.int8_screened_argmax(torch.randn(1, 64).bfloat16(), dataclasses.replace(copy, scales=copy.scales[:50]),
+                                     packed, 100, 8)
+    with pytest.raises(RuntimeError, match="int32 \\[blocks \\* 32\\]"):
+        kernels.int8_screened_argmax(torch.randn(1, 64).bfloat16(),
+                                     dataclasses.replace(copy, column_sums=copy.column_sums[:100]), packed, 100, 8)
 
 
-def test_greedy_steps_of_up_to_eight_rows_take_the_screens_tokens(tiny_checkpoints: dict[str, Path]) -> None:
+def test_greedy_steps_of_a_few_rows_take_the_screens_tokens(tiny_checkpoints: dict[str, Path], form: str) -> None:
     """Through LLM.generate on a bf16 model: the screen answers the steps of
-    1-12 greedy rows, steps of more go to the bf16 head, and the tokens are the
-    ones the full logits give."""
+    1-12 greedy rows (1-4 on VNNI), steps of more go to the bf16 head, and the
+    tokens are the ones the full logits give."""
     from aioserve.cpu_engine.head_argmax import HeadArgmax
 
     # No prefix cache: a prompt computed again after a cached prefix is other

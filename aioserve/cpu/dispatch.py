@@ -33,6 +33,7 @@ HALF_UNITS = {
 AMX_HALF = frozenset({"amx_bf16", "amx_fp16"})
 AMX_BF16 = "amx_bf16"  # the packed kernel multiplies bf16 on the tiles (native/gemm.cpp) where this is set
 AMX_INT8 = "amx_int8"  # the bf16 LM head's int8 screen runs on the tiles (native/int8_head_screen.cpp)
+VNNI = "avx512_vnni"  # ... or, without the tiles, on its int8 dot products (1-4 rows)
 BF16_PAIR_DOTS = "avx512_bf16"  # the native kernels dot bf16 pairs (vdpbf16ps) where this is set
 
 _AVX2 = frozenset({"sse4_2", "avx", "avx2", "fma", "f16c"})
@@ -67,8 +68,9 @@ class CpuDispatch:
     # (--cpu-matmul onednn), "timed" (a candidate beside the BLAS forms, kept
     # per weight shape where it is faster: half math on AMX), or "off".
     onednn: str = "off"
-    # With head_argmax on AMX-INT8, steps of 1-12 greedy rows screen an int8
-    # copy of the bf16 head (cpu_engine/int8_head_screen.py); AIOSERVE_INT8_HEAD_SCREEN=0: off.
+    # With head_argmax and bf16 math, steps of 1-12 greedy rows (AMX-INT8;
+    # 1-4 on AVX512-VNNI) screen an int8 copy of the head
+    # (cpu_engine/int8_head_screen.py); AIOSERVE_INT8_HEAD_SCREEN=0: off.
     int8_head_screen: bool = False
 
     def lines(self) -> list[str]:
@@ -80,7 +82,7 @@ class CpuDispatch:
         if self.head_argmax:
             screen = "off, argmax in the head"
             if self.int8_head_screen:
-                screen += " (1-12 rows: an int8 copy screened first)"
+                screen += " (a few rows: an int8 copy screened first)"
         return [
             f"math {_name(self.math_dtype)}: {self.math_reason}",
             f"matmul {matmul}: {self.matmul_reason}",
@@ -158,10 +160,12 @@ def choose_cpu_dispatch(
     int8_head_screen = False
     if head_argmax:
         screen_reason += ": greedy rows take the packed head's argmax as it computes, no logits written"
-        int8_head_screen = (math == torch.bfloat16 and AMX_BF16 in flags and AMX_INT8 in flags
+        tiles = AMX_BF16 in flags and AMX_INT8 in flags
+        int8_head_screen = (math == torch.bfloat16 and (tiles or VNNI in flags)
                             and os.environ.get("AIOSERVE_INT8_HEAD_SCREEN", "1") != "0")
         if int8_head_screen:
-            screen_reason += "; steps of 1-12 rows first screen an int8 copy on the AMX-INT8 tiles (half its bytes)"
+            where = "steps of 1-12 rows on the AMX-INT8 tiles" if tiles else "steps of 1-4 rows on AVX512-VNNI"
+            screen_reason += f"; {where} first screen an int8 copy of the head (half its bytes)"
     return CpuDispatch(
         math, math_reason, packed, matmul_reason, matmul_tuning, native_decode, decode_reason, screen, screen_reason,
         head_argmax, onednn, int8_head_screen,

@@ -260,13 +260,23 @@ def screened_argmax(x: torch.Tensor, screen: torch.Tensor, slack: torch.Tensor, 
 
 
 INT8_SCREEN_MAX_ROWS = 16  # native/int8_head_screen.cpp: two A tiles of two digit rows each
+INT8_VNNI_MAX_ROWS = 4  # its VNNI form: the sums of 4 rows' 8 digit rows in registers
+
+
+def int8_screen_rows() -> int:
+    """The most rows int8_screened_argmax takes now: on the AMX-INT8 tiles
+    where the bf16 products run on the tiles, else on AVX512-VNNI (the
+    blocks it keeps are computed again by whichever the bf16 head uses); 0
+    where the library has neither."""
+    lib = library()
+    if lib.int8_head_screen_forms & 1 and lib.tiles_in_use():
+        return INT8_SCREEN_MAX_ROWS
+    return INT8_VNNI_MAX_ROWS if lib.int8_head_screen_forms & 2 else 0
 
 
 def int8_screen_ready() -> bool:
-    """Whether int8_screened_argmax runs here: built with AMX-INT8 tiles, and
-    the bf16 tiles in use (the blocks it keeps are computed again on them)."""
-    lib = library()
-    return lib.int8_head_screen_built and lib.tiles_in_use()
+    """Whether int8_screened_argmax runs here (int8_screen_rows)."""
+    return int8_screen_rows() > 0
 
 
 @dataclass
@@ -278,6 +288,7 @@ class Int8HeadCopy:
     scales: torch.Tensor  # [N] float32 s_j: w~_j = s_j q_j
     slack: torch.Tensor  # [N] float32 ||w_j - w~_j|| + gamma' ||w_j||, rounded up
     norms: torch.Tensor  # [N] float32 ||w~_j||, rounded up
+    column_sums: torch.Tensor  # [blocks * 32] int32, each column's sum of q (0 past N): the VNNI form's
 
 
 def int8_quantize_head(exact: torch.Tensor, n: int) -> Int8HeadCopy | None:
@@ -288,42 +299,49 @@ def int8_quantize_head(exact: torch.Tensor, n: int) -> Int8HeadCopy | None:
     blocks, k = exact.shape[0], 2 * exact.shape[1]
     if k % 64 or not (blocks - 1) * 32 < n <= blocks * 32:
         raise RuntimeError("int8_quantize_head: K must be a multiple of 64, N within the packed blocks")
-    columns = [torch.empty(n, dtype=torch.float32) for _ in range(3)]
-    copy = Int8HeadCopy(torch.empty(blocks, k // 4, 32, 4, dtype=torch.int8), *columns)
+    scales, slack, norms = (torch.empty(n, dtype=torch.float32) for _ in range(3))
+    copy = Int8HeadCopy(torch.empty(blocks, k // 4, 32, 4, dtype=torch.int8), scales, slack, norms,
+                        torch.zeros(blocks * 32, dtype=torch.int32))
     finite = torch.zeros(1, dtype=torch.bool)
     lib = library()
     if lib.int8_quantize_head(exact.data_ptr(), n, k, copy.screen.data_ptr(), copy.scales.data_ptr(),
-                              copy.slack.data_ptr(), copy.norms.data_ptr(), finite.data_ptr()):
+                              copy.slack.data_ptr(), copy.norms.data_ptr(), copy.column_sums.data_ptr(),
+                              finite.data_ptr()):
         raise lib.fail()
     return copy if bool(finite) else None
 
 
-def int8_screened_argmax(x: torch.Tensor, screen: torch.Tensor, scales: torch.Tensor, slack: torch.Tensor,
-                         norms: torch.Tensor, exact: torch.Tensor, n: int,
+def int8_screened_argmax(x: torch.Tensor, copy: Int8HeadCopy, exact: torch.Tensor, n: int,
                          max_blocks: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Greedy argmax of the bf16 head `exact` (packed in k-pairs) from its
-    int8 copy `screen` [blocks, K / 4, 32, 4], exactly: packed_linear_argmax's
-    tokens (native/int8_head_screen.cpp). (tokens [M] int64, ok [M] bool); a
-    row with ok false (not finite, or more than `max_blocks` blocks to
-    compute again) is left to the caller."""
-    if x.dim() != 2 or x.dtype != torch.bfloat16 or not 1 <= x.shape[0] <= INT8_SCREEN_MAX_ROWS:
-        raise RuntimeError(f"int8_screened_argmax: x must be bf16 [M, K], 1 <= M <= {INT8_SCREEN_MAX_ROWS}")
+    int8 copy, exactly: packed_linear_argmax's tokens
+    (native/int8_head_screen.cpp). (tokens [M] int64, ok [M] bool); a row
+    with ok false (not finite, or more than `max_blocks` blocks to compute
+    again) is left to the caller."""
+    limit = int8_screen_rows()
+    if x.dim() != 2 or x.dtype != torch.bfloat16 or not 1 <= x.shape[0] <= limit:
+        raise RuntimeError(f"int8_screened_argmax: x must be bf16 [M, K], 1 <= M <= {limit}")
     m, k = x.shape
     pointer, _, pairs = packed_fields(exact, k, n, "int8_screened_argmax")
     block = gemm_block_width()
     if not pairs or block != 32:
         raise RuntimeError("int8_screened_argmax: the head must be bf16 packed in k-pairs, 32 columns a block")
+    screen = copy.screen
     if (screen.dtype != torch.int8 or not screen.is_contiguous()
             or tuple(screen.shape) != (exact.shape[0], k // 4, block, 4) or k % 64):
         raise RuntimeError("int8_screened_argmax: the screen must be int8 [blocks, K / 4, 32, 4], K a multiple of 64")
-    for name, column in (("scales", scales), ("slack", slack), ("norms", norms)):
+    for name, column in (("scales", copy.scales), ("slack", copy.slack), ("norms", copy.norms)):
         if column.dtype != torch.float32 or column.shape != (n,) or not column.is_contiguous():
             raise RuntimeError(f"int8_screened_argmax: {name} must be float32 [N]")
+    sums = copy.column_sums
+    if sums.dtype != torch.int32 or sums.shape != (exact.shape[0] * block,) or not sums.is_contiguous():
+        raise RuntimeError("int8_screened_argmax: column_sums must be int32 [blocks * 32]")
     x = x.contiguous()
     tokens = torch.zeros(m, dtype=torch.int64)
     ok = torch.zeros(m, dtype=torch.bool)
     lib = library()
-    if lib.int8_screened_argmax(x.data_ptr(), m, k, screen.data_ptr(), scales.data_ptr(), slack.data_ptr(),
-                                norms.data_ptr(), pointer, n, max_blocks, tokens.data_ptr(), ok.data_ptr()):
+    if lib.int8_screened_argmax(x.data_ptr(), m, k, screen.data_ptr(), copy.scales.data_ptr(), copy.slack.data_ptr(),
+                                copy.norms.data_ptr(), sums.data_ptr(), pointer, n, max_blocks, tokens.data_ptr(),
+                                ok.data_ptr()):
         raise lib.fail()
     return tokens, ok

@@ -14,6 +14,7 @@ from aioserve.cpu.native_gemm import (
     gemm_fuses_multiply_add,
     int8_quantize_head,
     int8_screen_ready,
+    int8_screen_rows,
     int8_screened_argmax,
     lora_add_rows,
     lora_part_blocks,
@@ -46,7 +47,7 @@ def library_path() -> Path:
 
 __all__ = [
     "DecoderStack", "LoraPointers", "causal_prefill_attention", "library_path", "prefill_f32_ready", "prefill_tiles_ready", "lora_add_rows", "lora_part_blocks", "gemm_block_width",
-    "gemm_fuses_multiply_add", "int8_quantize_head", "int8_screen_ready",
+    "gemm_fuses_multiply_add", "int8_quantize_head", "int8_screen_ready", "int8_screen_rows",
     "int8_screened_argmax",
     "pack_linear_weight", "packed_linear", "packed_linear_argmax",
     "paged_decode_attention", "rms_norm", "rotary_embedding", "row_max_argmax", "screened_argmax", "silu_and_mul",

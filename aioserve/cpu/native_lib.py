@@ -60,8 +60,8 @@ PROTOTYPES: dict[str, list[Any]] = {
     "aioserve_packed_linear": [_p, _i32, _i64, _i64, _p, _i32, _i32, _i64, _p, _p, _i32],
     "aioserve_packed_linear_argmax": [_p, _i32, _i64, _i64, _p, _i32, _i32, _i64, _p, _p, _p],
     "aioserve_screened_argmax": [_p, _i64, _i64, _p, _i32, _i32, _p, _p, _i64, _i64, _p, _p, _p],
-    "aioserve_int8_quantize_head": [_p, _i64, _i64, _p, _p, _p, _p, _p],
-    "aioserve_int8_screened_argmax": [_p, _i64, _i64, _p, _p, _p, _p, _p, _i64, _i64, _p, _p],
+    "aioserve_int8_quantize_head": [_p, _i64, _i64, _p, _p, _p, _p, _p, _p],
+    "aioserve_int8_screened_argmax": [_p, _i64, _i64, _p, _p, _p, _p, _p, _p, _i64, _i64, _p, _p],
     "aioserve_decoder_add_layer": [_p, _p, _i32, _p, _i32, _i32, _p, _p, _i32, _p, _i32, _p, _i32, _i32, _p, _i32,
                                    _p, _i32, _i32, _i64, _p, _i32, _i32, _p, _p, _i32, _i64, _i64],
     "aioserve_decoder_set_lora": [_p, _i64, _i64, _p, _i32, _p, _i32, _i64, _i64, _i64, _p],
@@ -101,7 +101,8 @@ class NativeLibrary:
         self.fuses_multiply_add = bool(_constant(holding, "aioserve_gemm_fuses_multiply_add", _i32))
         self.prefill_tiles_built = bool(_constant(holding, "aioserve_prefill_attention_tiles_built", _i32))
         self.prefill_f32_built = bool(_constant(holding, "aioserve_prefill_attention_f32_built", _i32))
-        self.int8_head_screen_built = bool(_constant(holding, "aioserve_int8_head_screen_built", _i32))
+        # The int8 head screen's forms built: 1 AMX-INT8 tiles, 2 AVX512-VNNI (int8_head_screen.cpp).
+        self.int8_head_screen_forms = int(_constant(holding, "aioserve_int8_head_screen_built", _i32))
         self._use_tiles = holding.aioserve_gemm_use_tiles
         self._use_tiles.argtypes, self._use_tiles.restype = [_i32], _i32
         self._tiles_in_use = holding.aioserve_gemm_tiles_in_use

@@ -3,7 +3,7 @@ model, its LM head and its KV pool.
 
   greedy_screen.py  greedy rows' argmax from a half copy of the LM head, exact by a rounding bound
   head_argmax.py    greedy rows' argmax from a half LM head as it computes, no logits written
-  int8_head_screen.py  greedy steps of 1-12 rows from an int8 copy of a bf16 head (AMX-INT8), exact by a bound
+  int8_head_screen.py  greedy steps of a few rows from an int8 copy of a bf16 head (AMX-INT8, VNNI), exact by a bound
   decode_stack.py   a decode-only step as one native DecoderStack call
   fast_paths.py     the fast paths behind one object, with one upgrade point between steps
 

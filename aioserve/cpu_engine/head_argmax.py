@@ -22,7 +22,7 @@ greedy (`SamplingTensors.takes_raw_argmax`). A row whose largest logit is
 not finite sends the step to the full logits, so the sampler's own handling
 of such rows stays the only one.
 
-Steps of 1 to 12 rows on AMX-INT8 first ask an int8 copy of the head
+Steps of 1 to 12 rows on AMX-INT8 (1-4 on AVX512-VNNI) first ask an int8 copy of the head
 (int8_head_screen.py): the same tokens from half the bytes.
 """
 
@@ -45,7 +45,7 @@ class HeadArgmax:
     kernels: ModuleType  # the native module
     weight: torch.Tensor  # the LM head's packed weight (shared, not copied)
     features: int  # N, the vocabulary
-    int8: Int8HeadScreen | None = None  # asked first for steps of 1-12 rows
+    int8: Int8HeadScreen | None = None  # asked first for steps of a few rows
 
     @classmethod
     def build(cls, lm_head: torch.nn.Module, kernels: ModuleType, int8_screen: bool = False) -> HeadArgmax | None:

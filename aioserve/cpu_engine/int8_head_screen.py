@@ -1,4 +1,4 @@
-"""Greedy tokens from an int8 copy of a bf16 LM head, exactly (AMX-INT8).
+"""Greedy tokens from an int8 copy of a bf16 LM head, exactly (AMX-INT8, or AVX512-VNNI).
 
 A single-stream decode step is bound by reading the weights, and the LM head
 is a quarter of them (Qwen3-0.6B: 311 MB of 1.19 GB). The native
@@ -9,7 +9,9 @@ bf16 logit can be from its screened value, and hands the few 32-column
 blocks that could still hold the token to packed_linear_argmax itself: the
 token is the one the bf16 head gives, bit for bit, ties and all.
 
-It serves steps of 1 to SERVED_ROWS greedy rows
+Its sums run on the AMX-INT8 tiles where the bf16 head runs on AMX, else
+on AVX512-VNNI dot products for 1-4 rows (AMD Zen 4, Ice Lake; and with
+AIOSERVE_AMX=0). It serves steps of 1 to SERVED_ROWS greedy rows
 (`SamplingTensors.takes_raw_argmax`), where the head's bytes set its time;
 more rows go to the bf16 head (head_argmax.py). Measured on a 2-core
 Emerald Rapids VM, Qwen3-0.6B's head [151936, 1024] at random weights,
@@ -86,15 +88,14 @@ class Int8HeadScreen:
         """The greedy token of each row of bf16 `hidden` [S, K], or None when
         the screen does not take the step or settle some row (the caller
         runs the head)."""
-        if hidden.dtype != torch.bfloat16 or not 1 <= hidden.shape[0] <= SERVED_ROWS:
+        rows = hidden.shape[0]
+        if hidden.dtype != torch.bfloat16 or not 1 <= rows <= min(SERVED_ROWS, self.kernels.int8_screen_rows()):
             return None
         if self.rest > 0:
             self.rest -= 1
             return None
-        copy = self.copy
         tokens, ok = self.kernels.int8_screened_argmax(
-            hidden, copy.screen, copy.scales, copy.slack, copy.norms, self.exact, self.features,
-            max(MIN_KEPT, self.exact.shape[0] // KEPT_FRACTION),
+            hidden, self.copy, self.exact, self.features, max(MIN_KEPT, self.exact.shape[0] // KEPT_FRACTION)
         )
         if bool(ok.all()):
             self.backoff = 1
