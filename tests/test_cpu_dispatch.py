@@ -63,6 +63,22 @@ def test_the_options_narrow_every_family_alike(personality: str) -> None:
     assert not untuned.blas_tuning
 
 
+def test_the_int8_head_screen_is_chosen_where_int8_products_exist(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A bf16 model's greedy head screens an int8 copy on AMX-INT8 (1-12
+    rows) or AVX512-VNNI (1-4 rows; AMD Zen 4's flags), nowhere else, and
+    never for float32 weights; AIOSERVE_INT8_HEAD_SCREEN=0 turns it off."""
+    amx = choose_cpu_dispatch(PERSONALITIES["amx"], BF16)
+    assert amx.int8_head_screen and "AMX-INT8" in amx.screen_reason
+    zen4 = choose_cpu_dispatch(PERSONALITIES["avx512_bf16"] | {"avx512_vnni"}, BF16)
+    assert zen4.int8_head_screen and "AVX512-VNNI" in zen4.screen_reason
+    assert not choose_cpu_dispatch(PERSONALITIES["avx512_bf16"], BF16).int8_head_screen
+    assert not choose_cpu_dispatch(PERSONALITIES["avx2"], BF16).int8_head_screen
+    assert not choose_cpu_dispatch(PERSONALITIES["amx"], F32).int8_head_screen
+    assert not choose_cpu_dispatch(PERSONALITIES["amx"], BF16, tp_size=2).int8_head_screen
+    monkeypatch.setenv("AIOSERVE_INT8_HEAD_SCREEN", "0")
+    assert not choose_cpu_dispatch(PERSONALITIES["amx"], BF16).int8_head_screen
+
+
 def runnable_here(dispatch: CpuDispatch) -> str | None:
     """Why this machine cannot run what `dispatch` chose (a bf16 screen needs
     kernels built with AVX512-BF16), or None."""
@@ -102,6 +118,9 @@ def test_an_engine_takes_the_paths_its_family_is_given(
                 assert isinstance(engine.graph_runner, NativeDecodeRunner) == expected.native_decode
                 assert isinstance(engine.greedy_screen, GreedyScreen) == (expected.screen_dtype is not None)
                 assert isinstance(engine.greedy_screen, HeadArgmax) == expected.head_argmax
+                if isinstance(engine.greedy_screen, HeadArgmax):
+                    with_int8 = expected.int8_head_screen and cpu_kernels().int8_screen_ready()
+                    assert (engine.greedy_screen.int8 is not None) == with_int8
                 for line in expected.lines():
                     assert f"CPU path: {line}" in caplog.text
             outputs.append([o.token_ids for o in llm.generate(["Once upon a time", "1 2 3"], params)])
