@@ -246,10 +246,9 @@ inline void block_sums_vnni(const uint8_t* a, int64_t k, const int8_t* block, co
 
 #if defined(AIOSERVE_INT8_SCREEN)
 // One row's BlockBounds over a block's `cols` columns from its digit sums.
-inline BlockBounds row_bounds(const int32_t* first, const int32_t* second, int64_t cols, double sx,
-                              const RowDigits& row, double underflow, const float* scales, const float* slack,
-                              const float* norms) {
-  const __m512d inverse = _mm512_set1_pd(1.0 / kDigit), x_scale = _mm512_set1_pd(sx);
+inline BlockBounds row_bounds(const int32_t* first, const int32_t* second, int64_t cols, const RowDigits& row,
+                              double underflow, const float* scales, const float* slack, const float* norms) {
+  const __m512d inverse = _mm512_set1_pd(1.0 / kDigit), x_scale = _mm512_set1_pd(row.scale);
   const __m512d norm = _mm512_set1_pd(row.norm), diff = _mm512_set1_pd(row.diff), under = _mm512_set1_pd(underflow);
   const double lowest = -std::numeric_limits<double>::infinity();
   __m512d low = _mm512_set1_pd(lowest), high = low, magnitude = low;
@@ -342,8 +341,8 @@ void int8_screened_argmax(const BFloat16* x, int64_t m, int64_t k, const int8_t*
       }
       const int64_t col0 = b * kBlock, cols = std::min(kBlock, n - col0);
       for (int64_t r = 0; r < m; ++r) {
-        bounds[b * m + r] = row_bounds(sums + 2 * r * kBlock, sums + (2 * r + 1) * kBlock, cols, rows[r].scale,
-                                       rows[r], underflow, scales + col0, slack + col0, norms + col0);
+        bounds[b * m + r] = row_bounds(sums + 2 * r * kBlock, sums + (2 * r + 1) * kBlock, cols, rows[r], underflow,
+                                       scales + col0, slack + col0, norms + col0);
       }
     }
 #if defined(AIOSERVE_INT8_TILES)
@@ -373,7 +372,8 @@ void int8_screened_argmax(const BFloat16* x, int64_t m, int64_t k, const int8_t*
   }
   if (kept.empty() || static_cast<int64_t>(kept.size()) > max_blocks) return;
   // The kept blocks as one weight, their columns in order (a partial last block last), read where they lie.
-  const int64_t width = static_cast<int64_t>(kept.size()) * kBlock - (kept.back() == blocks - 1 ? blocks * kBlock - n : 0);
+  const int64_t padding = kept.back() == blocks - 1 ? blocks * kBlock - n : 0;
+  const int64_t width = static_cast<int64_t>(kept.size()) * kBlock - padding;
   std::vector<float> maxes(m);
   std::vector<int64_t> columns(m);
   aioserve::packed_linear_argmax(x, aioserve::kBFloat16, m, k, exact, aioserve::kBFloat16, true, width, nullptr,

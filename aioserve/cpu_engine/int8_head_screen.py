@@ -63,8 +63,8 @@ class Int8HeadScreen:
     @classmethod
     def build(cls, exact: torch.Tensor, features: int, kernels: ModuleType) -> Int8HeadScreen | None:
         """For a bf16 head packed in k-pairs [blocks, K / 2, 32, 2]; None
-        where the screen does not run (no AMX-INT8 tiles in use, a K that is
-        not a multiple of 64, weights that are not finite)."""
+        where the screen does not run (neither AMX-INT8 tiles nor AVX512-VNNI,
+        a K that is not a multiple of 64, weights that are not finite)."""
         if (
             exact.dtype != torch.bfloat16
             or exact.dim() != 4
@@ -80,7 +80,7 @@ class Int8HeadScreen:
             return None
         logger.info(
             "greedy steps of 1-%d rows screen an int8 copy of the LM head (%.0f MiB, made in %.2f s)",
-            SERVED_ROWS, copy.screen.nbytes / 2**20, time.perf_counter() - started,
+            min(SERVED_ROWS, kernels.int8_screen_rows()), copy.screen.nbytes / 2**20, time.perf_counter() - started,
         )
         return cls(kernels, copy, exact, features)
 
