@@ -213,9 +213,9 @@ class EngineConfig:
     )
     max_prefill_tokens: int | None = option(
         None, group="scheduling", aliases=("--max-num-batched-tokens", "--chunked-prefill-size"),
-        help="prefill tokens per step; longer prompts are chunked (default: 8192 on GPU; 256 on CPU, where "
-        "prefill is compute-bound: small chunks give a burst's first requests their first token sooner at the "
-        "same throughput)",
+        help="prefill tokens per step; longer prompts are chunked (default: 8192 on GPU; 1024 on CPU, where "
+        "prefill is compute-bound: chunks give a burst's first requests their first token sooner, and 1024 rows "
+        "keep the matmuls near their peak)",
     )
     decode_reserve_tokens: int = option(
         64, help="KV room a request must have beyond its prompt to be admitted", group="scheduling"

@@ -36,9 +36,15 @@ logger = logging.getLogger(__name__)
 # prefill step runs at the matmul rate, so a burst prefilled in one step
 # makes every request in it wait for all of them: 64 concurrent 64-token
 # prompts on qwen3-0.6b (2 cores) had a mean TTFT of 20 s in one 4096-token
-# step and 12 s in chunks of 256, at the same output tok/s. On a GPU a big
-# step costs little more than a small one.
-DEFAULT_MAX_PREFILL_TOKENS = {"cuda": 8192, "cpu": 256}
+# step and 12 s in chunks of 256, at the same output tok/s (2026-11-23). The
+# AMX kernels since then run a chunk's matmuls faster the more rows it has
+# (Qwen3-0.6B's layers: 1.1 TFLOP/s at 64 rows, 1.6 at 256, weights from
+# memory): the same burst, offline, alternated on a 2-core Xeon with AMX
+# (2026-11-28), took 11.1 s in chunks of 256, 10.7 in 512, 10.4-10.7 in
+# 1024 and 10.1-10.6 in 2048 (the same 63 decode steps after 4 mixed steps
+# instead of 16), and its first requests still see their first token after
+# one step of ~0.7 s. On a GPU a big step costs little more than a small one.
+DEFAULT_MAX_PREFILL_TOKENS = {"cuda": 8192, "cpu": 1024}
 
 
 @dataclass
