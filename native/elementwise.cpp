@@ -193,10 +193,56 @@ inline void rotate_row(T* x, const float* cos, const float* sin, int64_t half) {
   }
 }
 
+#if defined(__AVX512F__)
+constexpr int64_t kMaxVectorHalf = 128;  // head dims up to 256 take rotate_row16
+
+// rotate_row 16 dims at a time (half a multiple of 16), bit for bit, with the
+// token's cos and sin already rounded to T, once for all its heads (cs:
+// [c1 | s1 | c2 | s2], half floats each). Half-precision rows only: there
+// each product is rounded before the sum, so no fused multiply-add can
+// differ between the two forms. The scalar loop, which rounded cos and sin
+// again for every head and stored through from_float, took 1.8 ms for a
+// 2048-token chunk of Qwen3-0.6B's 24 heads on 2 cores.
+template <typename T>
+inline void rotate_row16(T* x, const float* cs, int64_t half) {
+  const __m512i sign = _mm512_set1_epi32(INT32_MIN);
+  for (int64_t d = 0; d < half; d += 16) {
+    const __m512 x1 = load16(x + d), x2 = load16(x + d + half);
+    const __m512 minus_x2 = _mm512_castsi512_ps(_mm512_xor_si512(_mm512_castps_si512(x2), sign));
+    const __m512 c1 = _mm512_loadu_ps(cs + d), s1 = _mm512_loadu_ps(cs + half + d);
+    const __m512 c2 = _mm512_loadu_ps(cs + 2 * half + d), s2 = _mm512_loadu_ps(cs + 3 * half + d);
+    store16(x + d, _mm512_add_ps(round16<T>(_mm512_mul_ps(x1, c1)), round16<T>(_mm512_mul_ps(minus_x2, s1))));
+    store16(x + d + half, _mm512_add_ps(round16<T>(_mm512_mul_ps(x2, c2)), round16<T>(_mm512_mul_ps(x1, s2))));
+  }
+}
+#endif
+
 template <typename T>
 void rotary_impl(const int64_t* positions, T* q, Rows qr, T* k, Rows kr, const float* cos, const float* sin,
                  int64_t tokens, int64_t dim) {
   const int64_t q_heads = qr.inner, k_heads = kr.inner, half = dim / 2;
+#if defined(__AVX512F__)
+  if constexpr (std::is_same_v<T, BFloat16> || std::is_same_v<T, Half>) {
+    if (half % 16 == 0 && half <= kMaxVectorHalf) {
+      aioserve::parallel_pieces(tokens, row_grain((q_heads + k_heads) * dim), [&](int64_t begin, int64_t end) {
+        alignas(64) float cs[4 * kMaxVectorHalf];
+        for (int64_t t = begin; t < end; ++t) {
+          const float* c = cos + positions[t] * dim;
+          const float* s = sin + positions[t] * dim;
+          for (int64_t d = 0; d < half; d += 16) {
+            _mm512_store_ps(cs + d, round16<T>(_mm512_loadu_ps(c + d)));
+            _mm512_store_ps(cs + half + d, round16<T>(_mm512_loadu_ps(s + d)));
+            _mm512_store_ps(cs + 2 * half + d, round16<T>(_mm512_loadu_ps(c + half + d)));
+            _mm512_store_ps(cs + 3 * half + d, round16<T>(_mm512_loadu_ps(s + half + d)));
+          }
+          for (int64_t h = 0; h < q_heads; ++h) rotate_row16(q + t * qr.outer_stride + h * qr.inner_stride, cs, half);
+          for (int64_t h = 0; h < k_heads; ++h) rotate_row16(k + t * kr.outer_stride + h * kr.inner_stride, cs, half);
+        }
+      });
+      return;
+    }
+  }
+#endif
   aioserve::parallel_pieces(tokens, row_grain((q_heads + k_heads) * dim), [&](int64_t begin, int64_t end) {
     for (int64_t t = begin; t < end; ++t) {
       const float* c = cos + positions[t] * dim;

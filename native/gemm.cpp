@@ -485,6 +485,17 @@ struct BlockArgmax {
   }
 };
 
+// x's rows copied `ld_bytes` apart (rows 4 KiB apart alias in L1: see
+// packed_linear_impl), by the team: one thread's copy was the serial part of
+// a call, up to a sixth of o_proj's (K = 2048) on two cores at 512-2048 rows.
+constexpr int64_t kStageGrain = 16;  // rows a piece
+
+inline void stage_rows(const char* x, int64_t rows, int64_t row_bytes, char* staged, int64_t ld_bytes) {
+  aioserve::parallel_pieces(rows, kStageGrain, [&](int64_t first, int64_t last) {
+    for (int64_t r = first; r < last; ++r) std::memcpy(staged + r * ld_bytes, x + r * row_bytes, row_bytes);
+  });
+}
+
 // Where block b of a packed W lies: the b-th block, or, given a list, the
 // list[b]-th (the int8 head screen's kept blocks, int8_head_screen.cpp,
 // computed again where they lie: copied side by side first, a step kept
@@ -519,7 +530,7 @@ void packed_linear_tiles(const BFloat16* x, int64_t m, int64_t k, const PackedBl
     const int64_t rows = std::min(most_rows, m - row0);
     const char* xs = reinterpret_cast<const char*>(x + row0 * k);
     if (aliased) {
-      for (int64_t r = 0; r < rows; ++r) std::memcpy(staged.get() + r * ld_bytes, x + (row0 + r) * k, row_bytes);
+      stage_rows(reinterpret_cast<const char*>(x + row0 * k), rows, row_bytes, staged.get(), ld_bytes);
       xs = staged.get();
     }
     const int64_t whole = rows / kTileRows * kTileRows;
@@ -621,14 +632,17 @@ void packed_linear_impl(const X* x, int64_t m, int64_t k, const PackedBlocks<W>&
       xs = x + row0 * k;  // bf16 rows read as 32-bit pairs, or float32 rows: as they are
       if (aliased) {
         staged.resize(rows * ld);
-        for (int64_t r = 0; r < rows; ++r) std::memcpy(staged.data() + r * ld, x + (row0 + r) * k, row_elems * 4);
+        stage_rows(reinterpret_cast<const char*>(x + row0 * k), rows, row_elems * 4,
+                   reinterpret_cast<char*>(staged.data()), ld * 4);
         xs = staged.data();
       }
     } else {
       staged.resize(rows * ld);
       float* x32 = reinterpret_cast<float*>(staged.data());
-      for (int64_t r = 0; r < rows; ++r)
-        for (int64_t i = 0; i < k; ++i) x32[r * ld + i] = aioserve::to_float(x[(row0 + r) * k + i]);
+      aioserve::parallel_pieces(rows, kStageGrain, [&](int64_t first, int64_t last) {
+        for (int64_t r = first; r < last; ++r)
+          for (int64_t i = 0; i < k; ++i) x32[r * ld + i] = aioserve::to_float(x[(row0 + r) * k + i]);
+      });
       xs = x32;
     }
     const char* x_bytes = static_cast<const char*>(xs);
