@@ -525,14 +525,6 @@ void decode_attention_impl(const T* qp, const KV* kp, const KV* vp, const int32_
   aioserve::parallel_pieces(batch * splits, 1, [&](int64_t first_task, int64_t last_task) {
     std::vector<float> qf(num_heads * dim), scores, merged(dim);
     std::vector<int64_t> slots;
-    // A request in one chunk: its output written by the task that computed
-    // it (the merge's own arithmetic, so bit for bit), not by a second
-    // parallel region over all of them (~3% of a batch-64 step's attention).
-    const auto write_if_whole = [&](int64_t task) {
-      if (splits != 1) return;
-      for (int64_t h = 0; h < num_heads; ++h)
-        merge_head(partials.data() + task * row, 1, row, num_heads, dim, h, merged.data(), op + (task * num_heads + h) * dim);
-    };
     for (int64_t task = first_task; task < last_task; ++task) {
       const int64_t b = task / splits, split = task % splits;
       const int64_t len = lens[b];
@@ -541,27 +533,31 @@ void decode_attention_impl(const T* qp, const KV* kp, const KV* vp, const int32_
       const int64_t begin = std::min(len, first + split * per), end = std::min(len, begin + per);
       float* part = partials.data() + task * row;
       float *acc = part, *maxes = part + num_heads * dim, *sums = maxes + num_heads;
-      if (begin >= end) {  // an empty chunk: contributes nothing to the merge
+      bool done = begin >= end;
+      if (done) {  // an empty chunk: contributes nothing to the merge
         std::fill(maxes, maxes + num_heads, -std::numeric_limits<float>::infinity());
         std::fill(sums, sums + num_heads, 0.f);
         std::fill(acc, acc + num_heads * dim, 0.f);
-        write_if_whole(task);
-        continue;
       }
 #if defined(__AVX512F__)
       if constexpr (kVecSpan<T, KV>) {
-        if (attend_span_vec_dim<T, KV>(dim, qp + b * num_heads * dim, static_cast<float>(scale), kp, vp,
-                                       pt + b * pages_per_row, page_size, begin, end, num_heads, num_kv_heads, maxes,
-                                       sums, acc, scores, slots)) {
-          write_if_whole(task);
-          continue;
-        }
+        done = done || attend_span_vec_dim<T, KV>(dim, qp + b * num_heads * dim, static_cast<float>(scale), kp, vp,
+                                                  pt + b * pages_per_row, page_size, begin, end, num_heads,
+                                                  num_kv_heads, maxes, sums, acc, scores, slots);
       }
 #endif
-      for (int64_t i = 0; i < num_heads * dim; ++i) qf[i] = to_float(qp[b * num_heads * dim + i]) * static_cast<float>(scale);
-      attend_span(qf.data(), kp, vp, pt + b * pages_per_row, page_size, begin, end, num_heads, num_kv_heads, dim, maxes,
-                  sums, acc, scores);
-      write_if_whole(task);
+      if (!done) {
+        for (int64_t i = 0; i < num_heads * dim; ++i) qf[i] = to_float(qp[b * num_heads * dim + i]) * static_cast<float>(scale);
+        attend_span(qf.data(), kp, vp, pt + b * pages_per_row, page_size, begin, end, num_heads, num_kv_heads, dim,
+                    maxes, sums, acc, scores);
+      }
+      // A request in one chunk: its output written by the task that computed
+      // it (the merge's own arithmetic, so bit for bit), not by a second
+      // parallel region over all of them (~3% of a batch-64 step's attention).
+      if (splits == 1) {
+        for (int64_t h = 0; h < num_heads; ++h)
+          merge_head(part, 1, row, num_heads, dim, h, merged.data(), op + (task * num_heads + h) * dim);
+      }
     }
   });
   // Merge each request's chunks: rescale every chunk to the overall max

@@ -222,33 +222,29 @@ void rotary_impl(const int64_t* positions, T* q, Rows qr, T* k, Rows kr, const f
                  int64_t tokens, int64_t dim) {
   const int64_t q_heads = qr.inner, k_heads = kr.inner, half = dim / 2;
 #if defined(__AVX512F__)
-  if constexpr (std::is_same_v<T, BFloat16> || std::is_same_v<T, Half>) {
-    if (half % 16 == 0 && half <= kMaxVectorHalf) {
-      aioserve::parallel_pieces(tokens, row_grain((q_heads + k_heads) * dim), [&](int64_t begin, int64_t end) {
-        alignas(64) float cs[4 * kMaxVectorHalf];
-        for (int64_t t = begin; t < end; ++t) {
-          const float* c = cos + positions[t] * dim;
-          const float* s = sin + positions[t] * dim;
-          for (int64_t d = 0; d < half; d += 16) {
-            _mm512_store_ps(cs + d, round16<T>(_mm512_loadu_ps(c + d)));
-            _mm512_store_ps(cs + half + d, round16<T>(_mm512_loadu_ps(s + d)));
-            _mm512_store_ps(cs + 2 * half + d, round16<T>(_mm512_loadu_ps(c + half + d)));
-            _mm512_store_ps(cs + 3 * half + d, round16<T>(_mm512_loadu_ps(s + half + d)));
-          }
-          for (int64_t h = 0; h < q_heads; ++h) rotate_row16(q + t * qr.outer_stride + h * qr.inner_stride, cs, half);
-          for (int64_t h = 0; h < k_heads; ++h) rotate_row16(k + t * kr.outer_stride + h * kr.inner_stride, cs, half);
-        }
-      });
-      return;
-    }
-  }
+  constexpr bool kHalfRows = std::is_same_v<T, BFloat16> || std::is_same_v<T, Half>;
+  const bool by16 = kHalfRows && half % 16 == 0 && half <= kMaxVectorHalf;
 #endif
   aioserve::parallel_pieces(tokens, row_grain((q_heads + k_heads) * dim), [&](int64_t begin, int64_t end) {
     for (int64_t t = begin; t < end; ++t) {
       const float* c = cos + positions[t] * dim;
       const float* s = sin + positions[t] * dim;
-      for (int64_t h = 0; h < q_heads; ++h) rotate_row(q + qr.offset(t * q_heads + h), c, s, half);
-      for (int64_t h = 0; h < k_heads; ++h) rotate_row(k + kr.offset(t * k_heads + h), c, s, half);
+#if defined(__AVX512F__)
+      if (by16) {
+        alignas(64) float cs[4 * kMaxVectorHalf];
+        for (int64_t d = 0; d < half; d += 16) {
+          _mm512_store_ps(cs + d, round16<T>(_mm512_loadu_ps(c + d)));
+          _mm512_store_ps(cs + half + d, round16<T>(_mm512_loadu_ps(s + d)));
+          _mm512_store_ps(cs + 2 * half + d, round16<T>(_mm512_loadu_ps(c + half + d)));
+          _mm512_store_ps(cs + 3 * half + d, round16<T>(_mm512_loadu_ps(s + half + d)));
+        }
+        for (int64_t h = 0; h < q_heads; ++h) rotate_row16(q + t * qr.outer_stride + h * qr.inner_stride, cs, half);
+        for (int64_t h = 0; h < k_heads; ++h) rotate_row16(k + t * kr.outer_stride + h * kr.inner_stride, cs, half);
+        continue;
+      }
+#endif
+      for (int64_t h = 0; h < q_heads; ++h) rotate_row(q + t * qr.outer_stride + h * qr.inner_stride, c, s, half);
+      for (int64_t h = 0; h < k_heads; ++h) rotate_row(k + t * kr.outer_stride + h * kr.inner_stride, c, s, half);
     }
   });
 }

@@ -161,7 +161,6 @@ inline void softmax_rows16(const float* scores, float scale, int64_t first_key, 
   _mm512_storeu_ps(factors, factor);
 }
 
-
 // One (request, query head, block of kRows query rows): out's rows written.
 void attend_block(const CausalShapes& s, const uint16_t* q, const uint32_t* kt, const uint32_t* vp, int64_t r,
                   int64_t h, int64_t q0, uint16_t* out) {
@@ -262,7 +261,7 @@ void causal_prefill_attention(const void* q, int64_t q_tok, int64_t q_head, cons
   AIOSERVE_CHECK(heads % kv_heads == 0, "causal_prefill_attention: query heads a multiple of KV heads");
   AIOSERVE_CHECK(kv_len >= q_len && q_len > 0, "causal_prefill_attention: kv_len >= q_len > 0");
   const CausalShapes s{count, q_len, kv_len, heads, kv_heads, dim, q_tok, q_head, k_tok, k_head, v_tok, v_head,
-                 window, static_cast<float>(scale)};
+                       window, static_cast<float>(scale)};
   // kt and vp of a (request, KV head) pair: `half` 32-bit words each (padded keys x dim bf16).
   const int64_t padded = round_up(kv_len, kKeys), half = padded * dim / 2;
   const auto words = static_cast<size_t>(count * kv_heads * 2 * half);

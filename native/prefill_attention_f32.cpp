@@ -41,7 +41,6 @@ constexpr int64_t kRows = 12;  // query rows of a block: 12 x 32 scores, 24 accu
 constexpr int64_t kKeys = kBlockKeys;  // keys of a block: two vectors a row
 constexpr int64_t kMaxDim = 256;
 
-
 // One (request, KV head)'s keys as [padded / 16][dim][16], keys past kv_len zero.
 void pack_keys(const float* k, int64_t k_tok, int64_t kv_len, int64_t padded, int64_t dim, float* kt) {
   for (int64_t n = 0; n < padded; ++n) {
@@ -209,7 +208,7 @@ void causal_prefill_attention_f32(const float* q, int64_t q_tok, int64_t q_head,
                  "causal_prefill_attention_f32: query heads a multiple of KV heads");
   AIOSERVE_CHECK(kv_len >= q_len && q_len > 0, "causal_prefill_attention_f32: kv_len >= q_len > 0");
   const CausalShapes s{count, q_len, kv_len, heads, kv_heads, dim, q_tok, q_head, k_tok, k_head, v_tok, v_head,
-                 window, static_cast<float>(scale)};
+                       window, static_cast<float>(scale)};
   // K^T of a (request, KV head) pair: padded keys x dim floats. Padded to a
   // whole score block, so the last block's second half reads zeros.
   const int64_t padded = (kv_len + kKeys - 1) / kKeys * kKeys, per_pair = padded * dim;
