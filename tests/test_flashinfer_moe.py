@@ -122,7 +122,8 @@ BF16_TOLERANCE = 0.1
 
 
 def generate(model: Path, **options) -> tuple[list[GenerationOutput], list[FusedMoE]]:
-    options = {"cpu_half_compute": "native", "cuda_graph": False, **options}
+    # On the CPU unless told otherwise: the fake kernel computes there, also on a CUDA host.
+    options = {"device": "cpu", "cpu_half_compute": "native", "cuda_graph": False, **options}
     llm = LLM(str(model), dtype="bfloat16", **options)
     try:
         params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True, logprobs=2)
@@ -206,7 +207,7 @@ def test_tiny_shapes_never_reach_the_kernel(moe_checkpoints: dict[str, Path], fu
 
 
 def test_a_dense_model_reports_no_moe_op(fused_on_cpu, stories_path: Path) -> None:
-    LLM(str(stories_path), dtype="bfloat16", cpu_half_compute="native", cuda_graph=False).close()
+    LLM(str(stories_path), dtype="bfloat16", device="cpu", cpu_half_compute="native", cuda_graph=False).close()
     assert "fused_moe" not in flashinfer_elementwise.report()
 
 

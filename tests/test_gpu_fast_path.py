@@ -8,7 +8,9 @@ What is proven:
   tests/test_gpu.py does), at page_size 1 and 16, on the fixtures and on two
   tiny models with FlashInfer's usual head dims (64 with GQA, 128 as Qwen3);
 * graphs on and off give the same tokens, greedy and seeded, at batch sizes
-  that pad to 1, 4 and 16 (and every size a shrinking batch passes through);
+  that pad to 1, 4 and 16 (and every size a shrinking batch passes through),
+  up to a near-tie that a padded batch's other kernel shapes round apart
+  (the same distributions at every step, within bf16 rounding);
 * overlap on and off give the same tokens with FlashInfer and graphs;
 * a server with the defaults finishes 64 concurrent streams, each with the
   tokens it asked for, and is left holding nothing;
@@ -30,7 +32,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from aioserve import LLM, SamplingParams
+from aioserve import LLM, GenerationOutput, SamplingParams
 from aioserve.attention import FLASHINFER_HEAD_DIMS
 from aioserve.models.model_config import ModelConfig
 from hf_reference import hf_encode
@@ -115,12 +117,16 @@ def make_llm(path: Path, **options) -> LLM:
     return LLM(str(path), dtype="bfloat16", **options)
 
 
-def run(path: Path, prompts: list[list[int]], params: list[SamplingParams], **options) -> list[list[int]]:
+def run(path: Path, prompts: list[list[int]], params: list[SamplingParams], **options) -> list[GenerationOutput]:
     llm = make_llm(path, **options)
     try:
-        return [out.token_ids for out in llm.generate(prompts, params)]
+        return llm.generate(prompts, params)
     finally:
         llm.close()
+
+
+def token_ids(outputs: list[GenerationOutput]) -> list[list[int]]:
+    return [out.token_ids for out in outputs]
 
 
 def encoded(path: Path, count: int) -> list[list[int]]:
@@ -135,6 +141,33 @@ def first_difference(a: list[list[int]], b: list[list[int]]) -> str:
             at = next((i for i, (s, t) in enumerate(zip(x, y)) if s != t), min(len(x), len(y)))
             return f"prompt {row} differs first at token {at}: {x[at:at + 4]} vs {y[at:at + 4]}"
     return "the same"
+
+
+def assert_same_up_to_a_near_tie(got: list[GenerationOutput], expected: list[GenerationOutput], greedy: bool) -> None:
+    """Graphs against eager. A padded graph batch multiplies in other shapes
+    than the eager batch (cuBLAS and FlashInfer pick their kernels by batch
+    size), so the two bf16 runs may round apart and choose differently where
+    two tokens are nearly equally likely (the H200 proof of 2026-11-28: batch
+    13, prompt 6, token 27, whose top two are 0.027 apart in float32). Every
+    step's distributions must agree (the logprobs of the top tokens both runs
+    list, within bf16 rounding); where the tokens differ, a greedy run's two
+    choices must be a near-tie, and the request is compared no further (its
+    contexts differ from there)."""
+    for row, (g, e) in enumerate(zip(got, expected, strict=True)):
+        assert len(g.token_ids) == len(e.token_ids), f"prompt {row}: lengths"
+        for step, (mine, theirs) in enumerate(zip(g.token_ids, e.token_ids)):
+            where = f"prompt {row}, step {step}"
+            tops, other_tops = dict(g.top_logprobs[step] or []), dict(e.top_logprobs[step] or [])
+            shared = tops.keys() & other_tops.keys()
+            assert shared, f"{where}: no top token in common"
+            assert all(abs(tops[t] - other_tops[t]) < BF16_TOLERANCE for t in shared), f"{where}: distributions differ"
+            if mine == theirs:
+                assert abs(g.logprobs[step] - e.logprobs[step]) < BF16_TOLERANCE, f"{where}: logprob"
+                continue
+            if greedy:
+                assert theirs in tops and tops[mine] - tops[theirs] < BF16_TOLERANCE, f"{where}: not a near-tie"
+                assert mine in other_tops and other_tops[theirs] - other_tops[mine] < BF16_TOLERANCE, where
+            break
 
 
 # -- each backend against transformers ---------------------------------------------------
@@ -176,7 +209,7 @@ def batch_params(count: int, sampled: bool) -> list[SamplingParams]:
     passes through sizes that pad to every captured size below it."""
     return [
         SamplingParams(
-            max_tokens=12 + 3 * i, ignore_eos=True, logprobs=0,
+            max_tokens=12 + 3 * i, ignore_eos=True, logprobs=4,
             **({"temperature": 0.8, "seed": 100 + i} if sampled else {"temperature": 0}),
         )
         for i in range(count)
@@ -220,8 +253,7 @@ def test_graphs_on_and_off_give_the_same_tokens(extra_models: dict[str, Path], p
     eager = {n: run(path, encoded(path, n), batch_params(n, sampled), cuda_graph=False, **options)
              for n in BATCHES}
     for n in BATCHES:
-        ids = [out.token_ids for out in graphed[n]]
-        assert ids == eager[n], f"batch {n}: {first_difference(ids, eager[n])}"
+        assert_same_up_to_a_near_tie(graphed[n], eager[n], greedy=not sampled)
 
 
 @needs_flashinfer
@@ -231,7 +263,7 @@ def test_graphs_on_and_off_agree_with_gqa_head_dim_64(extra_models: dict[str, Pa
     options = dict(attention_backend="flashinfer", page_size=page_size, cuda_graph_max_bs=GRAPH_MAX_BS)
     prompts, params = encoded(path, 13), batch_params(13, sampled=False)
     graphed = run(path, prompts, params, cuda_graph=True, **options)
-    assert graphed == run(path, prompts, params, cuda_graph=False, **options)
+    assert_same_up_to_a_near_tie(graphed, run(path, prompts, params, cuda_graph=False, **options), greedy=True)
 
 
 # -- overlap -----------------------------------------------------------------------------
@@ -244,8 +276,9 @@ def test_overlap_on_and_off_agree_with_flashinfer_and_graphs(extra_models: dict[
     prompts = encoded(path, 13)
     params = [p for pair in zip(batch_params(13, False), batch_params(13, True)) for p in pair][:13]
     options = dict(attention_backend="flashinfer", cuda_graph=True, cuda_graph_max_bs=GRAPH_MAX_BS, page_size=page_size)
-    overlapped = run(path, prompts, params, overlap=True, **options)
-    sequential = run(path, prompts, params, overlap=False, **options)
+    # The same kernels on the same shapes either way: exactly the same tokens.
+    overlapped = token_ids(run(path, prompts, params, overlap=True, **options))
+    sequential = token_ids(run(path, prompts, params, overlap=False, **options))
     assert overlapped == sequential, first_difference(overlapped, sequential)
 
 
@@ -278,7 +311,7 @@ def test_fused_ops_follow_their_contracts_on_cuda(stories_path: Path, extra_mode
     params = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
     for path, all_fused in ((stories_path, False), (extra_models["llama-hd64-gqa"], True), (extra_models["qwen3-hd128"], True)):
         flashinfer_elementwise.forget_decisions()
-        outputs = run(path, encoded(path, 3), [params] * 3)
+        outputs = token_ids(run(path, encoded(path, 3), [params] * 3))
         torch.cuda.synchronize()  # a fault surfaces here, in this test
         assert [len(o) for o in outputs] == [16] * 3
         report = flashinfer_elementwise.report()

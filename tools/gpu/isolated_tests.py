@@ -10,7 +10,8 @@ cut at its timeout and reported, and the rest go on.
 
 Usage (benchmarks/gpu_check.sh tests does this):
     python tools/gpu/isolated_tests.py --out DIR [--timeout S] [--budget S] [-m MARK] FILE...
-Writes DIR/summary.txt (one line per test: outcome, seconds, node id),
+Writes DIR/summary.txt (one line per test: outcome, seconds, node id;
+rewritten after each pytest process, so a cut run leaves what it found),
 DIR/<n>.log (each pytest process's console), DIR/rerun-<n>.log (each
 isolated rerun) and DIR/timeout-<n>.log (a cut test's evidence: pytest's
 stack dump taken before the cut, and the tails of the server logs it
@@ -134,7 +135,24 @@ def run_isolated(nodeids: list[str], out: Path, timeout: float, budget: float) -
                 first = results[culprit]
                 results[culprit] = Outcome(culprit, f"{first.outcome}-then-{alone.outcome}-alone", first.seconds)
         remaining = remaining[stop + 1 :]
+        write_summary(out, outcomes(nodeids, results))
+    return outcomes(nodeids, results)
+
+
+def outcomes(nodeids: list[str], results: dict[str, Outcome]) -> list[Outcome]:
     return [results.get(n, Outcome(n, "not run", 0.0)) for n in nodeids]
+
+
+def summary_lines(found: list[Outcome]) -> str:
+    return "\n".join(
+        f"{o.outcome:<22} {o.seconds:7.1f}s  {o.nodeid}" + (f"  ({o.why})" if o.why else "") for o in found
+    )
+
+
+def write_summary(out: Path, found: list[Outcome]) -> None:
+    """Written after every pytest process, not only at the end: a caller's
+    timeout that cuts this runner still leaves the outcomes so far."""
+    (out / "summary.txt").write_text(summary_lines(found) + "\n")
 
 
 def main() -> int:
@@ -146,17 +164,14 @@ def main() -> int:
     parser.add_argument("-m", dest="mark", default=None, help="pytest -m expression for collection")
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
-    outcomes = run_isolated(collect(args.files, args.mark), args.out, args.timeout, args.budget)
-    summary = "\n".join(
-        f"{o.outcome:<22} {o.seconds:7.1f}s  {o.nodeid}" + (f"  ({o.why})" if o.why else "") for o in outcomes
-    )
-    (args.out / "summary.txt").write_text(summary + "\n")
-    print(summary)
+    found = run_isolated(collect(args.files, args.mark), args.out, args.timeout, args.budget)
+    write_summary(args.out, found)
+    print(summary_lines(found))
     counts: dict[str, int] = {}
-    for o in outcomes:
+    for o in found:
         counts[o.outcome] = counts.get(o.outcome, 0) + 1
     print(", ".join(f"{n} {k}" for k, n in sorted(counts.items())))
-    return 0 if all(o.outcome in OK for o in outcomes) else 1
+    return 0 if all(o.outcome in OK for o in found) else 1
 
 
 if __name__ == "__main__":
