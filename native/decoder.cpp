@@ -161,35 +161,47 @@ class DecoderStack {
       void* k = qkv.get() + q_size * a_bytes;
       const void* v = qkv.get() + (q_size + kv_size) * a_bytes;
       Rows q_rows{batch * num_heads_, num_heads_, qkv_size, dim}, k_rows{batch * num_kv_heads_, num_kv_heads_, qkv_size, dim};
-      int q_type = a_type, k_type = a_type;
-      Buffer q_normed, k_normed;
-      if (l.q_norm != nullptr) {
-        q_type = norm_type(a_type, l.q_norm_type);
-        k_type = norm_type(a_type, l.k_norm_type);
-        q_normed = allocate(batch * q_size, q_type);
-        k_normed = allocate(batch * kv_size, k_type);
-        rms_norm(q, q_rows, nullptr, Rows{0, 1, 0, 0}, a_type, l.q_norm, l.q_norm_type, q_normed.get(), dim, eps);
-        rms_norm(k, k_rows, nullptr, Rows{0, 1, 0, 0}, a_type, l.k_norm, l.k_norm_type, k_normed.get(), dim, eps);
-        q = q_normed.get();
-        k = k_normed.get();
-        q_rows = {batch * num_heads_, num_heads_, q_size, dim};
-        k_rows = {batch * num_kv_heads_, num_kv_heads_, kv_size, dim};
-      }
-      AIOSERVE_CHECK(q_type == k_type, "rotary_embedding: q and k must share a dtype");
-      rotary_embedding(positions, q, q_rows, k, k_rows, q_type, cos_, sin_, max_positions_, batch, dim);
-      AIOSERVE_CHECK(k_type == a_type, "store_kv: k, v [T, Hk, D]");
       const Rows v_rows{batch * num_kv_heads_, num_kv_heads_, qkv_size, dim};
-      store_kv(k, k_rows, k_type, l.key_cache, l.cache_type, slots, l.cache_limit, num_kv_heads_, dim);
-      store_kv(v, v_rows, a_type, l.value_cache, l.cache_type, slots, l.cache_limit, num_kv_heads_, dim);
+      int q_type = a_type;
       // Attention reads q contiguous (torch's q.contiguous() copied the view).
-      Buffer q_copy;
+      Buffer q_dense_buffer, q_normed, k_normed;  // held until attention has read q
       const void* q_dense = q;
-      if (l.q_norm == nullptr) {
-        q_copy = allocate(batch * q_size, q_type);
-        const int64_t bytes = element_size(q_type);
-        for (int64_t r = 0; r < q_rows.count; ++r)
-          std::memcpy(q_copy.get() + r * dim * bytes, static_cast<const char*>(q) + q_rows.offset(r) * bytes, dim * bytes);
-        q_dense = q_copy.get();
+      const bool norms_fuse = l.q_norm == nullptr || (l.q_norm_type == a_type && l.k_norm_type == a_type);
+      if (norms_fuse && qk_norm_rope_store_fuses(a_type, l.cache_type, dim)) {
+        // The norms, RoPE and the KV write in one pass, bit for bit the ops below.
+        q_dense_buffer = allocate(batch * q_size, a_type);
+        qk_norm_rope_store(positions, q, q_rows, k, k_rows, v, v_rows, a_type, l.q_norm, l.k_norm, eps, cos_, sin_,
+                           max_positions_, l.key_cache, l.value_cache, l.cache_type, slots, l.cache_limit, batch, dim,
+                           q_dense_buffer.get());
+        q_dense = q_dense_buffer.get();
+      } else {
+        int k_type = a_type;
+        if (l.q_norm != nullptr) {
+          q_type = norm_type(a_type, l.q_norm_type);
+          k_type = norm_type(a_type, l.k_norm_type);
+          q_normed = allocate(batch * q_size, q_type);
+          k_normed = allocate(batch * kv_size, k_type);
+          rms_norm(q, q_rows, nullptr, Rows{0, 1, 0, 0}, a_type, l.q_norm, l.q_norm_type, q_normed.get(), dim, eps);
+          rms_norm(k, k_rows, nullptr, Rows{0, 1, 0, 0}, a_type, l.k_norm, l.k_norm_type, k_normed.get(), dim, eps);
+          q = q_normed.get();
+          k = k_normed.get();
+          q_rows = {batch * num_heads_, num_heads_, q_size, dim};
+          k_rows = {batch * num_kv_heads_, num_kv_heads_, kv_size, dim};
+        }
+        AIOSERVE_CHECK(q_type == k_type, "rotary_embedding: q and k must share a dtype");
+        rotary_embedding(positions, q, q_rows, k, k_rows, q_type, cos_, sin_, max_positions_, batch, dim);
+        AIOSERVE_CHECK(k_type == a_type, "store_kv: k, v [T, Hk, D]");
+        store_kv(k, k_rows, k_type, l.key_cache, l.cache_type, slots, l.cache_limit, num_kv_heads_, dim);
+        store_kv(v, v_rows, a_type, l.value_cache, l.cache_type, slots, l.cache_limit, num_kv_heads_, dim);
+        q_dense = q;
+        if (l.q_norm == nullptr) {
+          q_dense_buffer = allocate(batch * q_size, q_type);
+          const int64_t bytes = element_size(q_type);
+          for (int64_t r = 0; r < q_rows.count; ++r)
+            std::memcpy(q_dense_buffer.get() + r * dim * bytes, static_cast<const char*>(q) + q_rows.offset(r) * bytes,
+                        dim * bytes);
+          q_dense = q_dense_buffer.get();
+        }
       }
       Buffer attended = allocate(batch * q_size, q_type);
       paged_decode_attention(q_dense, q_type, l.key_cache, l.value_cache, l.cache_type, page_table, pages_per_row,

@@ -18,6 +18,7 @@
 #include "parallel.h"
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -217,6 +218,19 @@ inline void rotate_row16(T* x, const float* cs, int64_t half) {
 }
 #endif
 
+#if defined(__AVX512F__)
+// A token's cos and sin rounded to T for rotate_row16: cs = [c1 | s1 | c2 | s2].
+template <typename T>
+inline void token_cos_sin(const float* c, const float* s, int64_t half, float* cs) {
+  for (int64_t d = 0; d < half; d += 16) {
+    _mm512_store_ps(cs + d, round16<T>(_mm512_loadu_ps(c + d)));
+    _mm512_store_ps(cs + half + d, round16<T>(_mm512_loadu_ps(s + d)));
+    _mm512_store_ps(cs + 2 * half + d, round16<T>(_mm512_loadu_ps(c + half + d)));
+    _mm512_store_ps(cs + 3 * half + d, round16<T>(_mm512_loadu_ps(s + half + d)));
+  }
+}
+#endif
+
 template <typename T>
 void rotary_impl(const int64_t* positions, T* q, Rows qr, T* k, Rows kr, const float* cos, const float* sin,
                  int64_t tokens, int64_t dim) {
@@ -232,12 +246,7 @@ void rotary_impl(const int64_t* positions, T* q, Rows qr, T* k, Rows kr, const f
 #if defined(__AVX512F__)
       if (by16) {
         alignas(64) float cs[4 * kMaxVectorHalf];
-        for (int64_t d = 0; d < half; d += 16) {
-          _mm512_store_ps(cs + d, round16<T>(_mm512_loadu_ps(c + d)));
-          _mm512_store_ps(cs + half + d, round16<T>(_mm512_loadu_ps(s + d)));
-          _mm512_store_ps(cs + 2 * half + d, round16<T>(_mm512_loadu_ps(c + half + d)));
-          _mm512_store_ps(cs + 3 * half + d, round16<T>(_mm512_loadu_ps(s + half + d)));
-        }
+        token_cos_sin<T>(c, s, half, cs);
         for (int64_t h = 0; h < q_heads; ++h) rotate_row16(q + t * qr.outer_stride + h * qr.inner_stride, cs, half);
         for (int64_t h = 0; h < k_heads; ++h) rotate_row16(k + t * kr.outer_stride + h * kr.inner_stride, cs, half);
         continue;
@@ -292,6 +301,116 @@ void store_kv(const void* src, Rows sr, int src_type, void* cache, int cache_typ
       store_impl<S, C>(static_cast<const S*>(src), sr, static_cast<C*>(cache), slots, heads, dim);
     });
   });
+}
+
+namespace {
+
+// ---- qk_norm_rope_store --------------------------------------------------------
+
+#if defined(__AVX512F__)
+// `count` heads of one token, `stride` elements apart from `src`, into the
+// rows `dst(i)`: RMSNormed by `weight` (rms_norm's rows, four at a time, each
+// row's bits its own), or copied where there is no norm.
+template <typename T, typename Dst>
+inline void norm_heads(const T* src, int64_t stride, int64_t count, const T* weight, float eps, int64_t dim,
+                       const Dst& dst) {
+  int64_t h = 0;
+  if (weight != nullptr) {
+    for (; h + 4 <= count; h += 4) {
+      const T* srcs[4] = {src + h * stride, src + (h + 1) * stride, src + (h + 2) * stride, src + (h + 3) * stride};
+      T* const none[4] = {nullptr, nullptr, nullptr, nullptr};
+      T* rows[4] = {dst(h), dst(h + 1), dst(h + 2), dst(h + 3)};
+      rms_norm_rows16<4>(srcs, none, weight, rows, dim, eps);
+    }
+  }
+  for (; h < count; ++h) {
+    if (weight == nullptr) {
+      std::memcpy(dst(h), src + h * stride, dim * sizeof(T));
+      continue;
+    }
+    const T* srcs[1] = {src + h * stride};
+    T* const none[1] = {nullptr};
+    T* rows[1] = {dst(h)};
+    rms_norm_rows16<1>(srcs, none, weight, rows, dim, eps);
+  }
+}
+
+// rms_norm (q and k, if weights), rotary_embedding and store_kv one after the
+// other, bit for bit, a token at a time in one parallel region: each head is
+// normed into its destination (q's dense output, k's cache row), rotated
+// there and, for k, copied back over its place in q|k|v (where a prompt's
+// attention reads this step's keys); v is copied into its cache row. The
+// separate ops took five parallel regions and read each head three times
+// (a 64-row decode step of Qwen3-0.6B: 140 regions of its 28 layers).
+template <typename T>
+void qk_norm_rope_store_impl(const int64_t* positions, const T* q, Rows qr, T* k, Rows kr, const T* v, Rows vr,
+                             const T* q_weight, const T* k_weight, float eps, const float* cos, const float* sin,
+                             T* key_cache, T* value_cache, const int64_t* slots, int64_t tokens, int64_t dim,
+                             T* q_out) {
+  const int64_t q_heads = qr.inner, kv_heads = kr.inner, half = dim / 2;
+  aioserve::parallel_pieces(tokens, row_grain((q_heads + 2 * kv_heads) * dim), [&](int64_t begin, int64_t end) {
+    alignas(64) float cs[4 * kMaxVectorHalf];
+    for (int64_t t = begin; t < end; ++t) {
+      token_cos_sin<T>(cos + positions[t] * dim, sin + positions[t] * dim, half, cs);
+      T* q_rows = q_out + t * q_heads * dim;
+      norm_heads(q + t * qr.outer_stride, qr.inner_stride, q_heads, q_weight, eps, dim,
+                 [&](int64_t h) { return q_rows + h * dim; });
+      for (int64_t h = 0; h < q_heads; ++h) rotate_row16(q_rows + h * dim, cs, half);
+      T* k_rows = key_cache + slots[t] * kv_heads * dim;
+      T* k_here = k + t * kr.outer_stride;
+      norm_heads(k_here, kr.inner_stride, kv_heads, k_weight, eps, dim, [&](int64_t h) { return k_rows + h * dim; });
+      for (int64_t h = 0; h < kv_heads; ++h) {
+        rotate_row16(k_rows + h * dim, cs, half);
+        std::memcpy(k_here + h * kr.inner_stride, k_rows + h * dim, dim * sizeof(T));
+      }
+      T* v_rows = value_cache + slots[t] * kv_heads * dim;
+      for (int64_t h = 0; h < kv_heads; ++h)
+        std::memcpy(v_rows + h * dim, v + t * vr.outer_stride + h * vr.inner_stride, dim * sizeof(T));
+    }
+  });
+}
+#endif
+
+// Whether qk_norm_rope_store may serve (aioserve_qk_norm_rope_store_use; AIOSERVE_QK_ROPE_STORE=0 in native_lib.py).
+std::atomic<bool> qk_norm_rope_store_wanted{true};
+
+}  // namespace
+
+bool qk_norm_rope_store_fuses(int type, int cache_type, int64_t dim) {
+#if defined(__AVX512F__)
+  return qk_norm_rope_store_wanted.load(std::memory_order_relaxed) && (type == kBFloat16 || type == kFloat16) &&
+         cache_type == type && dim % 32 == 0 && dim / 2 <= kMaxVectorHalf;
+#else
+  (void)type, (void)cache_type, (void)dim;
+  return false;
+#endif
+}
+
+void qk_norm_rope_store(const int64_t* positions, const void* q, Rows qr, void* k, Rows kr, const void* v, Rows vr,
+                        int type, const void* q_weight, const void* k_weight, float eps, const float* cos,
+                        const float* sin, int64_t max_positions, void* key_cache, void* value_cache, int cache_type,
+                        const int64_t* slots, int64_t cache_slots, int64_t tokens, int64_t dim, void* q_out) {
+  AIOSERVE_CHECK(qk_norm_rope_store_fuses(type, cache_type, dim),
+                 "qk_norm_rope_store: half-precision rows and cache of one dtype, head dim a multiple of 32 up to 256");
+  AIOSERVE_CHECK((q_weight == nullptr) == (k_weight == nullptr), "qk_norm_rope_store: both norms or neither");
+  AIOSERVE_CHECK(qr.count == tokens * qr.inner && kr.count == tokens * kr.inner && vr.inner == kr.inner,
+                 "qk_norm_rope_store: q [T, Hq, D], k and v [T, Hk, D]");
+  check_indices(positions, tokens, max_positions, "qk_norm_rope_store: position ");
+  check_indices(slots, tokens, cache_slots, "qk_norm_rope_store: slot ");
+#if defined(__AVX512F__)
+  auto run = [&](auto tag) {
+    using T = decltype(tag);
+    qk_norm_rope_store_impl<T>(positions, static_cast<const T*>(q), qr, static_cast<T*>(k), kr,
+                               static_cast<const T*>(v), vr, static_cast<const T*>(q_weight),
+                               static_cast<const T*>(k_weight), eps, cos, sin, static_cast<T*>(key_cache),
+                               static_cast<T*>(value_cache), slots, tokens, dim, static_cast<T*>(q_out));
+  };
+  if (type == kBFloat16) {
+    run(BFloat16{});
+  } else {
+    run(Half{});
+  }
+#endif
 }
 
 namespace {
@@ -408,6 +527,26 @@ static int store_kv_direct(const void* k, int64_t k_token_stride, int64_t k_head
   });
 }
 
+static int qk_norm_rope_store_fuses_direct(int type, int cache_type, int64_t dim) {
+  return aioserve::qk_norm_rope_store_fuses(type, cache_type, dim) ? 1 : 0;
+}
+
+static int qk_norm_rope_store_direct(const int64_t* positions, const void* q, int64_t q_token_stride,
+                                     int64_t q_head_stride, void* k, int64_t k_token_stride, int64_t k_head_stride,
+                                     const void* v, int64_t v_token_stride, int64_t v_head_stride, int type,
+                                     const void* q_weight, const void* k_weight, double eps, const float* cos,
+                                     const float* sin, int64_t max_positions, void* key_cache, void* value_cache,
+                                     int cache_type, const int64_t* slots, int64_t cache_slots, int64_t tokens,
+                                     int64_t q_heads, int64_t kv_heads, int64_t dim, void* q_out) {
+  return aioserve::guarded([&] {
+    aioserve::qk_norm_rope_store(positions, q, {tokens * q_heads, q_heads, q_token_stride, q_head_stride}, k,
+                                 {tokens * kv_heads, kv_heads, k_token_stride, k_head_stride}, v,
+                                 {tokens * kv_heads, kv_heads, v_token_stride, v_head_stride}, type, q_weight, k_weight,
+                                 static_cast<float>(eps), cos, sin, max_positions, key_cache, value_cache, cache_type,
+                                 slots, cache_slots, tokens, dim, q_out);
+  });
+}
+
 static int silu_and_mul_direct(const void* x, void* out, int type, int64_t rows, int64_t n) {
   return aioserve::guarded([&] { aioserve::silu_and_mul(x, out, type, rows, n); });
 }
@@ -423,6 +562,14 @@ extern "C" {
 int aioserve_rms_norm(const void* record) { return aioserve::call_packed(rms_norm_direct, record); }
 int aioserve_rotary_embedding(const void* record) { return aioserve::call_packed(rotary_embedding_direct, record); }
 int aioserve_store_kv(const void* record) { return aioserve::call_packed(store_kv_direct, record); }
+// Let qk_norm_rope_store serve where it applies (want != 0), or keep the separate ops. Process-wide.
+void aioserve_qk_norm_rope_store_use(int want) {
+  aioserve::qk_norm_rope_store_wanted.store(want != 0, std::memory_order_relaxed);
+}
+int aioserve_qk_norm_rope_store_fuses(const void* record) {
+  return aioserve::call_packed(qk_norm_rope_store_fuses_direct, record);
+}
+int aioserve_qk_norm_rope_store(const void* record) { return aioserve::call_packed(qk_norm_rope_store_direct, record); }
 int aioserve_silu_and_mul(const void* record) { return aioserve::call_packed(silu_and_mul_direct, record); }
 int aioserve_row_max_argmax(const void* record) { return aioserve::call_packed(row_max_argmax_direct, record); }
 

@@ -15,8 +15,11 @@ from aioserve.cpu import elementwise as native_elementwise
 from aioserve.layers.activation import silu_and_mul
 from aioserve.layers.norm import RMSNorm
 from aioserve.layers.rotary import RopeScaling, RotaryEmbedding
+from aioserve.cpu.dispatch import choose_cpu_dispatch
+from aioserve.cpu.isa import cpu_flags
 from aioserve.cpu.native import cpu_kernels
 from test_sampler import tensors
+from tiny_models import build_checkpoint
 
 pytestmark = pytest.mark.skipif(cpu_kernels() is None, reason="native kernels could not be built here")
 
@@ -196,3 +199,115 @@ def test_greedy_outputs_equal_with_and_without_the_kernels(tiny_checkpoints: dic
     assert native == [o.token_ids for o in twin_llm.generate(prompts, params)]
     native_llm.close()
     twin_llm.close()
+
+
+# -- q/k norms, RoPE and the KV write in one pass (qk_norm_rope_store) ---------------------
+
+
+def separate_qk_ops(positions, q, k, v, rotary, q_weight, k_weight, pool, slots):
+    """The three ops the one pass replaces, on copies: (q dense, k normed and rotated)."""
+    kernels = cpu_kernels()
+    if q_weight is not None:
+        q, k = kernels.rms_norm(q, None, q_weight, 1e-6), kernels.rms_norm(k, None, k_weight, 1e-6)
+    kernels.rotary_embedding(positions, q, k, rotary.cos_cache, rotary.sin_cache)
+    kernels.store_kv(k, v, pool.keys(0), pool.values(0), slots)
+    return q.contiguous(), k.contiguous()
+
+
+def fuses_here(dtype: torch.dtype, dim: int) -> bool:
+    return cpu_kernels().qk_norm_rope_store_fuses(torch.empty(1, 1, dim, dtype=dtype), torch.empty(1, 1, dim, dtype=dtype))
+
+
+@pytest.mark.parametrize("dtype", HALF)
+@pytest.mark.parametrize("norm", [True, False], ids=["qk-norm", "no-norm"])
+@pytest.mark.parametrize("tokens,heads,kv_heads,dim", [(1, 16, 8, 128), (7, 16, 8, 128), (64, 6, 2, 64),
+                                                       (5, 4, 1, 256), (300, 5, 5, 96), (3, 8, 8, 32)])
+def test_qk_norm_rope_store_is_the_separate_ops_bit_for_bit(dtype, norm, tokens, heads, kv_heads, dim) -> None:
+    """q normed and rotated (dense), k normed and rotated both in the cache
+    and where it lies in q|k|v, v in the cache: the bits rms_norm,
+    rotary_embedding and store_kv give one after the other (the same row
+    functions), for any number of heads, GQA or not, with and without norms."""
+    if not fuses_here(dtype, dim):
+        pytest.skip("qk_norm_rope_store needs AVX-512 (the separate ops serve)")
+    generator = torch.Generator().manual_seed(tokens * dim + heads)
+    rotary = RotaryEmbedding(dim, 512, 10000.0, RopeScaling())
+    positions = torch.randint(0, 512, (tokens,), generator=generator)
+    slots = torch.randperm(60 * 4, generator=generator)[:tokens] + 4 if tokens <= 200 else torch.arange(tokens) + 4
+    weights = [(1 + torch.randn(dim, generator=generator) / 4).to(dtype) for _ in range(2)] if norm else [None, None]
+    q, k, v = head_views(tokens, heads, kv_heads, dim, dtype, tokens + heads)
+    q2, k2, v2 = (t.clone() for t in (q, k, v))
+    pools = [KVPool(1, 400 if tokens > 200 else 61, 4, kv_heads, dim, dtype, torch.device("cpu")) for _ in range(2)]
+    for pool in pools:
+        pool.buffer.zero_()
+    expected_q, expected_k = separate_qk_ops(positions, q2, k2, v2, rotary, *weights, pools[1], slots)
+    out = cpu_kernels().qk_norm_rope_store(positions, q, k, v, rotary.cos_cache, rotary.sin_cache, *weights, 1e-6,
+                                           pools[0].keys(0), pools[0].values(0), slots)
+    assert out.is_contiguous() and out.shape == (tokens, heads, dim)
+    assert torch.equal(out.view(torch.int16), expected_q.view(torch.int16))
+    assert torch.equal(k.contiguous().view(torch.int16), expected_k.view(torch.int16))  # rotated in place
+    assert torch.equal(pools[0].buffer.view(torch.int16), pools[1].buffer.view(torch.int16))
+
+
+def test_qk_norm_rope_store_takes_only_what_it_is_exact_for() -> None:
+    """float32 rows, an FP8 or wider cache, a head dim that is not a
+    multiple of 32 (or past 256), or the op turned off: the separate ops
+    serve, and a call anyway is refused with the reason."""
+    from aioserve.cpu.native_lib import library
+
+    if not fuses_here(torch.bfloat16, 64):
+        pytest.skip("qk_norm_rope_store needs AVX-512")
+    kernels = cpu_kernels()
+    bf16 = torch.empty(2, 4, 64, dtype=torch.bfloat16)
+    assert kernels.qk_norm_rope_store_fuses(bf16, bf16) and fuses_here(torch.float16, 128)
+    assert not kernels.qk_norm_rope_store_fuses(bf16.float(), bf16.float())
+    assert not kernels.qk_norm_rope_store_fuses(bf16, bf16.float())
+    assert not kernels.qk_norm_rope_store_fuses(bf16, bf16.to(torch.float8_e4m3fn))
+    assert not fuses_here(torch.bfloat16, 48) and not fuses_here(torch.bfloat16, 16) and not fuses_here(torch.bfloat16, 512)
+    rotary = RotaryEmbedding(48, 64, 10000.0, RopeScaling())
+    q, k, v = head_views(2, 2, 1, 48, torch.bfloat16, 0)
+    cache = torch.zeros(8, 1, 48, dtype=torch.bfloat16)
+    with pytest.raises(RuntimeError, match="not for these rows and cache"):
+        kernels.qk_norm_rope_store(torch.arange(2), q, k, v, rotary.cos_cache, rotary.sin_cache, None, None, 0.0,
+                                   cache, cache.clone(), torch.arange(2))
+    library().use_qk_norm_rope_store(False)
+    try:
+        assert not kernels.qk_norm_rope_store_fuses(bf16, bf16)
+    finally:
+        library().use_qk_norm_rope_store(True)
+
+
+@pytest.mark.parametrize("arch", ["qwen3", "gemma3"])
+def test_greedy_outputs_equal_with_and_without_the_one_pass(tiny_checkpoints: dict[str, Path], arch: str,
+                                                            tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Through the LLM in bf16, prompts through the modules and decodes
+    through the native DecoderStack (Qwen3's per-head q/k norms; Gemma 3,
+    whose windows and (1 + w) norms the DecoderStack leaves to the modules):
+    the same tokens and logprobs with the one pass as with the separate ops
+    (AIOSERVE_QK_ROPE_STORE=0), and the modules did take it."""
+    from aioserve.cpu.native_lib import library
+
+    if not fuses_here(torch.bfloat16, 32):
+        pytest.skip("qk_norm_rope_store needs AVX-512")
+    kernels = cpu_kernels()
+    calls = []
+    one_pass = kernels.qk_norm_rope_store
+    monkeypatch.setattr(kernels, "qk_norm_rope_store", lambda *args: calls.append(1) or one_pass(*args))
+    params = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True, logprobs=0)
+    prompts = ["Once upon a time there was a little robot", "The quick brown fox", "a"]
+    options = {"page_size": 4, "device": "cpu", "dtype": "bfloat16", "cpu_half_compute": "native"}
+    model = build_checkpoint("gemma3", tmp_path / "gemma3") if arch == "gemma3" else tiny_checkpoints[arch]
+    outputs = {}
+    for on in (True, False):
+        library().use_qk_norm_rope_store(on)
+        llm = LLM(str(model), **options)  # one engine each: no prefix shared between the runs
+        try:
+            outputs[on] = [(o.token_ids, o.logprobs) for o in llm.generate(prompts, params)]
+            decodes_native = getattr(llm.engine.graph_runner, "replays", 0)
+        finally:
+            llm.close()
+            library().use_qk_norm_rope_store(True)
+        assert bool(calls) == on  # the prompts' modules
+        if arch == "qwen3" and choose_cpu_dispatch(cpu_flags(), torch.bfloat16, cpu_half_compute="native").native_decode:
+            assert decodes_native > 0  # the decodes' DecoderStack (native/decoder.cpp) took its own call
+        calls.clear()
+    assert outputs[True] == outputs[False]

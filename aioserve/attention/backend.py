@@ -55,6 +55,12 @@ class AttentionMetadata(ABC):
         then calls `attend(..., stored=True)`; None: `attend` stores them."""
         return None
 
+    def native_kv_destination(self, layer: int) -> KVDestination | None:
+        """The same, for a CPU layer whose keys and values the native
+        qk_norm_rope_store writes (cpu/native_ops.py), leaving k rotated in
+        place for this step's prompt attention; None: not on this backend."""
+        return None
+
 
 class AttentionBackend(ABC):
     name: str  # as --attention-backend spells it

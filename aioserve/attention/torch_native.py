@@ -31,7 +31,7 @@ from types import ModuleType
 import torch
 import torch.nn.functional as F
 
-from aioserve.attention.backend import AttentionBackend, AttentionMetadata, check_non_causal_plan
+from aioserve.attention.backend import AttentionBackend, AttentionMetadata, KVDestination, check_non_causal_plan
 from aioserve.batch_plan import BatchPlan, extend_runs_as_decodes, token_rows
 from aioserve.kvcache.kv_pool import KVPool, to_cache_dtype
 from aioserve.cpu.native import cpu_kernels
@@ -223,6 +223,11 @@ class TorchNativeMetadata(AttentionMetadata):
                 self._decode_k_pos > self._decode_q_pos - window
             )
         return self._decode_masks[window][:, None, None, :]
+
+    def native_kv_destination(self, layer: int) -> KVDestination | None:
+        if self.kernels is None:
+            return None
+        return KVDestination(self.pool.keys(layer), self.pool.values(layer), self.out_cache_loc)
 
     def attend(
         self,

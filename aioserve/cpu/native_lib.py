@@ -49,6 +49,9 @@ PROTOTYPES: dict[str, list[Any]] = {
     "aioserve_rotary_embedding": [_p, _p, _i64, _i64, _i64, _p, _i64, _i64, _i64, _i32, _p, _p, _i64, _i64, _i64],
     "aioserve_store_kv": [_p, _i64, _i64, _p, _i64, _i64, _i32, _p, _p, _i32, _p, _i64, _i64, _i64, _i64],
     "aioserve_silu_and_mul": [_p, _p, _i32, _i64, _i64],
+    "aioserve_qk_norm_rope_store_fuses": [_i32, _i32, _i64],
+    "aioserve_qk_norm_rope_store": [_p, _p, _i64, _i64, _p, _i64, _i64, _p, _i64, _i64, _i32, _p, _p, _f64, _p, _p,
+                                    _i64, _p, _p, _i32, _p, _i64, _i64, _i64, _i64, _i64, _p],
     "aioserve_row_max_argmax": [_p, _i64, _i64, _p, _p],
     "aioserve_paged_decode_attention": [_p, _i32, _p, _p, _i32, _p, _i64, _p, _i64, _i64, _i64, _i64, _i64, _f64,
                                         _i64, _p],
@@ -109,6 +112,11 @@ class NativeLibrary:
         self._tiles_in_use.argtypes, self._tiles_in_use.restype = [], _i32
         # AMX tiles for bf16 products where the CPU has them (native/gemm.cpp); AIOSERVE_AMX=0: the pair dots.
         self.use_tiles(os.environ.get("AIOSERVE_AMX", "1") != "0")
+        self._use_qk_norm_rope_store = holding.aioserve_qk_norm_rope_store_use
+        self._use_qk_norm_rope_store.argtypes, self._use_qk_norm_rope_store.restype = [_i32], None
+        # q/k norms, RoPE and the KV write in one pass where it applies (native/elementwise.cpp);
+        # AIOSERVE_QK_ROPE_STORE=0 (as on a GPU: flashinfer/qk_rope_store.py): the separate ops.
+        self.use_qk_norm_rope_store(os.environ.get("AIOSERVE_QK_ROPE_STORE", "1") != "0")
         self.decoder_new = holding.aioserve_decoder_new
         self.decoder_new.argtypes = [_i64, _i64, _i64, _i64, _f64, _f64, _p, _p, _i64, _i64, _p, _i32]
         self.decoder_new.restype = _p
@@ -118,6 +126,10 @@ class NativeLibrary:
     def use_tiles(self, want: bool) -> bool:
         """Route bf16 products through AMX tiles (process-wide); whether they now are."""
         return bool(self._use_tiles(int(want)))
+
+    def use_qk_norm_rope_store(self, want: bool) -> None:
+        """Let the one-pass q/k norms + RoPE + KV write serve where it applies, or keep the separate ops."""
+        self._use_qk_norm_rope_store(int(want))
 
     def tiles_in_use(self) -> bool:
         """Whether bf16 products run on AMX tiles now (the library keeps the setting)."""

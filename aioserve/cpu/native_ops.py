@@ -105,6 +105,64 @@ def store_kv(k: torch.Tensor, v: torch.Tensor, key_cache: torch.Tensor, value_ca
         raise lib.fail()
 
 
+def qk_norm_rope_store_fuses(q: torch.Tensor, key_cache: torch.Tensor) -> bool:
+    """Whether qk_norm_rope_store takes q's rows and this cache: bf16 or fp16
+    rows and a cache of their dtype, head dim a multiple of 32 up to 256."""
+    return q.dim() == 3 and bool(library().qk_norm_rope_store_fuses(
+        code(q, "qk_norm_rope_store"), code(key_cache, "qk_norm_rope_store"), q.shape[2]))
+
+
+def qk_norm_rope_store(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                       cos_cache: torch.Tensor, sin_cache: torch.Tensor, q_weight: torch.Tensor | None,
+                       k_weight: torch.Tensor | None, eps: float, key_cache: torch.Tensor, value_cache: torch.Tensor,
+                       slots: torch.Tensor) -> torch.Tensor:
+    """rms_norm of q and k by their weights (both None: no norm),
+    rotary_embedding, and store_kv of k and v, bit for bit, in one pass:
+    returns q normed and rotated, dense [T, Hq, D]; k (a view, rows
+    contiguous) is left normed and rotated in place, as attention over this
+    step's prompt tokens reads it."""
+    if q.dim() != 3 or k.dim() != 3 or k.shape != v.shape or q.dtype != k.dtype or k.dtype != v.dtype:
+        raise RuntimeError("qk_norm_rope_store: q [T, Hq, D], k and v [T, Hk, D] of one dtype")
+    if q.stride(-1) != 1 or k.stride(-1) != 1 or v.stride(-1) != 1:
+        raise RuntimeError("qk_norm_rope_store: rows must be contiguous")
+    tokens, q_heads, dim = q.shape
+    kv_heads = k.shape[1]
+    if k.shape[0] != tokens or k.shape[2] != dim or q_heads % kv_heads:
+        raise RuntimeError("qk_norm_rope_store: q and k shapes differ")
+    if not qk_norm_rope_store_fuses(q, key_cache):
+        raise RuntimeError("qk_norm_rope_store: not for these rows and cache (see qk_norm_rope_store_fuses)")
+    if (key_cache.dim() != 3 or key_cache.shape != value_cache.shape or key_cache.dtype != value_cache.dtype
+            or key_cache.shape[1:] != (kv_heads, dim) or not key_cache.is_contiguous()
+            or not value_cache.is_contiguous()):
+        raise RuntimeError("qk_norm_rope_store: contiguous caches [slots, Hk, D] of the rows' dtype")
+    if (cos_cache.dtype != torch.float32 or sin_cache.dtype != torch.float32 or not cos_cache.is_contiguous()
+            or not sin_cache.is_contiguous() or cos_cache.shape[1] != dim or sin_cache.shape != cos_cache.shape):
+        raise RuntimeError("qk_norm_rope_store: cos/sin caches [max_positions, D] float32")
+    if (q_weight is None) != (k_weight is None):
+        raise RuntimeError("qk_norm_rope_store: both norm weights or neither")
+    for weight in (q_weight, k_weight):
+        if weight is not None and (weight.dtype != q.dtype or weight.shape != (dim,) or not weight.is_contiguous()):
+            raise RuntimeError("qk_norm_rope_store: norm weights [D] of the rows' dtype")
+    if positions.dtype != torch.int64 or positions.numel() != tokens or slots.dtype != torch.int64 \
+            or slots.numel() != tokens:
+        raise RuntimeError("qk_norm_rope_store: positions and slots [T] int64")
+    positions, slots = positions.contiguous(), slots.contiguous()
+    out = torch.empty(tokens, q_heads, dim, dtype=q.dtype)
+    if tokens == 0:
+        return out
+    lib = library()
+    if lib.qk_norm_rope_store(
+        positions.data_ptr(), q.data_ptr(), q.stride(0), q.stride(1), k.data_ptr(), k.stride(0), k.stride(1),
+        v.data_ptr(), v.stride(0), v.stride(1), code(q, "qk_norm_rope_store"),
+        q_weight.data_ptr() if q_weight is not None else 0, k_weight.data_ptr() if k_weight is not None else 0, eps,
+        cos_cache.data_ptr(), sin_cache.data_ptr(), cos_cache.shape[0], key_cache.data_ptr(), value_cache.data_ptr(),
+        code(key_cache, "qk_norm_rope_store"), slots.data_ptr(), key_cache.shape[0], tokens, q_heads, kv_heads, dim,
+        out.data_ptr(),
+    ):
+        raise lib.fail()
+    return out
+
+
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     """silu(x[..., :N]) * x[..., N:]."""
     width = x.shape[-1]

@@ -14,6 +14,7 @@ import torch
 from torch import nn
 
 from aioserve.attention.backend import AttentionMetadata
+from aioserve.cpu.elementwise import elementwise_kernels
 from aioserve.layers.activation import gate_up_and_silu
 from aioserve.layers.embedding import VocabParallelEmbedding
 from aioserve.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
@@ -55,6 +56,8 @@ class LlamaAttention(nn.Module):
         k = k.reshape(tokens, proj.num_kv_heads, self.head_dim)
         v = v.reshape(tokens, proj.num_kv_heads, self.head_dim)
         fused = self._fused_qk_rope_store(positions, q, k, v, meta)
+        if fused is None and q.is_cpu:
+            fused = self._native_qk_rope_store(positions, q, k, v, meta)
         if fused is not None:  # q normed and rotated; k and v in the pool
             out = meta.attend(self.layer_id, fused, k, v, self.scale, self.sliding_window, stored=True)
             return self.o_proj(out.reshape(tokens, -1))
@@ -62,6 +65,28 @@ class LlamaAttention(nn.Module):
         q, k = self.rotary(positions, q, k)
         out = meta.attend(self.layer_id, q, k, v, self.scale, self.sliding_window)
         return self.o_proj(out.reshape(tokens, -1))
+
+    def _native_qk_rope_store(
+        self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata
+    ) -> torch.Tensor | None:
+        """On CPU, the q/k norms, RoPE and the KV write as one native pass
+        (native/elementwise.cpp, bit for bit the separate ops; k left normed
+        and rotated where it lies, for this step's prompt attention): q
+        ready for attention, else None (the separate ops then run)."""
+        kernels = elementwise_kernels()
+        if kernels is None or positions.dim() != 1:  # M-RoPE's three axes: the separate path
+            return None
+        destination = meta.native_kv_destination(self.layer_id)
+        if destination is None or not kernels.qk_norm_rope_store_fuses(q, destination.keys):
+            return None
+        norm = self.qk_norm()
+        if norm is not None and not (norm.q_weight.dtype == norm.k_weight.dtype == q.dtype):
+            return None  # a float32 norm weight promotes the normed head: the separate ops
+        q_weight, k_weight, eps = (norm.q_weight, norm.k_weight, norm.eps) if norm is not None else (None, None, 0.0)
+        out: torch.Tensor = kernels.qk_norm_rope_store(
+            positions, q, k, v, self.rotary.cos_cache, self.rotary.sin_cache, q_weight, k_weight, eps,
+            destination.keys, destination.values, destination.slots)
+        return out
 
     def _fused_qk_rope_store(
         self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata
