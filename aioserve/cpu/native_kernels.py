@@ -52,6 +52,7 @@ __all__ = [
     "gemm_fuses_multiply_add", "int8_quantize_head", "int8_screen_ready", "int8_screen_rows",
     "int8_screened_argmax",
     "pack_linear_weight", "packed_linear", "packed_linear_argmax",
-    "paged_decode_attention", "qk_norm_rope_store", "qk_norm_rope_store_fuses", "rms_norm", "rotary_embedding", "row_max_argmax", "screened_argmax", "silu_and_mul",
+    "paged_decode_attention", "qk_norm_rope_store", "qk_norm_rope_store_fuses", "rms_norm", "rotary_embedding",
+    "row_max_argmax", "screened_argmax", "silu_and_mul",
     "store_kv",
 ]
