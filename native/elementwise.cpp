@@ -97,6 +97,33 @@ inline void rms_norm_rows16(const X* const (&srcs)[Rows], X* const (&res)[Rows],
       store16(dst[r] + d, _mm512_mul_ps(weight, round16<X>(_mm512_mul_ps(load16(src[r] + d), scale[r]))));
   }
 }
+
+// Rows [begin, end) through rms_norm_rows16, four at a time, then the rest
+// one by one: row r from src(r) (with res(r), or nullptr: no residual) into
+// dst(r).
+template <typename X, typename W, typename O, typename Src, typename Res, typename Dst>
+inline void rms_norm_rows(int64_t begin, int64_t end, const Src& src, const Res& res, const W* w, const Dst& dst,
+                          int64_t dim, float eps) {
+  constexpr int kRows = 4;
+  int64_t r = begin;
+  for (; r + kRows <= end; r += kRows) {
+    const X* srcs[kRows];
+    X* residuals[kRows];
+    O* dsts[kRows];
+    for (int i = 0; i < kRows; ++i) {
+      srcs[i] = src(r + i);
+      residuals[i] = res(r + i);
+      dsts[i] = dst(r + i);
+    }
+    rms_norm_rows16<kRows>(srcs, residuals, w, dsts, dim, eps);
+  }
+  for (; r < end; ++r) {
+    const X* srcs[1] = {src(r)};
+    X* residuals[1] = {res(r)};
+    O* dsts[1] = {dst(r)};
+    rms_norm_rows16<1>(srcs, residuals, w, dsts, dim, eps);
+  }
+}
 #endif
 
 // O is the weight * normalized product's type: X when the weight is X, else
@@ -106,25 +133,10 @@ void rms_norm_impl(const X* x, Rows xr, X* residual, Rows rr, const W* w, O* out
   aioserve::parallel_pieces(xr.count, row_grain(dim), [&](int64_t begin, int64_t end) {
 #if defined(__AVX512F__)
     if (dim % 16 == 0) {
-      constexpr int kRows = 4;
-      int64_t r = begin;
-      for (; r + kRows <= end; r += kRows) {
-        const X* srcs[kRows];
-        X* res[kRows];
-        O* dst[kRows];
-        for (int i = 0; i < kRows; ++i) {
-          srcs[i] = x + xr.offset(r + i);
-          res[i] = residual != nullptr ? residual + rr.offset(r + i) : nullptr;
-          dst[i] = out + (r + i) * dim;
-        }
-        rms_norm_rows16<kRows>(srcs, res, w, dst, dim, eps);
-      }
-      for (; r < end; ++r) {
-        const X* srcs[1] = {x + xr.offset(r)};
-        X* res[1] = {residual != nullptr ? residual + rr.offset(r) : nullptr};
-        O* dst[1] = {out + r * dim};
-        rms_norm_rows16<1>(srcs, res, w, dst, dim, eps);
-      }
+      rms_norm_rows<X, W, O>(
+          begin, end, [&](int64_t r) { return x + xr.offset(r); },
+          [&](int64_t r) { return residual != nullptr ? residual + rr.offset(r) : nullptr; }, w,
+          [&](int64_t r) { return out + r * dim; }, dim, eps);
       return;
     }
 #endif
@@ -216,9 +228,7 @@ inline void rotate_row16(T* x, const float* cs, int64_t half) {
     store16(x + d + half, _mm512_add_ps(round16<T>(_mm512_mul_ps(x2, c2)), round16<T>(_mm512_mul_ps(x1, s2))));
   }
 }
-#endif
 
-#if defined(__AVX512F__)
 // A token's cos and sin rounded to T for rotate_row16: cs = [c1 | s1 | c2 | s2].
 template <typename T>
 inline void token_cos_sin(const float* c, const float* s, int64_t half, float* cs) {
@@ -314,25 +324,13 @@ namespace {
 template <typename T, typename Dst>
 inline void norm_heads(const T* src, int64_t stride, int64_t count, const T* weight, float eps, int64_t dim,
                        const Dst& dst) {
-  int64_t h = 0;
-  if (weight != nullptr) {
-    for (; h + 4 <= count; h += 4) {
-      const T* srcs[4] = {src + h * stride, src + (h + 1) * stride, src + (h + 2) * stride, src + (h + 3) * stride};
-      T* const none[4] = {nullptr, nullptr, nullptr, nullptr};
-      T* rows[4] = {dst(h), dst(h + 1), dst(h + 2), dst(h + 3)};
-      rms_norm_rows16<4>(srcs, none, weight, rows, dim, eps);
-    }
+  if (weight == nullptr) {
+    for (int64_t h = 0; h < count; ++h) std::memcpy(dst(h), src + h * stride, dim * sizeof(T));
+    return;
   }
-  for (; h < count; ++h) {
-    if (weight == nullptr) {
-      std::memcpy(dst(h), src + h * stride, dim * sizeof(T));
-      continue;
-    }
-    const T* srcs[1] = {src + h * stride};
-    T* const none[1] = {nullptr};
-    T* rows[1] = {dst(h)};
-    rms_norm_rows16<1>(srcs, none, weight, rows, dim, eps);
-  }
+  rms_norm_rows<T, T, T>(
+      0, count, [&](int64_t h) { return src + h * stride; }, [](int64_t) -> T* { return nullptr; }, weight, dst, dim,
+      eps);
 }
 
 // rms_norm (q and k, if weights), rotary_embedding and store_kv one after the
