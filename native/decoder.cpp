@@ -166,13 +166,14 @@ class DecoderStack {
       // Attention reads q contiguous (torch's q.contiguous() copied the view).
       Buffer q_dense_buffer, q_normed, k_normed;  // held until attention has read q
       const void* q_dense = q;
-      const bool norms_fuse = l.q_norm == nullptr || (l.q_norm_type == a_type && l.k_norm_type == a_type);
-      if (norms_fuse && qk_norm_rope_store_fuses(a_type, l.cache_type, dim)) {
+      const int q_norm_type = l.q_norm != nullptr ? l.q_norm_type : kNoNorm;
+      const int k_norm_type = l.k_norm != nullptr ? l.k_norm_type : kNoNorm;
+      if (qk_norm_rope_store_fuses(a_type, l.cache_type, dim, q_norm_type, k_norm_type)) {
         // The norms, RoPE and the KV write in one pass, bit for bit the ops below.
         q_dense_buffer = allocate(batch * q_size, a_type);
-        qk_norm_rope_store(positions, q, q_rows, k, k_rows, v, v_rows, a_type, l.q_norm, l.k_norm, eps, cos_, sin_,
-                           max_positions_, l.key_cache, l.value_cache, l.cache_type, slots, l.cache_limit, batch, dim,
-                           q_dense_buffer.get());
+        qk_norm_rope_store(positions, q, q_rows, k, k_rows, v, v_rows, a_type, l.q_norm, q_norm_type, l.k_norm,
+                           k_norm_type, eps, cos_, sin_, max_positions_, l.key_cache, l.value_cache, l.cache_type,
+                           slots, l.cache_limit, batch, dim, q_dense_buffer.get());
         q_dense = q_dense_buffer.get();
       } else {
         int k_type = a_type;

@@ -374,23 +374,28 @@ std::atomic<bool> qk_norm_rope_store_wanted{true};
 
 }  // namespace
 
-bool qk_norm_rope_store_fuses(int type, int cache_type, int64_t dim) {
+bool qk_norm_rope_store_fuses(int type, int cache_type, int64_t dim, int q_norm_type, int k_norm_type) {
 #if defined(__AVX512F__)
+  const bool norms = (q_norm_type == kNoNorm && k_norm_type == kNoNorm) || (q_norm_type == type && k_norm_type == type);
   return qk_norm_rope_store_wanted.load(std::memory_order_relaxed) && (type == kBFloat16 || type == kFloat16) &&
-         cache_type == type && dim % 32 == 0 && dim / 2 <= kMaxVectorHalf;
+         cache_type == type && norms && dim % 32 == 0 && dim / 2 <= kMaxVectorHalf;
 #else
-  (void)type, (void)cache_type, (void)dim;
+  (void)type, (void)cache_type, (void)dim, (void)q_norm_type, (void)k_norm_type;
   return false;
 #endif
 }
 
 void qk_norm_rope_store(const int64_t* positions, const void* q, Rows qr, void* k, Rows kr, const void* v, Rows vr,
-                        int type, const void* q_weight, const void* k_weight, float eps, const float* cos,
-                        const float* sin, int64_t max_positions, void* key_cache, void* value_cache, int cache_type,
-                        const int64_t* slots, int64_t cache_slots, int64_t tokens, int64_t dim, void* q_out) {
-  AIOSERVE_CHECK(qk_norm_rope_store_fuses(type, cache_type, dim),
-                 "qk_norm_rope_store: half-precision rows and cache of one dtype, head dim a multiple of 32 up to 256");
+                        int type, const void* q_weight, int q_norm_type, const void* k_weight, int k_norm_type,
+                        float eps, const float* cos, const float* sin, int64_t max_positions, void* key_cache,
+                        void* value_cache, int cache_type, const int64_t* slots, int64_t cache_slots, int64_t tokens,
+                        int64_t dim, void* q_out) {
+  AIOSERVE_CHECK((q_weight == nullptr) == (q_norm_type == kNoNorm) && (k_weight == nullptr) == (k_norm_type == kNoNorm),
+                 "qk_norm_rope_store: a norm weight's type given without it, or none for it");
   AIOSERVE_CHECK((q_weight == nullptr) == (k_weight == nullptr), "qk_norm_rope_store: both norms or neither");
+  AIOSERVE_CHECK(qk_norm_rope_store_fuses(type, cache_type, dim, q_norm_type, k_norm_type),
+                 "qk_norm_rope_store: half-precision rows, cache and norm weights of one dtype, head dim a multiple "
+                 "of 32 up to 256");
   AIOSERVE_CHECK(qr.count == tokens * qr.inner && kr.count == tokens * kr.inner && vr.inner == kr.inner,
                  "qk_norm_rope_store: q [T, Hq, D], k and v [T, Hk, D]");
   check_indices(positions, tokens, max_positions, "qk_norm_rope_store: position ");
@@ -525,22 +530,23 @@ static int store_kv_direct(const void* k, int64_t k_token_stride, int64_t k_head
   });
 }
 
-static int qk_norm_rope_store_fuses_direct(int type, int cache_type, int64_t dim) {
-  return aioserve::qk_norm_rope_store_fuses(type, cache_type, dim) ? 1 : 0;
+static int qk_norm_rope_store_fuses_direct(int type, int cache_type, int64_t dim, int q_norm_type, int k_norm_type) {
+  return aioserve::qk_norm_rope_store_fuses(type, cache_type, dim, q_norm_type, k_norm_type) ? 1 : 0;
 }
 
 static int qk_norm_rope_store_direct(const int64_t* positions, const void* q, int64_t q_token_stride,
                                      int64_t q_head_stride, void* k, int64_t k_token_stride, int64_t k_head_stride,
                                      const void* v, int64_t v_token_stride, int64_t v_head_stride, int type,
-                                     const void* q_weight, const void* k_weight, double eps, const float* cos,
+                                     const void* q_weight, int q_norm_type, const void* k_weight, int k_norm_type,
+                                     double eps, const float* cos,
                                      const float* sin, int64_t max_positions, void* key_cache, void* value_cache,
                                      int cache_type, const int64_t* slots, int64_t cache_slots, int64_t tokens,
                                      int64_t q_heads, int64_t kv_heads, int64_t dim, void* q_out) {
   return aioserve::guarded([&] {
     aioserve::qk_norm_rope_store(positions, q, {tokens * q_heads, q_heads, q_token_stride, q_head_stride}, k,
                                  {tokens * kv_heads, kv_heads, k_token_stride, k_head_stride}, v,
-                                 {tokens * kv_heads, kv_heads, v_token_stride, v_head_stride}, type, q_weight, k_weight,
-                                 static_cast<float>(eps), cos, sin, max_positions, key_cache, value_cache, cache_type,
+                                 {tokens * kv_heads, kv_heads, v_token_stride, v_head_stride}, type, q_weight,
+                                 q_norm_type, k_weight, k_norm_type, static_cast<float>(eps), cos, sin, max_positions, key_cache, value_cache, cache_type,
                                  slots, cache_slots, tokens, dim, q_out);
   });
 }

@@ -130,11 +130,15 @@ void silu_and_mul(const void* x, void* out, int type, int64_t rows, int64_t n);
 // rotary_embedding and store_kv of k and v, bit for bit, in one pass: q
 // normed and rotated into q_out [T, Hq, D] (dense), k normed and rotated
 // into the cache and back over k's rows, v into the cache. Where
-// qk_norm_rope_store_fuses: bf16 or fp16 rows and a cache of that dtype,
-// head dim a multiple of 32 up to 256, AVX-512.
-bool qk_norm_rope_store_fuses(int type, int cache_type, int64_t dim);
+// qk_norm_rope_store_fuses: bf16 or fp16 rows, a cache of that dtype, the
+// norm weights of it too (kNoNorm for both: no norms; a float32 weight
+// promotes the normed head, which the separate ops do), head dim a
+// multiple of 32 up to 256, AVX-512.
+constexpr int kNoNorm = -1;
+bool qk_norm_rope_store_fuses(int type, int cache_type, int64_t dim, int q_norm_type, int k_norm_type);
 void qk_norm_rope_store(const int64_t* positions, const void* q, Rows qr, void* k, Rows kr, const void* v, Rows vr,
-                        int type, const void* q_weight, const void* k_weight, float eps, const float* cos,
+                        int type, const void* q_weight, int q_norm_type, const void* k_weight, int k_norm_type,
+                        float eps, const float* cos,
                         const float* sin, int64_t max_positions, void* key_cache, void* value_cache, int cache_type,
                         const int64_t* slots, int64_t cache_slots, int64_t tokens, int64_t dim, void* q_out);
 void check_indices(const int64_t* values, int64_t count, int64_t limit, const char* what);

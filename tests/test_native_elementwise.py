@@ -249,9 +249,11 @@ def test_qk_norm_rope_store_is_the_separate_ops_bit_for_bit(dtype, norm, tokens,
 
 
 def test_qk_norm_rope_store_takes_only_what_it_is_exact_for() -> None:
-    """float32 rows, an FP8 or wider cache, a head dim that is not a
-    multiple of 32 (or past 256), or the op turned off: the separate ops
-    serve, and a call anyway is refused with the reason."""
+    """float32 rows, an FP8 or wider cache, norm weights of another dtype
+    than the rows' (a float32 weight promotes the normed head) or only
+    one of them, a head dim that is not a multiple of 32 (or past 256), or
+    the op turned off: the separate ops serve, and a call anyway is refused
+    with the reason."""
     from aioserve.cpu.native_lib import library
 
     if not fuses_here(torch.bfloat16, 64):
@@ -262,12 +264,24 @@ def test_qk_norm_rope_store_takes_only_what_it_is_exact_for() -> None:
     assert not kernels.qk_norm_rope_store_fuses(bf16.float(), bf16.float())
     assert not kernels.qk_norm_rope_store_fuses(bf16, bf16.float())
     assert not kernels.qk_norm_rope_store_fuses(bf16, bf16.to(torch.float8_e4m3fn))
+    weight = torch.ones(64, dtype=torch.bfloat16)
+    assert kernels.qk_norm_rope_store_fuses(bf16, bf16, weight, weight)
+    assert not kernels.qk_norm_rope_store_fuses(bf16, bf16, weight.float(), weight.float())
+    assert not kernels.qk_norm_rope_store_fuses(bf16, bf16, weight, weight.float())
+    assert not kernels.qk_norm_rope_store_fuses(bf16, bf16, weight, None)
     assert not fuses_here(torch.bfloat16, 48) and not fuses_here(torch.bfloat16, 16) and not fuses_here(torch.bfloat16, 512)
     rotary = RotaryEmbedding(48, 64, 10000.0, RopeScaling())
     q, k, v = head_views(2, 2, 1, 48, torch.bfloat16, 0)
     cache = torch.zeros(8, 1, 48, dtype=torch.bfloat16)
-    with pytest.raises(RuntimeError, match="not for these rows and cache"):
+    with pytest.raises(RuntimeError, match="not for these rows, cache and norm weights"):
         kernels.qk_norm_rope_store(torch.arange(2), q, k, v, rotary.cos_cache, rotary.sin_cache, None, None, 0.0,
+                                   cache, cache.clone(), torch.arange(2))
+    q, k, v = head_views(2, 2, 1, 64, torch.bfloat16, 0)
+    rotary = RotaryEmbedding(64, 64, 10000.0, RopeScaling())
+    cache = torch.zeros(8, 1, 64, dtype=torch.bfloat16)
+    norm = torch.ones(64)
+    with pytest.raises(RuntimeError, match="not for these rows, cache and norm weights"):
+        kernels.qk_norm_rope_store(torch.arange(2), q, k, v, rotary.cos_cache, rotary.sin_cache, norm, norm, 1e-6,
                                    cache, cache.clone(), torch.arange(2))
     library().use_qk_norm_rope_store(False)
     try:

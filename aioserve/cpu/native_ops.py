@@ -105,11 +105,21 @@ def store_kv(k: torch.Tensor, v: torch.Tensor, key_cache: torch.Tensor, value_ca
         raise lib.fail()
 
 
-def qk_norm_rope_store_fuses(q: torch.Tensor, key_cache: torch.Tensor) -> bool:
-    """Whether qk_norm_rope_store takes q's rows and this cache: bf16 or fp16
-    rows and a cache of their dtype, head dim a multiple of 32 up to 256."""
+_NO_NORM = -1  # native kNoNorm: a norm weight's type where there is none
+
+
+def _norm_code(weight: torch.Tensor | None) -> int:
+    return _NO_NORM if weight is None else code(weight, "qk_norm_rope_store")
+
+
+def qk_norm_rope_store_fuses(q: torch.Tensor, key_cache: torch.Tensor, q_weight: torch.Tensor | None = None,
+                             k_weight: torch.Tensor | None = None) -> bool:
+    """Whether qk_norm_rope_store takes q's rows, this cache and these norm
+    weights (None: no norms): bf16 or fp16 rows, a cache and weights of
+    their dtype, head dim a multiple of 32 up to 256."""
     return q.dim() == 3 and bool(library().qk_norm_rope_store_fuses(
-        code(q, "qk_norm_rope_store"), code(key_cache, "qk_norm_rope_store"), q.shape[2]))
+        code(q, "qk_norm_rope_store"), code(key_cache, "qk_norm_rope_store"), q.shape[2], _norm_code(q_weight),
+        _norm_code(k_weight)))
 
 
 def qk_norm_rope_store(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -129,8 +139,11 @@ def qk_norm_rope_store(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
     kv_heads = k.shape[1]
     if k.shape[0] != tokens or k.shape[2] != dim or q_heads % kv_heads:
         raise RuntimeError("qk_norm_rope_store: q and k shapes differ")
-    if not qk_norm_rope_store_fuses(q, key_cache):
-        raise RuntimeError("qk_norm_rope_store: not for these rows and cache (see qk_norm_rope_store_fuses)")
+    if (q_weight is None) != (k_weight is None):
+        raise RuntimeError("qk_norm_rope_store: both norm weights or neither")
+    if not qk_norm_rope_store_fuses(q, key_cache, q_weight, k_weight):
+        raise RuntimeError("qk_norm_rope_store: not for these rows, cache and norm weights "
+                           "(see qk_norm_rope_store_fuses)")
     if (key_cache.dim() != 3 or key_cache.shape != value_cache.shape or key_cache.dtype != value_cache.dtype
             or key_cache.shape[1:] != (kv_heads, dim) or not key_cache.is_contiguous()
             or not value_cache.is_contiguous()):
@@ -138,11 +151,9 @@ def qk_norm_rope_store(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
     if (cos_cache.dtype != torch.float32 or sin_cache.dtype != torch.float32 or not cos_cache.is_contiguous()
             or not sin_cache.is_contiguous() or cos_cache.shape[1] != dim or sin_cache.shape != cos_cache.shape):
         raise RuntimeError("qk_norm_rope_store: cos/sin caches [max_positions, D] float32")
-    if (q_weight is None) != (k_weight is None):
-        raise RuntimeError("qk_norm_rope_store: both norm weights or neither")
     for weight in (q_weight, k_weight):
-        if weight is not None and (weight.dtype != q.dtype or weight.shape != (dim,) or not weight.is_contiguous()):
-            raise RuntimeError("qk_norm_rope_store: norm weights [D] of the rows' dtype")
+        if weight is not None and (weight.shape != (dim,) or not weight.is_contiguous()):
+            raise RuntimeError("qk_norm_rope_store: contiguous norm weights [D]")
     if positions.dtype != torch.int64 or positions.numel() != tokens or slots.dtype != torch.int64 \
             or slots.numel() != tokens:
         raise RuntimeError("qk_norm_rope_store: positions and slots [T] int64")
@@ -154,7 +165,8 @@ def qk_norm_rope_store(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
     if lib.qk_norm_rope_store(
         positions.data_ptr(), q.data_ptr(), q.stride(0), q.stride(1), k.data_ptr(), k.stride(0), k.stride(1),
         v.data_ptr(), v.stride(0), v.stride(1), code(q, "qk_norm_rope_store"),
-        q_weight.data_ptr() if q_weight is not None else 0, k_weight.data_ptr() if k_weight is not None else 0, eps,
+        q_weight.data_ptr() if q_weight is not None else 0, _norm_code(q_weight),
+        k_weight.data_ptr() if k_weight is not None else 0, _norm_code(k_weight), eps,
         cos_cache.data_ptr(), sin_cache.data_ptr(), cos_cache.shape[0], key_cache.data_ptr(), value_cache.data_ptr(),
         code(key_cache, "qk_norm_rope_store"), slots.data_ptr(), key_cache.shape[0], tokens, q_heads, kv_heads, dim,
         out.data_ptr(),

@@ -25,6 +25,11 @@ class QkNorm:
     eps: float
 
 
+def qk_norm_arguments(norm: QkNorm | None) -> tuple[torch.Tensor | None, torch.Tensor | None, float]:
+    """(q weight, k weight, eps) as the fused q/k kernels take them: (None, None, 0.0) for no norms."""
+    return (norm.q_weight, norm.k_weight, norm.eps) if norm is not None else (None, None, 0.0)
+
+
 class RMSNorm(nn.Module):
     def __init__(self, size: int, eps: float, in_place: bool = False) -> None:
         """`in_place`: FlashInfer's kernel writes the norm over its input, a

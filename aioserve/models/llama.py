@@ -19,7 +19,7 @@ from aioserve.layers.activation import gate_up_and_silu
 from aioserve.layers.embedding import VocabParallelEmbedding
 from aioserve.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 from aioserve.flashinfer.qk_rope_store import QK_ROPE_STORE
-from aioserve.layers.norm import QkNorm, RMSNorm
+from aioserve.layers.norm import QkNorm, RMSNorm, qk_norm_arguments
 from aioserve.layers.rotary import RotaryEmbedding
 from aioserve.models.decoder_lm import DecoderLM, DecoderModel
 from aioserve.models.model_config import ModelConfig
@@ -77,12 +77,11 @@ class LlamaAttention(nn.Module):
         if kernels is None or positions.dim() != 1:  # M-RoPE's three axes: the separate path
             return None
         destination = meta.native_kv_destination(self.layer_id)
-        if destination is None or not kernels.qk_norm_rope_store_fuses(q, destination.keys):
+        if destination is None:
             return None
-        norm = self.qk_norm()
-        if norm is not None and not (norm.q_weight.dtype == norm.k_weight.dtype == q.dtype):
-            return None  # a float32 norm weight promotes the normed head: the separate ops
-        q_weight, k_weight, eps = (norm.q_weight, norm.k_weight, norm.eps) if norm is not None else (None, None, 0.0)
+        q_weight, k_weight, eps = qk_norm_arguments(self.qk_norm())
+        if not kernels.qk_norm_rope_store_fuses(q, destination.keys, q_weight, k_weight):
+            return None  # e.g. a float32 norm weight, which promotes the normed head: the separate ops
         out: torch.Tensor = kernels.qk_norm_rope_store(
             positions, q, k, v, self.rotary.cos_cache, self.rotary.sin_cache, q_weight, k_weight, eps,
             destination.keys, destination.values, destination.slots)
@@ -99,14 +98,13 @@ class LlamaAttention(nn.Module):
         destination = meta.kv_destination(self.layer_id)
         if destination is None:
             return None
-        norm = self.qk_norm()
-        weights = () if norm is None else (norm.q_weight, norm.k_weight)
+        q_weight, k_weight, eps = qk_norm_arguments(self.qk_norm())
+        weights = () if q_weight is None or k_weight is None else (q_weight, k_weight)
         cos_sin = self.rotary.cos_sin_halves()
         kernels = QK_ROPE_STORE.kernel(q, k, v, positions, cos_sin, destination.keys, destination.values,
                                        destination.slots, *weights)
-        if kernels is None or QK_ROPE_STORE.verdict(kernels, q, norm is not None) is not None:
+        if kernels is None or QK_ROPE_STORE.verdict(kernels, q, bool(weights)) is not None:
             return None
-        q_weight, k_weight, eps = (norm.q_weight, norm.k_weight, norm.eps) if norm is not None else (None, None, 0.0)
         out: torch.Tensor = kernels.qk_rope_store(q, k, v, positions, cos_sin, q_weight, k_weight, eps,
                                                   destination.keys, destination.values, destination.slots)
         return out
